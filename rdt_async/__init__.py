@@ -1,0 +1,74 @@
+"""rdt_async: asyncio-native Ray Direct Transport.
+
+Producers keep the tensors they return; consumers `await rdt.fetch(ref)` them over
+shared memory, Ray's object store or another transport, without blocking their loop.
+"""
+
+from __future__ import annotations
+
+from ._actor import method as method
+from ._actor import remote as remote
+from ._api import as_completed as as_completed
+from ._api import available_transports as available_transports
+from ._api import fetch as fetch
+from ._api import fetch_all as fetch_all
+from ._api import free as free
+from ._api import get as get
+from ._api import put as put
+from ._api import store_stats as store_stats
+from ._api import wait_tensor_freed as wait_tensor_freed
+from ._errors import BackendError as BackendError
+from ._errors import CollectiveGroupError as CollectiveGroupError
+from ._errors import ObjectFreedError as ObjectFreedError
+from ._errors import PeerDiedError as PeerDiedError
+from ._errors import RDTError as RDTError
+from ._errors import TransferAbortedError as TransferAbortedError
+from ._errors import TransferError as TransferError
+from ._errors import TransportUnavailableError as TransportUnavailableError
+from ._object import RDTObject as RDTObject
+from .transports._base import FetchRequest as FetchRequest
+from .transports._base import TensorSpec as TensorSpec
+from .transports._base import TransferInfo as TransferInfo
+from .transports._base import Transport as Transport
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # actors
+    "remote",
+    "method",
+    # verbs
+    "fetch",
+    "fetch_all",
+    "as_completed",
+    "get",
+    "put",
+    "free",
+    "wait_tensor_freed",
+    "store_stats",
+    "available_transports",
+    # objects and transports
+    "RDTObject",
+    "Transport",
+    "FetchRequest",
+    "TensorSpec",
+    "TransferInfo",
+    # errors
+    "RDTError",
+    "TransportUnavailableError",
+    "ObjectFreedError",
+    "TransferError",
+    "PeerDiedError",
+    "TransferAbortedError",
+    "BackendError",
+    "CollectiveGroupError",
+]
+
+for _name in __all__:
+    _obj = globals()[_name]
+    if getattr(_obj, "__module__", "").startswith("rdt_async."):
+        try:
+            _obj.__module__ = "rdt_async"
+        except (AttributeError, TypeError):
+            pass
+del _name, _obj

@@ -1,0 +1,196 @@
+"""remote() and method(): producer wrapping, argument auto-fetch, the `rdt` group.
+
+`rdt.remote` builds a subclass of the user's class in which
+- methods marked with `rdt.method` keep the tensors of their return value here and
+  return an RDTObject;
+- every method receives its top-level RDTObject arguments already fetched (on the
+  actor's loop for async methods, on the I/O thread for sync ones);
+- two control methods (`rdt__send`, `rdt__free`) run in the `rdt` concurrency group,
+  so transfers are served while user methods are busy or queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import ray
+
+from . import _api, _io, _object
+from .transports import _registry
+
+RDT_GROUP = "rdt"
+RDT_GROUP_CONCURRENCY = 4
+CONTROL_METHODS = ("rdt__send", "rdt__free")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def method(fn: F | None = None, /, *, tensor_transport: str = "auto", **ray_method_opts: Any) -> Any:
+    """Mark an actor method as a producer: tensors in its return value stay in this actor.
+
+    Use as ``@rdt.method`` or ``@rdt.method(tensor_transport="shm", concurrency_group=...)``;
+    other options go to `ray.method`. Its ObjectRef resolves to an RDTObject.
+    Raises: ValueError at decoration for an unknown transport, naming the available ones.
+    """
+    _registry.check_name(tensor_transport)
+    if "tensor_transport" in ray_method_opts:
+        raise TypeError("pass tensor_transport once")
+
+    def mark(f: F) -> F:
+        if not callable(f):
+            raise TypeError(f"@rdt.method decorates methods, not {type(f).__name__}")
+        f.__rdt_transport__ = tensor_transport  # type: ignore[attr-defined]
+        f.__rdt_ray_method_opts__ = ray_method_opts  # type: ignore[attr-defined]
+        return f
+
+    return mark(fn) if fn is not None else mark
+
+
+def remote(cls: type | None = None, /, **options: Any) -> Any:
+    """`ray.remote` for actor classes, with RDT producers, auto-fetch and the `rdt` group.
+
+    Use as ``@rdt.remote`` or ``@rdt.remote(num_cpus=1, max_concurrency=4, ...)``; every
+    option goes to `ray.remote`. Works for sync, threaded and async actors.
+    Raises: TypeError for a function (use ray.remote for tasks), ValueError if the
+    options already define a concurrency group named "rdt".
+    """
+    if cls is None:
+        return lambda c: remote(c, **options)
+    if not isinstance(cls, type):
+        raise TypeError(
+            f"@rdt.remote decorates actor classes, not {type(cls).__name__}; "
+            "tasks cannot keep tensors, use ray.remote for them"
+        )
+    groups = dict(options.pop("concurrency_groups", None) or {})
+    if RDT_GROUP in groups:
+        raise ValueError(
+            f"the concurrency group {RDT_GROUP!r} is rdt_async's own (it serves transfers); "
+            "rename yours"
+        )
+    groups[RDT_GROUP] = RDT_GROUP_CONCURRENCY
+    for name in CONTROL_METHODS:
+        if hasattr(cls, name):
+            raise ValueError(f"{cls.__name__}.{name} clashes with rdt_async's control method; rename it")
+    return ray.remote(concurrency_groups=groups, **options)(_wrap_class(cls))
+
+
+def _wrap_class(cls: type) -> type:
+    methods = _user_methods(cls)
+    is_async = any(_is_async(f) for f in methods.values())
+    namespace: dict[str, Any] = {name: _wrap_method(f) for name, f in methods.items()}
+    namespace.update(_control_methods(is_async))
+    namespace["__module__"] = cls.__module__
+    namespace["__qualname__"] = cls.__qualname__
+    namespace["__doc__"] = cls.__doc__
+    namespace["__rdt_wrapped__"] = cls
+    return type(cls.__name__, (cls,), namespace)
+
+
+def _user_methods(cls: type) -> dict[str, Callable[..., Any]]:
+    out = {}
+    for klass in reversed(cls.__mro__[:-1]):
+        for name, attr in vars(klass).items():
+            if not inspect.isfunction(attr):
+                continue  # staticmethod, classmethod, properties, attributes
+            if name.startswith("__") and name not in ("__init__", "__call__"):
+                continue
+            out[name] = attr
+    return out
+
+
+def _is_async(f: Callable[..., Any]) -> bool:
+    return inspect.iscoroutinefunction(f) or inspect.isasyncgenfunction(f)
+
+
+def _wrap_method(f: Callable[..., Any]) -> Callable[..., Any]:
+    transport: str | None = getattr(f, "__rdt_transport__", None)
+    wrapped: Callable[..., Any]
+    if inspect.iscoroutinefunction(f):
+
+        async def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+            args, kwargs = await _fetch_args(args, kwargs)
+            value = await f(self, *args, **kwargs)
+            return value if transport is None else await _object.produce_async(value, transport)
+
+    elif inspect.isasyncgenfunction(f):
+
+        async def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+            args, kwargs = await _fetch_args(args, kwargs)
+            async for value in f(self, *args, **kwargs):
+                yield value if transport is None else await _object.produce_async(value, transport)
+
+    elif inspect.isgeneratorfunction(f):
+
+        def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+            args, kwargs = _fetch_args_blocking(args, kwargs)
+            for value in f(self, *args, **kwargs):
+                yield value if transport is None else _object.produce(value, transport)
+
+    else:
+
+        def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+            args, kwargs = _fetch_args_blocking(args, kwargs)
+            value = f(self, *args, **kwargs)
+            return value if transport is None else _object.produce(value, transport)
+
+    wrapped = functools.wraps(f)(wrapped)
+    if transport is not None:
+        wrapped = ray.method(**f.__rdt_ray_method_opts__)(wrapped) if f.__rdt_ray_method_opts__ else wrapped  # type: ignore[attr-defined]
+    return wrapped
+
+
+def _rdt_positions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int | str]:
+    found: list[int | str] = [i for i, a in enumerate(args) if isinstance(a, _object.RDTObject)]
+    found += [k for k, v in kwargs.items() if isinstance(v, _object.RDTObject)]
+    return found
+
+
+async def _fetch_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Fetch top-level RDTObject arguments concurrently."""
+    where = _rdt_positions(args, kwargs)
+    if not where:
+        return args, kwargs
+    new_args, new_kwargs = list(args), dict(kwargs)
+    values = await _api.fetch_all([args[w] if isinstance(w, int) else kwargs[w] for w in where])
+    for w, v in zip(where, values):
+        if isinstance(w, int):
+            new_args[w] = v
+        else:
+            new_kwargs[w] = v
+    return tuple(new_args), new_kwargs
+
+
+def _fetch_args_blocking(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if not _rdt_positions(args, kwargs):
+        return args, kwargs
+    if _io.running_loop() is not None:
+        raise RuntimeError(
+            "a sync method of an async actor received an RDT object: make the method "
+            "`async def` so its arguments can be fetched without blocking the loop"
+        )
+    return _io.submit(_fetch_args(args, kwargs)).result()
+
+
+def _control_methods(is_async: bool) -> dict[str, Any]:
+    group = ray.method(concurrency_group=RDT_GROUP)
+    if is_async:
+
+        async def rdt__send(self: Any, obj_id: str, transport: str, request: Any) -> Any:
+            return await _io.run_io(_object.serve_send(obj_id, transport, request))
+
+        async def rdt__free(self: Any, obj_id: str) -> None:
+            _object.serve_free(obj_id)
+
+    else:
+
+        def rdt__send(self: Any, obj_id: str, transport: str, request: Any) -> Any:  # type: ignore[misc]
+            return _io.submit(_object.serve_send(obj_id, transport, request)).result()
+
+        def rdt__free(self: Any, obj_id: str) -> None:  # type: ignore[misc]
+            _object.serve_free(obj_id)
+
+    return {"rdt__send": group(rdt__send), "rdt__free": group(rdt__free)}

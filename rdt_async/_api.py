@@ -1,0 +1,232 @@
+"""The verbs: fetch, fetch_all, as_completed, get, put, free, wait_tensor_freed, stats."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import warnings
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+import torch
+
+from . import _io, _object, _tree
+from ._errors import ObjectFreedError, translate
+from ._object import RDTObject
+from ._store import log, store
+from .transports import _registry
+from .transports._base import TensorSpec, TransferInfo, copy_into
+
+# Copies at most this large are done inline rather than in the pool.
+INLINE_COPY_BYTES = 1 << 20
+
+
+async def fetch(x: Any, /, *, device: str | torch.device | None = None, into: Any = None) -> Any:
+    """Return the value of an RDT object with real tensors.
+
+    `x` is an ObjectRef or an RDTObject (a ref to a plain value returns that value).
+    `device` moves the tensors; `into` is a value, list or tensor whose tensors, in
+    order, receive the object's tensors. The caller's loop never blocks; cancelling the
+    fetch (or an enclosing `asyncio.timeout`) aborts the transfer.
+
+    Runs on: consumer.
+    Raises: ObjectFreedError, TransferError and its subclasses, TransportUnavailableError.
+    """
+    obj = await _resolve(x)
+    if not isinstance(obj, RDTObject):
+        return obj
+    return await _fetch_object(obj, device=device, into=into)
+
+
+async def fetch_all(xs: Iterable[Any], /, *, device: str | torch.device | None = None) -> list[Any]:
+    """Fetch many objects concurrently; results in order. One failure cancels the rest."""
+    tasks = [asyncio.ensure_future(fetch(x, device=device)) for x in xs]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def as_completed(
+    xs: Iterable[Any], /, *, device: str | torch.device | None = None
+) -> AsyncIterator[tuple[int, Any]]:
+    """Fetch many objects concurrently; yield `(index, value)` as each lands.
+
+    Leaving the loop early cancels the fetches still in flight.
+    """
+    tasks = {asyncio.ensure_future(fetch(x, device=device)): i for i, x in enumerate(xs)}
+    pending = set(tasks)
+    try:
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for t in sorted(done, key=tasks.__getitem__):
+                yield tasks[t], t.result()
+    finally:
+        for t in pending:
+            t.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+
+
+def get(
+    x: Any, /, *, timeout: float | None = None, device: str | torch.device | None = None, into: Any = None
+) -> Any:
+    """Blocking twin of `fetch`, for the driver and sync actors.
+
+    Raises: RuntimeError on a thread that runs an event loop (use `await rdt.fetch`),
+    TimeoutError after `timeout` seconds (the transfer is aborted), and what `fetch` raises.
+    """
+    loop = _io.running_loop()
+    if loop is not None:
+        raise RuntimeError(
+            "rdt.get() would block the event loop running in this thread; "
+            "use `await rdt.fetch(ref)` here instead"
+        )
+    fut = _io.submit(fetch(x, device=device, into=into))
+    try:
+        return fut.result(timeout)
+    except concurrent.futures.TimeoutError as exc:
+        if fut.done():
+            raise
+        fut.cancel()
+        raise TimeoutError(f"rdt.get() timed out after {timeout} s; the transfer was aborted") from exc
+
+
+def put(value: Any, /, *, tensor_transport: str = "auto") -> Any:
+    """Keep the tensors of `value` in this process and return an ObjectRef to them.
+
+    Runs on: producer (driver or actor). Others fetch the ref like a method's result.
+    Raises: ValueError for an unknown transport, TransportUnavailableError for tensors
+    the transport cannot move.
+    """
+    _registry.check_name(tensor_transport)
+    return _object.put_object(_object.produce(value, tensor_transport))
+
+
+def free(x: Any, /) -> None:
+    """Release an object's tensors now; later fetches raise ObjectFreedError.
+
+    Never blocks for an RDTObject; an ObjectRef is resolved first (a small object).
+    """
+    obj = x if isinstance(x, RDTObject) else _object.get_ref(x, None) if _object.is_ref(x) else x
+    if not isinstance(obj, RDTObject):
+        raise TypeError(f"rdt.free() takes an RDT object or a ref to one, not {type(obj).__name__}")
+    if _object.is_local(obj):
+        store.free(obj.obj_id)
+        return
+    store.mark_freed(obj.obj_id)
+    if obj.specs:
+        _object.free_remote(obj)
+
+
+async def wait_tensor_freed(tensor: torch.Tensor, /) -> None:
+    """Wait until no object of this process holds `tensor` (every ref to them is gone).
+
+    Runs on: producer. Bound it with `asyncio.timeout`.
+    """
+    await store.tensor_freed_future(tensor)
+
+
+def store_stats() -> dict[str, Any]:
+    """Return what this process's store holds: objects, bytes, tensors, fetches by transport."""
+    return store.stats()
+
+
+def available_transports() -> dict[str, bool | str]:
+    """Return transport name -> True, or why it cannot be used in this process."""
+    return _registry.available()
+
+
+async def _resolve(x: Any) -> Any:
+    if isinstance(x, RDTObject):
+        return x
+    if _object.is_ref(x):
+        try:
+            return await _object.await_ref(x)
+        except BaseException as exc:
+            raise translate(exc, f"resolving {x}") from exc
+    raise TypeError(f"rdt.fetch() takes an ObjectRef or an RDTObject, not {type(x).__name__}")
+
+
+async def _fetch_object(obj: RDTObject, *, device: Any, into: Any) -> Any:
+    if store.was_freed(obj.obj_id):
+        raise ObjectFreedError(f"object {obj.obj_id} was freed", obj_id=obj.obj_id)
+    buffers = _buffers(obj, into)
+    if not obj.specs:
+        return _tree.unflatten(obj.skeleton, [])
+    if _object.is_local(obj):
+        tensors = _object.resolve_local(obj)
+        _warn_local(obj.obj_id)
+        name = "local"
+    else:
+        name = _object.choose_transport(obj, _node_id())
+        transport = _registry.get(name)
+        info = TransferInfo(obj.obj_id, obj.specs, obj.meta.get(name))
+        request = transport.fetch_multiple_tensors(
+            info, buffers=buffers, channel=_object.RayChannel(obj, name)
+        )
+        try:
+            tensors = await transport.wait_fetch_complete(request)
+        except BaseException as exc:
+            raise translate(exc, f"{name} fetch of {obj.obj_id}", obj.obj_id) from exc
+        buffers = None if buffers is None else []  # already written
+    store.fetches[name] += 1
+    log.debug("rdt_async: fetched %s over %s (%d bytes)", obj.obj_id, name, obj.nbytes)
+    if buffers:
+        tensors = await _copy(buffers, tensors, obj.nbytes)
+    elif device is not None and buffers is None:
+        tensors = await _move(tensors, torch.device(device), obj.nbytes)
+    return _tree.unflatten(obj.skeleton, tensors)
+
+
+def _buffers(obj: RDTObject, into: Any) -> list[torch.Tensor] | None:
+    if into is None:
+        return None
+    bufs = _tree.tensors_of(into)
+    if len(bufs) != len(obj.specs):
+        raise ValueError(
+            f"into= holds {len(bufs)} tensor(s) but the object has {len(obj.specs)}: "
+            f"{', '.join(map(str, obj.specs))}"
+        )
+    for i, (b, s) in enumerate(zip(bufs, obj.specs)):
+        if tuple(b.shape) != s.shape or b.dtype != s.dtype:
+            raise ValueError(f"into= tensor {i} is {TensorSpec.of(b)}; the object's tensor {i} is {s}")
+    return bufs
+
+
+async def _copy(buffers: list[torch.Tensor], tensors: list[torch.Tensor], nbytes: int) -> list[torch.Tensor]:
+    if nbytes <= INLINE_COPY_BYTES:
+        return copy_into(buffers, tensors)
+    return await _io.to_thread(copy_into, buffers, tensors)
+
+
+async def _move(tensors: list[torch.Tensor], device: torch.device, nbytes: int) -> list[torch.Tensor]:
+    if all(t.device == device for t in tensors):
+        return tensors
+    if nbytes <= INLINE_COPY_BYTES:
+        return [t.to(device) for t in tensors]
+    return await _io.to_thread(lambda: [t.to(device) for t in tensors])
+
+
+@functools.lru_cache(maxsize=1)
+def _node_id() -> str:
+    return _object.node_id()
+
+
+_warned_local: set[str] = set()
+
+
+def _warn_local(obj_id: str) -> None:
+    if obj_id in _warned_local:
+        return
+    _warned_local.add(obj_id)
+    warnings.warn(
+        f"RDT object {obj_id} is fetched by the process that produced it: you get the stored "
+        "tensors themselves, not copies. Writes to them show in later fetches here but not "
+        "in copies other processes already fetched.",
+        stacklevel=3,
+    )

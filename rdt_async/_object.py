@@ -1,0 +1,335 @@
+"""RDTObject, the anchor lifetime, and the producer's side of an object.
+
+Lifetime: every object with tensors carries an *anchor*, a tiny object this process
+`ray.put`s, with Ray's out-of-scope callback registered on it. The RDTObject holds the
+anchor's ref, so Ray's distributed reference counting keeps the anchor alive while
+any ref to the RDTObject, or any deserialized copy of it, exists anywhere. When the
+last one goes, the callback frees the tensors here. The producer never keeps the
+anchor itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import secrets
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import torch
+
+from . import _io, _tree
+from ._errors import ObjectFreedError, RDTError, TransportUnavailableError, translate
+from ._store import StoredObject, log, store
+from .transports import _registry
+from .transports._base import TensorSpec, Transport
+
+if not hasattr(ray._raylet.CoreWorker, "add_object_out_of_scope_callback"):
+    raise ImportError(
+        f"rdt_async needs Ray's out-of-scope callbacks (Ray >= 2.60); this is Ray {ray.__version__}. "
+        "Upgrade with: pip install 'ray>=2.60,<3'"
+    )
+
+
+@dataclass(frozen=True)
+class Process:
+    """Where an object lives: node, process token, and the actor serving it (if any)."""
+
+    node_id: str
+    token: str
+    actor: Any = field(default=None, compare=False)  # ActorHandle | None
+
+    @property
+    def label(self) -> str:
+        if self.actor is None:
+            return f"driver/process {self.token.split(':')[0]}"
+        return f"actor {self.actor._ray_actor_id.hex()[:8]}"
+
+
+@functools.lru_cache(maxsize=1)
+def _token_for(pid: int) -> str:
+    return f"{pid}:{secrets.token_hex(6)}"
+
+
+def here() -> Process:
+    """Return this process's identity (Ray must be initialized)."""
+    ctx = ray.get_runtime_context()
+    actor = None
+    if ctx.worker.mode == ray.WORKER_MODE and ctx.get_actor_id() is not None:
+        actor = _current_actor()
+    return Process(ctx.get_node_id(), _token_for(os.getpid()), actor)
+
+
+@functools.lru_cache(maxsize=1)
+def _current_actor() -> Any:
+    return ray.get_runtime_context().current_actor
+
+
+@dataclass(frozen=True, repr=False)
+class RDTObject:
+    """A value whose tensors stay with their producer until fetched.
+
+    Fetch it with ``await rdt.fetch(obj)`` (or ``rdt.get(obj)`` in sync code). Methods of
+    `rdt.remote` actors receive top-level RDTObject arguments already fetched.
+    """
+
+    obj_id: str
+    producer: Process
+    transport: str
+    specs: tuple[TensorSpec, ...]
+    skeleton: Any
+    meta: dict[str, Any]
+    # Replies of two-sided transports made at creation, for producers with no `rdt` group.
+    eager: dict[str, Any]
+    anchor: Any  # ray.ObjectRef | None: keeps the tensors alive, see module docstring
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.specs)
+
+    def __repr__(self) -> str:
+        shown = ", ".join(str(s) for s in self.specs[:4]) + (", ..." if len(self.specs) > 4 else "")
+        return (
+            f"RDTObject({self.obj_id[:12]}, {len(self.specs)} tensor(s) [{shown}], "
+            f"{self.nbytes} bytes, transport={self.transport}, held by {self.producer.label}; "
+            "get the value with `await rdt.fetch(obj)` or `rdt.get(obj)`)"
+        )
+
+
+class _Anchors:
+    """A pool of pre-made anchors, so that `ray.put` stays off the producer's hot path."""
+
+    LOW, BATCH = 8, 32
+
+    def __init__(self) -> None:
+        self._pool: list[Any] = []
+        self._lock = threading.Lock()
+        self._refilling = False
+
+    def take(self, obj_id: str) -> Any:
+        with self._lock:
+            anchor = self._pool.pop() if self._pool else None
+            refill = len(self._pool) < self.LOW and not self._refilling
+            self._refilling = self._refilling or refill
+        if anchor is None:
+            anchor = ray.put(None)
+        if refill:
+            _io.pool().submit(self._refill)
+        cw = ray._private.worker.global_worker.core_worker
+        if not cw.add_object_out_of_scope_callback(anchor, functools.partial(_on_anchor_gone, obj_id)):
+            _on_anchor_gone(obj_id, b"")
+        return anchor
+
+    def _refill(self) -> None:
+        try:
+            fresh = [ray.put(None) for _ in range(self.BATCH)]
+            with self._lock:
+                self._pool.extend(fresh)
+        except Exception:  # Ray shutting down: the pool stays small, take() still works
+            pass
+        finally:
+            self._refilling = False
+
+    def clear(self) -> None:
+        with self._lock:
+            self._pool.clear()
+
+
+_anchors = _Anchors()
+
+
+def _on_anchor_gone(obj_id: str, _oid: bytes) -> None:
+    # Runs on a Ray thread: O(1), hand the work to the I/O loop.
+    _io.call_soon(_free_quietly, obj_id)
+
+
+def _free_quietly(obj_id: str) -> None:
+    if store.free(obj_id):
+        log.debug("rdt_async: freed %s (last ref gone)", obj_id)
+
+
+def _prepared_transports(name: str, tensors: Sequence[torch.Tensor]) -> list[Transport[Any]]:
+    """Transports to prepare at return time for a method asking for `name`."""
+    if name != _registry.AUTO:
+        transport = _registry.get(name)
+        transport.check_tensors(tensors)
+        return [transport] if transport.one_sided else []
+    if all(t.device.type == "cpu" for t in tensors):
+        return [_registry.get("shm")]  # same node, CPU: the likely consumer
+    return []
+
+
+def produce(value: Any, transport: str, *, owner: Process | None = None) -> RDTObject:
+    """Keep the tensors of `value` here and return the RDTObject describing it.
+
+    Runs on: producer. Blocking (copies into shared memory): call `produce_async` on a loop.
+    """
+    skeleton, tensors = _tree.flatten(value)
+    plan = _plan(transport, tensors)
+    return _finish(skeleton, tensors, transport, plan, owner)
+
+
+async def produce_async(value: Any, transport: str, *, owner: Process | None = None) -> RDTObject:
+    """`produce`, with large exports done off the running loop."""
+    skeleton, tensors = _tree.flatten(value)
+    plan = _plan(transport, tensors)
+    if sum(t.numel() * t.element_size() for t in tensors) > Transport.inline_prepare_bytes:
+        return await _io.to_thread(_finish, skeleton, tensors, transport, plan, owner)
+    return _finish(skeleton, tensors, transport, plan, owner)
+
+
+def _plan(transport: str, tensors: list[torch.Tensor]) -> list[Transport[Any]]:
+    if not tensors:
+        return []
+    return _prepared_transports(transport, tensors)
+
+
+def _finish(
+    skeleton: Any,
+    tensors: list[torch.Tensor],
+    transport: str,
+    plan: list[Transport[Any]],
+    owner: Process | None,
+) -> RDTObject:
+    owner = owner or here()
+    specs = tuple(TensorSpec.of(t) for t in tensors)
+    if not tensors:
+        return RDTObject(secrets.token_hex(12), owner, transport, specs, skeleton, {}, {}, None)
+    obj_id = secrets.token_hex(12)
+    prepared: dict[Transport[Any], Any] = {}
+    try:
+        for t in plan:
+            prepared[t] = t.prepare(obj_id, tensors)
+        eager = _eager_replies(obj_id, tensors, transport, owner)
+    except BaseException:
+        for t, meta in prepared.items():
+            t.garbage_collect(obj_id, meta)
+        raise
+    store.add(obj_id, StoredObject(list(tensors), prepared))
+    anchor = _anchors.take(obj_id)
+    meta = {t.name: m for t, m in prepared.items()}
+    return RDTObject(obj_id, owner, transport, specs, skeleton, meta, eager, anchor)
+
+
+def _eager_replies(obj_id: str, tensors: list[torch.Tensor], transport: str, owner: Process) -> dict[str, Any]:
+    """For producers with no `rdt` group (the driver), put the object-store reply now."""
+    if owner.actor is not None or transport not in ("object_store", _registry.AUTO):
+        return {}
+    if transport == _registry.AUTO and len(ray.nodes()) < 2:
+        return {}  # one node: every consumer reads shared memory
+    from .transports.object_store import to_wire
+
+    return {"object_store": ray.put(to_wire(tensors))}
+
+
+async def serve_send(obj_id: str, transport: str, request: Any) -> Any:
+    """Run the producer's side of a two-sided transfer, asked for by a consumer.
+
+    Runs on: producer (the `rdt` concurrency group, then the I/O loop).
+    Raises: ObjectFreedError if the object is gone.
+    """
+    stored = store.get(obj_id)
+    if stored is None:
+        raise ObjectFreedError(f"object {obj_id} was freed before it was fetched", obj_id=obj_id)
+    t = _registry.get(transport)
+    meta = next((m for tr, m in stored.prepared.items() if tr.name == transport), None)
+    return await t.send_multiple_tensors(obj_id, stored.tensors, meta, request)
+
+
+def serve_free(obj_id: str) -> None:
+    """Free an object on request of another process. Runs on: producer."""
+    store.free(obj_id)
+
+
+def resolve_local(obj: RDTObject) -> list[torch.Tensor]:
+    """Return the stored tensors of an object this process produced.
+
+    Raises: ObjectFreedError.
+    """
+    stored = store.get(obj.obj_id)
+    if stored is None:
+        raise ObjectFreedError(f"object {obj.obj_id} was freed", obj_id=obj.obj_id)
+    return stored.tensors
+
+
+def is_local(obj: RDTObject) -> bool:
+    return obj.producer.token == _token_for(os.getpid())
+
+
+def unavailable(name: str, why: str) -> TransportUnavailableError:
+    return TransportUnavailableError(f"transport {name!r} cannot serve this fetch: {why}")
+
+
+async def await_ref(ref: Any) -> Any:
+    """Await a Ray ObjectRef from any loop."""
+    return await asyncio.wrap_future(ref.future())
+
+
+class RayChannel:
+    """The consumer's line to a producer: an actor call to its `rdt` concurrency group."""
+
+    def __init__(self, obj: RDTObject, transport: str) -> None:
+        self._obj, self._transport = obj, transport
+
+    async def request_send(self, request: Any) -> Any:
+        obj = self._obj
+        what = f"{self._transport} fetch of {obj.obj_id}"
+        try:
+            eager = obj.eager.get(self._transport)
+            if eager is not None:
+                return await await_ref(eager)
+            if obj.producer.actor is None:
+                raise unavailable(
+                    self._transport,
+                    f"the object was put by {obj.producer.label}, which serves no transfers; "
+                    "put it with tensor_transport='object_store' or fetch it on its node",
+                )
+            ref = obj.producer.actor.rdt__send.remote(obj.obj_id, self._transport, request)
+            return await await_ref(ref)
+        except BaseException as exc:
+            raise translate(exc, what, obj.obj_id) from exc
+
+
+def choose_transport(obj: RDTObject, node_id: str) -> str:
+    """Pick the transport for a fetch of `obj` by a process on `node_id`.
+
+    `auto`: same node and CPU -> shm; otherwise object_store. A one-sided transport
+    that cannot reach this node falls back to object_store.
+    """
+    name = obj.transport
+    if name == _registry.AUTO:
+        name = "shm" if "shm" in obj.meta else "object_store"
+    if name == "shm" and obj.producer.node_id != node_id:
+        name = "object_store"
+    return name
+
+
+def is_ref(x: Any) -> bool:
+    return isinstance(x, ray.ObjectRef)
+
+
+def node_id() -> str:
+    return ray.get_runtime_context().get_node_id()
+
+
+def get_ref(ref: Any, timeout: float | None) -> Any:
+    return ray.get(ref, timeout=timeout)
+
+
+def free_remote(obj: RDTObject) -> None:
+    """Ask the producer to free `obj` now (fire and forget)."""
+    if obj.producer.actor is None:
+        raise RDTError(
+            f"object {obj.obj_id} was put by {obj.producer.label}: call rdt.free() there",
+            obj_id=obj.obj_id,
+        )
+    obj.producer.actor.rdt__free.remote(obj.obj_id)
+
+
+def put_object(obj: RDTObject) -> Any:
+    """Return an ObjectRef to `obj` (ours to own; it carries the anchor)."""
+    return ray.put(obj)

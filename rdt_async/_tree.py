@@ -1,0 +1,83 @@
+"""Flatten values holding tensors into (skeleton, tensors) and back."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+
+class Slot:
+    """Stands in the skeleton where tensor number `index` was."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __reduce__(self):
+        return (Slot, (self.index,))
+
+    def __repr__(self) -> str:
+        return f"<tensor {self.index}>"
+
+
+def flatten(value: Any) -> tuple[Any, list[torch.Tensor]]:
+    """Return the value with every tensor replaced by a `Slot`, and the tensors in order.
+
+    Walks dict, list, tuple, namedtuple and dataclass instances; anything else is a leaf.
+    """
+    tensors: list[torch.Tensor] = []
+
+    def walk(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            tensors.append(v)
+            return Slot(len(tensors) - 1)
+        return _map_children(v, walk)
+
+    return walk(value), tensors
+
+
+def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
+    """Rebuild a value from its skeleton and tensors."""
+
+    def walk(v: Any) -> Any:
+        if isinstance(v, Slot):
+            return tensors[v.index]
+        return _map_children(v, walk)
+
+    return walk(skeleton)
+
+
+def tensors_of(value: Any) -> list[torch.Tensor]:
+    """Return the tensors of a value, in flatten order."""
+    return flatten(value)[1]
+
+
+def _map_children(v: Any, fn: Any) -> Any:
+    t = type(v)
+    if t is dict:
+        return {k: fn(x) for k, x in v.items()}
+    if t is list:
+        return [fn(x) for x in v]
+    if t is tuple:
+        return tuple(fn(x) for x in v)
+    if isinstance(v, tuple) and hasattr(v, "_fields"):  # namedtuple
+        return t(*(fn(x) for x in v))
+    if isinstance(v, dict):  # OrderedDict, defaultdict and other dict subclasses
+        out = v.copy()
+        for k, x in v.items():
+            out[k] = fn(x)
+        return out
+    if isinstance(v, list):
+        return t(fn(x) for x in v)
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        out = object.__new__(t)
+        if hasattr(v, "__dict__"):
+            for k, x in vars(v).items():
+                object.__setattr__(out, k, x)
+        for f in dataclasses.fields(v):
+            object.__setattr__(out, f.name, fn(getattr(v, f.name)))
+        return out
+    return v

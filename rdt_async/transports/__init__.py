@@ -1,0 +1,1 @@
+"""Transports: the interface in `_base`, one module per transport, names in `_registry`."""

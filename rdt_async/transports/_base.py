@@ -1,0 +1,206 @@
+"""The transport interface: what a transport implements, and the awaitable FetchRequest."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Coroutine, Generator, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
+
+import torch
+
+from .. import _io
+from .._errors import TransportUnavailableError
+
+M = TypeVar("M")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape, dtype and device of one tensor of an object, as the producer holds it."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: str
+    nbytes: int
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> TensorSpec:
+        return cls(tuple(t.shape), t.dtype, str(t.device), t.numel() * t.element_size())
+
+    def __str__(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{dtype}{list(self.shape)}@{self.device}"
+
+
+@dataclass(frozen=True)
+class TransferInfo(Generic[M]):
+    """What a consumer knows of an object before it moves: id, specs, the metadata."""
+
+    obj_id: str
+    specs: tuple[TensorSpec, ...]
+    meta: M
+
+
+class Channel(Protocol):
+    """The consumer's line to the producer, used by two-sided transports."""
+
+    async def request_send(self, request: Any) -> Any:
+        """Ask the producer to run `send_multiple_tensors(..., request)`; return its reply."""
+        ...
+
+
+class FetchRequest:
+    """An in-flight fetch: await it for the tensors, cancel it to abort.
+
+    The work runs on the process's I/O loop; awaiting the request from any loop never
+    blocks that loop, and `result()` waits from plain threads.
+    """
+
+    def __init__(self, transport: str, future: concurrent.futures.Future[list[torch.Tensor]]) -> None:
+        self.transport = transport
+        self._future = future
+
+    @classmethod
+    def start(cls, transport: str, work: Coroutine[Any, Any, list[torch.Tensor]]) -> FetchRequest:
+        """Run `work` on the I/O loop and return its request."""
+        return cls(transport, _io.submit(work))
+
+    def __await__(self) -> Generator[Any, None, list[torch.Tensor]]:
+        return asyncio.wrap_future(self._future).__await__()
+
+    def cancel(self) -> bool:
+        """Abort the transfer; what it held is released on the I/O loop."""
+        return self._future.cancel()
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> list[torch.Tensor]:
+        """Wait for the tensors from a thread that runs no event loop."""
+        return self._future.result(timeout)
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "in flight"
+        return f"<FetchRequest {self.transport} {state}>"
+
+
+class Transport(Generic[M]):
+    """A way to move an object's tensors from the producer's process to a consumer's.
+
+    The lifecycle of one transfer, and the side that runs each step::
+
+        producer                                   consumer
+        --------                                   --------
+        check_tensors(tensors)      at return
+        prepare(obj_id, tensors) -> meta
+              meta travels inside the RDTObject (through Ray)
+                                                   fetch_multiple_tensors(info, ...)
+                                                       -> FetchRequest (runs on the I/O loop)
+        [two-sided only, on request over the Channel]
+        send_multiple_tensors(obj_id, tensors, meta, request) -> reply
+                                                   wait_fetch_complete(request) -> tensors
+                                                   abort_transport(request) on cancel
+        garbage_collect(obj_id, meta)  when the last ref is gone or on free()
+
+    One-sided transports (shm) read without the producer; two-sided ones (object_store,
+    gloo) need its `send_multiple_tensors`. Transports never import Ray: the channel to
+    the producer is handed in, so the same transport runs between plain processes.
+    """
+
+    name: ClassVar[str] = ""
+    devices: ClassVar[tuple[str, ...]] = ("cpu",)
+    one_sided: ClassVar[bool] = True
+    can_abort: ClassVar[bool] = True
+    # Bytes above which the producer prepares off the caller's loop.
+    inline_prepare_bytes: ClassVar[int] = 1 << 20
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """Return why this transport cannot be used in this process, or None."""
+        return None
+
+    def check_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Refuse tensors this transport cannot move, naming the fix.
+
+        Runs on: producer, when the value is returned.
+        Raises: TransportUnavailableError.
+        """
+        for t in tensors:
+            if t.device.type not in self.devices:
+                raise TransportUnavailableError(
+                    f"transport {self.name!r} moves tensors on {', '.join(self.devices)}, "
+                    f"not {t.device}; use tensor_transport='auto' or one that handles "
+                    f"{t.device.type} tensors"
+                )
+
+    def prepare(self, obj_id: str, tensors: Sequence[torch.Tensor]) -> M:
+        """Make the tensors reachable (export, register) and return the metadata.
+
+        Runs on: producer.
+        """
+        return None  # type: ignore[return-value]
+
+    def fetch_multiple_tensors(
+        self,
+        info: TransferInfo[M],
+        *,
+        buffers: list[torch.Tensor] | None,
+        channel: Channel,
+    ) -> FetchRequest:
+        """Start moving the tensors of `info`; write into `buffers` when given.
+
+        Runs on: consumer. Returns at once; the work runs on the I/O loop.
+        """
+        return FetchRequest.start(self.name, self.receive(info, buffers, channel))
+
+    async def wait_fetch_complete(self, request: FetchRequest) -> list[torch.Tensor]:
+        """Await the tensors of a request.
+
+        Runs on: consumer. Cancelling the await aborts the transfer.
+        """
+        try:
+            return await request
+        except BaseException:
+            if not request.done():
+                self.abort_transport(request)
+            raise
+
+    async def receive(
+        self, info: TransferInfo[M], buffers: list[torch.Tensor] | None, channel: Channel
+    ) -> list[torch.Tensor]:
+        """Do the consumer's side of the transfer on the I/O loop.
+
+        Runs on: consumer (I/O loop). Must release what it holds when cancelled.
+        """
+        raise NotImplementedError
+
+    async def send_multiple_tensors(
+        self, obj_id: str, tensors: Sequence[torch.Tensor], meta: M, request: Any
+    ) -> Any:
+        """Do the producer's side of a two-sided transfer; return the reply.
+
+        Runs on: producer (its I/O loop).
+        """
+        raise NotImplementedError(f"transport {self.name!r} is one-sided")
+
+    def garbage_collect(self, obj_id: str, meta: M) -> None:
+        """Release what `prepare` made for the object.
+
+        Runs on: producer. Must be quick and must not raise for a second call.
+        """
+
+    def abort_transport(self, request: FetchRequest) -> None:
+        """Abort an in-flight fetch.
+
+        Runs on: consumer.
+        """
+        request.cancel()
+
+
+def copy_into(buffers: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Copy each source into its buffer (a blocking call: run it in the pool)."""
+    for dst, src in zip(buffers, sources):
+        dst.copy_(src)
+    return list(buffers)

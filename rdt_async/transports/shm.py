@@ -1,0 +1,158 @@
+"""`shm`: one-sided transfers through POSIX shared memory on one node.
+
+The producer copies an object's tensors once into a fresh segment under /dev/shm
+(mode 0600, a 96-bit random name). A consumer maps the segment copy-on-write
+(MAP_PRIVATE): no copy at fetch time, pages are read straight from the segment, and a
+consumer's writes stay its own. The producer unlinks the segment when the object is
+freed; consumers' mappings outlive the name. A guardian process per producer unlinks
+what is left if the producer is killed.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .. import _io
+from ._base import Channel, TransferInfo, Transport, copy_into
+
+SHM_DIR = "/dev/shm"
+PREFIX = "rdt-"
+ALIGN = 64
+
+# Runs in the guardian: detach from the producer's process tree, sweep what dead
+# producers left, then wait for our producer's end (EOF on stdin) and sweep its segments.
+_GUARDIAN = r"""
+import os, sys
+if os.fork(): os._exit(0)
+os.setsid()
+d, pfx, me = sys.argv[1], sys.argv[2], sys.argv[3]
+def alive(pid):
+    try: os.kill(int(pid), 0)
+    except ProcessLookupError: return False
+    except (PermissionError, ValueError): return True
+    return True
+def sweep(only):
+    for n in os.listdir(d):
+        if n.startswith(pfx):
+            pid = n[len(pfx):].split("-", 1)[0]
+            if pid == only or (only is None and not alive(pid)):
+                try: os.unlink(os.path.join(d, n))
+                except OSError: pass
+sweep(None)
+sys.stdin.buffer.read()
+sweep(me)
+"""
+
+
+@dataclass(frozen=True)
+class ShmMeta:
+    """Where an object's tensors lie: segment name, its size, each tensor's offset."""
+
+    segment: str | None
+    size: int
+    offsets: tuple[int, ...]
+
+
+class ShmTransport(Transport[ShmMeta]):
+    """Shared memory between processes of one node (CPU tensors)."""
+
+    name = "shm"
+    devices = ("cpu",)
+    one_sided = True
+
+    def __init__(self) -> None:
+        self._guardian: subprocess.Popen[bytes] | None = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        if not os.path.isdir(SHM_DIR):
+            return f"{SHM_DIR} does not exist (shm needs Linux)"
+        return None
+
+    def prepare(self, obj_id: str, tensors: Sequence[torch.Tensor]) -> ShmMeta:
+        offsets, size = [], 0
+        for t in tensors:
+            offsets.append(size)
+            size += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+        if size == 0:
+            return ShmMeta(None, 0, tuple(offsets))
+        self._ensure_guardian()
+        name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(12)}"
+        path = os.path.join(SHM_DIR, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            with mmap.mmap(fd, size, flags=mmap.MAP_SHARED) as mm:
+                for t, off in zip(tensors, offsets):
+                    if t.numel():
+                        dst = torch.frombuffer(mm, dtype=t.dtype, count=t.numel(), offset=off)
+                        dst.view(t.shape).copy_(t)
+                        del dst
+        except BaseException:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        return ShmMeta(name, size, tuple(offsets))
+
+    async def receive(
+        self, info: TransferInfo[ShmMeta], buffers: list[torch.Tensor] | None, channel: Channel
+    ) -> list[torch.Tensor]:
+        meta = info.meta
+        mm: mmap.mmap | None = None
+        if meta.segment is not None:
+            fd = os.open(os.path.join(SHM_DIR, meta.segment), os.O_RDONLY)
+            try:
+                mm = mmap.mmap(fd, meta.size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+        views = [_view(mm, spec, off) for spec, off in zip(info.specs, meta.offsets)]
+        if buffers is None:
+            return views  # each view keeps the private mapping alive
+        out = await _io.to_thread(copy_into, buffers, views)
+        del views
+        if mm is not None:
+            mm.close()
+        return out
+
+    def garbage_collect(self, obj_id: str, meta: ShmMeta) -> None:
+        if meta.segment is not None:
+            try:
+                os.unlink(os.path.join(SHM_DIR, meta.segment))
+            except FileNotFoundError:
+                pass
+
+    def _ensure_guardian(self) -> None:
+        if self._guardian is not None and self._guardian_pid == os.getpid():
+            return
+        with self._lock:
+            if self._guardian is not None and self._guardian_pid == os.getpid():
+                return
+            proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _GUARDIAN, SHM_DIR, PREFIX, str(os.getpid())],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                close_fds=True,
+            )
+            proc.wait()  # the first child exits at once; its detached child keeps stdin
+            self._guardian, self._guardian_pid = proc, os.getpid()
+
+
+def _view(mm: mmap.mmap | None, spec, offset: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    numel = 1
+    for d in spec.shape:
+        numel *= d
+    if numel == 0 or mm is None:
+        return torch.empty(spec.shape, dtype=spec.dtype)
+    return torch.frombuffer(mm, dtype=spec.dtype, count=numel, offset=offset).view(spec.shape)
