@@ -4,7 +4,6 @@ Producers keep the tensors they return; consumers `await rdt.fetch(ref)` them ov
 shared memory, Ray's object store or another transport, without blocking their loop.
 """
 
-from __future__ import annotations
 
 from ._actor import method as method
 from ._actor import remote as remote

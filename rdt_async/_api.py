@@ -94,6 +94,8 @@ def get(
             raise
         fut.cancel()
         raise TimeoutError(f"rdt.get() timed out after {timeout} s; the transfer was aborted") from exc
+    finally:
+        del fut  # the future holds the error, whose traceback holds this frame: break the cycle
 
 
 def put(value: Any, /, *, tensor_transport: str = "auto") -> Any:

@@ -1,0 +1,51 @@
+"""One two-node Ray cluster (simulated on this machine) shared by the whole session."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """Head node (resource "head") and a second node (resource "node2")."""
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 16, "resources": {"head": 1000}})
+    c.add_node(num_cpus=16, resources={"node2": 1000})
+    c.wait_for_nodes()
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    ray.init(address=c.address, runtime_env={"env_vars": {"PYTHONPATH": path}})
+    try:
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+@pytest.fixture
+def ray_session(cluster):
+    """The shared cluster; checks that the test leaves no shared-memory segment behind."""
+    before = _rdt_segments()
+    yield cluster
+    _wait_until(lambda: _rdt_segments() <= before, 15, lambda: f"leaked segments: {_rdt_segments() - before}")
+
+
+def _rdt_segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("rdt-")}
+
+
+def _wait_until(cond, timeout: float, what=lambda: "condition"):
+    deadline = time.monotonic() + timeout
+    while not (gc.collect() or True) or not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not true after {timeout} s: {what()}")
+        time.sleep(0.05)
+
+
+wait_until = _wait_until
+rdt_segments = _rdt_segments

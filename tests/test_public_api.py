@@ -1,0 +1,49 @@
+"""The public surface: names, no import side effects, available transports."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import rdt_async as rdt
+
+CONTRACT = {
+    "remote", "method", "fetch", "fetch_all", "as_completed", "get", "put", "free",
+    "wait_tensor_freed", "store_stats", "available_transports", "RDTObject", "Transport",
+    "FetchRequest", "RDTError", "TransportUnavailableError", "ObjectFreedError",
+    "TransferError", "PeerDiedError", "TransferAbortedError", "BackendError",
+    "CollectiveGroupError",
+}
+
+
+def test_all_matches_exports_and_covers_the_contract():
+    public = {n for n in dir(rdt) if not n.startswith("_")}
+    modules = {"transports"}
+    assert set(rdt.__all__) == public - modules
+    assert CONTRACT <= set(rdt.__all__)
+    assert all(getattr(rdt, n).__module__ == "rdt_async" for n in rdt.__all__ if hasattr(getattr(rdt, n), "__module__"))
+
+
+def test_error_tree():
+    assert issubclass(rdt.PeerDiedError, rdt.TransferError)
+    assert issubclass(rdt.TransferAbortedError, rdt.TransferError)
+    assert issubclass(rdt.BackendError, rdt.TransferError)
+    for e in (rdt.TransportUnavailableError, rdt.ObjectFreedError, rdt.TransferError, rdt.CollectiveGroupError):
+        assert issubclass(e, rdt.RDTError)
+
+
+def test_import_has_no_side_effects():
+    code = (
+        "import os, sys, threading; env = dict(os.environ); import rdt_async;"
+        "assert threading.active_count() == 1, threading.enumerate();"
+        "assert dict(os.environ) == env;"
+        "assert 'nixl' not in sys.modules and 'ucxx' not in sys.modules;"
+        "assert 'rdt_async.transports.shm' not in sys.modules; print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_available_transports_names_every_builtin():
+    avail = rdt.available_transports()
+    assert avail["auto"] is True and avail["shm"] is True and avail["object_store"] is True
