@@ -158,6 +158,7 @@ def _prepared_transports(name: str, tensors: Sequence[torch.Tensor]) -> list[Tra
         transport = _registry.get(name)
         transport.check_tensors(tensors)
         return [transport] if transport.one_sided else []
+    _registry.get("object_store").check_tensors(tensors)  # what auto falls back to
     if all(t.device.type == "cpu" for t in tensors):
         return [_registry.get("shm")]  # same node, CPU: the likely consumer
     return []

@@ -13,9 +13,12 @@ from ray.cluster_utils import Cluster
 
 @pytest.fixture(scope="session")
 def cluster():
-    """Head node (resource "head") and a second node (resource "node2")."""
+    """Head node, and a second node that takes only actors asking for resource "node2".
+
+    Actors land on the head node unless a test places them with `ON_NODE2`.
+    """
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 16, "resources": {"head": 1000}})
-    c.add_node(num_cpus=16, resources={"node2": 1000})
+    c.add_node(num_cpus=0, resources={"node2": 1000})
     c.wait_for_nodes()
     here = os.path.dirname(os.path.abspath(__file__))
     path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
@@ -47,5 +50,6 @@ def _wait_until(cond, timeout: float, what=lambda: "condition"):
         time.sleep(0.05)
 
 
+ON_NODE2 = {"num_cpus": 0, "resources": {"node2": 1}}
 wait_until = _wait_until
 rdt_segments = _rdt_segments

@@ -128,6 +128,11 @@ class Transport(Generic[M]):
         Raises: TransportUnavailableError.
         """
         for t in tensors:
+            if t.layout != torch.strided:
+                raise TransportUnavailableError(
+                    f"transport {self.name!r} moves dense tensors, not {t.layout}; "
+                    "return t.to_dense() (or the sparse tensor's indices and values)"
+                )
             if t.device.type not in self.devices:
                 raise TransportUnavailableError(
                     f"transport {self.name!r} moves tensors on {', '.join(self.devices)}, "

@@ -1,0 +1,73 @@
+"""Bad input fails where the mistake is made, with a message that names the fix."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+from helpers import SyncProducer
+
+import rdt_async as rdt
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+def test_unknown_transport_fails_at_decoration_naming_the_available_ones():
+    with pytest.raises(ValueError, match=r"unknown tensor_transport 'nvlink'; available: auto, shm, object_store"):
+
+        @rdt.method(tensor_transport="nvlink")
+        def f(self):
+            pass
+
+    with pytest.raises(ValueError, match="unknown tensor_transport"):
+        rdt.put(torch.ones(1), tensor_transport="nope")
+
+
+def test_remote_refuses_functions_and_the_reserved_group():
+    with pytest.raises(TypeError, match="use ray.remote"):
+
+        @rdt.remote
+        def task():
+            pass
+
+    with pytest.raises(ValueError, match="'rdt' is rdt_async's own"):
+
+        @rdt.remote(concurrency_groups={"rdt": 2})
+        class A:
+            pass
+
+
+def test_unsupported_device_fails_when_the_value_is_returned():
+    p = SyncProducer.remote()
+    with pytest.raises(rdt.TransportUnavailableError, match=r"transport 'shm' moves tensors on cpu, not meta"):
+        ray.get(p.value_shm.remote(torch.empty(3, device="meta")))
+    with pytest.raises(rdt.TransportUnavailableError, match="not meta"):
+        ray.get(p.value.remote(torch.empty(3, device="meta")))
+    with pytest.raises(rdt.TransportUnavailableError, match=r"to_dense\(\)"):
+        ray.get(p.value.remote(torch.eye(3).to_sparse()))
+    assert ray.get(p.stats.remote())["objects"] == 0
+    ray.kill(p)
+
+
+def test_fetch_of_something_else_is_a_type_error():
+    with pytest.raises(TypeError, match="ObjectRef or an RDTObject"):
+        rdt.get(42)
+    with pytest.raises(TypeError, match="RDT object"):
+        rdt.free(ray.put(1))
+
+
+def test_sync_method_of_an_async_actor_asks_to_be_async():
+    p = SyncProducer.remote()
+
+    @rdt.remote
+    class Mixed:
+        async def ok(self):
+            return 1
+
+        def sync_consumer(self, value):
+            return value
+
+    m = Mixed.remote()
+    with pytest.raises(RuntimeError, match="make the method `async def`"):
+        ray.get(m.sync_consumer.remote(p.value.remote(torch.ones(1))))
+    ray.kill(p)

@@ -1,0 +1,131 @@
+"""Lifetime: the producer frees tensors when the last ref and copy are gone."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import ray
+import torch
+from conftest import rdt_segments, wait_until
+from helpers import AsyncConsumer, SyncProducer
+
+import rdt_async as rdt
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+def objects_of(producer) -> int:
+    return ray.get(producer.stats.remote())["objects"]
+
+
+def segments_of(pid: int) -> set[str]:
+    return {s for s in rdt_segments() if s.startswith(f"rdt-{pid}-")}
+
+
+@pytest.fixture
+def producer():
+    p = SyncProducer.remote()
+    yield p
+    ray.kill(p)
+
+
+def test_store_goes_back_to_zero_when_refs_are_dropped(producer):
+    pid = ray.get(producer.pid.remote())
+    refs = [producer.make.remote(1000, seed=i) for i in range(5)]
+    ray.wait(refs, num_returns=5)
+    assert ray.get(producer.stats.remote())["bytes"] == 5 * 4000
+    assert len(segments_of(pid)) == 5
+    del refs
+    wait_until(lambda: objects_of(producer) == 0, 10)
+    wait_until(lambda: not segments_of(pid), 10)
+
+
+def test_ref_passed_as_argument_and_dropped_at_once(producer):
+    consumer = AsyncConsumer.remote()
+    out = consumer.checksums.remote(producer.value.remote(torch.ones(100)))
+    assert ray.get(out) == [100.0]
+    wait_until(lambda: objects_of(producer) == 0, 10)
+
+
+def test_deserialized_copy_keeps_the_object_alive(producer):
+    ref = producer.value.remote(torch.ones(10))
+    obj = ray.get(ref)
+    del ref
+    assert objects_of(producer) == 1
+    assert rdt.get(obj).sum().item() == 10.0
+    del obj
+    wait_until(lambda: objects_of(producer) == 0, 10)
+
+
+def test_objects_held_by_a_killed_actor_are_freed(producer):
+    @rdt.remote
+    class Holder:
+        def hold(self, refs):
+            self.refs = refs
+
+    holder = Holder.remote()
+    ray.get(holder.hold.remote([producer.value.remote(torch.ones(10))]))
+    assert objects_of(producer) == 1
+    ray.kill(holder)
+    wait_until(lambda: objects_of(producer) == 0, 20)
+
+
+def test_free_releases_now_and_later_fetches_fail(producer):
+    pid = ray.get(producer.pid.remote())
+    ref = producer.value.remote(torch.ones(10))
+    consumer = AsyncConsumer.remote()
+    rdt.free(ref)
+    with pytest.raises(rdt.ObjectFreedError):
+        rdt.get(ref)
+    wait_until(lambda: objects_of(producer) == 0 and not segments_of(pid), 10)
+    with pytest.raises(rdt.ObjectFreedError, match="freed"):
+        ray.get(consumer.take.remote(ref))
+
+
+def test_free_on_the_producer_and_wait_tensor_freed():
+    @rdt.remote
+    class Keeper:
+        def __init__(self):
+            self.t = torch.ones(8)
+
+        def share(self):
+            return [rdt.put({"t": self.t})]
+
+        async def wait_freed(self, seconds):
+            try:
+                async with asyncio.timeout(seconds):
+                    await rdt.wait_tensor_freed(self.t)
+            except TimeoutError:
+                return "still held"
+            return "freed"
+
+    k = Keeper.remote()
+    [ref] = ray.get(k.share.remote())
+    assert ray.get(k.wait_freed.remote(0.3)) == "still held"
+    waiting = k.wait_freed.remote(30)
+    del ref
+    assert ray.get(waiting) == "freed"
+
+
+def test_shared_memory_of_a_killed_producer_is_unlinked():
+    p = SyncProducer.remote()
+    pid = ray.get(p.pid.remote())
+    ref = p.value.remote(torch.ones(1 << 20))
+    ray.wait([ref])
+    assert len(segments_of(pid)) == 1
+    ray.kill(p)
+    wait_until(lambda: not segments_of(pid), 10, lambda: f"{segments_of(pid)} left after kill")
+    with pytest.raises(rdt.RDTError):
+        rdt.get(ref, timeout=30)
+
+
+def test_segments_are_private_and_unguessable(producer):
+    pid = ray.get(producer.pid.remote())
+    ref = producer.value.remote(torch.ones(4))
+    ray.wait([ref])
+    [seg] = segments_of(pid)
+    assert os.stat(f"/dev/shm/{seg}").st_mode & 0o777 == 0o600
+    assert len(seg.rsplit("-", 1)[1]) == 24  # 96 random bits
+    del ref

@@ -1,0 +1,48 @@
+"""Two nodes on one machine: `auto` never picks shared memory across nodes."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import ray
+import torch
+from conftest import ON_NODE2
+from helpers import SyncProducer, checksum
+
+import rdt_async as rdt
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+@rdt.remote
+class Reader:
+    async def read(self, refs):
+        before = collections.Counter(rdt.store_stats()["fetches"])
+        values = await rdt.fetch_all(refs)
+        used = collections.Counter(rdt.store_stats()["fetches"]) - before
+        return [checksum(v) for v in values], dict(used), ray.get_runtime_context().get_node_id()
+
+
+def test_auto_uses_shm_on_one_node_and_the_object_store_across_nodes():
+    here = SyncProducer.remote()
+    there = SyncProducer.options(**ON_NODE2).remote()
+    reader = Reader.remote()
+    refs = [here.value.remote(torch.ones(1000)), there.value.remote(torch.full((1000,), 2.0))]
+    sums, used, node = ray.get(reader.read.remote(refs))
+    assert sums == [1000.0, 2000.0]
+    assert used == {"shm": 1, "object_store": 1}
+
+
+def test_explicit_shm_across_nodes_falls_back_and_says_so():
+    there = SyncProducer.options(**ON_NODE2).remote()
+    reader = Reader.remote()
+    sums, used, _ = ray.get(reader.read.remote([there.value_shm.remote(torch.ones(10))]))
+    assert sums == [10.0] and used == {"object_store": 1}
+
+
+def test_driver_put_is_fetched_across_nodes():
+    reader = Reader.options(**ON_NODE2).remote()
+    ref = rdt.put(torch.arange(10.0))
+    sums, used, _ = ray.get(reader.read.remote([ref]))
+    assert sums == [45.0] and used == {"object_store": 1}
