@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from . import _io, _object, _tree
-from ._errors import ObjectFreedError, translate
+from ._errors import ObjectFreedError, translating
 from ._object import RDTObject
 from ._store import log, store
 from .transports import _registry
@@ -147,10 +147,8 @@ async def _resolve(x: Any) -> Any:
     if isinstance(x, RDTObject):
         return x
     if _object.is_ref(x):
-        try:
+        with translating(f"resolving {x}"):
             return await _object.await_ref(x)
-        except BaseException as exc:
-            raise translate(exc, f"resolving {x}") from exc
     raise TypeError(f"rdt.fetch() takes an ObjectRef or an RDTObject, not {type(x).__name__}")
 
 
@@ -171,10 +169,8 @@ async def _fetch_object(obj: RDTObject, *, device: Any, into: Any) -> Any:
         request = transport.fetch_multiple_tensors(
             info, buffers=buffers, channel=_object.RayChannel(obj, name)
         )
-        try:
+        with translating(f"{name} fetch of {obj.obj_id}", obj.obj_id):
             tensors = await transport.wait_fetch_complete(request)
-        except BaseException as exc:
-            raise translate(exc, f"{name} fetch of {obj.obj_id}", obj.obj_id) from exc
         buffers = None if buffers is None else []  # already written
     store.fetches[name] += 1
     log.debug("rdt_async: fetched %s over %s (%d bytes)", obj.obj_id, name, obj.nbytes)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 class RDTError(Exception):
@@ -73,5 +75,17 @@ def translate(exc: BaseException, what: str, obj_id: str | None = None) -> BaseE
         if isinstance(exc, ray_exceptions.RayError):
             return BackendError(f"{what} failed in Ray: {exc}", obj_id=obj_id)
     if isinstance(exc, FileNotFoundError):
-        return ObjectFreedError(f"{what}: the object was freed by its producer", obj_id=obj_id)
+        return ObjectFreedError(f"{what}: the object was freed (or its producer died)", obj_id=obj_id)
     return BackendError(f"{what} failed: {type(exc).__name__}: {exc}", obj_id=obj_id)
+
+
+@contextmanager
+def translating(what: str, obj_id: str | None = None) -> Iterator[None]:
+    """Translate native errors raised in the block (see `translate`), keeping the chain."""
+    try:
+        yield
+    except BaseException as exc:
+        err = translate(exc, what, obj_id)
+        if err is exc:
+            raise
+        raise err from exc

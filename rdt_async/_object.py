@@ -23,7 +23,7 @@ import ray
 import torch
 
 from . import _io, _tree
-from ._errors import ObjectFreedError, RDTError, TransportUnavailableError, translate
+from ._errors import ObjectFreedError, RDTError, TransportUnavailableError, translating
 from ._store import StoredObject, log, store
 from .transports import _registry
 from .transports._base import TensorSpec, Transport
@@ -278,8 +278,7 @@ class RayChannel:
 
     async def request_send(self, request: Any) -> Any:
         obj = self._obj
-        what = f"{self._transport} fetch of {obj.obj_id}"
-        try:
+        with translating(f"{self._transport} fetch of {obj.obj_id}", obj.obj_id):
             eager = obj.eager.get(self._transport)
             if eager is not None:
                 return await await_ref(eager)
@@ -291,8 +290,6 @@ class RayChannel:
                 )
             ref = obj.producer.actor.rdt__send.remote(obj.obj_id, self._transport, request)
             return await await_ref(ref)
-        except BaseException as exc:
-            raise translate(exc, what, obj.obj_id) from exc
 
 
 def choose_transport(obj: RDTObject, node_id: str) -> str:

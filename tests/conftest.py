@@ -33,13 +33,33 @@ def cluster():
 @pytest.fixture
 def ray_session(cluster):
     """The shared cluster; checks that the test leaves no shared-memory segment behind."""
-    before = _rdt_segments()
+    raylets = {
+        info.process.pid
+        for node in cluster.list_all_nodes()
+        for info in node.all_processes.get("raylet", [])
+    }
+
+    def ours() -> set[str]:  # this session's segments, and any whose producer is dead
+        return {s for s in _rdt_segments() if _owned_by(int(s.split("-")[1]), raylets)}
+
+    before = ours()
     yield cluster
-    _wait_until(lambda: _rdt_segments() <= before, 15, lambda: f"leaked segments: {_rdt_segments() - before}")
+    _wait_until(lambda: ours() <= before, 15, lambda: f"leaked segments: {ours() - before}")
 
 
 def _rdt_segments() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("rdt-")}
+
+
+def _owned_by(pid: int, raylets: set[int]) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+    except (FileNotFoundError, ProcessLookupError):
+        return True  # dead producer: its guardian should have swept it
+    return ppid in raylets
 
 
 def _wait_until(cond, timeout: float, what=lambda: "condition"):

@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 import torch
 
 from .. import _io
-from .._errors import TransportUnavailableError
+from .._errors import TransportUnavailableError, translating
 
 M = TypeVar("M")
 
@@ -165,12 +165,13 @@ class Transport(Generic[M]):
 
         Runs on: consumer. Cancelling the await aborts the transfer.
         """
-        try:
-            return await request
-        except BaseException:
-            if not request.done():
-                self.abort_transport(request)
-            raise
+        with translating(f"{self.name} fetch"):
+            try:
+                return await request
+            except BaseException:
+                if not request.done():
+                    self.abort_transport(request)
+                raise
 
     async def receive(
         self, info: TransferInfo[M], buffers: list[torch.Tensor] | None, channel: Channel

@@ -1,0 +1,132 @@
+"""The transport contract harness: a transport between two plain processes, no Ray.
+
+The producer runs in a spawned process and answers commands over a Pipe; the consumer
+is the calling process, with a `PipeChannel` standing in for the actor call that the
+core makes to a producer's `rdt` group. The same harness runs on a GPU machine that
+cannot carry Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import threading
+from typing import Any
+
+import torch
+
+from rdt_async import _io
+from rdt_async._errors import ObjectFreedError, PeerDiedError
+from rdt_async.transports import _registry
+from rdt_async.transports._base import TensorSpec, TransferInfo
+
+
+def make_value(obj_no: int, device: str, sizes: tuple[int, ...] = (1000, 7, 0)) -> list[torch.Tensor]:
+    """Deterministic tensors for object number `obj_no` (the consumer rebuilds them)."""
+    g = torch.Generator().manual_seed(obj_no)
+    out = [torch.randn(n, generator=g) * (i + 1) for i, n in enumerate(sizes)]
+    out.append(torch.arange(12, dtype=torch.int32).reshape(3, 4).t())  # non-contiguous
+    out.append(torch.tensor([True, False]))
+    out.append(torch.linspace(0, 1, 5).to(torch.bfloat16))
+    return [t.to(device) for t in out]
+
+
+def _producer_main(conn: Any, transport_name: str, device: str) -> None:
+    transport = _registry.get(transport_name)
+    objects: dict[str, tuple[list[torch.Tensor], Any]] = {}
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            break
+        op = msg[0]
+        try:
+            if op == "make":
+                _, obj_no, sizes = msg
+                tensors = make_value(obj_no, device, sizes)
+                obj_id = f"obj{obj_no}-{os.urandom(4).hex()}"
+                meta = transport.prepare(obj_id, tensors)
+                objects[obj_id] = (tensors, meta)
+                specs = tuple(TensorSpec.of(t) for t in tensors)
+                conn.send(("ok", TransferInfo(obj_id, specs, meta)))
+            elif op == "send":
+                _, obj_id, request = msg
+                if obj_id not in objects:
+                    raise ObjectFreedError(f"object {obj_id} was freed", obj_id=obj_id)
+                tensors, meta = objects[obj_id]
+                reply = _io.submit(transport.send_multiple_tensors(obj_id, tensors, meta, request)).result()
+                conn.send(("ok", reply))
+            elif op == "free":
+                tensors, meta = objects.pop(msg[1])
+                transport.garbage_collect(msg[1], meta)
+                conn.send(("ok", None))
+            elif op == "pid":
+                conn.send(("ok", os.getpid()))
+            elif op == "exit":
+                for obj_id, (_, meta) in objects.items():
+                    transport.garbage_collect(obj_id, meta)
+                conn.send(("ok", None))
+                break
+        except Exception as exc:  # report to the consumer, keep serving
+            conn.send(("err", exc))
+
+
+class Producer:
+    """A producer process for one transport, driven from the consumer (this process)."""
+
+    def __init__(self, transport: str, device: str = "cpu") -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_producer_main, args=(child, transport, device), daemon=True)
+        self.proc.start()
+        child.close()
+        self._lock = threading.Lock()
+        self.transport = transport
+
+    def call(self, *msg: Any) -> Any:
+        with self._lock:
+            self.conn.send(msg)
+            try:
+                status, value = self.conn.recv()
+            except (EOFError, ConnectionError) as exc:
+                raise PeerDiedError(f"producer process died during {msg[0]}") from exc
+        if status == "err":
+            raise value
+        return value
+
+    def make(self, obj_no: int, sizes: tuple[int, ...] = (1000, 7, 0)) -> TransferInfo[Any]:
+        return self.call("make", obj_no, sizes)
+
+    def channel(self, obj_id: str) -> PipeChannel:
+        return PipeChannel(self, obj_id)
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.call("exit")
+            except Exception:
+                pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(10)
+
+
+class PipeChannel:
+    """Stands in for the core's actor call to the producer's `rdt` group."""
+
+    def __init__(self, producer: Producer, obj_id: str) -> None:
+        self._producer, self._obj_id = producer, obj_id
+
+    async def request_send(self, request: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(
+            None, self._producer.call, "send", self._obj_id, request
+        )
+
+
+async def fetch(producer: Producer, info: TransferInfo[Any], buffers: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Fetch like the core does: start the request, await its completion."""
+    transport = _registry.get(producer.transport)
+    request = transport.fetch_multiple_tensors(info, buffers=buffers, channel=producer.channel(info.obj_id))
+    return await transport.wait_fetch_complete(request)

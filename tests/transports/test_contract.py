@@ -1,0 +1,99 @@
+"""The contract every transport keeps, run between two plain processes (no Ray).
+
+Select transports with RDT_CONTRACT_TRANSPORTS (comma-separated) and the tensors'
+device with RDT_CONTRACT_DEVICE (cpu or cuda): the GPU machine runs this file alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+import torch
+
+import rdt_async as rdt
+from rdt_async.transports import _registry
+
+from .contract import Producer, fetch, make_value
+
+DEVICE = os.environ.get("RDT_CONTRACT_DEVICE", "cpu")
+TRANSPORTS = [
+    t
+    for t in os.environ.get("RDT_CONTRACT_TRANSPORTS", "shm,object_store").split(",")
+    if DEVICE in _registry.transport_class(t).devices
+]
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def producer(request):
+    reason = _registry.transport_class(request.param).unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    p = Producer(request.param, DEVICE)
+    yield p
+    p.close()
+
+
+def expect(obj_no: int, sizes=(1000, 7, 0)) -> list[torch.Tensor]:
+    return [t.cpu() for t in make_value(obj_no, "cpu", sizes)]
+
+
+def assert_same(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and tuple(g.shape) == tuple(w.shape)
+        assert torch.equal(g.cpu(), w)
+
+
+async def test_values_arrive_intact(producer):
+    info = producer.make(1)
+    assert_same(await fetch(producer, info), expect(1))
+
+
+async def test_into_receives_into_caller_buffers(producer):
+    info = producer.make(2)
+    buffers = [torch.empty(s.shape, dtype=s.dtype, device=DEVICE) for s in info.specs]
+    ptrs = [b.data_ptr() for b in buffers]
+    got = await fetch(producer, info, buffers)
+    assert [g.data_ptr() for g in got] == ptrs
+    assert_same(got, expect(2))
+
+
+async def test_many_concurrent_fetches(producer):
+    infos = [producer.make(10 + i, (4096,)) for i in range(8)]
+    results = await asyncio.gather(*(fetch(producer, info) for info in reversed(infos)))
+    for i, got in enumerate(reversed(results)):
+        assert_same(got, expect(10 + i, (4096,)))
+
+
+async def test_cancel_mid_fetch_then_fetch_again(producer):
+    info = producer.make(3, (16 << 20,))
+    task = asyncio.ensure_future(fetch(producer, info))
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert_same(await fetch(producer, info), expect(3, (16 << 20,)))
+
+
+async def test_fetch_after_free_raises_object_freed(producer):
+    info = producer.make(4)
+    producer.call("free", info.obj_id)
+    with pytest.raises(rdt.ObjectFreedError):
+        await fetch(producer, info)
+
+
+async def test_dead_producer_fails_in_bounded_time():
+    name = TRANSPORTS[0] if TRANSPORTS else pytest.skip("no transport")
+    p = Producer(name, DEVICE)
+    info = p.make(5)
+    p.proc.kill()
+    p.proc.join(10)
+    t0 = time.monotonic()
+    with pytest.raises(rdt.RDTError):
+        async with asyncio.timeout(30):
+            await fetch(p, info)
+    assert time.monotonic() - t0 < 30
+    p.close()
