@@ -14,6 +14,7 @@ from ._api import fetch_all as fetch_all
 from ._api import free as free
 from ._api import get as get
 from ._api import put as put
+from ._api import register_transport as register_transport
 from ._api import store_stats as store_stats
 from ._api import wait_tensor_freed as wait_tensor_freed
 from ._errors import BackendError as BackendError
@@ -45,6 +46,8 @@ __all__ = [
     "free",
     "wait_tensor_freed",
     "store_stats",
+    # transports
+    "register_transport",
     "available_transports",
     # objects and transports
     "RDTObject",

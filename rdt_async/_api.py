@@ -1,4 +1,4 @@
-"""The verbs: fetch, fetch_all, as_completed, get, put, free, wait_tensor_freed, stats."""
+"""The verbs: fetch, fetch_all, as_completed, get, put, free, wait_tensor_freed, stats, transports."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 import concurrent.futures
 import functools
 import warnings
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -136,6 +136,21 @@ async def wait_tensor_freed(tensor: torch.Tensor, /) -> None:
 def store_stats() -> dict[str, Any]:
     """Return what this process's store holds: objects, bytes, tensors, fetches by transport."""
     return store.stats()
+
+
+def register_transport(name: str, devices: Sequence[str], cls: type) -> None:
+    """Add a transport under `name` for tensors on `devices`, for every process of the cluster.
+
+    `cls` is an `rdt.Transport` subclass, or a Ray `TensorTransportManager` subclass (run
+    through an adapter). Call it in the driver, before or after `ray.init()` and before or
+    after creating actors: every process looks the name up when it first meets it. A class
+    defined in a script or test module travels by value.
+
+    Raises: TypeError for a non-class, a class of neither kind, or one missing required
+    methods (named); ValueError for a built-in or malformed name, devices that are not torch
+    device types or that the class does not declare, or a name taken by another class.
+    """
+    _registry.register(name, devices, cls)
 
 
 def available_transports() -> dict[str, bool | str]:

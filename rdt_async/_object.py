@@ -331,3 +331,84 @@ def free_remote(obj: RDTObject) -> None:
 def put_object(obj: RDTObject) -> Any:
     """Return an ObjectRef to `obj` (ours to own; it carries the anchor)."""
     return ray.put(obj)
+
+
+# Transports registered in one process reach every other one through Ray's GCS key-value
+# store: `rdt.register_transport` publishes (name, devices, class) there, now or at the
+# next `ray.init()`, and a lookup miss in any process reads it back (the registry's
+# cluster hooks). Classes from user code (a script, a test module) travel by value.
+_KV_NAMESPACE = "rdt_async"
+_published: dict[str, bytes] = {}
+
+
+def _kv_key(name: str) -> bytes:
+    return f"transport:{name}".encode()
+
+
+def _kv_ready() -> bool:
+    from ray.experimental import internal_kv
+
+    return ray.is_initialized() and internal_kv._internal_kv_initialized()
+
+
+def _publish_transport(reg: _registry.Registration) -> None:
+    """Publish a registration for the cluster. Raises: TypeError if it cannot be pickled."""
+    _published[reg.name] = _pickle_transport(reg)
+    hooks = ray._private.worker._post_init_hooks
+    if _publish_all not in hooks:
+        hooks.append(_publish_all)
+    if _kv_ready():
+        _publish_all()
+
+
+def _publish_all() -> None:
+    from ray.experimental import internal_kv
+
+    for name, blob in list(_published.items()):
+        internal_kv._internal_kv_put(_kv_key(name), blob, overwrite=True, namespace=_KV_NAMESPACE)
+
+
+def _pickle_transport(reg: _registry.Registration) -> bytes:
+    import sys
+
+    from ray import cloudpickle
+
+    module = sys.modules.get(reg.cls.__module__)
+    if module is not None and _is_user_code(module) and not cloudpickle.cloudpickle._is_registered_pickle_by_value(module):
+        # For good: the metadata its objects carry comes from the same module.
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        return cloudpickle.dumps((reg.name, reg.devices, reg.cls))
+    except Exception as exc:
+        raise TypeError(
+            f"transport class {reg.cls.__qualname__} cannot be pickled to reach other processes: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _is_user_code(module: Any) -> bool:
+    """Say whether `module` is a file of the user's (not installed, not rdt_async, not __main__)."""
+    path = getattr(module, "__file__", None)
+    if module.__name__ == "__main__" or not path:
+        return False
+    path = os.path.realpath(path)
+    parts = path.split(os.sep)
+    ours = os.path.dirname(os.path.realpath(__file__)) + os.sep
+    return "site-packages" not in parts and "dist-packages" not in parts and not path.startswith(ours)
+
+
+def _resolve_transport(name: str) -> tuple[Sequence[str], type] | None:
+    """Return (devices, class) published for `name` by some process, or None."""
+    if not _kv_ready():
+        return None
+    from ray import cloudpickle
+    from ray.experimental import internal_kv
+
+    blob = internal_kv._internal_kv_get(_kv_key(name), namespace=_KV_NAMESPACE)
+    if blob is None:
+        return None
+    _, devices, cls = cloudpickle.loads(blob)
+    return devices, cls
+
+
+_registry.set_cluster_hooks(resolve=_resolve_transport, publish=_publish_transport)

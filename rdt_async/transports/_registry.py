@@ -1,10 +1,25 @@
-"""Transports by name: the built-in ones, loaded lazily, and registered ones."""
+"""Transports by name: the built-in ones, registered ones, and installed packages' ones.
+
+A name is looked up, in order, among this process's registrations and the built-ins;
+then through the cluster resolver, a hook the Ray layer installs (transports that
+`rdt.register_transport` published from another process); then among the
+`rdt_async.transports` entry points of installed packages. Nothing is imported or
+scanned before a name misses. This module never imports Ray.
+"""
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import inspect
+import re
+import sys
 import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from .._errors import TransportUnavailableError
 from ._base import Transport
@@ -15,43 +30,129 @@ BUILTIN: dict[str, str] = {
     "object_store": "rdt_async.transports.object_store:ObjectStoreTransport",
 }
 AUTO = "auto"
+# Names no registration may take: the built-ins, shipped or planned (compared case-blind).
+RESERVED = frozenset({AUTO, "inline", "shm", "object_store", "nixl", "ucxx", "gloo", "nccl"})
+ENTRY_POINT_GROUP = "rdt_async.transports"
+_RAY_MANAGER_MODULE = "ray.experimental.rdt.tensor_transport_manager"
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+# Parts of Ray's TensorTransportManager that the adapter never calls: not required.
+_RAY_UNUSED = frozenset({"tensor_transport_backend", "actor_has_tensor_transport"})
 
-_lock = threading.Lock()
+
+@dataclass(frozen=True)
+class Registration:
+    """A transport added by name: the class as given, its devices, where it came from."""
+
+    name: str
+    devices: tuple[str, ...]
+    cls: type  # an rdt_async Transport subclass or a Ray TensorTransportManager subclass
+    origin: str  # "register_transport", "cluster" or "entry point <module:attr>"
+
+
+Resolver = Callable[[str], "tuple[Sequence[str], type] | None"]
+Publisher = Callable[[Registration], None]
+
+_lock = threading.RLock()  # reentrant: loading a transport may register one
 _classes: dict[str, type[Transport[Any]]] = {}
 _instances: dict[str, Transport[Any]] = {}
+_registrations: dict[str, Registration] = {}
+_resolver: Resolver | None = None
+_publisher: Publisher | None = None
+
+
+def set_cluster_hooks(*, resolve: Resolver, publish: Publisher) -> None:
+    """Install how registrations reach other processes (the Ray layer does, at import).
+
+    `publish(registration)` runs for each `register_transport` in this process and may
+    raise to refuse it; `resolve(name)` returns `(devices, cls)` registered elsewhere, or None.
+    """
+    global _resolver, _publisher
+    _resolver, _publisher = resolve, publish
+
+
+def register(name: str, devices: Sequence[str], cls: type, *, origin: str = "register_transport") -> Registration:
+    """Add a transport class under `name`, for tensors on `devices`.
+
+    Raises: TypeError for a non-class, a class of the wrong kind or one missing
+    required methods (named); ValueError for a bad or built-in name, for devices that
+    are not torch device types or that the class does not declare, or for a name
+    already registered to another class.
+    """
+    reg = _validate(name, devices, cls, origin)
+    effective = _effective_class(reg)
+    with _lock:
+        old = _registrations.get(name)
+        if old is not None and old.cls is cls and old.devices == reg.devices:
+            return old
+        if old is not None and _qualname(old.cls) != _qualname(cls):
+            raise ValueError(
+                f"transport {name!r} is already registered to {_qualname(old.cls)} ({old.origin}); "
+                f"register {_qualname(cls)} under another name"
+            )
+        # New, or a re-definition of the same class (a re-run cell, a reloaded module).
+        old_class, old_instance = _classes.get(name), _instances.pop(name, None)
+        _registrations[name], _classes[name] = reg, effective
+        if origin == "register_transport" and _publisher is not None:
+            try:
+                _publisher(reg)
+            except BaseException:
+                _restore(name, old, old_class, old_instance)
+                raise
+    return reg
+
+
+def _restore(name: str, reg: Registration | None, cls: type[Transport[Any]] | None, inst: Transport[Any] | None) -> None:
+    for table, value in ((_registrations, reg), (_classes, cls), (_instances, inst)):
+        if value is None:
+            table.pop(name, None)
+        else:
+            table[name] = value  # type: ignore[index]
 
 
 def names() -> list[str]:
-    """Return every transport name a method may ask for, `auto` first."""
-    return [AUTO, *BUILTIN, *(n for n in _classes if n not in BUILTIN)]
+    """Return every transport name a method may ask for, `auto` first.
+
+    Lists entry points of installed packages without importing them; transports
+    registered in other processes appear once looked up here.
+    """
+    with _lock:
+        local = [n for n in _classes if n not in BUILTIN]
+    return [AUTO, *BUILTIN, *local, *(n for n in _entry_points() if n not in local)]
 
 
 def check_name(name: str) -> str:
-    """Return `name` if some transport has it, else raise naming the available ones."""
-    if not isinstance(name, str) or name not in names():
-        raise ValueError(
-            f"unknown tensor_transport {name!r}; available: {', '.join(names())} "
-            "(add your own with rdt.register_transport)"
-        )
-    return name
+    """Return `name` if some transport has it, else raise naming the available ones.
+
+    Raises: ValueError; TransportUnavailableError if the name is known but its class
+    cannot be loaded here.
+    """
+    if isinstance(name, str) and (name == AUTO or name in BUILTIN or _lookup(name) is not None):
+        return name
+    raise ValueError(
+        f"unknown tensor_transport {name!r}; available: {', '.join(names())} "
+        "(add your own with rdt.register_transport)"
+    )
 
 
 def transport_class(name: str) -> type[Transport[Any]]:
-    cls = _classes.get(name)
+    """Return the Transport class registered under `name`, loading it on first use.
+
+    Raises: TransportUnavailableError for an unknown name or a class that cannot load.
+    """
+    cls = _lookup(name)
     if cls is None:
-        if name not in BUILTIN:
-            check_name(name)
-            raise TransportUnavailableError(f"transport {name!r} is not known in this process")
-        module, _, attr = BUILTIN[name].partition(":")
-        cls = getattr(importlib.import_module(module), attr)
-        _classes[name] = cls
+        raise TransportUnavailableError(
+            f"unknown transport {name!r} in this process; available: {', '.join(names())}. "
+            "Register it with rdt.register_transport (in the driver, after ray.init(), it "
+            "reaches every process of the cluster) or install the package that provides it"
+        )
     return cls
 
 
 def get(name: str) -> Transport[Any]:
     """Return this process's instance of a transport, creating it on first use.
 
-    Raises: TransportUnavailableError naming why (a missing extra, no device).
+    Raises: TransportUnavailableError naming why (a missing extra, no device, unknown).
     """
     inst = _instances.get(name)
     if inst is not None:
@@ -63,7 +164,13 @@ def get(name: str) -> Transport[Any]:
             reason = cls.unavailable_reason()
             if reason is not None:
                 raise TransportUnavailableError(f"transport {name!r} is unavailable: {reason}")
-            inst = _instances[name] = cls()
+            try:
+                inst = cls()
+            except Exception as exc:
+                raise TransportUnavailableError(
+                    f"transport {name!r} could not be created: {type(exc).__name__}: {exc}"
+                ) from exc
+            _instances[name] = inst
         return inst
 
 
@@ -77,3 +184,220 @@ def available() -> dict[str, bool | str]:
             reason = f"{type(exc).__name__}: {exc}"
         out[name] = True if reason is None else reason
     return out
+
+
+# -- lookup: this process, the built-ins, the cluster, installed packages -----------------
+
+
+def _lookup(name: str) -> type[Transport[Any]] | None:
+    cls = _classes.get(name)
+    if cls is not None or not isinstance(name, str):
+        return cls
+    with _lock:
+        cls = _classes.get(name)
+        if cls is None and name in BUILTIN:
+            module, _, attr = BUILTIN[name].partition(":")
+            cls = _classes[name] = getattr(importlib.import_module(module), attr)
+        if cls is None and not _is_reserved(name):
+            reg = _from_cluster(name) or _from_entry_point(name)
+            cls = _classes.get(name) if reg is not None else None
+        return cls
+
+
+def _from_cluster(name: str) -> Registration | None:
+    if _resolver is None:
+        return None
+    try:
+        found = _resolver(name)
+        if found is None:
+            return None
+        devices, cls = found
+        return register(name, devices, cls, origin="cluster")
+    except Exception as exc:
+        raise TransportUnavailableError(
+            f"transport {name!r} is registered in this Ray cluster but cannot be loaded in this "
+            f"process: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _from_entry_point(name: str) -> Registration | None:
+    ep = _entry_points().get(name)
+    if ep is None:
+        return None
+    where = f"entry point {ep.value!r} of {_dist_name(ep)}"
+    try:
+        cls = ep.load()
+        devices = getattr(cls, "devices", None)
+        if devices is None:
+            raise TypeError(f"{_qualname(cls)} declares no `devices` (e.g. devices = ('cpu',))")
+        return register(name, devices, cls, origin=f"entry point {ep.value}")
+    except Exception as exc:
+        raise TransportUnavailableError(
+            f"transport {name!r} ({where}) cannot be loaded: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
+    """Entry points of the `rdt_async.transports` group, first of each name (not loaded)."""
+    out: dict[str, importlib.metadata.EntryPoint] = {}
+    try:
+        found = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+    except Exception:  # a broken distribution must not break lookups of the others
+        return out
+    for ep in found:
+        if not _is_reserved(ep.name) and _NAME.fullmatch(ep.name):
+            out.setdefault(ep.name, ep)
+    return out
+
+
+def _dist_name(ep: importlib.metadata.EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    return f"package {dist.name}" if dist is not None else "an installed package"
+
+
+# -- validation --------------------------------------------------------------------------
+
+
+def _is_reserved(name: str) -> bool:
+    return name.lower() in RESERVED or name.lower() in {n.lower() for n in BUILTIN}
+
+
+def _validate(name: str, devices: Sequence[str], cls: type, origin: str) -> Registration:
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(
+            f"a transport name is 1-64 letters, digits, '_', '-' or '.', not {name!r}"
+        )
+    if _is_reserved(name):
+        raise ValueError(
+            f"{name!r} is the name of a built-in transport; register yours under another "
+            f"name, such as 'my_{name.lower()}'"
+        )
+    if not isinstance(cls, type):
+        hint = " (pass the class itself, not an instance)" if _is_transport_class(type(cls)) else ""
+        raise TypeError(
+            f"register_transport takes a transport class, not {type(cls).__name__} {cls!r}{hint}"
+        )
+    if issubclass(cls, Transport):
+        problems = _transport_problems(cls)
+    elif _is_ray_manager(cls):
+        problems = _ray_manager_problems(cls)
+    else:
+        raise TypeError(
+            f"{_qualname(cls)} is neither an rdt_async.Transport subclass nor a subclass of "
+            "Ray's ray.experimental.rdt.TensorTransportManager"
+        )
+    if problems:
+        raise TypeError(f"transport class {_qualname(cls)} cannot be registered: {'; '.join(problems)}")
+    return Registration(name, _check_devices(devices, cls), cls, origin)
+
+
+def _is_transport_class(cls: type) -> bool:
+    return issubclass(cls, Transport) or _is_ray_manager(cls)
+
+
+def _is_ray_manager(cls: type) -> bool:
+    # A subclass of Ray's class means Ray is imported already: never import it here.
+    module = sys.modules.get(_RAY_MANAGER_MODULE)
+    return module is not None and issubclass(cls, module.TensorTransportManager)
+
+
+def _defined_by(cls: type, attr: str) -> type | None:
+    return next((k for k in cls.__mro__ if attr in vars(k)), None)
+
+
+def _transport_problems(cls: type[Transport[Any]]) -> list[str]:
+    problems = []
+    abstract = sorted(getattr(cls, "__abstractmethods__", ()))
+    if abstract:
+        problems.append(f"it is missing (abstract): {', '.join(abstract)}")
+    missing = []
+    if _defined_by(cls, "receive") is Transport and _defined_by(cls, "fetch_multiple_tensors") is Transport:
+        missing.append("async def receive(self, info, buffers, channel) -> list[Tensor]")
+    if not cls.one_sided and _defined_by(cls, "send_multiple_tensors") is Transport:
+        missing.append(
+            "async def send_multiple_tensors(self, obj_id, tensors, meta, request) "
+            "(it says one_sided = False)"
+        )
+    if missing:
+        problems.append(f"it is missing {' and '.join(missing)}")
+    for attr in ("receive", "send_multiple_tensors", "wait_fetch_complete"):
+        fn = vars(_defined_by(cls, attr) or Transport).get(attr)
+        if _defined_by(cls, attr) is not Transport and not inspect.iscoroutinefunction(fn):
+            problems.append(f"{attr} must be `async def` (it runs on rdt_async's I/O loop)")
+    for attr in ("prepare", "garbage_collect", "check_tensors", "fetch_multiple_tensors", "abort_transport"):
+        fn = vars(_defined_by(cls, attr) or Transport).get(attr)
+        if inspect.iscoroutinefunction(fn):
+            problems.append(f"{attr} must be a plain `def` (rdt_async calls it without awaiting)")
+    return problems
+
+
+def _ray_manager_problems(cls: type) -> list[str]:
+    abstract = set(getattr(cls, "__abstractmethods__", ()))
+    unused = set(_RAY_UNUSED)
+    try:
+        if "is_one_sided" not in abstract and cls.is_one_sided():  # type: ignore[attr-defined]
+            unused.add("send_multiple_tensors")  # Ray's docs let one-sided managers omit it
+        if "can_abort_transport" not in abstract and not cls.can_abort_transport():  # type: ignore[attr-defined]
+            unused.add("abort_transport")
+    except Exception as exc:
+        return [f"its capability query raised {type(exc).__name__}: {exc}"]
+    missing = sorted(abstract - unused)
+    return [f"it is missing {', '.join(missing)} (abstract in TensorTransportManager)"] if missing else []
+
+
+def _check_devices(devices: Sequence[str], cls: type) -> tuple[str, ...]:
+    if isinstance(devices, (str, bytes)):
+        raise TypeError(f"devices is a list of device types such as ['cpu'], not the string {devices!r}")
+    try:
+        devs = tuple(dict.fromkeys(devices))
+    except TypeError:
+        raise TypeError(f"devices is a list of device types such as ['cpu'], not {devices!r}") from None
+    if not devs:
+        raise ValueError("devices must name at least one device type the transport moves, such as ['cpu']")
+    for d in devs:
+        if not isinstance(d, str):
+            raise TypeError(f"devices holds device type names (str), not {d!r}")
+        try:
+            dev = torch.device(d)
+        except (RuntimeError, ValueError) as exc:
+            hint = " (did you mean 'cuda'?)" if d.lower() == "gpu" else ""
+            raise ValueError(f"{d!r} is not a torch device type{hint}: {exc}") from None
+        if dev.type != d:
+            raise ValueError(f"devices holds device types such as {dev.type!r}, not the device {d!r}")
+    declared = _declared_devices(cls)
+    if declared is not None:
+        cannot = [d for d in devs if d not in declared]
+        if cannot:
+            raise ValueError(
+                f"{_qualname(cls)} declares devices = {tuple(declared)!r} and cannot handle "
+                f"{', '.join(cannot)}; register it for a subset of {list(declared)}"
+            )
+    return devs
+
+
+def _declared_devices(cls: type) -> tuple[str, ...] | None:
+    owner = _defined_by(cls, "devices")
+    if owner is None or owner is Transport:
+        return None
+    declared = vars(owner)["devices"]
+    return (declared,) if isinstance(declared, str) else tuple(declared)
+
+
+def _effective_class(reg: Registration) -> type[Transport[Any]]:
+    """The class the registry instantiates: the name and devices are the registration's."""
+    if issubclass(reg.cls, Transport):
+        namespace = {
+            "name": reg.name,
+            "devices": reg.devices,
+            "__module__": reg.cls.__module__,
+            "__qualname__": reg.cls.__qualname__,
+            "__doc__": reg.cls.__doc__,
+        }
+        return type(reg.cls)(reg.cls.__name__, (reg.cls,), namespace)
+    from ._ray_adapter import adapt
+
+    return adapt(reg.name, reg.devices, reg.cls)
+
+
+def _qualname(cls: Any) -> str:
+    return f"{getattr(cls, '__module__', '?')}.{getattr(cls, '__qualname__', repr(cls))}"

@@ -1,0 +1,271 @@
+"""Ray's `TensorTransportManager` classes, run as rdt_async transports.
+
+A transport written for Ray (a subclass of `ray.experimental.rdt.TensorTransportManager`)
+is registered with `rdt.register_transport(name, devices, cls)` like any other; the
+registry wraps it in a subclass of `RayManagerTransport`. Ray's interface is
+synchronous, so every call into the manager runs in rdt_async's bounded pool, never on
+an event loop. Where each of Ray's methods runs in a transfer::
+
+    producer                                       consumer
+    --------                                       --------
+    extract_tensor_transport_metadata  (prepare)
+        -> RayMeta(its metadata, producer actor)   travels inside the RDTObject
+                                                   get_communicator_metadata(src, dst, name)
+                                                   fetch_multiple_tensors + wait_fetch_complete
+                                                       (receive(): the pool, from the I/O loop)
+    [two-sided only, asked over the Channel, concurrently with the receive]
+    send_multiple_tensors(tensors, meta, comm)
+    abort_transport(obj_id, comm)    on cancel,    abort_transport(obj_id, comm)
+                                     if can_abort_transport()
+    garbage_collect(obj_id, meta, tensors)  when the last ref is gone, or on free()
+
+Differences from Ray: `get_communicator_metadata` runs on the consumer, which knows both
+actors (Ray runs it on the object's owner); `tensor_transport_backend` and
+`actor_has_tensor_transport` are never called (the registered name is the name, and
+every process can load every registered transport). A manager whose
+`can_abort_transport()` is False cannot be interrupted: a cancelled fetch returns at once
+and the receive finishes in the pool, its result dropped.
+
+This module imports nothing from Ray: it only calls the manager class it is given and,
+to name the actors, looks Ray up in `sys.modules`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import secrets
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from .. import _io
+from .._errors import TransportUnavailableError
+from ._base import Channel, TransferInfo, Transport
+
+log = logging.getLogger("rdt_async")
+
+# How long a cancelled fetch waits for the manager's abort and for its receive to return.
+ABORT_WAIT_S = 5.0
+
+
+@dataclass(frozen=True)
+class RayMeta:
+    """What an RDTObject carries for a Ray manager: its metadata and the producer actor."""
+
+    transport_meta: Any  # the manager's TensorTransportMetadata
+    src_actor: Any = None  # ActorHandle of the producer; None for the driver or a plain process
+
+
+@dataclass(frozen=True)
+class _Describe:
+    """Ask the producer for metadata made for this transfer only (object not prepared)."""
+
+    token: str
+
+
+@dataclass(frozen=True)
+class _Send:
+    comm: Any
+    token: str | None = None  # a _Describe's token: release its metadata after the send
+
+
+@dataclass(frozen=True)
+class _Abort:
+    comm: Any
+    token: str | None = None
+
+
+def adapt(name: str, devices: tuple[str, ...], manager_class: type) -> type[RayManagerTransport]:
+    """Return a Transport class running `manager_class` under `name`. Runs on: both."""
+    namespace = {
+        "name": name,
+        "devices": devices,
+        "one_sided": bool(manager_class.is_one_sided()),  # type: ignore[attr-defined]
+        "can_abort": bool(manager_class.can_abort_transport()),  # type: ignore[attr-defined]
+        "manager_class": _concrete(manager_class),
+        "__module__": __name__,
+        "__qualname__": f"RayManagerTransport[{manager_class.__qualname__}]",
+    }
+    return type(f"{manager_class.__name__}Transport", (RayManagerTransport,), namespace)
+
+
+def _concrete(cls: type) -> type:
+    """Fill the abstract methods the adapter never calls (the registry checked which)."""
+    missing = getattr(cls, "__abstractmethods__", frozenset())
+    if not missing:
+        return cls
+    return type(cls)(cls.__name__, (cls,), {m: _never_called(cls, m) for m in missing})
+
+
+def _never_called(cls: type, method: str) -> Any:
+    def stub(*args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"{cls.__qualname__}.{method} is not implemented")
+
+    return stub
+
+
+class RayManagerTransport(Transport[RayMeta]):
+    """A Ray TensorTransportManager behind rdt_async's Transport interface."""
+
+    manager_class: ClassVar[type]
+    inline_prepare_bytes = 0  # Ray's extract may block (memory registration): never inline
+
+    def __init__(self) -> None:
+        self._manager = self.manager_class()
+        self._lock = threading.Lock()
+        # Producer: the tensors of each prepared object, which Ray's garbage_collect takes.
+        self._held: dict[str, list[torch.Tensor]] = {}
+        # Producer: metadata made for one transfer of an object that was not prepared.
+        self._lent: dict[str, tuple[str, Any, list[torch.Tensor]]] = {}
+
+    def prepare(self, obj_id: str, tensors: Sequence[torch.Tensor]) -> RayMeta:
+        """Run the manager's extract_tensor_transport_metadata. Runs on: producer."""
+        tensors = list(tensors)
+        meta = self._manager.extract_tensor_transport_metadata(obj_id, tensors)
+        with self._lock:
+            self._held[obj_id] = tensors
+        return RayMeta(meta, _current_actor())
+
+    def garbage_collect(self, obj_id: str, meta: RayMeta) -> None:
+        """Hand the manager's garbage_collect to the pool. Runs on: producer."""
+        with self._lock:
+            tensors = self._held.pop(obj_id, None)
+        if tensors is not None:
+            _io.pool().submit(self._collect, obj_id, meta.transport_meta, tensors)
+
+    def _collect(self, obj_id: str, transport_meta: Any, tensors: list[torch.Tensor]) -> None:
+        try:
+            self._manager.garbage_collect(obj_id, transport_meta, tensors)
+        except Exception:  # the object is gone either way; say why its resources may not be
+            log.exception("rdt_async: %s garbage_collect of %s failed", self.name, obj_id)
+
+    async def receive(
+        self, info: TransferInfo[RayMeta], buffers: list[torch.Tensor] | None, channel: Channel
+    ) -> list[torch.Tensor]:
+        """Receive in the pool; two-sided: ask the producer to send meanwhile.
+
+        Runs on: consumer (I/O loop). Cancelling aborts both sides if the manager can.
+        """
+        meta, token = info.meta, None
+        if meta is None:
+            if self.one_sided:
+                raise TransportUnavailableError(
+                    f"object {info.obj_id} carries no {self.name!r} metadata", obj_id=info.obj_id
+                )
+            token = secrets.token_hex(8)
+            meta = await channel.request_send(_Describe(token))
+        comm = await _io.to_thread(self._manager.get_communicator_metadata, meta.src_actor, _current_actor(), self.name)
+        recv = asyncio.wrap_future(
+            _io.pool().submit(self._recv, info.obj_id, meta.transport_meta, comm, buffers)
+        )
+        work = {recv}
+        if not self.one_sided:
+            work.add(asyncio.ensure_future(channel.request_send(_Send(comm, token))))
+        try:
+            done, _ = await asyncio.wait(work, return_when=asyncio.FIRST_EXCEPTION)
+            for fut in done:
+                if fut.exception() is not None:
+                    raise fut.exception()  # type: ignore[misc]
+            return recv.result()
+        except BaseException:
+            await self._abort(info.obj_id, comm, recv, channel, token)
+            raise
+        finally:
+            for fut in work:  # a side left running must not log "exception never retrieved"
+                fut.add_done_callback(_retrieve)
+
+    def _recv(self, obj_id: str, transport_meta: Any, comm: Any, buffers: list[torch.Tensor] | None) -> list[Any]:
+        request = self._manager.fetch_multiple_tensors(obj_id, transport_meta, comm, buffers)
+        return list(self._manager.wait_fetch_complete(request))
+
+    async def _abort(
+        self, obj_id: str, comm: Any, recv: asyncio.Future[Any], channel: Channel, token: str | None
+    ) -> None:
+        if not self.can_abort:
+            if token is not None and not recv.done():
+                log.warning("rdt_async: %s cannot abort; the transfer of %s runs on", self.name, obj_id)
+            return
+        loop = asyncio.get_running_loop()
+        # The loop's default executor, not the pool: the pool may be full of blocked receives.
+        steps: list[Any] = [loop.run_in_executor(None, self._manager.abort_transport, obj_id, comm)]
+        if not self.one_sided:
+            steps.append(asyncio.ensure_future(channel.request_send(_Abort(comm, token))))
+        try:
+            await asyncio.shield(asyncio.wait([*steps, recv], timeout=ABORT_WAIT_S))
+        except asyncio.CancelledError:
+            pass  # cancelled again while aborting: the abort goes on, the first error wins
+        for step in steps:
+            step.add_done_callback(_retrieve)
+
+    async def send_multiple_tensors(
+        self, obj_id: str, tensors: Sequence[torch.Tensor], meta: RayMeta | None, request: Any
+    ) -> Any:
+        """Serve a consumer's request: describe, send or abort. Runs on: producer (I/O loop)."""
+        if isinstance(request, _Describe):
+            transport_meta = await _io.to_thread(
+                self._manager.extract_tensor_transport_metadata, obj_id, list(tensors)
+            )
+            with self._lock:
+                self._lent[request.token] = (obj_id, transport_meta, list(tensors))
+            return RayMeta(transport_meta, _current_actor())
+        if isinstance(request, _Abort):
+            try:
+                if self.can_abort:
+                    loop = asyncio.get_running_loop()
+                    await loop.run_in_executor(None, self._manager.abort_transport, obj_id, request.comm)
+            finally:
+                self._give_back(request.token)
+            return None
+        if not isinstance(request, _Send):
+            raise TypeError(f"{self.name}: unexpected request {request!r}")
+        try:
+            if meta is not None:
+                transport_meta = meta.transport_meta
+            else:
+                with self._lock:
+                    lent = self._lent.get(request.token or "")
+                if lent is None:
+                    raise TransportUnavailableError(
+                        f"{self.name}: no metadata for object {obj_id}", obj_id=obj_id
+                    )
+                transport_meta = lent[1]
+            return await _io.to_thread(
+                self._manager.send_multiple_tensors, list(tensors), transport_meta, request.comm
+            )
+        finally:
+            self._give_back(request.token)
+
+    def _give_back(self, token: str | None) -> None:
+        with self._lock:
+            lent = self._lent.pop(token, None) if token is not None else None
+        if lent is not None:
+            _io.pool().submit(self._collect, *lent)
+
+
+def _retrieve(fut: asyncio.Future[Any] | concurrent.futures.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+_actor_cache: dict[str, Any] = {}
+
+
+def _current_actor() -> Any:
+    """Return this process's ActorHandle, or None (driver, plain process, no Ray)."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return None
+    ctx = ray.get_runtime_context()
+    actor_id = ctx.get_actor_id()
+    if actor_id is None:
+        return None
+    handle = _actor_cache.get(actor_id)
+    if handle is None:
+        handle = _actor_cache[actor_id] = ctx.current_actor
+    return handle
