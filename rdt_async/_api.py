@@ -181,11 +181,15 @@ async def _fetch_object(obj: RDTObject, *, device: Any, into: Any) -> Any:
         name = _object.choose_transport(obj, _node_id())
         transport = _registry.get(name)
         info = TransferInfo(obj.obj_id, obj.specs, obj.meta.get(name))
-        request = transport.fetch_multiple_tensors(
-            info, buffers=buffers, channel=_object.RayChannel(obj, name)
-        )
         with translating(f"{name} fetch of {obj.obj_id}", obj.obj_id):
-            tensors = await transport.wait_fetch_complete(request)
+            now = transport.receive_nowait(info, buffers)
+            if now is not None:
+                tensors = now
+            else:
+                request = transport.fetch_multiple_tensors(
+                    info, buffers=buffers, channel=_object.RayChannel(obj, name)
+                )
+                tensors = await transport.wait_fetch_complete(request)
         buffers = None if buffers is None else []  # already written
     store.fetches[name] += 1
     log.debug("rdt_async: fetched %s over %s (%d bytes)", obj.obj_id, name, obj.nbytes)

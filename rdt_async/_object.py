@@ -27,6 +27,7 @@ from ._errors import ObjectFreedError, RDTError, TransportUnavailableError, tran
 from ._store import StoredObject, log, store
 from .transports import _registry
 from .transports._base import TensorSpec, Transport
+from .transports.inline import AUTO_MAX_BYTES as INLINE_AUTO_MAX_BYTES
 
 if not hasattr(ray._raylet.CoreWorker, "add_object_out_of_scope_callback"):
     raise ImportError(
@@ -160,6 +161,8 @@ def _prepared_transports(name: str, tensors: Sequence[torch.Tensor]) -> list[Tra
         return [transport] if transport.one_sided else []
     _registry.get("object_store").check_tensors(tensors)  # what auto falls back to
     if all(t.device.type == "cpu" for t in tensors):
+        if sum(t.numel() * t.element_size() for t in tensors) <= INLINE_AUTO_MAX_BYTES:
+            return [_registry.get("inline")]  # small: the bytes ride in the ref
         return [_registry.get("shm")]  # same node, CPU: the likely consumer
     return []
 
@@ -295,12 +298,13 @@ class RayChannel:
 def choose_transport(obj: RDTObject, node_id: str) -> str:
     """Pick the transport for a fetch of `obj` by a process on `node_id`.
 
-    `auto`: same node and CPU -> shm; otherwise object_store. A one-sided transport
-    that cannot reach this node falls back to object_store.
+    `auto`: small CPU objects -> inline (prepared by the producer); same node and
+    CPU -> shm; otherwise object_store. A one-sided transport that cannot reach this
+    node falls back to object_store.
     """
     name = obj.transport
     if name == _registry.AUTO:
-        name = "shm" if "shm" in obj.meta else "object_store"
+        name = "inline" if "inline" in obj.meta else "shm" if "shm" in obj.meta else "object_store"
     if name == "shm" and obj.producer.node_id != node_id:
         name = "object_store"
     return name

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.usefixtures("ray_session")
 
 
 def test_unknown_transport_fails_at_decoration_naming_the_available_ones():
-    with pytest.raises(ValueError, match=r"unknown tensor_transport 'nvlink'; available: auto, shm, object_store"):
+    with pytest.raises(ValueError, match=r"unknown tensor_transport 'nvlink'; available: auto, inline, shm, object_store"):
 
         @rdt.method(tensor_transport="nvlink")
         def f(self):
@@ -70,4 +70,18 @@ def test_sync_method_of_an_async_actor_asks_to_be_async():
     m = Mixed.remote()
     with pytest.raises(RuntimeError, match="make the method `async def`"):
         ray.get(m.sync_consumer.remote(p.value.remote(torch.ones(1))))
+    ray.kill(p)
+
+
+def test_explicit_inline_refuses_large_values():
+    p = SyncProducer.remote()
+
+    @rdt.remote
+    class Inliner:
+        @rdt.method(tensor_transport="inline")
+        def big(self):
+            return torch.ones(1 << 19)
+
+    with pytest.raises(rdt.TransportUnavailableError, match="at most 1048576 bytes.*use tensor_transport='auto' or 'shm'"):
+        ray.get(Inliner.remote().big.remote())
     ray.kill(p)

@@ -188,5 +188,6 @@ def test_fetch_records_the_transport_used(producer):
             await rdt.fetch_all(refs)
             return collections.Counter(rdt.store_stats()["fetches"]) - before
 
-    refs = [producer.value.remote(torch.ones(2)), producer.value_os.remote(torch.ones(2))]
-    assert ray.get(Counter.remote().run.remote(refs)) == {"shm": 1, "object_store": 1}
+    big = torch.ones(1 << 15)  # 128 KiB: above what auto inlines
+    refs = [producer.value.remote(torch.ones(2)), producer.value.remote(big), producer.value_os.remote(big)]
+    assert ray.get(Counter.remote().run.remote(refs)) == {"inline": 1, "shm": 1, "object_store": 1}

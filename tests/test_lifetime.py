@@ -33,9 +33,9 @@ def producer():
 
 def test_store_goes_back_to_zero_when_refs_are_dropped(producer):
     pid = ray.get(producer.pid.remote())
-    refs = [producer.make.remote(1000, seed=i) for i in range(5)]
+    refs = [producer.make.remote(1 << 15, seed=i) for i in range(5)]
     ray.wait(refs, num_returns=5)
-    assert ray.get(producer.stats.remote())["bytes"] == 5 * 4000
+    assert ray.get(producer.stats.remote())["bytes"] == 5 * 4 * (1 << 15)
     assert len(segments_of(pid)) == 5
     del refs
     wait_until(lambda: objects_of(producer) == 0, 10)
@@ -74,7 +74,7 @@ def test_objects_held_by_a_killed_actor_are_freed(producer):
 
 def test_free_releases_now_and_later_fetches_fail(producer):
     pid = ray.get(producer.pid.remote())
-    ref = producer.value.remote(torch.ones(10))
+    ref = producer.value.remote(torch.ones(1 << 15))
     consumer = AsyncConsumer.remote()
     rdt.free(ref)
     with pytest.raises(rdt.ObjectFreedError):
@@ -123,7 +123,7 @@ def test_shared_memory_of_a_killed_producer_is_unlinked():
 
 def test_segments_are_private_and_unguessable(producer):
     pid = ray.get(producer.pid.remote())
-    ref = producer.value.remote(torch.ones(4))
+    ref = producer.value.remote(torch.ones(1 << 15))
     ray.wait([ref])
     [seg] = segments_of(pid)
     assert os.stat(f"/dev/shm/{seg}").st_mode & 0o777 == 0o600

@@ -28,10 +28,11 @@ def test_auto_uses_shm_on_one_node_and_the_object_store_across_nodes():
     here = SyncProducer.remote()
     there = SyncProducer.options(**ON_NODE2).remote()
     reader = Reader.remote()
-    refs = [here.value.remote(torch.ones(1000)), there.value.remote(torch.full((1000,), 2.0))]
+    n = 1 << 15  # above what auto inlines
+    refs = [here.value.remote(torch.ones(n)), there.value.remote(torch.full((n,), 2.0)), there.value.remote(torch.ones(3))]
     sums, used, node = ray.get(reader.read.remote(refs))
-    assert sums == [1000.0, 2000.0]
-    assert used == {"shm": 1, "object_store": 1}
+    assert sums == [n, 2.0 * n, 3.0]
+    assert used == {"shm": 1, "object_store": 1, "inline": 1}
 
 
 def test_explicit_shm_across_nodes_falls_back_and_says_so():
@@ -43,6 +44,6 @@ def test_explicit_shm_across_nodes_falls_back_and_says_so():
 
 def test_driver_put_is_fetched_across_nodes():
     reader = Reader.options(**ON_NODE2).remote()
-    ref = rdt.put(torch.arange(10.0))
+    ref = rdt.put(torch.arange(1 << 15, dtype=torch.float64))
     sums, used, _ = ray.get(reader.read.remote([ref]))
-    assert sums == [45.0] and used == {"object_store": 1}
+    assert sums == [float((1 << 15) * ((1 << 15) - 1) // 2)] and used == {"object_store": 1}

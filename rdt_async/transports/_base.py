@@ -160,6 +160,13 @@ class Transport(Generic[M]):
         """
         return FetchRequest.start(self.name, self.receive(info, buffers, channel))
 
+    def receive_nowait(self, info: TransferInfo[M], buffers: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+        """Return the tensors at once if that cannot block (tiny local copies), else None.
+
+        Runs on: consumer, on the caller's thread. The default takes the I/O loop path.
+        """
+        return None
+
     async def wait_fetch_complete(self, request: FetchRequest) -> list[torch.Tensor]:
         """Await the tensors of a request.
 

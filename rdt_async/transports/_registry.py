@@ -26,6 +26,7 @@ from ._base import Transport
 
 # name -> "module:Class", imported on first use so that optional backends stay unloaded.
 BUILTIN: dict[str, str] = {
+    "inline": "rdt_async.transports.inline:InlineTransport",
     "shm": "rdt_async.transports.shm:ShmTransport",
     "object_store": "rdt_async.transports.object_store:ObjectStoreTransport",
 }

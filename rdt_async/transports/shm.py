@@ -27,6 +27,8 @@ from ._base import Channel, TransferInfo, Transport, copy_into
 SHM_DIR = "/dev/shm"
 PREFIX = "rdt-"
 ALIGN = 64
+# Segments up to this size are mapped (and copied into buffers) on the caller's thread.
+NOWAIT_BYTES = 1 << 20
 
 # Runs in the guardian: detach from the producer's process tree, sweep what dead
 # producers left, then wait for our producer's end (EOF on stdin) and sweep its segments.
@@ -105,25 +107,21 @@ class ShmTransport(Transport[ShmMeta]):
             os.close(fd)
         return ShmMeta(name, size, tuple(offsets))
 
+    def receive_nowait(
+        self, info: TransferInfo[ShmMeta], buffers: list[torch.Tensor] | None
+    ) -> list[torch.Tensor] | None:
+        if info.meta.size > NOWAIT_BYTES:
+            return None  # the copy into buffers would block: take the I/O loop path
+        views = _map(info)
+        return views if buffers is None else copy_into(buffers, views)
+
     async def receive(
         self, info: TransferInfo[ShmMeta], buffers: list[torch.Tensor] | None, channel: Channel
     ) -> list[torch.Tensor]:
-        meta = info.meta
-        mm: mmap.mmap | None = None
-        if meta.segment is not None:
-            fd = os.open(os.path.join(SHM_DIR, meta.segment), os.O_RDONLY)
-            try:
-                mm = mmap.mmap(fd, meta.size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            finally:
-                os.close(fd)
-        views = [_view(mm, spec, off) for spec, off in zip(info.specs, meta.offsets)]
+        views = _map(info)
         if buffers is None:
             return views  # each view keeps the private mapping alive
-        out = await _io.to_thread(copy_into, buffers, views)
-        del views
-        if mm is not None:
-            mm.close()
-        return out
+        return await _io.to_thread(copy_into, buffers, views)
 
     def garbage_collect(self, obj_id: str, meta: ShmMeta) -> None:
         if meta.segment is not None:
@@ -147,6 +145,19 @@ class ShmTransport(Transport[ShmMeta]):
             )
             proc.wait()  # the first child exits at once; its detached child keeps stdin
             self._guardian, self._guardian_pid = proc, os.getpid()
+
+
+def _map(info: TransferInfo[ShmMeta]) -> list[torch.Tensor]:
+    """Map the segment copy-on-write and return a view per tensor (no copy)."""
+    meta = info.meta
+    mm: mmap.mmap | None = None
+    if meta.segment is not None:
+        fd = os.open(os.path.join(SHM_DIR, meta.segment), os.O_RDONLY)
+        try:
+            mm = mmap.mmap(fd, meta.size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+    return [_view(mm, spec, off) for spec, off in zip(info.specs, meta.offsets)]
 
 
 def _view(mm: mmap.mmap | None, spec, offset: int) -> torch.Tensor:  # type: ignore[no-untyped-def]

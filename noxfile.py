@@ -1,0 +1,66 @@
+"""Sessions: `nox -s quickstart` (install and run the example), `nox -s tests`, `nox -s bench`.
+
+torch: on a machine without an NVIDIA GPU the sessions install the CPU build of torch
+(a plain `torch` requirement would pull several GB of CUDA wheels); with a GPU they let
+pip pick the default build. Set RDT_TORCH_SPEC (e.g. "torch==2.13.0") to choose yourself.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import nox
+
+nox.options.sessions = ["tests"]
+nox.options.reuse_existing_virtualenvs = False
+
+TORCH_VERSION = os.environ.get("RDT_TORCH_VERSION", "2.13.0")
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+def _has_gpu() -> bool:
+    return shutil.which("nvidia-smi") is not None or os.path.exists("/dev/nvidia0")
+
+
+def _install_torch(session: nox.Session) -> None:
+    """Install torch first, pinned, so that nothing later swaps it for a CUDA build."""
+    spec = os.environ.get("RDT_TORCH_SPEC")
+    if spec:
+        session.install(spec)
+    elif _has_gpu():
+        session.install(f"torch=={TORCH_VERSION}")
+    else:
+        try:  # a local CPU wheel (find-links) or an index that serves +cpu builds
+            session.install(f"torch=={TORCH_VERSION}+cpu", silent=True)
+        except nox.command.CommandFailed:
+            session.install(f"torch=={TORCH_VERSION}+cpu", "--index-url", CPU_INDEX)
+    version = session.run("python", "-c", "import torch; print(torch.__version__)", silent=True).strip()
+    constraints = session.create_tmp() + "/constraints.txt"
+    with open(constraints, "w") as f:
+        f.write(f"torch=={version}\n")
+    session.env["PIP_CONSTRAINT"] = constraints
+
+
+@nox.session
+def quickstart(session: nox.Session) -> None:
+    """Install rdt_async on a fresh venv and run examples/quickstart.py."""
+    _install_torch(session)
+    session.install(".")
+    session.run("python", "examples/quickstart.py")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Run the test suite on a local two-node Ray cluster."""
+    _install_torch(session)
+    session.install(".[tests]")
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Run the benchmarks; JSON to bench.json, table on stdout."""
+    _install_torch(session)
+    session.install(".")
+    session.run("python", "-m", "rdt_async.bench", "--json", "bench.json", *session.posargs)

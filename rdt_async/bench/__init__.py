@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m rdt_async.bench` (JSON out, ratios against baselines run alongside)."""

@@ -1,0 +1,123 @@
+"""python -m rdt_async.bench [--sizes 4K,1M,64M,256M,512M] [--repeat 3] [--json out.json]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from typing import Any
+
+import ray
+import torch
+
+
+def parse_size(s: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    s = s.strip().upper().removesuffix("B")
+    return int(float(s[:-1]) * units[s[-1]]) if s[-1] in units else int(s)
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.4g} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m rdt_async.bench", description=__doc__)
+    ap.add_argument("--sizes", default="4K,1M,64M,256M,512M")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--json", default="-", help="file for the JSON results ('-': stdout)")
+    ap.add_argument("--only", default="", help="comma-separated: fetch,pass,responsiveness,memcpy,nixl")
+    args = ap.parse_args(argv)
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    only = set(filter(None, args.only.split(",")))
+
+    def want(name: str) -> bool:
+        return not only or name in only
+
+    from . import _core
+
+    ray.init(include_dashboard=False, log_to_driver=False)
+    rows: list[dict[str, Any]] = []
+    try:
+        if want("memcpy"):
+            for size in sizes:
+                if size >= 1 << 20:
+                    rows.append({"bench": "memcpy", "case": "torch copy_, 1 thread, warm", "size": size,
+                                 "gib_s": _core.memcpy_gib_s(size, args.repeat)})
+        if want("fetch"):
+            rows += _core.fetch_rows(sizes, args.repeat)
+        if want("pass"):
+            rows += _core.pass_rows(4 << 10, args.repeat)
+        if want("responsiveness"):
+            rows += _core.responsiveness_rows(max(sizes))
+        if want("nixl"):
+            try:
+                from . import _nixl
+            except ImportError:
+                pass
+            else:
+                rows += _nixl.run(sizes, args.repeat)
+    finally:
+        ray.shutdown()
+
+    result = {
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "machine": {"python": platform.python_version(), "torch": torch.__version__, "ray": ray.__version__},
+        "rows": rows,
+        "checks": checks(rows),
+    }
+    text = json.dumps(result, indent=2)
+    if args.json == "-":
+        print(text)
+    else:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    print_table(rows, result["checks"], file=sys.stderr if args.json == "-" else sys.stdout)
+    return 0
+
+
+def checks(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The issue's targets, as ratios against baselines measured in this run."""
+    out: dict[str, Any] = {}
+    by = {(r["bench"], r["case"], r["size"]): r for r in rows}
+    size = 256 << 20
+    into, memcpy = by.get(("fetch", "rdt auto, into=", size)), by.get(("memcpy", "torch copy_, 1 thread, warm", size))
+    if into and memcpy:
+        out["into_256M_vs_memcpy"] = round(into["gib_s"] / memcpy["gib_s"], 3)
+    slower = []
+    for (bench, case, s), r in by.items():
+        if bench == "fetch" and case == "rdt auto (shm)":
+            ray_row = by.get(("fetch", "ray object store", s))
+            if ray_row and r["fetch_read_s"] > ray_row["fetch_read_s"]:
+                slower.append(s)
+    if any(r["bench"] == "fetch" for r in rows):
+        out["sizes_where_auto_slower_than_ray_object_store"] = slower
+    p_ours, p_ray = by.get(("pass", "rdt auto", 4096)), by.get(("pass", "ray object store", 4096))
+    if p_ours and p_ray:
+        out["pass_4K_vs_object_store"] = round(p_ours["seconds"] / p_ray["seconds"], 3)
+    resp = [r for r in rows if r["bench"] == "responsiveness"]
+    if resp:
+        out["worst_ping_ms_while_arriving"] = round(max(r["worst_ping_ms"] for r in resp), 1)
+    return out
+
+
+def print_table(rows: list[dict[str, Any]], checks_: dict[str, Any], file: Any) -> None:
+    for r in rows:
+        extra = ", ".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+            for k, v in r.items()
+            if k not in ("bench", "case", "size")
+        )
+        print(f"{r['bench']:<15} {r['case']:<36} {human(r['size']):>10}  {extra}", file=file)
+    for k, v in checks_.items():
+        print(f"check: {k} = {v}", file=file)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,62 @@
+"""`inline`: small objects travel inside the RDTObject itself, as Ray inlines small values.
+
+`auto` picks it for CPU objects of at most `AUTO_MAX_BYTES`: a fetch then needs no
+segment, no round trip and no hop to the I/O loop, on any node. The producer still
+keeps the tensors (same-process fetches, `free`, `wait_tensor_freed` work as usual).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .._errors import TransportUnavailableError
+from ._base import Channel, TransferInfo, Transport
+
+AUTO_MAX_BYTES = 64 << 10  # what auto inlines
+MAX_BYTES = 1 << 20  # what an explicit tensor_transport="inline" accepts
+
+
+class InlineTransport(Transport[tuple[bytes, ...]]):
+    """Bytes carried in the object's metadata (CPU tensors, at most 1 MiB)."""
+
+    name = "inline"
+    devices = ("cpu",)
+    one_sided = True
+
+    def check_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
+        super().check_tensors(tensors)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        if nbytes > MAX_BYTES:
+            raise TransportUnavailableError(
+                f"transport 'inline' carries at most {MAX_BYTES} bytes in the ref, not {nbytes}; "
+                "use tensor_transport='auto' or 'shm'"
+            )
+
+    def prepare(self, obj_id: str, tensors: Sequence[torch.Tensor]) -> tuple[bytes, ...]:
+        return tuple(_bytes_of(t) for t in tensors)
+
+    def receive_nowait(
+        self, info: TransferInfo[tuple[bytes, ...]], buffers: list[torch.Tensor] | None
+    ) -> list[torch.Tensor]:
+        out = []
+        for i, (data, spec) in enumerate(zip(info.meta, info.specs)):
+            t = (
+                torch.frombuffer(bytearray(data), dtype=spec.dtype).view(spec.shape)
+                if data
+                else torch.empty(spec.shape, dtype=spec.dtype)
+            )
+            out.append(t if buffers is None else buffers[i].copy_(t))
+        return out
+
+    async def receive(
+        self, info: TransferInfo[tuple[bytes, ...]], buffers: list[torch.Tensor] | None, channel: Channel
+    ) -> list[torch.Tensor]:
+        return self.receive_nowait(info, buffers)
+
+
+def _bytes_of(t: torch.Tensor) -> bytes:
+    if t.numel() == 0:
+        return b""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
