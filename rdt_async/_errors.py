@@ -74,6 +74,12 @@ def translate(exc: BaseException, what: str, obj_id: str | None = None) -> BaseE
             return ObjectFreedError(f"{what}: the object was lost ({exc})", obj_id=obj_id)
         if isinstance(exc, ray_exceptions.RayError):
             return BackendError(f"{what} failed in Ray: {exc}", obj_id=obj_id)
+    native = type(exc).__name__
+    if native == "nixlRemoteDisconnectError" or native.startswith("UCXConnectionReset"):
+        return PeerDiedError(f"{what}: the producer disconnected ({native}: {exc})", obj_id=obj_id)
+    if native.startswith("nixl") or native.startswith("UCX"):
+        lib = "NIXL" if native.startswith("nixl") else "UCX"
+        return BackendError(f"{what} failed in {lib}: {native}: {exc}", obj_id=obj_id)
     if isinstance(exc, FileNotFoundError):
         return ObjectFreedError(f"{what}: the object was freed (or its producer died)", obj_id=obj_id)
     return BackendError(f"{what} failed: {type(exc).__name__}: {exc}", obj_id=obj_id)

@@ -29,6 +29,7 @@ BUILTIN: dict[str, str] = {
     "inline": "rdt_async.transports.inline:InlineTransport",
     "shm": "rdt_async.transports.shm:ShmTransport",
     "object_store": "rdt_async.transports.object_store:ObjectStoreTransport",
+    "nixl": "rdt_async.transports.nixl:NixlTransport",
 }
 AUTO = "auto"
 # Names no registration may take: the built-ins, shipped or planned (compared case-blind).

@@ -1,0 +1,690 @@
+"""`nixl`: one-sided READs with NVIDIA NIXL (UCX), CPU and CUDA tensors, any node.
+
+One agent per process, created on first use, without NIXL's progress thread (it spins
+a core forever): the consumer drives its transfers from the I/O loop, and a producer
+polls `get_new_notifs()` there with backoff (the passive side must progress or wire-up
+hangs), only while it has registered objects. The agent is created with
+NIXL_THREAD_SYNC_STRICT, and our own lock sits on top of it so the I/O loop only ever
+*tries* to take the agent: under CMA `transfer()` does the whole copy while holding
+NIXL's lock, and a loop waiting on it would stall for the copy.
+
+Producer: `prepare` registers each tensor's *storage* once (refcounted, so views and
+objects sharing a storage share a registration; non-contiguous tensors are copied
+once to a contiguous tensor kept with the object) and returns everything a consumer
+needs in the RDTObject: the agent's name, its connection metadata, partial metadata
+for the object's regions, each tensor's address, and a liveness slot. A fetch costs
+no round trip to the producer.
+
+Liveness: each object owns a slot in a small registered table that holds a random
+token while the object lives. A consumer READs the tensors, then READs the slot: a
+token that no longer matches means the object was freed before or during the read,
+and the fetch raises ObjectFreedError instead of returning stale bytes (after
+deregistration, a CMA READ still returns whatever now lies at the old address).
+`garbage_collect` clears the slot at once and deregisters after a bounded linger
+(50 ms plus the time to read the object at 1 GiB/s, at most 10 s), so that a READ
+racing an explicit `free()` never touches deregistered memory.
+
+Why the linger and not read notifications: measured on NIXL 1.5.1, a notification
+(on a READ or from `send_notif`) keeps the reader's *next* READ in progress until the
+producer's agent progresses: 8 ms per fetch with a producer polling every 10 ms, and
+polling fast enough to hide that costs a core. Reads racing a free happen only on an
+explicit `free()`: while a consumer fetches, its RDTObject keeps the anchor alive.
+
+Consumer: loads a producer's connection metadata once (cached per agent), registers
+the destination (caller buffers when given) for the length of the fetch, posts the
+READ (off the loop above `INLINE_BYTES`: under CMA the copy happens in the call) and
+polls `check_xfer_state` with backoff. Cancelling releases the handle and the
+temporary registration, after any copy already running in the pool has ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib.util
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from .. import _io
+from .._errors import ObjectFreedError, PeerDiedError, TransferAbortedError, TransportUnavailableError
+from ._base import Channel, TransferInfo, Transport, copy_into
+
+T = TypeVar("T")
+
+INSTALL_HINT = "pip install 'rdt_async[nixl]'"
+# Reads at most this large are posted on the I/O loop; larger ones copy in the pool.
+INLINE_BYTES = 256 << 10
+SLOTS_PER_TABLE = 1024
+LINGER_S, LINGER_MAX_S, LINGER_BYTES_PER_S = 0.05, 10.0, float(1 << 30)
+POLL_MIN_S, POLL_MAX_S = 0.001, 0.02
+# How long a transfer may stay in progress after a cancel before its handle is dropped.
+ABORT_GRACE_S = 5.0
+
+
+@dataclass(frozen=True)
+class NixlMeta:
+    """What a consumer needs to read an object: agent, metadata, addresses, liveness slot."""
+
+    agent: str
+    conn: bytes  # the producer agent's connection metadata (the same for all its objects)
+    regs: tuple[bytes, ...]  # partial metadata of the object's registered regions, per memory type
+    # Per tensor: (address, nbytes, device index, "DRAM" | "VRAM"), or None when empty.
+    descs: tuple[tuple[int, int, int, str] | None, ...]
+    slot: int  # address of the liveness slot (uint64) in the producer
+    token: int
+    pid: int
+    host: str
+
+
+@functools.cache
+def _import_reason() -> str | None:
+    if importlib.util.find_spec("nixl") is None:
+        return f"the nixl package is not installed: {INSTALL_HINT}"
+    try:
+        importlib.import_module("nixl._api")
+    except Exception as exc:  # a broken install is a reason, not a crash
+        return f"nixl is installed but cannot be loaded ({type(exc).__name__}: {exc}); reinstall with {INSTALL_HINT}"
+    return None
+
+
+def _mem_type(t: torch.Tensor) -> str:
+    return "DRAM" if t.device.type == "cpu" else "VRAM"
+
+
+def _dev_index(t: torch.Tensor) -> int:
+    return 0 if t.device.type == "cpu" else t.device.index or 0
+
+
+@dataclass
+class _Registration:
+    """One registered storage: NIXL's descriptor list, who uses it, what keeps it alive."""
+
+    dlist: Any
+    keep: torch.Tensor  # holds the storage: registered memory is never freed under NIXL
+    region: tuple[int, int, int]  # address, nbytes, device index
+    mem_type: str
+    users: int = 0
+
+
+@dataclass
+class _Object:
+    keys: list[tuple[str, int, int]]
+    slot: int
+    nbytes: int
+    contiguous: list[torch.Tensor]  # copies made for non-contiguous tensors
+
+
+class _Agent:
+    """This process's NIXL agent, and the lock that lets the I/O loop only try it."""
+
+    def __init__(self) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+
+        self.name = f"rdt-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+        cfg = nixl_agent_config(
+            enable_prog_thread=False,
+            backends=["UCX"],
+            sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+        )
+        self.nixl = nixl_agent(self.name, cfg)
+        if "UCX" not in self.nixl.backends:
+            raise TransportUnavailableError(
+                f"transport 'nixl' is unavailable: NIXL's UCX backend did not load; reinstall with {INSTALL_HINT}"
+            )
+        self.lock = threading.Lock()
+        self.pid = os.getpid()
+
+    def locked(self, fn: Callable[..., T], *args: Any) -> T:
+        """Call `fn` holding the agent (blocking: from the pool or a producer thread)."""
+        with self.lock:
+            return fn(*args)
+
+    async def call(self, fn: Callable[..., T], *args: Any, slow: bool = False) -> T:
+        """Call `fn` holding the agent: inline when free and quick, else in the pool."""
+        if not slow and self.lock.acquire(blocking=False):
+            try:
+                return fn(*args)
+            finally:
+                self.lock.release()
+        return await _io.to_thread(self.locked, fn, *args)
+
+
+class NixlTransport(Transport[NixlMeta]):
+    """One-sided NIXL READs (CPU and CUDA tensors; same node over CMA/CUDA IPC, or RDMA/TCP)."""
+
+    name = "nixl"
+    devices = ("cpu", "cuda")
+    one_sided = True
+
+    def __init__(self) -> None:
+        self._agent: _Agent | None = None
+        self._agent_lock = threading.Lock()
+        self._state = threading.Lock()  # guards the dicts below (never held while calling NIXL)
+        self._regs: dict[tuple[str, int, int], _Registration] = {}
+        self._objects: dict[str, _Object] = {}
+        self._tables: list[tuple[torch.Tensor, Any]] = []  # liveness tables and their registrations
+        self._free_slots: list[int] = []  # indexes over all tables
+        self._landing: torch.Tensor | None = None  # where consumers read slots into
+        self._free_landing: list[int] = []
+        self._conn: bytes = b""
+        self._remotes: dict[str, str] = {}  # producer agent -> name NIXL knows it by
+        self._poller: asyncio.Task[None] | None = None
+        self._host = socket.gethostname()
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return _import_reason()
+
+    # -- what tests and operators look at --------------------------------------------
+
+    @property
+    def registrations(self) -> int:
+        """Return how many storages this process has registered with NIXL now."""
+        with self._state:
+            return len(self._regs)
+
+    @property
+    def registered_bytes(self) -> int:
+        with self._state:
+            return sum(r.region[1] for r in self._regs.values())
+
+    # -- the agent -------------------------------------------------------------------
+
+    def agent(self) -> _Agent:
+        """Return this process's agent, creating it (~0.5 s) on first use. Blocking."""
+        agent = self._agent
+        if agent is not None and agent.pid == os.getpid():
+            return agent
+        with self._agent_lock:
+            if self._agent is None or self._agent.pid != os.getpid():
+                reason = _import_reason()
+                if reason is not None:
+                    raise TransportUnavailableError(f"transport 'nixl' is unavailable: {reason}")
+                agent = _Agent()
+                table = torch.zeros(SLOTS_PER_TABLE, dtype=torch.int64)
+                dlist = agent.locked(agent.nixl.register_memory, table)
+                conn = agent.locked(agent.nixl.get_partial_agent_metadata, dlist, True)
+                self._landing = torch.zeros(SLOTS_PER_TABLE, dtype=torch.int64)
+                agent.locked(agent.nixl.register_memory, self._landing)
+                with self._state:
+                    self._tables = [(table, dlist)]
+                    self._free_slots = list(range(SLOTS_PER_TABLE - 1, -1, -1))
+                    self._free_landing = list(range(SLOTS_PER_TABLE - 1, -1, -1))
+                    self._regs, self._objects, self._remotes = {}, {}, {}
+                self._conn = conn
+                self._agent = agent
+            return self._agent
+
+    async def _agent_async(self) -> _Agent:
+        agent = self._agent
+        if agent is not None and agent.pid == os.getpid():
+            return agent
+        return await _io.to_thread(self.agent)
+
+    # -- producer --------------------------------------------------------------------
+
+    def prepare(self, obj_id: str, tensors: Sequence[torch.Tensor]) -> NixlMeta:
+        agent = self.agent()
+        keys: list[tuple[str, int, int]] = []
+        copies: list[torch.Tensor] = []
+        descs: list[tuple[int, int, int, str] | None] = []
+        slot = -1
+        try:
+            for t in tensors:
+                nbytes = t.numel() * t.element_size()
+                if nbytes == 0:
+                    descs.append(None)
+                    continue
+                if not t.is_contiguous():
+                    t = t.contiguous()
+                    copies.append(t)
+                keys.append(self._register(agent, t))
+                descs.append((t.data_ptr(), nbytes, _dev_index(t), _mem_type(t)))
+            slot, slot_addr, token, table_dlist = self._take_slot(agent)
+            regs = self._partial_metadata(agent, keys, table_dlist)
+        except BaseException:
+            for dlist in self._drop(keys, slot):
+                agent.locked(agent.nixl.deregister_memory, dlist)
+            raise
+        with self._state:
+            self._objects[obj_id] = _Object(keys, slot, sum(d[1] for d in descs if d), copies)
+        self._ensure_poller()
+        return NixlMeta(agent.name, self._conn, regs, tuple(descs), slot_addr, token, os.getpid(), self._host)
+
+    def garbage_collect(self, obj_id: str, meta: NixlMeta) -> None:
+        with self._state:
+            obj = self._objects.pop(obj_id, None)
+            if obj is None:
+                return
+            table, _ = self._tables[obj.slot // SLOTS_PER_TABLE]
+            table[obj.slot % SLOTS_PER_TABLE] = 0  # from now on every read of it fails
+        linger = min(LINGER_MAX_S, LINGER_S + obj.nbytes / LINGER_BYTES_PER_S)
+        _io.call_soon(self._retire_later, obj, linger)
+
+    def _retire_later(self, obj: _Object, linger: float) -> None:
+        asyncio.get_running_loop().call_later(linger, self._retire, obj)
+
+    def _retire(self, obj: _Object) -> None:
+        agent = self._agent
+        if agent is not None and agent.pid == os.getpid():
+            _deregister_soon(agent, self._drop(obj.keys, obj.slot))
+
+    def _register(self, agent: _Agent, t: torch.Tensor) -> tuple[str, int, int]:
+        """Register the storage under `t` (once; refcounted) and return its key.
+
+        Blocking: takes the agent. Runs on: producer (prepare) and consumer (pool).
+        """
+        key, known = self._use(t)
+        if not known:
+            region = self._region(t)
+            self._add(key, t, agent.locked(agent.nixl.register_memory, [(*region, "")], key[0]), agent)
+        return key
+
+    def _register_nowait(self, agent: _Agent, t: torch.Tensor) -> tuple[str, int, int] | None:
+        """Register from the loop if that needs no wait (known storage, or a free agent)."""
+        key, known = self._use(t)
+        if known:
+            return key
+        if not agent.lock.acquire(blocking=False):
+            return None
+        try:
+            dlist = agent.nixl.register_memory([(*self._region(t), "")], key[0])
+        finally:
+            agent.lock.release()
+        self._add(key, t, dlist, agent)
+        return key
+
+    def _use(self, t: torch.Tensor) -> tuple[tuple[str, int, int], bool]:
+        key = (_mem_type(t), _dev_index(t), t.untyped_storage().data_ptr())
+        with self._state:
+            reg = self._regs.get(key)
+            if reg is not None:
+                reg.users += 1
+                return key, True
+        return key, False
+
+    @staticmethod
+    def _region(t: torch.Tensor) -> tuple[int, int, int]:
+        storage = t.untyped_storage()
+        return (storage.data_ptr(), storage.nbytes(), _dev_index(t))
+
+    def _add(self, key: tuple[str, int, int], t: torch.Tensor, dlist: Any, agent: _Agent) -> None:
+        whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+        with self._state:
+            reg = self._regs.get(key)
+            if reg is None:
+                self._regs[key] = _Registration(dlist, whole, self._region(t), key[0], 1)
+                return
+            reg.users += 1  # another thread registered it meanwhile: drop ours
+        _deregister_soon(agent, [dlist])
+
+    def _drop(self, keys: Sequence[tuple[str, int, int]], slot: int = -1) -> list[Any]:
+        """Drop one use of each key; return the registrations nobody uses any more."""
+        gone = []
+        with self._state:
+            for key in keys:
+                reg = self._regs.get(key)
+                if reg is None:
+                    continue
+                reg.users -= 1
+                if reg.users == 0:
+                    gone.append(self._regs.pop(key).dlist)
+            if slot >= 0:
+                self._free_slots.append(slot)
+        return gone
+
+    def _take_slot(self, agent: _Agent) -> tuple[int, int, int, Any]:
+        with self._state:
+            if not self._free_slots:
+                n = len(self._tables)
+                table = torch.zeros(SLOTS_PER_TABLE, dtype=torch.int64)
+                self._tables.append((table, None))
+                self._free_slots = list(range((n + 1) * SLOTS_PER_TABLE - 1, n * SLOTS_PER_TABLE - 1, -1))
+            slot = self._free_slots.pop()
+            table, dlist = self._tables[slot // SLOTS_PER_TABLE]
+        if dlist is None:  # a fresh table: register it once
+            dlist = agent.locked(agent.nixl.register_memory, table)
+            with self._state:
+                self._tables[slot // SLOTS_PER_TABLE] = (table, dlist)
+        token = secrets.randbits(62) + 1
+        i = slot % SLOTS_PER_TABLE
+        table[i] = token
+        return slot, table.data_ptr() + 8 * i, token, dlist
+
+    def _partial_metadata(self, agent: _Agent, keys: Sequence[tuple[str, int, int]], table_dlist: Any) -> tuple[bytes, ...]:
+        by_mem: dict[str, list[tuple[int, int, int, str]]] = {"DRAM": []}
+        with self._state:
+            for key in dict.fromkeys(keys):
+                reg = self._regs[key]
+                by_mem.setdefault(reg.mem_type, []).append((*reg.region, ""))
+        table = self._tables_region(table_dlist)
+        if table is not None:
+            by_mem["DRAM"].append(table)
+        out = []
+        for mem, regions in by_mem.items():
+            if regions:
+                dlist = agent.nixl.get_reg_descs(regions, mem)
+                out.append(agent.locked(agent.nixl.get_partial_agent_metadata, dlist, False))
+        return tuple(out)
+
+    def _tables_region(self, dlist: Any) -> tuple[int, int, int, str] | None:
+        with self._state:
+            for table, d in self._tables[1:]:
+                if d is dlist:
+                    return (table.data_ptr(), table.numel() * 8, 0, "")
+        return None  # table 0 travels in the connection metadata
+
+    def _ensure_poller(self) -> None:
+        if self._poller is None or self._poller.done():
+            _io.call_soon(self._start_poller)
+
+    def _start_poller(self) -> None:
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.get_running_loop().create_task(self._poll())
+
+    async def _poll(self) -> None:
+        """Progress the agent while objects are registered, so consumers can wire up.
+
+        Runs on: producer (I/O loop). Backs off to POLL_MAX_S while nothing arrives.
+        """
+        delay = POLL_MIN_S
+        while True:
+            with self._state:
+                if not self._regs:
+                    return
+            agent = self._agent
+            if agent is None or agent.pid != os.getpid():
+                return
+            if agent.lock.acquire(blocking=False):
+                try:
+                    notifs = agent.nixl.get_new_notifs()
+                except Exception:
+                    notifs = {}
+                finally:
+                    agent.lock.release()
+                if notifs:
+                    delay = POLL_MIN_S
+            await asyncio.sleep(delay)
+            delay = min(POLL_MAX_S, delay * 2)
+
+    # -- consumer --------------------------------------------------------------------
+
+    async def receive(
+        self, info: TransferInfo[NixlMeta], buffers: list[torch.Tensor] | None, channel: Channel
+    ) -> list[torch.Tensor]:
+        meta = info.meta
+        agent = await self._agent_async()
+        try:
+            remote = await self._connect(agent, meta)
+            out = await self._read_object(agent, remote, info, buffers)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            if _is_disconnect(exc):
+                self._forget(meta.agent)
+            if not isinstance(exc, (ObjectFreedError, PeerDiedError)) and not _alive(meta):
+                raise PeerDiedError(
+                    f"nixl fetch of {info.obj_id}: the producer (pid {meta.pid} on {meta.host}) died",
+                    obj_id=info.obj_id,
+                ) from exc
+            raise
+        if buffers is None:
+            return out
+        strided = [(b, o) for b, o in zip(buffers, out) if b is not o]
+        if strided:  # caller buffers that were not contiguous received a temporary
+            await _io.to_thread(copy_into, [b for b, _ in strided], [o for _, o in strided])
+        return list(buffers)
+
+    async def _read_object(
+        self, agent: _Agent, remote: str, info: TransferInfo[NixlMeta], buffers: list[torch.Tensor] | None
+    ) -> list[torch.Tensor]:
+        """READ the tensors, then the liveness slot; raise ObjectFreedError if it changed."""
+        meta = info.meta
+        out, dsts = self._destinations(info, buffers)
+        pairs = [(d, s) for d, s in zip(dsts, meta.descs) if s is not None]
+        landing, lslot = self._take_landing()
+        keys: list[tuple[str, int, int]] = []
+        try:
+            keys = await self._register_all(agent, [d for d, _ in pairs] + ([lslot] if landing < 0 else []))
+            error: Exception | None = None
+            for group in _by_device(pairs):
+                try:
+                    await self._read(
+                        agent, remote,
+                        [(d.data_ptr(), s[1], _dev_index(d)) for d, s in group],
+                        [s[:3] for _, s in group],
+                        local_mem=_mem_type(group[0][0]), remote_mem=group[0][1][3],
+                    )
+                except Exception as exc:  # a read of freed memory can fail: ask the slot
+                    error = exc
+                    break
+            lslot.zero_()
+            try:
+                await self._read(agent, remote, [(lslot.data_ptr(), 8, 0)], [(meta.slot, 8, 0)], "DRAM", "DRAM")
+            except Exception:
+                if error is not None:
+                    raise error from None
+                raise
+            if int(lslot.item()) != meta.token:
+                raise ObjectFreedError(
+                    f"object {info.obj_id} was freed before its nixl read finished", obj_id=info.obj_id
+                ) from error
+            if error is not None:
+                raise error
+        finally:
+            self._give_landing(landing)
+            if keys:
+                _deregister_soon(agent, self._drop(keys))
+        return out
+
+    def _destinations(
+        self, info: TransferInfo[NixlMeta], buffers: list[torch.Tensor] | None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Return the tensors to hand back and, as flat bytes, where each READ lands."""
+        out, dsts = [], []
+        for i, spec in enumerate(info.specs):
+            b = buffers[i] if buffers is not None else None
+            if b is not None and b.is_contiguous():
+                t = b
+            else:
+                device = b.device if b is not None else _local_device(spec.device)
+                t = torch.empty(spec.shape, dtype=spec.dtype, device=device)
+            out.append(t)
+            dsts.append(t.reshape(-1).view(torch.uint8) if t.numel() else t)
+        return out, dsts
+
+    async def _connect(self, agent: _Agent, meta: NixlMeta) -> str:
+        """Load the producer's metadata: its connection once, the object's regions each time."""
+        remote = self._remotes.get(meta.agent)
+        if remote is None:
+            try:
+                name = await agent.call(agent.nixl.add_remote_agent, meta.conn, slow=True)
+            except Exception as exc:
+                raise PeerDiedError(
+                    f"nixl: cannot connect to the producer's agent {meta.agent} (pid {meta.pid} on "
+                    f"{meta.host}): it died or is unreachable ({type(exc).__name__}: {exc})"
+                ) from exc
+            remote = self._remotes[meta.agent] = name.decode() if isinstance(name, bytes) else name
+        for md in meta.regs:
+            await agent.call(agent.nixl.add_remote_agent, md)
+        return remote
+
+    def _forget(self, producer: str) -> None:
+        remote = self._remotes.pop(producer, None)
+        agent = self._agent
+        if remote is not None and agent is not None:
+            _io.pool().submit(_quietly, agent.locked, agent.nixl.remove_remote_agent, remote)
+
+    async def _register_all(self, agent: _Agent, dsts: list[torch.Tensor]) -> list[tuple[str, int, int]]:
+        keys: list[tuple[str, int, int]] = []
+        try:
+            for d in dsts:
+                key = self._register_nowait(agent, d) if d.device.type == "cpu" else None
+                keys.append(key if key is not None else await _io.to_thread(self._register, agent, d))
+        except BaseException:
+            _deregister_soon(agent, self._drop(keys))
+            raise
+        return keys
+
+    async def _read(
+        self,
+        agent: _Agent,
+        remote: str,
+        local: list[tuple[int, int, int]],
+        remote_descs: list[tuple[int, int, int]],
+        local_mem: str,
+        remote_mem: str,
+    ) -> None:
+        """READ remote regions into local ones; release the handle whatever happens.
+
+        Runs on: consumer (I/O loop). Posts inline up to INLINE_BYTES, else in the pool.
+        """
+        nx = agent.nixl
+        handle = await agent.call(
+            nx.initialize_xfer, "READ", nx.get_xfer_descs(local, local_mem),
+            nx.get_xfer_descs(remote_descs, remote_mem), remote,
+        )
+        state = "PROC"
+        try:
+            if sum(r[1] for r in remote_descs) <= INLINE_BYTES:
+                state = await agent.call(nx.transfer, handle)
+            else:
+                state = await _finish_in_pool(agent, nx.transfer, handle)
+            delay = 0.0
+            while state == "PROC":
+                await asyncio.sleep(delay)
+                delay = min(0.005, delay * 2 or 0.0002)
+                if agent.lock.acquire(blocking=False):
+                    try:
+                        state = nx.check_xfer_state(handle)
+                    finally:
+                        agent.lock.release()
+            if state != "DONE":
+                raise TransferAbortedError(f"nixl READ from {remote} ended in state {state}")
+        finally:
+            if state == "PROC":
+                await _abort(agent, handle)
+            else:
+                _call_soon(agent, nx.release_xfer_handle, handle)
+
+    def _take_landing(self) -> tuple[int, torch.Tensor]:
+        with self._state:
+            i = self._free_landing.pop() if self._free_landing else -1
+        if i < 0 or self._landing is None:
+            return -1, torch.zeros(1, dtype=torch.int64)  # registered for this fetch only
+        return i, self._landing[i : i + 1]
+
+    def _give_landing(self, i: int) -> None:
+        if i >= 0:
+            with self._state:
+                self._free_landing.append(i)
+
+
+def _by_device(
+    pairs: list[tuple[torch.Tensor, tuple[int, int, int, str]]],
+) -> list[list[tuple[torch.Tensor, tuple[int, int, int, str]]]]:
+    """Group reads by (local device, remote memory): one NIXL request per group."""
+    groups: dict[Any, list[tuple[torch.Tensor, tuple[int, int, int, str]]]] = {}
+    for d, s in pairs:
+        groups.setdefault((str(d.device), s[3], s[2]), []).append((d, s))
+    return list(groups.values())
+
+
+def _call_soon(agent: _Agent, fn: Callable[..., Any], *args: Any) -> None:
+    """Call `fn` on the agent now if it is free, else in the pool; never wait, never raise."""
+    if agent.lock.acquire(blocking=False):
+        try:
+            fn(*args)
+        except Exception:
+            pass
+        finally:
+            agent.lock.release()
+    else:
+        _io.pool().submit(_quietly, agent.locked, fn, *args)
+
+
+def _deregister_soon(agent: _Agent, dlists: list[Any]) -> None:
+    for dlist in dlists:
+        _call_soon(agent, agent.nixl.deregister_memory, dlist)
+
+
+async def _finish_in_pool(agent: _Agent, fn: Callable[..., str], handle: Any) -> str:
+    """Run a blocking agent call in the pool; if cancelled, wait for it before re-raising.
+
+    The copy cannot be interrupted and writes into memory the caller may free or reuse,
+    so a cancel takes effect once the call has returned (then the handle is released).
+    """
+    fut = asyncio.ensure_future(_io.to_thread(agent.locked, fn, handle))
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(fut)
+            break
+        except asyncio.CancelledError:
+            if fut.done():
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return result
+
+
+async def _abort(agent: _Agent, handle: Any) -> None:
+    """Release an in-progress transfer: NIXL cancels it, or we wait (bounded) until it ends."""
+    nx = agent.nixl
+    deadline = time.monotonic() + ABORT_GRACE_S
+    while True:
+        try:
+            await asyncio.shield(agent.call(nx.release_xfer_handle, handle))
+            return
+        except asyncio.CancelledError:
+            pass
+        except Exception:  # NIXL could not cancel it yet
+            pass
+        if time.monotonic() > deadline:
+            return  # NIXL keeps the handle on its leak list and frees it with the agent
+        try:
+            await asyncio.sleep(0.001)
+        except asyncio.CancelledError:
+            pass
+
+
+def _quietly(fn: Callable[..., Any], *args: Any) -> None:
+    try:
+        fn(*args)
+    except Exception:
+        pass
+
+
+def _local_device(device: str) -> torch.device:
+    d = torch.device(device)
+    if d.type == "cuda" and not torch.cuda.is_available():
+        return torch.device("cpu")
+    return d
+
+
+def _is_disconnect(exc: BaseException) -> bool:
+    return type(exc).__name__ in ("nixlRemoteDisconnectError", "nixlNotAllowedError") or isinstance(
+        exc, PeerDiedError
+    )
+
+
+def _alive(meta: NixlMeta) -> bool:
+    """Say whether the producer may be alive (only checkable on its own host)."""
+    if meta.host != socket.gethostname():
+        return True
+    try:
+        os.kill(meta.pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
