@@ -1,0 +1,526 @@
+"""Bring your own transport: rdt.Transport subclasses, Ray TensorTransportManager ones, entry points.
+
+Two one-sided transports move files through a spool directory: the docs' example
+(`examples/custom_transport.py`, written against `rdt.Transport`) and `SpoolManager`,
+written against Ray's `TensorTransportManager` and run through the adapter. Both are
+registered at import, before Ray is initialized, like a script would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+from conftest import wait_until
+from ray.experimental.rdt.tensor_transport_manager import (
+    CommunicatorMetadata,
+    TensorTransportManager,
+    TensorTransportMetadata,
+)
+
+import rdt_async as rdt
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+REPO = Path(__file__).resolve().parents[1]
+SPOOL = tempfile.mkdtemp(prefix="rdt-custom-transport-")
+
+
+def _load_example():
+    spec = importlib.util.spec_from_file_location("custom_transport", REPO / "examples" / "custom_transport.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+example = _load_example()  # registers "spool", as the script does
+
+
+class FileSpool(example.SpoolTransport):
+    """The example's transport, in this test's spool directory."""
+
+    root = os.path.join(SPOOL, "transport")
+
+
+class SlowFileSpool(FileSpool):
+    """Waits a minute before reading; leaves a mark when its receive is cancelled."""
+
+    async def receive(self, info, buffers, channel):
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            Path(self.root, f"cancelled-{info.obj_id}").touch()
+            raise
+        return await super().receive(info, buffers, channel)
+
+
+@dataclass
+class SpoolManagerMeta(TensorTransportMetadata):
+    path: str = ""
+    pid: int = 0
+
+
+class SpoolManager(TensorTransportManager):
+    """The same spool, written for Ray: synchronous, one-sided, abortable."""
+
+    root = os.path.join(SPOOL, "manager")
+    slow = False
+
+    def __init__(self):
+        self.aborted: set[str] = set()
+
+    def tensor_transport_backend(self):
+        return "SPOOL"
+
+    @staticmethod
+    def is_one_sided():
+        return True
+
+    @staticmethod
+    def can_abort_transport():
+        return True
+
+    def actor_has_tensor_transport(self, actor):
+        return True
+
+    def extract_tensor_transport_metadata(self, obj_id, rdt_object):
+        folder = os.path.join(self.root, str(os.getpid()))
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"{obj_id}.pt")
+        torch.save([t.clone() for t in rdt_object], path)
+        return SpoolManagerMeta([(t.shape, t.dtype) for t in rdt_object], "cpu", path, os.getpid())
+
+    def get_communicator_metadata(self, src_actor, dst_actor, backend=None):
+        if src_actor is None:
+            raise ValueError("the producer's actor did not travel with the object")
+        return CommunicatorMetadata()
+
+    def recv_multiple_tensors(self, obj_id, tensor_transport_metadata, communicator_metadata, target_buffers=None):
+        deadline = time.monotonic() + 60
+        while self.slow and obj_id not in self.aborted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if obj_id in self.aborted:
+            raise RuntimeError(f"transfer of {obj_id} aborted")
+        os.kill(tensor_transport_metadata.pid, 0)  # ProcessLookupError: the producer died
+        tensors = torch.load(tensor_transport_metadata.path)
+        if target_buffers is None:
+            return tensors
+        return [b.copy_(t) for b, t in zip(target_buffers, tensors)]
+
+    def send_multiple_tensors(self, tensors, tensor_transport_metadata, communicator_metadata):
+        raise NotImplementedError("one-sided")
+
+    def garbage_collect(self, obj_id, tensor_transport_meta, tensors):
+        shapes = [tuple(shape) for shape, _ in tensor_transport_meta.tensor_meta]
+        assert [tuple(t.shape) for t in tensors] == shapes  # Ray's contract: the object's tensors
+        os.unlink(tensor_transport_meta.path)
+
+    def abort_transport(self, obj_id, communicator_metadata):
+        self.aborted.add(obj_id)
+        Path(self.root, f"aborted-{obj_id}").touch()
+
+
+class SlowSpoolManager(SpoolManager):
+    slow = True
+
+
+rdt.register_transport("file-spool", ["cpu"], FileSpool)
+rdt.register_transport("file-spool-slow", ["cpu"], SlowFileSpool)
+rdt.register_transport("manager-spool", ["cpu"], SpoolManager)
+rdt.register_transport("manager-spool-slow", ["cpu"], SlowSpoolManager)
+ROOTS = {"file-spool": FileSpool.root, "manager-spool": SpoolManager.root}
+TRANSPORTS = list(ROOTS)
+
+
+def nested(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(64, generator=g),
+        "step": seed,
+        "layers": [torch.arange(6).reshape(2, 3) * seed, (torch.ones(3, dtype=torch.bfloat16), "tag")],
+        "empty": torch.empty(0),
+    }
+
+
+def assert_same(got, want):
+    assert type(got) is type(want), (got, want)
+    if isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    elif isinstance(want, dict):
+        assert got.keys() == want.keys()
+        for k in want:
+            assert_same(got[k], want[k])
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert_same(g, w)
+    else:
+        assert got == want
+
+
+@rdt.remote
+class SyncMaker:
+    @rdt.method(tensor_transport="file-spool")
+    def file_spool(self, seed):
+        return nested(seed)
+
+    @rdt.method(tensor_transport="manager-spool")
+    def manager_spool(self, seed):
+        return nested(seed)
+
+    @rdt.method(tensor_transport="file-spool-slow")
+    def file_spool_slow(self, seed):
+        return nested(seed)
+
+    @rdt.method(tensor_transport="manager-spool-slow")
+    def manager_spool_slow(self, seed):
+        return nested(seed)
+
+    def stats(self):
+        return rdt.store_stats()
+
+    def pid(self):
+        return os.getpid()
+
+
+@rdt.remote
+class AsyncMaker:
+    @rdt.method(tensor_transport="file-spool")
+    async def file_spool(self, seed):
+        return nested(seed)
+
+    @rdt.method(tensor_transport="manager-spool")
+    async def manager_spool(self, seed):
+        return nested(seed)
+
+    async def stats(self):
+        return rdt.store_stats()
+
+    async def pid(self):
+        return os.getpid()
+
+
+@rdt.remote
+class Maker:
+    """Knows no transport in particular: puts values with the one it is told."""
+
+    def put(self, seed, transport):
+        return [rdt.put(nested(seed), tensor_transport=transport)]
+
+    def knows(self, name):
+        return name in rdt.available_transports()
+
+    def stats(self):
+        return rdt.store_stats()
+
+
+@rdt.remote
+class AsyncUser:
+    async def take(self, value):
+        return value
+
+    async def fetch(self, refs):
+        return await rdt.fetch(refs[0])
+
+    async def fetch_all(self, refs):
+        return await rdt.fetch_all(refs)
+
+    async def fetch_with_timeout(self, refs, seconds):
+        try:
+            async with asyncio.timeout(seconds):
+                await rdt.fetch(refs[0])
+        except TimeoutError:
+            return "timeout"
+        return "done"
+
+    async def ping(self):
+        return "pong"
+
+    async def fetches(self):
+        return rdt.store_stats()["fetches"]
+
+
+@rdt.remote
+class SyncUser:
+    def take(self, value):
+        return value
+
+    def get(self, refs):
+        return rdt.get(refs[0])
+
+
+@rdt.remote
+class Coordinator:
+    """Drives actors of its own, from its own process."""
+
+    async def run(self, name, seed):
+        maker, user = Maker.remote(), AsyncUser.remote()
+        [ref] = await maker.put.remote(seed, name)
+        here, there = await rdt.fetch(ref), await user.fetch.remote([ref])
+        for actor in (maker, user):
+            ray.kill(actor)
+        return here, there
+
+
+@pytest.fixture(scope="module", autouse=True)
+def spool_dir():
+    yield SPOOL
+    shutil.rmtree(SPOOL, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def makers():
+    actors = {"sync": SyncMaker.remote(), "async": AsyncMaker.remote()}
+    yield actors
+    for a in actors.values():
+        ray.kill(a)
+
+
+@pytest.fixture(scope="module")
+def users():
+    actors = {"async": AsyncUser.remote(), "sync": SyncUser.remote()}
+    yield actors
+    for a in actors.values():
+        ray.kill(a)
+
+
+def objects_of(actor) -> int:
+    return ray.get(actor.stats.remote())["objects"]
+
+
+def files_of(transport: str, pid: int) -> list[str]:
+    folder = os.path.join(ROOTS[transport], str(pid))
+    return os.listdir(folder) if os.path.isdir(folder) else []
+
+
+def make(maker, transport: str, seed: int):
+    return getattr(maker, transport.replace("-", "_")).remote(seed)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_values_travel_between_sync_and_async_actors_then_are_freed(transport, kind, makers, users):
+    maker = makers[kind]
+    pid = ray.get(maker.pid.remote())
+    before = ray.get(users["async"].fetches.remote()).get(transport, 0)
+    refs = [make(maker, transport, seed) for seed in (1, 2, 3)]
+    assert_same(ray.get(users["async"].take.remote(refs[0])), nested(1))  # auto-fetched argument
+    assert_same(ray.get(users["sync"].take.remote(refs[1])), nested(2))
+    assert_same(ray.get(users["async"].fetch.remote([refs[2]])), nested(3))
+    assert_same(ray.get(users["sync"].get.remote([refs[0]])), nested(1))
+    assert_same(rdt.get(refs[1]), nested(2))  # the driver
+    got = ray.get(users["async"].fetch_all.remote(refs))
+    for seed, value in zip((1, 2, 3), got):
+        assert_same(value, nested(seed))
+    assert ray.get(users["async"].fetches.remote())[transport] == before + 5
+    assert len(files_of(transport, pid)) == 3
+    del refs, got
+    wait_until(lambda: objects_of(maker) == 0, 15)
+    # the transport's garbage_collect ran: it is what deletes the files
+    wait_until(lambda: not files_of(transport, pid), 15, lambda: f"left: {files_of(transport, pid)}")
+
+
+def test_into_receives_into_caller_buffers(makers):
+    ref = make(makers["sync"], "manager-spool", 4)
+    want = nested(4)
+    into = {"w": torch.empty(64), "layers": [torch.empty(2, 3, dtype=torch.int64), (torch.empty(3, dtype=torch.bfloat16),)]}
+    into["empty"] = torch.empty(0)
+    got = rdt.get(ref, into=[into["w"], *into["layers"][0:1], into["layers"][1][0], into["empty"]])
+    assert got["w"].data_ptr() == into["w"].data_ptr()
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize(
+    "transport, mark", [("file-spool-slow", "cancelled"), ("manager-spool-slow", "aborted")]
+)
+def test_cancelled_fetch_aborts_the_transfer(transport, mark, makers, users):
+    maker, user = makers["sync"], users["async"]
+    ref = make(maker, transport, 5)
+    obj_id = ray.get(ref).obj_id
+    root = SlowFileSpool.root if transport.startswith("file") else SlowSpoolManager.root
+    t0 = time.monotonic()
+    assert ray.get(user.fetch_with_timeout.remote([ref], 0.5)) == "timeout"
+    assert time.monotonic() - t0 < 10
+    wait_until(lambda: Path(root, f"{mark}-{obj_id}").exists(), 10)  # the transport saw the cancel
+    assert ray.get(user.ping.remote()) == "pong"
+    with pytest.raises(TimeoutError):
+        rdt.get(ref, timeout=0.3)
+    # the consumer's pool is free again: a normal fetch goes through
+    assert_same(ray.get(user.fetch.remote([make(maker, transport.removesuffix("-slow"), 6)])), nested(6))
+    del ref
+    wait_until(lambda: objects_of(maker) == 0, 15)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_killed_producer_fails_the_fetch(transport, users):
+    maker = SyncMaker.remote()
+    pid = ray.get(maker.pid.remote())
+    ref = make(maker, transport, 7)
+    ray.wait([ref])
+    ray.kill(maker)
+    wait_until(lambda: not os.path.exists(f"/proc/{pid}"), 15)
+    with pytest.raises(rdt.TransferError) as err:
+        ray.get(users["async"].fetch.remote([ref]))
+    if transport == "file-spool":
+        assert isinstance(err.value, rdt.PeerDiedError)
+    with pytest.raises(rdt.TransferError):
+        rdt.get(ref, timeout=30)
+    assert ray.get(users["async"].ping.remote()) == "pong"
+
+
+def test_registration_in_the_driver_reaches_actors_created_before():
+    maker, user, coordinator = Maker.remote(), AsyncUser.remote(), Coordinator.remote()
+    name = f"late-spool-{secrets.token_hex(3)}"
+    assert ray.get(maker.knows.remote(name)) is False
+    rdt.register_transport(name, ["cpu"], SpoolManager)  # after the actors exist
+    [ref] = ray.get(maker.put.remote(8, name))
+    assert_same(ray.get(user.fetch.remote([ref])), nested(8))
+    assert_same(rdt.get(ref), nested(8))
+    assert ray.get(maker.knows.remote(name)) is True
+    # an actor creating and driving actors of its own, from its own process
+    here, there = ray.get(coordinator.run.remote(name, 9))
+    assert_same(here, nested(9))
+    assert_same(there, nested(9))
+    del ref
+    wait_until(lambda: objects_of(maker) == 0, 15)
+    for actor in (maker, user, coordinator):
+        ray.kill(actor)
+
+
+def test_entry_point_transport_loads_lazily_and_reaches_actors(tmp_path):
+    site = tmp_path / "site"
+    shutil.copytree(REPO / "tests" / "ep_pkg", site, ignore=shutil.ignore_patterns("__pycache__"))
+    # importing rdt_async loads no entry point; the first lookup does
+    code = (
+        "import sys, rdt_async as rdt; assert 'rdt_ep_demo' not in sys.modules;"
+        "a = rdt.available_transports(); assert a['ep-echo'] is True, a;"
+        "assert 'rdt_ep_demo' in sys.modules; print('ok')"
+    )
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr
+    # an actor whose environment has the package produces with it by name
+    path = os.pathsep.join([str(site), str(REPO / "tests")])
+    maker = Maker.options(runtime_env={"env_vars": {"PYTHONPATH": path}}).remote()
+    [ref] = ray.get(maker.put.remote(10, "ep-echo"))
+    sys.path.insert(0, str(site))
+    importlib.invalidate_caches()
+    try:
+        assert "ep-echo" in rdt.available_transports()
+        assert_same(rdt.get(ref), nested(10))
+    finally:
+        sys.path.remove(str(site))
+    del ref
+    wait_until(lambda: objects_of(maker) == 0, 15)
+    ray.kill(maker)
+
+
+def test_registered_transports_are_listed():
+    avail = rdt.available_transports()
+    assert all(avail[name] is True for name in ("spool", "file-spool", "manager-spool"))
+    rdt.register_transport("file-spool", ["cpu"], FileSpool)  # the same again: nothing to do
+
+
+class _Receives(rdt.Transport):
+    async def receive(self, info, buffers, channel):
+        return []
+
+
+class _NoReceive(rdt.Transport):
+    pass
+
+
+class _TwoSidedNoSend(_Receives):
+    one_sided = False
+
+
+class _SyncReceive(rdt.Transport):
+    def receive(self, info, buffers, channel):
+        return []
+
+
+class _AsyncCollect(_Receives):
+    async def garbage_collect(self, obj_id, meta):
+        pass
+
+
+class _HalfManager(TensorTransportManager):
+    @staticmethod
+    def is_one_sided():
+        return True
+
+    @staticmethod
+    def can_abort_transport():
+        return False
+
+
+class _Locked(_Receives):
+    lock = threading.Lock()
+
+
+@pytest.mark.parametrize(
+    "name, devices, cls, error, match",
+    [
+        ("x1", ["cpu"], FileSpool(), TypeError, "pass the class itself, not an instance"),
+        ("x2", ["cpu"], 42, TypeError, "takes a transport class, not int"),
+        ("x3", ["cpu"], dict, TypeError, "neither an rdt_async.Transport subclass nor .*TensorTransportManager"),
+        ("x4", ["cpu"], _NoReceive, TypeError, r"_NoReceive cannot be registered: it is missing async def receive"),
+        ("x5", ["cpu"], _TwoSidedNoSend, TypeError, r"missing async def send_multiple_tensors.*one_sided = False"),
+        ("x6", ["cpu"], _SyncReceive, TypeError, r"receive must be `async def`"),
+        ("x7", ["cpu"], _AsyncCollect, TypeError, r"garbage_collect must be a plain `def`"),
+        (
+            "x8", ["cpu"], _HalfManager, TypeError,
+            "missing extract_tensor_transport_metadata, garbage_collect, get_communicator_metadata, "
+            r"recv_multiple_tensors \(abstract in TensorTransportManager\)$",
+        ),
+        ("x9", [], _Receives, ValueError, "at least one device type"),
+        ("x10", "cpu", _Receives, TypeError, r"list of device types such as \['cpu'\], not the string 'cpu'"),
+        ("x11", ["gpu"], _Receives, ValueError, r"'gpu' is not a torch device type \(did you mean 'cuda'\?\)"),
+        ("x12", ["cuda:0"], _Receives, ValueError, "device types such as 'cuda', not the device 'cuda:0'"),
+        ("x13", ["cpu", "cuda"], FileSpool, ValueError, r"declares devices = \('cpu',\) and cannot handle cuda"),
+        ("x14", [None], _Receives, TypeError, "device type names"),
+        ("file-spool", ["cpu"], _Receives, ValueError, "'file-spool' is already registered to .*FileSpool"),
+        ("a b", ["cpu"], _Receives, ValueError, "a transport name is 1-64 letters"),
+        ("x15", ["cpu"], _Locked, TypeError, "_Locked cannot be pickled to reach other processes"),
+    ],
+)
+def test_registration_errors_are_clear_and_immediate(name, devices, cls, error, match):
+    with pytest.raises(error, match=match):
+        rdt.register_transport(name, devices, cls)
+    registered = rdt.available_transports()
+    assert name not in registered or name == "file-spool"  # that one keeps its first class
+
+
+@pytest.mark.parametrize("name", ["auto", "shm", "object_store", "nixl", "ucxx", "gloo", "nccl", "NIXL"])
+def test_built_in_names_cannot_be_shadowed(name):
+    with pytest.raises(ValueError, match=f"{name!r} is the name of a built-in transport"):
+        rdt.register_transport(name, ["cpu"], _Receives)
+
+
+def test_an_unknown_name_in_a_method_names_register_transport():
+    with pytest.raises(ValueError, match="rdt.register_transport"):
+        rdt.method(tensor_transport="never-registered")
+
+
+def test_the_example_runs_on_the_cluster(capsys):
+    example.main()
+    out = capsys.readouterr().out
+    assert "server loaded (sum of w, step, sum of layer 0): (30.0, 2, 2.0)" in out
+    assert "server fetched w[1]: [6.0, 8.0, 10.0]" in out
+    assert "server fetched over: {'spool': 2}" in out
+    assert "objects the trainer still holds: 0" in out
