@@ -86,7 +86,11 @@ class NixlMeta:
 
 @functools.cache
 def _import_reason() -> str | None:
-    if importlib.util.find_spec("nixl") is None:
+    try:
+        spec = importlib.util.find_spec("nixl")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
         return f"the nixl package is not installed: {INSTALL_HINT}"
     try:
         importlib.import_module("nixl._api")

@@ -1,0 +1,307 @@
+"""NIXL between actors and the driver: one-sided reads, exact lifetime, idle agents."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("nixl")
+
+import ray  # noqa: E402
+import torch  # noqa: E402
+from conftest import ON_NODE2, wait_until  # noqa: E402
+from helpers import checksum  # noqa: E402
+
+import rdt_async as rdt  # noqa: E402
+from rdt_async.transports import _registry  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+def nixl_state() -> dict:
+    """This process's store and NIXL registrations."""
+    t = _registry.get("nixl")
+    return {**rdt.store_stats(), "registrations": t.registrations, "registered_bytes": t.registered_bytes}
+
+
+def cpu_seconds() -> float:
+    """CPU time (user + system) of this process so far, from /proc."""
+    with open("/proc/self/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def make_value(n: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(n, generator=g)
+    return {
+        "w": base,
+        "pair": (base[: n // 2], torch.arange(12, dtype=torch.int32).reshape(3, 4).t()),  # view, strided
+        "more": [torch.linspace(0, 1, 7).to(torch.bfloat16), torch.tensor([True, False]), torch.empty(0)],
+        "step": seed,
+    }
+
+
+def assert_same(got, want) -> None:
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor)
+        assert got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape)
+        assert torch.equal(got, want)
+    elif isinstance(want, dict):
+        assert got.keys() == want.keys()
+        for k in want:
+            assert_same(got[k], want[k])
+    elif isinstance(want, (list, tuple)):
+        assert type(got) is type(want) and len(got) == len(want)
+        for g, w in zip(got, want):
+            assert_same(g, w)
+    else:
+        assert got == want
+
+
+@rdt.remote
+class NixlProducer:
+    """A sync actor whose tensors go out over NIXL."""
+
+    def __init__(self) -> None:
+        self.base = torch.arange(1 << 16, dtype=torch.float32)
+
+    @rdt.method(tensor_transport="nixl")
+    def make(self, n: int, seed: int = 0):
+        return make_value(n, seed)
+
+    @rdt.method(tensor_transport="nixl")
+    def big(self, n: int):
+        return torch.full((n,), 3.0)
+
+    @rdt.method(tensor_transport="nixl")
+    def views(self):
+        return [self.base[:100], self.base[100:300], self.base]
+
+    @rdt.method(tensor_transport="auto")
+    def auto(self, n: int):
+        return torch.full((n,), 2.0)
+
+    def put(self, n: int):
+        return [rdt.put({"x": torch.full((n,), 5.0)}, tensor_transport="nixl")]
+
+    def state(self):
+        return nixl_state()
+
+    def idle_cpu(self, seconds: float) -> float:
+        """CPU this process burns over `seconds` while its actor thread sleeps."""
+        t0 = cpu_seconds()
+        time.sleep(seconds)
+        return cpu_seconds() - t0
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+@rdt.remote
+class AsyncNixlProducer:
+    @rdt.method(tensor_transport="nixl")
+    async def make(self, n: int, seed: int = 0):
+        await asyncio.sleep(0)
+        return make_value(n, seed)
+
+
+@rdt.remote
+class SyncConsumer:
+    def checksums(self, value):
+        return [checksum(value["w"]), value["step"]]
+
+
+@rdt.remote
+class NixlConsumer:
+    """An async consumer (like helpers.AsyncConsumer) that can report its NIXL state."""
+
+    async def checksums(self, *values):
+        return [checksum(v["w"] if isinstance(v, dict) else v) for v in values]
+
+    async def fetch(self, refs):
+        return await rdt.fetch(refs[0])
+
+    async def fetch_all(self, refs):
+        return await rdt.fetch_all(refs)
+
+    async def stats(self):
+        return rdt.store_stats()
+
+    async def fetch_into_zeros(self, refs):
+        buf = torch.zeros(1 << 20)
+        out = await rdt.fetch(refs[0], into=buf)
+        return out.data_ptr() == buf.data_ptr(), checksum(buf)
+
+    async def cancel_then_fetch(self, refs):
+        task = asyncio.ensure_future(rdt.fetch(refs[0]))
+        await asyncio.sleep(0.005)
+        task.cancel()
+        try:
+            await task
+            first = "done"
+        except asyncio.CancelledError:
+            first = "cancelled"
+        again = await rdt.fetch(refs[0])
+        return first, checksum(again)
+
+    async def state(self):
+        return nixl_state() if "nixl" in rdt.store_stats()["fetches"] else rdt.store_stats()
+
+
+@pytest.fixture(scope="module")
+def producer():
+    p = NixlProducer.remote()
+    yield p
+    ray.kill(p)
+
+
+@pytest.fixture(scope="module")
+def consumer():
+    c = NixlConsumer.remote()
+    yield c
+    ray.kill(c)
+
+
+def test_actor_to_sync_and_async_actors(producer, consumer):
+    ref = producer.make.remote(1000, seed=1)
+    want = checksum(make_value(1000, 1)["w"])
+    assert ray.get(consumer.checksums.remote(ref)) == [want]
+    sync = SyncConsumer.remote()
+    assert ray.get(sync.checksums.remote(ref)) == [want, 1]
+    assert ray.get(consumer.stats.remote())["fetches"]["nixl"] >= 1
+    ray.kill(sync)
+
+
+def test_async_producer_and_nested_values_reach_the_driver(consumer):
+    p = AsyncNixlProducer.remote()
+    got = rdt.get(p.make.remote(333, seed=2), timeout=60)
+    assert_same(got, make_value(333, 2))
+    assert got["pair"][1].is_contiguous()  # strided tensors arrive dense, values equal
+    value = ray.get(consumer.fetch.remote([p.make.remote(50, seed=3)]))
+    assert_same(value, make_value(50, 3))
+    ray.kill(p)
+
+
+def test_driver_put_is_read_by_actors_and_actor_put_by_the_driver(producer, consumer):
+    value = {"a": [torch.arange(10_000, dtype=torch.float64)], "b": (torch.ones(3, 3).t(),)}
+    ref = rdt.put(value, tensor_transport="nixl")
+    assert_same(ray.get(consumer.fetch.remote([ref])), value)
+    remote_ref = ray.get(producer.put.remote(4096))[0]
+    assert_same(rdt.get(remote_ref, timeout=60), {"x": torch.full((4096,), 5.0)})
+    del ref
+    wait_until(lambda: nixl_state()["registrations"] == 0, 10, nixl_state)
+
+
+def test_many_concurrent_reads(producer, consumer):
+    refs = [producer.make.remote(4096 + i, seed=10 + i) for i in range(16)]
+    values = ray.get(consumer.fetch_all.remote(refs))
+    for i, v in enumerate(values):
+        assert_same(v, make_value(4096 + i, 10 + i))
+
+    async def driver():
+        return await rdt.fetch_all(refs)
+
+    for i, v in enumerate(asyncio.run(driver())):
+        assert checksum(v["w"]) == checksum(make_value(4096 + i, 10 + i)["w"])
+
+
+def test_into_reads_straight_into_caller_buffers(producer, consumer):
+    ref = producer.big.remote(1 << 20)
+    same, total = ray.get(consumer.fetch_into_zeros.remote([ref]))
+    assert same and total == 3.0 * (1 << 20)
+    buf = torch.empty(1 << 20)
+    out = rdt.get(ref, into=buf, timeout=60)
+    assert out.data_ptr() == buf.data_ptr() and checksum(buf) == 3.0 * (1 << 20)
+
+
+def test_views_share_one_registration_per_storage(producer):
+    before = ray.get(producer.state.remote())["registrations"]
+    refs = [producer.views.remote() for _ in range(3)]
+    got = rdt.get(refs[0], timeout=60)
+    assert torch.equal(got[1], torch.arange(100, 300, dtype=torch.float32))
+    assert ray.get(producer.state.remote())["registrations"] == before + 1
+    del refs
+    wait_until(lambda: ray.get(producer.state.remote())["registrations"] == before, 10)
+
+
+def test_cancel_mid_read_releases_and_fetch_again_works(producer, consumer):
+    ref = producer.big.remote(16 << 20)  # 64 MB
+    first, total = ray.get(consumer.cancel_then_fetch.remote([ref]))
+    assert first in ("cancelled", "done") and total == 3.0 * (16 << 20)
+    assert ray.get(consumer.state.remote())["registrations"] == 0
+
+
+def test_lifetime_goes_back_to_zero_with_no_registrations(producer, consumer):
+    refs = [producer.make.remote(2000, seed=i) for i in range(5)]
+    ray.get(consumer.fetch_all.remote(refs))
+    state = ray.get(producer.state.remote())
+    assert state["objects"] >= 5 and state["registrations"] >= 5
+    del refs
+    wait_until(lambda: ray.get(producer.state.remote())["objects"] == 0, 10)
+    wait_until(lambda: ray.get(producer.state.remote())["registrations"] == 0, 10)
+    assert ray.get(producer.state.remote())["registered_bytes"] == 0
+    assert ray.get(consumer.state.remote())["registrations"] == 0
+
+
+def test_fetch_after_free_raises_object_freed(producer):
+    ref = producer.make.remote(100)
+    obj = ray.get(ref)
+    rdt.free(obj)
+    with pytest.raises(rdt.ObjectFreedError):
+        rdt.get(obj, timeout=60)
+
+
+def test_idle_agent_burns_no_cpu(producer):
+    ref = producer.big.remote(1 << 20)
+    assert checksum(rdt.get(ref, timeout=60)) == 3.0 * (1 << 20)  # agent up, poller running
+    used = ray.get(producer.idle_cpu.remote(1.0))
+    assert used < 0.1, f"idle producer used {used:.3f} s of CPU in 1 s"
+    t0 = cpu_seconds()
+    time.sleep(1.0)
+    assert cpu_seconds() - t0 < 0.2  # the driver's consumer agent is idle too
+
+
+def test_killed_producer_fails_fast():
+    p = NixlProducer.remote()
+    warm = rdt.get(p.make.remote(10), timeout=60)  # connected before the kill
+    assert warm["step"] == 0
+    refs = [p.make.remote(100, seed=1), p.big.remote(1 << 16)]
+    ray.wait(refs, num_returns=2)
+    ray.kill(p)
+    time.sleep(0.5)
+    for ref in refs:
+        t0 = time.monotonic()
+        with pytest.raises((rdt.PeerDiedError, rdt.ObjectFreedError)):
+            rdt.get(ref, timeout=30)
+        assert time.monotonic() - t0 < 10
+
+
+def test_auto_reads_big_cpu_objects_across_nodes_over_nixl(producer):
+    reader = NixlConsumer.options(**ON_NODE2).remote()
+    before = ray.get(reader.stats.remote())["fetches"].get("nixl", 0)
+    assert ray.get(reader.checksums.remote(producer.auto.remote(1 << 19))) == [2.0 * (1 << 19)]
+    assert ray.get(reader.stats.remote())["fetches"]["nixl"] == before + 1
+    ray.kill(reader)
+
+
+def test_without_nixl_installed_the_error_names_the_extra():
+    code = (
+        "import sys; sys.modules['nixl'] = None\n"
+        "import torch, rdt_async as rdt\n"
+        "print(rdt.available_transports()['nixl'])\n"
+        "try:\n"
+        "    rdt.put(torch.ones(3), tensor_transport='nixl')\n"
+        "except rdt.TransportUnavailableError as e:\n"
+        "    print('raised', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 2, out.stderr
+    assert "pip install 'rdt_async[nixl]'" in lines[0]
+    assert lines[1].startswith("raised transport 'nixl' is unavailable") and "rdt_async[nixl]" in lines[1]
