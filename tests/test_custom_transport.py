@@ -139,10 +139,68 @@ class SlowSpoolManager(SpoolManager):
     slow = True
 
 
+@dataclass
+class DropComm(CommunicatorMetadata):
+    token: str = ""
+
+
+class DropManager(TensorTransportManager):
+    """Two-sided, written for Ray: the producer's send drops the tensors in a file named
+    by the communicator metadata; the consumer's receive waits for it."""
+
+    root = os.path.join(SPOOL, "drop")
+
+    def tensor_transport_backend(self):
+        return "DROP"
+
+    @staticmethod
+    def is_one_sided():
+        return False
+
+    @staticmethod
+    def can_abort_transport():
+        return False
+
+    def actor_has_tensor_transport(self, actor):
+        return True
+
+    def extract_tensor_transport_metadata(self, obj_id, rdt_object):
+        os.makedirs(self.root, exist_ok=True)
+        Path(self.root, f"held-{obj_id}-{secrets.token_hex(4)}").touch()
+        return TensorTransportMetadata([(t.shape, t.dtype) for t in rdt_object], "cpu")
+
+    def get_communicator_metadata(self, src_actor, dst_actor, backend=None):
+        return DropComm(token=secrets.token_hex(8))
+
+    def send_multiple_tensors(self, tensors, tensor_transport_metadata, communicator_metadata):
+        path = os.path.join(self.root, f"drop-{communicator_metadata.token}.pt")
+        torch.save([t.clone() for t in tensors], path + ".part")
+        os.rename(path + ".part", path)
+
+    def recv_multiple_tensors(self, obj_id, tensor_transport_metadata, communicator_metadata, target_buffers=None):
+        path = os.path.join(self.root, f"drop-{communicator_metadata.token}.pt")
+        deadline = time.monotonic() + 30
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        tensors = torch.load(path)
+        os.unlink(path)
+        assert [(t.shape, t.dtype) for t in tensors] == list(tensor_transport_metadata.tensor_meta)
+        return tensors
+
+    def garbage_collect(self, obj_id, tensor_transport_meta, tensors):
+        for p in Path(self.root).glob(f"held-{obj_id}-*"):
+            p.unlink()
+            return
+
+    def abort_transport(self, obj_id, communicator_metadata):
+        raise AssertionError("never called: can_abort_transport() is False")
+
+
 rdt.register_transport("file-spool", ["cpu"], FileSpool)
 rdt.register_transport("file-spool-slow", ["cpu"], SlowFileSpool)
 rdt.register_transport("manager-spool", ["cpu"], SpoolManager)
 rdt.register_transport("manager-spool-slow", ["cpu"], SlowSpoolManager)
+rdt.register_transport("manager-drop", ["cpu"], DropManager)
 ROOTS = {"file-spool": FileSpool.root, "manager-spool": SpoolManager.root}
 TRANSPORTS = list(ROOTS)
 
@@ -207,6 +265,9 @@ class AsyncMaker:
     @rdt.method(tensor_transport="manager-spool")
     async def manager_spool(self, seed):
         return nested(seed)
+
+    async def put(self, seed, transport):
+        return [rdt.put(nested(seed), tensor_transport=transport)]
 
     async def stats(self):
         return rdt.store_stats()
@@ -335,13 +396,28 @@ def test_values_travel_between_sync_and_async_actors_then_are_freed(transport, k
     wait_until(lambda: not files_of(transport, pid), 15, lambda: f"left: {files_of(transport, pid)}")
 
 
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_two_sided_manager_sends_while_the_consumer_receives(kind, users):
+    maker = Maker.remote() if kind == "sync" else AsyncMaker.remote()
+    refs = [ray.get(maker.put.remote(seed, "manager-drop"))[0] for seed in (11, 12)]
+    assert_same(ray.get(users["async"].fetch.remote([refs[0]])), nested(11))
+    assert_same(ray.get(users["sync"].take.remote(refs[1])), nested(12))
+    got = ray.get(users["async"].fetch_all.remote(refs))
+    assert_same(got, [nested(11), nested(12)])
+    # metadata made for each transfer was given back: garbage_collect ran for each
+    wait_until(lambda: not list(Path(DropManager.root).glob("held-*")), 15)
+    assert not list(Path(DropManager.root).glob("drop-*"))
+    del refs
+    wait_until(lambda: objects_of(maker) == 0, 15)
+    ray.kill(maker)
+
+
 def test_into_receives_into_caller_buffers(makers):
     ref = make(makers["sync"], "manager-spool", 4)
     want = nested(4)
-    into = {"w": torch.empty(64), "layers": [torch.empty(2, 3, dtype=torch.int64), (torch.empty(3, dtype=torch.bfloat16),)]}
-    into["empty"] = torch.empty(0)
-    got = rdt.get(ref, into=[into["w"], *into["layers"][0:1], into["layers"][1][0], into["empty"]])
-    assert got["w"].data_ptr() == into["w"].data_ptr()
+    into = [torch.empty(64), torch.empty(2, 3, dtype=torch.int64), torch.empty(3, dtype=torch.bfloat16), torch.empty(0)]
+    got = rdt.get(ref, into=into)
+    assert got["w"].data_ptr() == into[0].data_ptr()
     assert_same(got, want)
 
 
