@@ -35,7 +35,9 @@ def _install_torch(session: nox.Session) -> None:
             session.install(f"torch=={TORCH_VERSION}+cpu", silent=True)
         except nox.command.CommandFailed:
             session.install(f"torch=={TORCH_VERSION}+cpu", "--index-url", CPU_INDEX)
-    version = session.run("python", "-c", "import torch; print(torch.__version__)", silent=True).strip()
+    version = session.run(
+        "python", "-c", "import importlib.metadata as m; print(m.version('torch'))", silent=True
+    ).strip().splitlines()[-1]
     constraints = session.create_tmp() + "/constraints.txt"
     with open(constraints, "w") as f:
         f.write(f"torch=={version}\n")

@@ -26,6 +26,11 @@ from ._errors import TransferAbortedError as TransferAbortedError
 from ._errors import TransferError as TransferError
 from ._errors import TransportUnavailableError as TransportUnavailableError
 from ._object import RDTObject as RDTObject
+from .collective import CollectiveGroup as CollectiveGroup
+from .collective import create_collective_group as create_collective_group
+from .collective import create_collective_group_async as create_collective_group_async
+from .collective import destroy_collective_group as destroy_collective_group
+from .collective import destroy_collective_group_async as destroy_collective_group_async
 from .transports._base import FetchRequest as FetchRequest
 from .transports._base import TensorSpec as TensorSpec
 from .transports._base import TransferInfo as TransferInfo
@@ -49,6 +54,12 @@ __all__ = [
     # transports
     "register_transport",
     "available_transports",
+    # collective groups
+    "create_collective_group",
+    "create_collective_group_async",
+    "destroy_collective_group",
+    "destroy_collective_group_async",
+    "CollectiveGroup",
     # objects and transports
     "RDTObject",
     "Transport",

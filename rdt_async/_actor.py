@@ -19,12 +19,12 @@ from typing import Any, TypeVar
 
 import ray
 
-from . import _api, _io, _object
+from . import _api, _io, _object, collective
 from .transports import _registry
 
 RDT_GROUP = "rdt"
 RDT_GROUP_CONCURRENCY = 4
-CONTROL_METHODS = ("rdt__send", "rdt__free")
+CONTROL_METHODS = ("rdt__send", "rdt__free", "rdt__group")
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -176,6 +176,8 @@ def _fetch_args_blocking(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple
 
 
 def _control_methods(is_async: bool) -> dict[str, Any]:
+    """The methods of the `rdt` group, async for async actors (Ray runs the group on its
+    own loop) and sync for the others (the group's own threads)."""
     group = ray.method(concurrency_group=RDT_GROUP)
     if is_async:
 
@@ -185,6 +187,9 @@ def _control_methods(is_async: bool) -> dict[str, Any]:
         async def rdt__free(self: Any, obj_id: str) -> None:
             _object.serve_free(obj_id)
 
+        async def rdt__group(self: Any, op: str, *args: Any) -> Any:
+            return await _io.to_thread(collective.serve, op, *args)
+
     else:
 
         def rdt__send(self: Any, obj_id: str, transport: str, request: Any) -> Any:  # type: ignore[misc]
@@ -193,4 +198,7 @@ def _control_methods(is_async: bool) -> dict[str, Any]:
         def rdt__free(self: Any, obj_id: str) -> None:  # type: ignore[misc]
             _object.serve_free(obj_id)
 
-    return {"rdt__send": group(rdt__send), "rdt__free": group(rdt__free)}
+        def rdt__group(self: Any, op: str, *args: Any) -> Any:  # type: ignore[misc]
+            return collective.serve(op, *args)
+
+    return {"rdt__send": group(rdt__send), "rdt__free": group(rdt__free), "rdt__group": group(rdt__group)}

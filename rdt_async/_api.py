@@ -178,9 +178,9 @@ async def _fetch_object(obj: RDTObject, *, device: Any, into: Any) -> Any:
         _warn_local(obj.obj_id)
         name = "local"
     else:
-        name = _object.choose_transport(obj, _node_id())
+        name, meta = _object.choose_transport(obj, _node_id())
         transport = _registry.get(name)
-        info = TransferInfo(obj.obj_id, obj.specs, obj.meta.get(name))
+        info = TransferInfo(obj.obj_id, obj.specs, meta)
         with translating(f"{name} fetch of {obj.obj_id}", obj.obj_id):
             now = transport.receive_nowait(info, buffers)
             if now is not None:

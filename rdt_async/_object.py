@@ -23,6 +23,7 @@ import asyncio
 import functools
 import os
 import secrets
+import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -245,6 +246,9 @@ def _finish(
     store.add(obj_id, StoredObject(list(tensors), prepared))
     anchor = _anchors.take(obj_id)
     meta = {t.name: m for t, m in prepared.items()}
+    groups = _memberships()
+    if groups:
+        meta["groups"] = groups
     return RDTObject(obj_id, owner, transport, specs, skeleton, meta, eager, anchor)
 
 
@@ -266,9 +270,10 @@ async def serve_send(obj_id: str, transport: str, request: Any) -> Any:
     Raises: ObjectFreedError if the object is gone.
     """
     stored = store.get(obj_id)
-    if stored is None:
-        raise ObjectFreedError(f"object {obj_id} was freed before it was fetched", obj_id=obj_id)
     t = _registry.get(transport)
+    if stored is None:
+        await t.refuse(obj_id, request)
+        raise ObjectFreedError(f"object {obj_id} was freed before it was fetched", obj_id=obj_id)
     meta = next((m for tr, m in stored.prepared.items() if tr.name == transport), None)
     return await t.send_multiple_tensors(obj_id, stored.tensors, meta, request)
 
@@ -324,15 +329,18 @@ class RayChannel:
             return await await_ref(ref)
 
 
-def choose_transport(obj: RDTObject, node_id: str) -> str:
+def choose_transport(obj: RDTObject, node_id: str) -> tuple[str, Any]:
     """Pick the transport for a fetch of `obj` by a process on `node_id`.
 
     `auto`: small CPU objects -> inline (prepared by the producer); same node and
     CPU -> shm; GPU, or another node -> nixl when the producer prepared it and this
     process can load nixl; otherwise object_store. A one-sided transport that cannot
-    reach this node falls back to object_store.
+    reach this node falls back to object_store. Gloo/NCCL objects go over a group
+    both ends share (auto picks one when nothing better applies), else object_store.
+    Returns the transport's name and the metadata its fetch needs.
     """
     name = obj.transport
+    shared = _shared_group(obj)
     if name == _registry.AUTO:
         if "inline" in obj.meta:
             name = "inline"
@@ -340,11 +348,36 @@ def choose_transport(obj: RDTObject, node_id: str) -> str:
             name = "shm"
         elif "nixl" in obj.meta and _nixl_here():
             name = "nixl"
+        elif shared is not None:
+            name = shared[0]
         else:
             name = "object_store"
     if name == "shm" and obj.producer.node_id != node_id:
         name = "object_store"
-    return name
+    if name in ("gloo", "nccl"):
+        if shared is None or shared[0] != name:
+            return "object_store", None  # the consumer is outside the producer's groups
+        return name, shared[1]
+    return name, obj.meta.get(name)
+
+
+def _shared_group(obj: RDTObject) -> tuple[str, Any] | None:
+    """Return (backend, GlooMeta) of a usable group both ends are in, or None."""
+    theirs = obj.meta.get("groups")
+    gloo = sys.modules.get("rdt_async.transports.gloo")
+    if not theirs or gloo is None:
+        return None
+    ours = gloo.groups.memberships()
+    devices = {s.device.split(":")[0] for s in obj.specs}
+    for name, (backend, rank) in theirs.items():
+        if name in ours and ours[name][0] == backend and devices <= {"cpu" if backend == "gloo" else "cuda"}:
+            return backend, gloo.GlooMeta(name, rank)
+    return None
+
+
+def _memberships() -> dict[str, tuple[str, int]]:
+    gloo = sys.modules.get("rdt_async.transports.gloo")
+    return gloo.groups.memberships() if gloo is not None else {}
 
 
 def is_ref(x: Any) -> bool:

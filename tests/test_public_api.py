@@ -18,7 +18,7 @@ CONTRACT = {
 
 def test_all_matches_exports_and_covers_the_contract():
     public = {n for n in dir(rdt) if not n.startswith("_")}
-    modules = {"transports"}
+    modules = {"transports", "collective"}
     assert set(rdt.__all__) == public - modules
     assert CONTRACT <= set(rdt.__all__)
     assert all(getattr(rdt, n).__module__ == "rdt_async" for n in rdt.__all__ if hasattr(getattr(rdt, n), "__module__"))

@@ -198,6 +198,13 @@ class Transport(Generic[M]):
         """
         raise NotImplementedError(f"transport {self.name!r} is one-sided")
 
+    async def refuse(self, obj_id: str, request: Any) -> None:
+        """The object is gone: release whatever the consumer posted for this request.
+
+        Runs on: producer, before the consumer gets ObjectFreedError. Two-sided
+        transports whose consumer posts receives first must complete them here.
+        """
+
     def garbage_collect(self, obj_id: str, meta: M) -> None:
         """Release what `prepare` made for the object.
 

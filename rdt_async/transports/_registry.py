@@ -30,6 +30,8 @@ BUILTIN: dict[str, str] = {
     "shm": "rdt_async.transports.shm:ShmTransport",
     "object_store": "rdt_async.transports.object_store:ObjectStoreTransport",
     "nixl": "rdt_async.transports.nixl:NixlTransport",
+    "gloo": "rdt_async.transports.gloo:GlooTransport",
+    "nccl": "rdt_async.transports.gloo:NcclTransport",
 }
 AUTO = "auto"
 # Names no registration may take: the built-ins, shipped or planned (compared case-blind).

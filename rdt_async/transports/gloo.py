@@ -1,0 +1,282 @@
+"""`gloo`: two-sided, receiver-driven transfers over standalone Gloo process groups.
+
+Groups are standalone `ProcessGroupGloo`s over a `PrefixStore` (no global default
+group), so a process may be in any number of groups at once. A transfer:
+
+    consumer                                    producer (its `rdt` group)
+    --------                                    --------
+    post recv per tensor (unique tags)
+    request_send({group, dst, tag, nbytes})  -> post send per tensor, wait (pool)
+    wait recvs (pool)                        <- reply: done
+Gloo's point-to-point `Work` has no future, so each wait runs in a bounded pool of
+waiter threads and completion reaches the caller's loop through the I/O loop. A
+producer that no longer holds the object answers with zeros of the right size (so the
+consumer's posted receives complete) and an ObjectFreedError. A cancelled fetch
+stops waiting; its receives complete into buffers nobody reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .._errors import CollectiveGroupError, ObjectFreedError
+from ._base import Channel, TransferInfo, Transport
+
+WAITERS = 16  # Gloo waits in flight per process; more queue
+
+
+@dataclass
+class Group:
+    """This process's membership of one collective group."""
+
+    name: str
+    backend: str
+    rank: int
+    size: int
+    pg: Any
+    store: Any = None  # the TCPStore: rank 0 hosts it and must keep it alive
+    broken: str | None = None
+    tags: itertools.count[int] = field(default_factory=lambda: itertools.count(1, 1 << 10))
+
+    def check(self) -> None:
+        if self.broken:
+            raise CollectiveGroupError(
+                f"collective group {self.name!r} is broken ({self.broken}); destroy it with "
+                "rdt.destroy_collective_group and create a new one on the survivors"
+            )
+
+
+class Groups:
+    """The groups this process belongs to, by name. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._groups: dict[str, Group] = {}
+        self._stores: dict[str, Any] = {}
+
+    def host_store(self, name: str, host: str) -> int:
+        """Start the rendezvous store of a new group here (rank 0); return its port."""
+        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+        with self._lock:
+            self._stores[name] = store
+        return int(store.port)
+
+    def join(self, name: str, backend: str, rank: int, size: int, host: str, port: int, timeout_s: float) -> None:
+        """Join a group (blocks until every member joined: call it off the loop)."""
+        with self._lock:
+            if name in self._groups:
+                raise CollectiveGroupError(f"this process is already in a group named {name!r}")
+            store = self._stores.pop(name, None)
+        if store is None:
+            store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        prefixed = dist.PrefixStore(f"rdt/{name}", store)
+        if backend == "gloo":
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = timedelta(seconds=timeout_s)
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host if rank == 0 else _my_host(host))]
+            pg = dist.ProcessGroupGloo(prefixed, rank, size, opts)
+        elif backend == "nccl":
+            if not torch.cuda.is_available():
+                raise CollectiveGroupError("backend 'nccl' needs a CUDA GPU in every member; use backend='gloo'")
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timedelta(seconds=timeout_s)
+            pg = dist.ProcessGroupNCCL(prefixed, rank, size, opts)
+        else:
+            raise CollectiveGroupError(f"unknown backend {backend!r}; use 'gloo' or 'nccl'")
+        with self._lock:
+            self._groups[name] = Group(name, backend, rank, size, pg, store)
+
+    def leave(self, name: str) -> bool:
+        with self._lock:
+            group = self._groups.pop(name, None)
+            self._stores.pop(name, None)
+        if group is None:
+            return False
+        try:
+            if group.broken:
+                group.pg.abort()
+            else:
+                group.pg.shutdown()
+        except Exception:
+            pass
+        return True
+
+    def get(self, name: str) -> Group | None:
+        with self._lock:
+            return self._groups.get(name)
+
+    def memberships(self) -> dict[str, tuple[str, int]]:
+        """Return name -> (backend, rank) of the groups this process is in and can use."""
+        with self._lock:
+            return {g.name: (g.backend, g.rank) for g in self._groups.values() if not g.broken}
+
+    def mark_broken(self, name: str, why: str) -> None:
+        with self._lock:
+            group = self._groups.get(name)
+            if group is not None and not group.broken:
+                group.broken = why
+
+
+groups = Groups()
+
+
+def _my_host(hint: str) -> str:
+    import socket
+
+    # Bind where the store's host routes from: the address this node uses to reach it.
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((hint, 9))
+            return s.getsockname()[0]
+        except OSError:
+            return hint
+
+
+_waiters: concurrent.futures.ThreadPoolExecutor | None = None
+_waiters_lock = threading.Lock()
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _waiters
+    if _waiters is None:
+        with _waiters_lock:
+            if _waiters is None:
+                _waiters = concurrent.futures.ThreadPoolExecutor(WAITERS, thread_name_prefix="rdt-gloo")
+    return _waiters
+
+
+async def wait_works(works: Sequence[Any]) -> None:
+    """Wait for Gloo works in the bounded waiter pool, without blocking the loop."""
+
+    def wait_all() -> None:
+        for w in works:
+            w.wait()
+
+    await asyncio.get_running_loop().run_in_executor(_pool(), wait_all)
+
+
+@dataclass(frozen=True)
+class GlooMeta:
+    """The group the consumer shares with the producer, and the producer's rank in it."""
+
+    group: str
+    src: int
+
+
+class GlooTransport(Transport[GlooMeta]):
+    """Gloo point-to-point between members of one collective group (CPU tensors)."""
+
+    name = "gloo"
+    backend = "gloo"
+    devices: tuple[str, ...] = ("cpu",)
+    one_sided = False
+    can_abort = False
+
+    def check_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
+        super().check_tensors(tensors)
+
+    async def receive(
+        self, info: TransferInfo[GlooMeta], buffers: list[torch.Tensor] | None, channel: Channel
+    ) -> list[torch.Tensor]:
+        group = _group(info.meta.group)
+        dsts = [
+            b if b is not None and b.is_contiguous() else torch.empty(s.shape, dtype=s.dtype, device=_device(self))
+            for b, s in zip(buffers or [None] * len(info.specs), info.specs)
+        ]
+        base = next(group.tags)
+        posted = [(i, d) for i, d in enumerate(dsts) if d.numel()]
+        works = [group.pg.recv([d], info.meta.src, base + i) for i, d in posted]
+        request = {
+            "group": group.name,
+            "dst": group.rank,
+            "tag": base,
+            "specs": [(tuple(s.shape), s.dtype) for s in info.specs],
+        }
+        waiting = asyncio.ensure_future(self.wait_works(works))
+        try:
+            await channel.request_send(request)
+            await waiting
+        except BaseException as exc:
+            if not isinstance(exc, (asyncio.CancelledError, ObjectFreedError)):
+                groups.mark_broken(group.name, f"a transfer failed: {type(exc).__name__}")
+            raise
+        if buffers is not None:
+            for b, d in zip(buffers, dsts):
+                if b is not d:
+                    b.copy_(d)
+            return list(buffers)
+        return dsts
+
+    async def send_multiple_tensors(
+        self, obj_id: str, tensors: Sequence[torch.Tensor], meta: Any, request: dict[str, Any]
+    ) -> None:
+        group = _group(request["group"])
+        srcs = [t.contiguous() for t in tensors]
+        works = [group.pg.send([t], request["dst"], request["tag"] + i) for i, t in enumerate(srcs) if t.numel()]
+        await self.wait_works(works)
+
+    async def wait_works(self, works: Sequence[Any]) -> None:
+        """Wait for point-to-point works (Gloo: waiter threads, as `Work` has no future)."""
+        await wait_works(works)
+
+    async def refuse(self, obj_id: str, request: dict[str, Any]) -> None:
+        """The object is gone: complete the consumer's posted receives with zeros."""
+        zeros = [torch.zeros(shape, dtype=dtype, device=_device(self)) for shape, dtype in request["specs"]]
+        await self.send_multiple_tensors(obj_id, zeros, None, request)
+
+
+def _group(name: str) -> Group:
+    group = groups.get(name)
+    if group is None:
+        raise CollectiveGroupError(f"this process is not in collective group {name!r} (destroyed?)")
+    group.check()
+    return group
+
+
+def _device(transport: Transport[Any]) -> str:
+    return "cuda" if "cuda" in transport.devices else "cpu"
+
+
+class NcclTransport(GlooTransport):
+    """NCCL point-to-point between members of one collective group (CUDA tensors).
+
+    Each group's NCCL communicator runs its own streams; a transfer completes when its
+    work's CUDA events have fired, which the I/O loop polls with backoff (no thread).
+    `work.wait()` then makes the current stream wait on them before tensors are used.
+    """
+
+    name = "nccl"
+    backend = "nccl"
+    devices = ("cuda",)
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        if not torch.cuda.is_available():
+            return "NCCL needs a CUDA GPU in this process; use 'gloo' for CPU tensors"
+        return None
+
+    async def wait_works(self, works: Sequence[Any]) -> None:
+        await poll_works(works)
+
+
+async def poll_works(works: Sequence[Any], *, first: float = 50e-6, cap: float = 5e-3) -> None:
+    """Await works by polling their completion (CUDA events) with backoff, then order streams."""
+    delay = first
+    pending = list(works)
+    while pending:
+        pending = [w for w in pending if not w.is_completed()]
+        if pending:
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, cap)
+    for w in works:
+        w.wait()  # NCCL: the current stream waits on the work's event; returns at once

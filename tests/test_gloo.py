@@ -1,0 +1,213 @@
+"""Gloo collective groups: receiver-driven transfers between members, failures, groups."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+
+import pytest
+import ray
+import torch
+from conftest import ON_NODE2
+from helpers import checksum
+
+import rdt_async as rdt
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+@rdt.remote
+class GlooProducer:
+    @rdt.method(tensor_transport="gloo")
+    def make(self, n: int, fill: float = 1.0):
+        return {"w": torch.full((n,), fill), "b": [torch.arange(n % 97, dtype=torch.int64)], "tag": fill}
+
+    @rdt.method
+    def make_auto(self, n: int):
+        return torch.full((n,), 3.0)
+
+    def pid(self):
+        import os
+
+        return os.getpid()
+
+
+@rdt.remote
+class AsyncMember:
+    async def sums(self, refs):
+        before = collections.Counter(rdt.store_stats()["fetches"])
+        values = await rdt.fetch_all(refs)
+        used = dict(collections.Counter(rdt.store_stats()["fetches"]) - before)
+        return [checksum(v["w"]) if isinstance(v, dict) else checksum(v) for v in values], used
+
+    async def take(self, value):
+        return checksum(value["w"]), value["tag"], value["b"][0].tolist()
+
+    async def ping(self):
+        return "pong"
+
+
+@rdt.remote
+class SyncMember:
+    def take(self, value):
+        return checksum(value["w"])
+
+
+@rdt.remote
+class Orchestrator:
+    """Not in any group: submits the tasks that pass refs between members."""
+
+    async def relay(self, producer, consumer, n):
+        return await consumer.take.remote(producer.make.remote(n, 5.0))
+
+
+@pytest.fixture
+def pair():
+    p, c, s = GlooProducer.remote(), AsyncMember.remote(), SyncMember.remote()
+    group = rdt.create_collective_group([p, c, s], backend="gloo")
+    yield p, c, s, group
+    rdt.destroy_collective_group(group)
+    for a in (p, c, s):
+        ray.kill(a)
+
+
+def test_members_receive_over_gloo_sync_and_async(pair):
+    p, c, s, _ = pair
+    assert ray.get(c.take.remote(p.make.remote(1000, 2.0))) == (2000.0, 2.0, list(range(1000 % 97)))
+    assert ray.get(s.take.remote(p.make.remote(1 << 16, 1.0))) == float(1 << 16)
+    sums, used = ray.get(c.sums.remote([p.make.remote(10, 4.0)]))
+    assert sums == [40.0] and used == {"gloo": 1}
+
+
+def test_many_concurrent_transfers_between_one_pair(pair):
+    p, c, _, _ = pair
+    refs = [p.make.remote(1 << 18, float(i)) for i in range(16)]
+    sums, used = ray.get(c.sums.remote(list(reversed(refs))))
+    assert sums == [float(i * (1 << 18)) for i in reversed(range(16))]
+    assert used == {"gloo": 16}
+
+
+def test_outside_the_group_falls_back_to_the_object_store(pair):
+    p, _, _, _ = pair
+    ref = p.make.remote(100, 7.0)
+    before = collections.Counter(rdt.store_stats()["fetches"])
+    assert checksum(rdt.get(ref, timeout=60)["w"]) == 700.0
+    assert collections.Counter(rdt.store_stats()["fetches"]) - before == {"object_store": 1}
+    outsider = AsyncMember.remote()
+    assert ray.get(outsider.sums.remote([ref])) == ([700.0], {"object_store": 1})
+
+
+def test_refs_passed_by_an_actor_that_did_not_create_the_group(pair):
+    p, c, _, _ = pair
+    o = Orchestrator.remote()
+    assert ray.get(o.relay.remote(p, c, 64)) == (320.0, 5.0, list(range(64)))
+
+
+def test_an_actor_in_two_groups():
+    a, b, c = GlooProducer.remote(), AsyncMember.remote(), AsyncMember.remote()
+    g1 = rdt.create_collective_group([a, b])
+    g2 = rdt.create_collective_group([c, a], name="second")
+    try:
+        assert ray.get(b.sums.remote([a.make.remote(8, 1.0)])) == ([8.0], {"gloo": 1})
+        assert ray.get(c.sums.remote([a.make.remote(8, 2.0)])) == ([16.0], {"gloo": 1})
+    finally:
+        rdt.destroy_collective_group(g1)
+        rdt.destroy_collective_group(g2)
+
+
+def test_auto_picks_gloo_across_nodes_in_a_group():
+    p = GlooProducer.options(**ON_NODE2).remote()
+    c = AsyncMember.remote()
+    g = rdt.create_collective_group([p, c])
+    try:
+        sums, used = ray.get(c.sums.remote([p.make_auto.remote(1 << 16)]))  # 256 KiB, no nixl
+        assert sums == [3.0 * (1 << 16)]
+        assert set(used) <= {"gloo", "nixl"} and sum(used.values()) == 1
+    finally:
+        rdt.destroy_collective_group(g)
+
+
+def test_group_errors_say_why():
+    a, b = GlooProducer.remote(), AsyncMember.remote()
+    g = rdt.create_collective_group([a, b], name="taken")
+    try:
+        with pytest.raises(rdt.CollectiveGroupError, match="named 'taken' exists"):
+            rdt.create_collective_group([a, b], name="taken")
+    finally:
+        rdt.destroy_collective_group(g)
+    with pytest.raises(rdt.CollectiveGroupError, match="at least 2"):
+        rdt.create_collective_group([a])
+    with pytest.raises(rdt.CollectiveGroupError, match="appears twice"):
+        rdt.create_collective_group([a, a])
+    with pytest.raises(rdt.CollectiveGroupError, match="unknown backend 'mpi'"):
+        rdt.create_collective_group([a, b], backend="mpi")
+
+    @ray.remote
+    class Plain:
+        pass
+
+    with pytest.raises(rdt.CollectiveGroupError, match="decorate its class with @rdt.remote"):
+        rdt.create_collective_group([a, Plain.remote()])
+    dead = AsyncMember.remote()
+    ray.get(dead.ping.remote())
+    ray.kill(dead)
+    with pytest.raises(rdt.CollectiveGroupError, match="member 1 .* is dead"):
+        rdt.create_collective_group([a, dead])
+    g = rdt.create_collective_group([a, b], name="taken")  # the name is free again
+    rdt.destroy_collective_group(g)
+
+
+def test_gloo_refuses_non_cpu_tensors_when_the_value_is_returned():
+    @rdt.remote
+    class Meta:
+        @rdt.method(tensor_transport="gloo")
+        def make(self):
+            return torch.empty(2, device="meta")
+
+    with pytest.raises(rdt.TransportUnavailableError, match="transport 'gloo' moves tensors on cpu, not meta"):
+        ray.get(Meta.remote().make.remote())
+
+
+def test_producer_killed_mid_transfer_breaks_the_group_not_the_survivors():
+    p, c, s = GlooProducer.remote(), AsyncMember.remote(), SyncMember.remote()
+    g = rdt.create_collective_group([p, c, s])
+    ref = p.make.remote(64 << 20)  # 256 MiB: long enough to be killed during
+    ray.wait([ref])
+
+    @rdt.remote
+    class Victim:
+        pass
+
+    pending = c.sums.remote([ref])
+    time.sleep(0.3)
+    ray.kill(p)
+    t0 = time.monotonic()
+    with pytest.raises((rdt.PeerDiedError, rdt.CollectiveGroupError)):
+        ray.get(pending, timeout=60)
+    assert time.monotonic() - t0 < 30
+    assert ray.get(c.ping.remote()) == "pong"  # the survivor serves other calls
+    rdt.destroy_collective_group(g)
+    p2 = GlooProducer.remote()
+    g2 = rdt.create_collective_group([p2, c, s])  # recreated on the survivors
+    assert ray.get(c.sums.remote([p2.make.remote(10, 1.0)])) == ([10.0], {"gloo": 1})
+    rdt.destroy_collective_group(g2)
+
+
+def test_fetch_of_a_freed_gloo_object_fails_cleanly(pair):
+    p, c, _, _ = pair
+    ref = p.make.remote(1000)
+    rdt.free(ref)
+    time.sleep(0.5)
+    with pytest.raises(rdt.ObjectFreedError):
+        ray.get(c.sums.remote([ref]))
+    assert ray.get(c.sums.remote([p.make.remote(10, 1.0)])) == ([10.0], {"gloo": 1})  # group still fine
+
+
+async def test_create_from_a_loop_needs_the_async_twin():
+    a, b = GlooProducer.remote(), AsyncMember.remote()
+    with pytest.raises(RuntimeError, match="create_collective_group_async"):
+        rdt.create_collective_group([a, b])
+    g = await rdt.create_collective_group_async([a, b])
+    await rdt.destroy_collective_group_async(g)
+    assert isinstance(asyncio.get_running_loop(), asyncio.AbstractEventLoop)
