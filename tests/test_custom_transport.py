@@ -249,6 +249,12 @@ class SyncMaker:
     def manager_spool_slow(self, seed):
         return nested(seed)
 
+    def put(self, seed, transport):
+        return [rdt.put(nested(seed), tensor_transport=transport)]
+
+    def knows(self, name):
+        return name in rdt.available_transports()
+
     def stats(self):
         return rdt.store_stats()
 
@@ -329,12 +335,11 @@ class SyncUser:
 class Coordinator:
     """Drives actors of its own, from its own process."""
 
-    async def run(self, name, seed):
-        maker, user = Maker.remote(), AsyncUser.remote()
+    async def run(self, name, seed, user):
+        maker = Maker.remote()
         [ref] = await maker.put.remote(seed, name)
         here, there = await rdt.fetch(ref), await user.fetch.remote([ref])
-        for actor in (maker, user):
-            ray.kill(actor)
+        ray.kill(maker)
         return here, there
 
 
@@ -397,8 +402,8 @@ def test_values_travel_between_sync_and_async_actors_then_are_freed(transport, k
 
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
-def test_two_sided_manager_sends_while_the_consumer_receives(kind, users):
-    maker = Maker.remote() if kind == "sync" else AsyncMaker.remote()
+def test_two_sided_manager_sends_while_the_consumer_receives(kind, makers, users):
+    maker = makers[kind]
     refs = [ray.get(maker.put.remote(seed, "manager-drop"))[0] for seed in (11, 12)]
     assert_same(ray.get(users["async"].fetch.remote([refs[0]])), nested(11))
     assert_same(ray.get(users["sync"].take.remote(refs[1])), nested(12))
@@ -409,7 +414,6 @@ def test_two_sided_manager_sends_while_the_consumer_receives(kind, users):
     assert not list(Path(DropManager.root).glob("drop-*"))
     del refs
     wait_until(lambda: objects_of(maker) == 0, 15)
-    ray.kill(maker)
 
 
 def test_into_receives_into_caller_buffers(makers):
@@ -442,25 +446,26 @@ def test_cancelled_fetch_aborts_the_transfer(transport, mark, makers, users):
     wait_until(lambda: objects_of(maker) == 0, 15)
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_killed_producer_fails_the_fetch(transport, users):
+def test_killed_producer_fails_the_fetch(users):
     maker = SyncMaker.remote()
     pid = ray.get(maker.pid.remote())
-    ref = make(maker, transport, 7)
-    ray.wait([ref])
+    refs = {t: make(maker, t, 7) for t in TRANSPORTS}
+    ray.wait(list(refs.values()), num_returns=len(refs))
     ray.kill(maker)
     wait_until(lambda: not os.path.exists(f"/proc/{pid}"), 15)
-    with pytest.raises(rdt.TransferError) as err:
-        ray.get(users["async"].fetch.remote([ref]))
-    if transport == "file-spool":
-        assert isinstance(err.value, rdt.PeerDiedError)
-    with pytest.raises(rdt.TransferError):
-        rdt.get(ref, timeout=30)
+    for transport, ref in refs.items():
+        with pytest.raises(rdt.TransferError) as err:
+            ray.get(users["async"].fetch.remote([ref]))
+        if transport == "file-spool":  # the example says which error it is
+            assert isinstance(err.value, rdt.PeerDiedError)
+        with pytest.raises(rdt.TransferError):
+            rdt.get(ref, timeout=30)
     assert ray.get(users["async"].ping.remote()) == "pong"
 
 
-def test_registration_in_the_driver_reaches_actors_created_before():
-    maker, user, coordinator = Maker.remote(), AsyncUser.remote(), Coordinator.remote()
+def test_registration_in_the_driver_reaches_actors_created_before(makers, users):
+    maker, user = makers["sync"], users["async"]  # created by earlier tests
+    coordinator = Coordinator.remote()
     name = f"late-spool-{secrets.token_hex(3)}"
     assert ray.get(maker.knows.remote(name)) is False
     rdt.register_transport(name, ["cpu"], SpoolManager)  # after the actors exist
@@ -468,14 +473,13 @@ def test_registration_in_the_driver_reaches_actors_created_before():
     assert_same(ray.get(user.fetch.remote([ref])), nested(8))
     assert_same(rdt.get(ref), nested(8))
     assert ray.get(maker.knows.remote(name)) is True
-    # an actor creating and driving actors of its own, from its own process
-    here, there = ray.get(coordinator.run.remote(name, 9))
+    # an actor that creates a producer of its own and drives it and another actor
+    here, there = ray.get(coordinator.run.remote(name, 9, user))
     assert_same(here, nested(9))
     assert_same(there, nested(9))
     del ref
     wait_until(lambda: objects_of(maker) == 0, 15)
-    for actor in (maker, user, coordinator):
-        ray.kill(actor)
+    ray.kill(coordinator)
 
 
 def test_entry_point_transport_loads_lazily_and_reaches_actors(tmp_path):
