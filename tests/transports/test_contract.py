@@ -19,9 +19,11 @@ from rdt_async.transports import _registry
 from .contract import Producer, fetch, make_value
 
 DEVICE = os.environ.get("RDT_CONTRACT_DEVICE", "cpu")
+# Optional transports join the default list where their package is installed.
+OPTIONAL = [t for t in ("nixl",) if _registry.transport_class(t).unavailable_reason() is None]
 TRANSPORTS = [
     t
-    for t in os.environ.get("RDT_CONTRACT_TRANSPORTS", "shm,object_store").split(",")
+    for t in os.environ.get("RDT_CONTRACT_TRANSPORTS", ",".join(["shm", "object_store", *OPTIONAL])).split(",")
     if DEVICE in _registry.transport_class(t).devices
 ]
 
