@@ -56,7 +56,8 @@ class SpoolTransport(rdt.Transport[SpoolMeta]):
         meta = info.meta
         if not _alive(meta.pid):
             shutil.rmtree(os.path.dirname(meta.path), ignore_errors=True)
-            raise rdt.PeerDiedError(f"the producer of {info.obj_id} (pid {meta.pid}) died", obj_id=info.obj_id)
+            why = f"the producer of {info.obj_id} (pid {meta.pid}) died"
+            raise rdt.PeerDiedError(why, obj_id=info.obj_id)
         try:
             tensors = await asyncio.to_thread(torch.load, meta.path)
         except FileNotFoundError:

@@ -41,7 +41,8 @@ SPOOL = tempfile.mkdtemp(prefix="rdt-custom-transport-")
 
 
 def _load_example():
-    spec = importlib.util.spec_from_file_location("custom_transport", REPO / "examples" / "custom_transport.py")
+    path = REPO / "examples" / "custom_transport.py"
+    spec = importlib.util.spec_from_file_location("custom_transport", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -110,7 +111,8 @@ class SpoolManager(TensorTransportManager):
             raise ValueError("the producer's actor did not travel with the object")
         return CommunicatorMetadata()
 
-    def recv_multiple_tensors(self, obj_id, tensor_transport_metadata, communicator_metadata, target_buffers=None):
+    def recv_multiple_tensors(self, obj_id, tensor_transport_metadata, communicator_metadata,
+                              target_buffers=None):
         deadline = time.monotonic() + 60
         while self.slow and obj_id not in self.aborted and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -177,7 +179,8 @@ class DropManager(TensorTransportManager):
         torch.save([t.clone() for t in tensors], path + ".part")
         os.rename(path + ".part", path)
 
-    def recv_multiple_tensors(self, obj_id, tensor_transport_metadata, communicator_metadata, target_buffers=None):
+    def recv_multiple_tensors(self, obj_id, tensor_transport_metadata, communicator_metadata,
+                              target_buffers=None):
         path = os.path.join(self.root, f"drop-{communicator_metadata.token}.pt")
         deadline = time.monotonic() + 30
         while not os.path.exists(path) and time.monotonic() < deadline:
@@ -419,7 +422,8 @@ def test_two_sided_manager_sends_while_the_consumer_receives(kind, makers, users
 def test_into_receives_into_caller_buffers(makers):
     ref = make(makers["sync"], "manager-spool", 4)
     want = nested(4)
-    into = [torch.empty(64), torch.empty(2, 3, dtype=torch.int64), torch.empty(3, dtype=torch.bfloat16), torch.empty(0)]
+    into = [torch.empty(64), torch.empty(2, 3, dtype=torch.int64)]
+    into += [torch.empty(3, dtype=torch.bfloat16), torch.empty(0)]
     got = rdt.get(ref, into=into)
     assert got["w"].data_ptr() == into[0].data_ptr()
     assert_same(got, want)
@@ -492,7 +496,9 @@ def test_entry_point_transport_loads_lazily_and_reaches_actors(tmp_path):
         "assert 'rdt_ep_demo' in sys.modules; print('ok')"
     )
     env = {**os.environ, "PYTHONPATH": str(site)}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
     assert out.stdout.strip() == "ok", out.stderr
     # an actor whose environment has the package produces with it by name
     path = os.pathsep.join([str(site), str(REPO / "tests")])
@@ -553,32 +559,32 @@ class _Locked(_Receives):
     lock = threading.Lock()
 
 
-@pytest.mark.parametrize(
-    "name, devices, cls, error, match",
-    [
-        ("x1", ["cpu"], FileSpool(), TypeError, "pass the class itself, not an instance"),
-        ("x2", ["cpu"], 42, TypeError, "takes a transport class, not int"),
-        ("x3", ["cpu"], dict, TypeError, "neither an rdt_async.Transport subclass nor .*TensorTransportManager"),
-        ("x4", ["cpu"], _NoReceive, TypeError, r"_NoReceive cannot be registered: it is missing async def receive"),
-        ("x5", ["cpu"], _TwoSidedNoSend, TypeError, r"missing async def send_multiple_tensors.*one_sided = False"),
-        ("x6", ["cpu"], _SyncReceive, TypeError, r"receive must be `async def`"),
-        ("x7", ["cpu"], _AsyncCollect, TypeError, r"garbage_collect must be a plain `def`"),
-        (
-            "x8", ["cpu"], _HalfManager, TypeError,
-            "missing extract_tensor_transport_metadata, garbage_collect, get_communicator_metadata, "
-            r"recv_multiple_tensors \(abstract in TensorTransportManager\)$",
-        ),
-        ("x9", [], _Receives, ValueError, "at least one device type"),
-        ("x10", "cpu", _Receives, TypeError, r"list of device types such as \['cpu'\], not the string 'cpu'"),
-        ("x11", ["gpu"], _Receives, ValueError, r"'gpu' is not a torch device type \(did you mean 'cuda'\?\)"),
-        ("x12", ["cuda:0"], _Receives, ValueError, "device types such as 'cuda', not the device 'cuda:0'"),
-        ("x13", ["cpu", "cuda"], FileSpool, ValueError, r"declares devices = \('cpu',\) and cannot handle cuda"),
-        ("x14", [None], _Receives, TypeError, "device type names"),
-        ("file-spool", ["cpu"], _Receives, ValueError, "'file-spool' is already registered to .*FileSpool"),
-        ("a b", ["cpu"], _Receives, ValueError, "a transport name is 1-64 letters"),
-        ("x15", ["cpu"], _Locked, TypeError, "_Locked cannot be pickled to reach other processes"),
-    ],
+MANAGER_MISSING = (
+    "missing extract_tensor_transport_metadata, garbage_collect, get_communicator_metadata, "
+    r"recv_multiple_tensors \(abstract in TensorTransportManager\)$"
 )
+BAD_REGISTRATIONS = [
+    ("x1", ["cpu"], FileSpool(), TypeError, "pass the class itself, not an instance"),
+    ("x2", ["cpu"], 42, TypeError, "takes a transport class, not int"),
+    ("x3", ["cpu"], dict, TypeError, "neither an rdt_async.Transport subclass nor .*TensorTransportManager"),
+    ("x4", ["cpu"], _NoReceive, TypeError, "_NoReceive cannot be registered: .* async def receive"),
+    ("x5", ["cpu"], _TwoSidedNoSend, TypeError, "missing async def send_multiple_tensors.*one_sided = False"),
+    ("x6", ["cpu"], _SyncReceive, TypeError, "receive must be `async def`"),
+    ("x7", ["cpu"], _AsyncCollect, TypeError, "garbage_collect must be a plain `def`"),
+    ("x8", ["cpu"], _HalfManager, TypeError, MANAGER_MISSING),
+    ("x9", [], _Receives, ValueError, "at least one device type"),
+    ("x10", "cpu", _Receives, TypeError, r"list of device types such as \['cpu'\], not the string 'cpu'"),
+    ("x11", ["gpu"], _Receives, ValueError, r"'gpu' is not a torch device type \(did you mean 'cuda'\?\)"),
+    ("x12", ["cuda:0"], _Receives, ValueError, "device types such as 'cuda', not the device 'cuda:0'"),
+    ("x13", ["cpu", "cuda"], FileSpool, ValueError, r"declares devices = \('cpu',\) and cannot handle cuda"),
+    ("x14", [None], _Receives, TypeError, "device type names"),
+    ("file-spool", ["cpu"], _Receives, ValueError, "'file-spool' is already registered to .*FileSpool"),
+    ("a b", ["cpu"], _Receives, ValueError, "a transport name is 1-64 letters"),
+    ("x15", ["cpu"], _Locked, TypeError, "_Locked cannot be pickled to reach other processes"),
+]
+
+
+@pytest.mark.parametrize("name, devices, cls, error, match", BAD_REGISTRATIONS)
 def test_registration_errors_are_clear_and_immediate(name, devices, cls, error, match):
     with pytest.raises(error, match=match):
         rdt.register_transport(name, devices, cls)

@@ -160,7 +160,9 @@ class RayManagerTransport(Transport[RayMeta]):
                 )
             token = secrets.token_hex(8)
             meta = await channel.request_send(_Describe(token))
-        comm = await _io.to_thread(self._manager.get_communicator_metadata, meta.src_actor, _current_actor(), self.name)
+        comm = await _io.to_thread(
+            self._manager.get_communicator_metadata, meta.src_actor, _current_actor(), self.name
+        )
         recv = asyncio.wrap_future(
             _io.pool().submit(self._recv, info.obj_id, meta.transport_meta, comm, buffers)
         )
@@ -180,7 +182,9 @@ class RayManagerTransport(Transport[RayMeta]):
             for fut in work:  # a side left running must not log "exception never retrieved"
                 fut.add_done_callback(_retrieve)
 
-    def _recv(self, obj_id: str, transport_meta: Any, comm: Any, buffers: list[torch.Tensor] | None) -> list[Any]:
+    def _recv(
+        self, obj_id: str, transport_meta: Any, comm: Any, buffers: list[torch.Tensor] | None
+    ) -> list[Any]:
         request = self._manager.fetch_multiple_tensors(obj_id, transport_meta, comm, buffers)
         return list(self._manager.wait_fetch_complete(request))
 

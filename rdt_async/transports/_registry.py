@@ -74,7 +74,9 @@ def set_cluster_hooks(*, resolve: Resolver, publish: Publisher) -> None:
     _resolver, _publisher = resolve, publish
 
 
-def register(name: str, devices: Sequence[str], cls: type, *, origin: str = "register_transport") -> Registration:
+def register(
+    name: str, devices: Sequence[str], cls: type, *, origin: str = "register_transport"
+) -> Registration:
     """Add a transport class under `name`, for tensors on `devices`.
 
     Raises: TypeError for a non-class, a class of the wrong kind or one missing
@@ -105,7 +107,9 @@ def register(name: str, devices: Sequence[str], cls: type, *, origin: str = "reg
     return reg
 
 
-def _restore(name: str, reg: Registration | None, cls: type[Transport[Any]] | None, inst: Transport[Any] | None) -> None:
+def _restore(
+    name: str, reg: Registration | None, cls: type[Transport[Any]] | None, inst: Transport[Any] | None
+) -> None:
     for table, value in ((_registrations, reg), (_classes, cls), (_instances, inst)):
         if value is None:
             table.pop(name, None)
