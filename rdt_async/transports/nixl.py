@@ -63,6 +63,7 @@ INSTALL_HINT = "pip install 'rdt_async[nixl]'"
 # Reads at most this large are posted on the I/O loop; larger ones copy in the pool.
 INLINE_BYTES = 256 << 10
 SLOTS_PER_TABLE = 1024
+ALIGN = 64  # offsets of tensors that share a fetched block
 LINGER_S, LINGER_MAX_S, LINGER_BYTES_PER_S = 0.05, 10.0, float(1 << 30)
 POLL_MIN_S, POLL_MAX_S = 0.001, 0.02
 # How long a transfer may stay in progress after a cancel before its handle is dropped.
@@ -492,17 +493,19 @@ class NixlTransport(Transport[NixlMeta]):
     def _destinations(
         self, info: TransferInfo[NixlMeta], buffers: list[torch.Tensor] | None
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Return the tensors to hand back and, as flat bytes, where each READ lands."""
-        out, dsts = [], []
-        for i, spec in enumerate(info.specs):
-            b = buffers[i] if buffers is not None else None
-            if b is not None and b.is_contiguous():
-                t = b
-            else:
-                device = b.device if b is not None else _local_device(spec.device)
-                t = torch.empty(spec.shape, dtype=spec.dtype, device=device)
-            out.append(t)
-            dsts.append(t.reshape(-1).view(torch.uint8) if t.numel() else t)
+        """Return the tensors to hand back and, as flat bytes, where each READ lands.
+
+        Without caller buffers, the tensors of one device are views of one block: one
+        registration per fetch instead of one per tensor.
+        """
+        if buffers is None:
+            out = _views_of_blocks(info.specs)
+        else:
+            out = [
+                b if b.is_contiguous() else torch.empty(spec.shape, dtype=spec.dtype, device=b.device)
+                for b, spec in zip(buffers, info.specs)
+            ]
+        dsts = [t.reshape(-1).view(torch.uint8) if t.numel() else t for t in out]
         return out, dsts
 
     async def _connect(self, agent: _Agent, meta: NixlMeta) -> str:
@@ -590,6 +593,23 @@ class NixlTransport(Transport[NixlMeta]):
         if i >= 0:
             with self._state:
                 self._free_landing.append(i)
+
+
+def _views_of_blocks(specs: Sequence[Any]) -> list[torch.Tensor]:
+    """Allocate one byte block per device and return each spec's tensor as a view of it."""
+    offsets, sizes = [], {}
+    for spec in specs:
+        device = _local_device(spec.device)
+        offsets.append((device, sizes.get(device, 0)))
+        sizes[device] = sizes.get(device, 0) + -(-spec.nbytes // ALIGN) * ALIGN
+    blocks = {d: torch.empty(n, dtype=torch.uint8, device=d) for d, n in sizes.items()}
+    out = []
+    for spec, (device, off) in zip(specs, offsets):
+        if spec.nbytes == 0:
+            out.append(torch.empty(spec.shape, dtype=spec.dtype, device=device))
+        else:
+            out.append(blocks[device][off : off + spec.nbytes].view(spec.dtype).view(spec.shape))
+    return out
 
 
 def _by_device(
