@@ -122,7 +122,7 @@ class Server:
 def main() -> None:
     started = not ray.is_initialized()
     if started:
-        ray.init()
+        ray.init(address="local")  # a fresh local instance, even if a cluster runs here
     try:
         trainer, server = Trainer.remote(), Server.remote()
         ref = trainer.weights.remote(step=2)
