@@ -27,10 +27,18 @@ from ._errors import TransferError as TransferError
 from ._errors import TransportUnavailableError as TransportUnavailableError
 from ._object import RDTObject as RDTObject
 from .collective import CollectiveGroup as CollectiveGroup
+from .collective import allgather as allgather
+from .collective import allgather_async as allgather_async
+from .collective import allreduce as allreduce
+from .collective import allreduce_async as allreduce_async
+from .collective import broadcast as broadcast
+from .collective import broadcast_async as broadcast_async
 from .collective import create_collective_group as create_collective_group
 from .collective import create_collective_group_async as create_collective_group_async
 from .collective import destroy_collective_group as destroy_collective_group
 from .collective import destroy_collective_group_async as destroy_collective_group_async
+from .collective import reduce_scatter as reduce_scatter
+from .collective import reduce_scatter_async as reduce_scatter_async
 from .transports._base import FetchRequest as FetchRequest
 from .transports._base import TensorSpec as TensorSpec
 from .transports._base import TransferInfo as TransferInfo
@@ -60,6 +68,15 @@ __all__ = [
     "destroy_collective_group",
     "destroy_collective_group_async",
     "CollectiveGroup",
+    # collectives over RDT objects
+    "allreduce",
+    "allreduce_async",
+    "broadcast",
+    "broadcast_async",
+    "allgather",
+    "allgather_async",
+    "reduce_scatter",
+    "reduce_scatter_async",
     # objects and transports
     "RDTObject",
     "Transport",
