@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 
 import nox
 
@@ -42,6 +43,8 @@ def _install_torch(session: nox.Session) -> None:
     with open(constraints, "w") as f:
         f.write(f"torch=={version}\n")
     session.env["PIP_CONSTRAINT"] = constraints
+    # create_tmp points TMPDIR into the virtualenv, where Ray refuses to keep its files.
+    session.env["TMPDIR"] = tempfile.gettempdir()
 
 
 @nox.session

@@ -31,7 +31,7 @@ class Server:
 
 
 if __name__ == "__main__":
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray.init(address="local", include_dashboard=False)  # a fresh local Ray for this example
     try:
         trainer, server = Trainer.remote(), Server.remote()
         ref = trainer.weights.remote(step=1)

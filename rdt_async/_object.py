@@ -25,6 +25,7 @@ import os
 import secrets
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -168,7 +169,7 @@ def _prepared_transports(name: str, tensors: Sequence[torch.Tensor]) -> list[Tra
     if name != _registry.AUTO:
         transport = _registry.get(name)
         transport.check_tensors(tensors)
-        return [transport] if transport.one_sided else []
+        return [transport]
     _registry.get("object_store").check_tensors(tensors)  # what auto falls back to
     if all(t.device.type == "cpu" for t in tensors):
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
@@ -211,7 +212,8 @@ async def produce_async(value: Any, transport: str, *, owner: Process | None = N
     """`produce`, with large exports done off the running loop."""
     skeleton, tensors = _tree.flatten(value)
     plan = _plan(transport, tensors)
-    if sum(t.numel() * t.element_size() for t in tensors) > Transport.inline_prepare_bytes:
+    limit = min((t.inline_prepare_bytes for t in plan), default=Transport.inline_prepare_bytes)
+    if sum(t.numel() * t.element_size() for t in tensors) > limit:
         return await _io.to_thread(_finish, skeleton, tensors, transport, plan, owner)
     return _finish(skeleton, tensors, transport, plan, owner)
 
@@ -238,7 +240,7 @@ def _finish(
     try:
         for t in plan:
             prepared[t] = t.prepare(obj_id, tensors)
-        eager = _eager_replies(obj_id, tensors, transport, owner)
+        eager = _eager_replies(tensors, transport, owner, plan)
     except BaseException:
         for t, meta in prepared.items():
             t.garbage_collect(obj_id, meta)
@@ -252,15 +254,36 @@ def _finish(
     return RDTObject(obj_id, owner, transport, specs, skeleton, meta, eager, anchor)
 
 
-def _eager_replies(obj_id: str, tensors: list[torch.Tensor], transport: str, owner: Process) -> dict[str, Any]:
-    """For producers with no `rdt` group (the driver), put the object-store reply now."""
+def _eager_replies(
+    tensors: list[torch.Tensor], transport: str, owner: Process, plan: list[Transport[Any]]
+) -> dict[str, Any]:
+    """For producers with no `rdt` group (the driver), put the object-store reply now.
+
+    Only where a consumer may need it: explicit object_store, or auto on a cluster of
+    several nodes when nothing prepared reaches other nodes (inline, nixl do).
+    """
     if owner.actor is not None or transport not in ("object_store", _registry.AUTO):
         return {}
-    if transport == _registry.AUTO and len(ray.nodes()) < 2:
-        return {}  # one node: every consumer reads shared memory
+    if transport == _registry.AUTO and (
+        any(t.name in ("inline", "nixl") for t in plan) or not _several_nodes()
+    ):
+        return {}
     from .transports.object_store import to_wire
 
     return {"object_store": ray.put(to_wire(tensors))}
+
+
+_nodes_seen: tuple[float, bool] = (0.0, False)
+
+
+def _several_nodes() -> bool:
+    """Say whether the cluster has more than one alive node (asked of the GCS every 5 s)."""
+    global _nodes_seen
+    checked, several = _nodes_seen
+    if time.monotonic() - checked > 5.0:
+        several = sum(1 for n in ray.nodes() if n.get("Alive")) > 1
+        _nodes_seen = (time.monotonic(), several)
+    return several
 
 
 async def serve_send(obj_id: str, transport: str, request: Any) -> Any:
@@ -326,7 +349,12 @@ class RayChannel:
                     "put it with tensor_transport='object_store' or fetch it on its node",
                 )
             ref = obj.producer.actor.rdt__send.remote(obj.obj_id, self._transport, request)
-            return await await_ref(ref)
+            try:
+                return await await_ref(ref)
+            except asyncio.CancelledError:
+                if _registry.get(self._transport).can_abort:
+                    ray.cancel(ref)  # stop the producer's side too
+                raise
 
 
 def choose_transport(obj: RDTObject, node_id: str) -> tuple[str, Any]:
@@ -356,6 +384,7 @@ def choose_transport(obj: RDTObject, node_id: str) -> tuple[str, Any]:
         name = "object_store"
     if name in ("gloo", "nccl"):
         if shared is None or shared[0] != name:
+            _raise_if_broken(obj)  # a group we share is broken: say so, do not fall back
             return "object_store", None  # the consumer is outside the producer's groups
         return name, shared[1]
     return name, obj.meta.get(name)
@@ -373,6 +402,14 @@ def _shared_group(obj: RDTObject) -> tuple[str, Any] | None:
         if name in ours and ours[name][0] == backend and devices <= {"cpu" if backend == "gloo" else "cuda"}:
             return backend, gloo.GlooMeta(name, rank)
     return None
+
+
+def _raise_if_broken(obj: RDTObject) -> None:
+    gloo = sys.modules.get("rdt_async.transports.gloo")
+    theirs = obj.meta.get("groups") or {}
+    for group in gloo.groups.broken() if gloo is not None else ():
+        if group.name in theirs:
+            group.check()
 
 
 def _memberships() -> dict[str, tuple[str, int]]:

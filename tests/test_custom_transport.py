@@ -412,11 +412,11 @@ def test_two_sided_manager_sends_while_the_consumer_receives(kind, makers, users
     assert_same(ray.get(users["sync"].take.remote(refs[1])), nested(12))
     got = ray.get(users["async"].fetch_all.remote(refs))
     assert_same(got, [nested(11), nested(12)])
-    # metadata made for each transfer was given back: garbage_collect ran for each
-    wait_until(lambda: not list(Path(DropManager.root).glob("held-*")), 15)
     assert not list(Path(DropManager.root).glob("drop-*"))
     del refs
     wait_until(lambda: objects_of(maker) == 0, 15)
+    # metadata extracted when the value was returned is given back with the object
+    wait_until(lambda: not list(Path(DropManager.root).glob("held-*")), 15)
 
 
 def test_into_receives_into_caller_buffers(makers):

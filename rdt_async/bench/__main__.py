@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="4K,1M,64M,256M,512M")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", default="-", help="file for the JSON results ('-': stdout)")
-    ap.add_argument("--only", default="", help="comma-separated: fetch,pass,responsiveness,memcpy,nixl")
+    ap.add_argument("--only", default="", help="comma-separated: memcpy,fetch,pass,responsiveness,gloo,nixl")
     args = ap.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     only = set(filter(None, args.only.split(",")))
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from . import _core
 
-    ray.init(include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
     rows: list[dict[str, Any]] = []
     try:
         if want("memcpy"):
@@ -56,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
             rows += _core.pass_rows(4 << 10, args.repeat)
         if want("responsiveness"):
             rows += _core.responsiveness_rows(max(sizes))
+        if want("gloo"):
+            from . import _gloo
+
+            rows += _gloo.run(sizes, args.repeat)
         if want("nixl"):
             try:
                 from . import _nixl

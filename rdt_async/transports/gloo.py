@@ -120,6 +120,11 @@ class Groups:
         with self._lock:
             return {g.name: (g.backend, g.rank) for g in self._groups.values() if not g.broken}
 
+    def broken(self) -> list[Group]:
+        """Return the groups of this process that are marked broken."""
+        with self._lock:
+            return [g for g in self._groups.values() if g.broken]
+
     def mark_broken(self, name: str, why: str) -> None:
         with self._lock:
             group = self._groups.get(name)
