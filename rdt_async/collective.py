@@ -534,8 +534,8 @@ async def _pick_group(
             raise CollectiveGroupError(f"rdt.{kind}: there is no collective group named {name!r} (destroyed?)")
         for i, h in enumerate(holders):
             if h.id not in record["actors"]:
-                where = f"ref {i} is held by {h.label}" if i < len(objs) else f"{h.label}"
-                raise CollectiveGroupError(f"rdt.{kind}: {where}, which is not in collective group {name!r}")
+                who = f"ref {i} is held by {h.label}, which" if i < len(objs) else f"{h.label} (in to=)"
+                raise CollectiveGroupError(f"rdt.{kind}: {who} is not in collective group {name!r}")
         return name, record
     # Found from the refs: the groups every holder was in when it produced its value.
     mine = [set(o.meta.get("groups", {})) for o in objs]
@@ -567,7 +567,7 @@ async def _pick_group(
             f"rdt.{kind}: no live collective group holds all of "
             f"{', '.join(h.label for h in holders)} (groups seen: {', '.join(map(repr, sorted(common)))})"
         )
-    name, record = sorted(live.items())[0]
+    name, record = min(live.items())
     missing = [f"rank {r} (actor {a[:8]})" for r, a in enumerate(record["actors"]) if a not in ids]
     raise CollectiveGroupError(
         f"rdt.{kind} needs one ref from every member of group {name!r}; {', '.join(missing)} holds none of them"
