@@ -25,7 +25,6 @@ POOL_SIZE = 4
 _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
 _thread: threading.Thread | None = None
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
 _pid: int | None = None
 
 
@@ -58,14 +57,18 @@ def on_io_thread() -> bool:
     return _thread is not None and threading.current_thread() is _thread
 
 
-def pool() -> concurrent.futures.ThreadPoolExecutor:
-    """Return the bounded pool for blocking native calls."""
-    global _pool
-    if _pool is None:
+_pools: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
+
+
+def pool(name: str = "pool", size: int = POOL_SIZE) -> concurrent.futures.ThreadPoolExecutor:
+    """Return this process's bounded pool `name` (blocking native calls), made on first use."""
+    p = _pools.get(name)
+    if p is None:
         with _lock:
-            if _pool is None:
-                _pool = concurrent.futures.ThreadPoolExecutor(POOL_SIZE, thread_name_prefix="rdt-pool")
-    return _pool
+            p = _pools.get(name)
+            if p is None:
+                p = _pools[name] = concurrent.futures.ThreadPoolExecutor(size, thread_name_prefix=f"rdt-{name}")
+    return p
 
 
 async def to_thread(fn: Callable[..., T], *args: Any) -> T:
@@ -103,8 +106,8 @@ def call_soon(fn: Callable[..., Any], *args: Any) -> None:
 
 
 def _shutdown() -> None:
-    loop, p = _loop, _pool
-    if p is not None:
+    loop = _loop
+    for p in list(_pools.values()):
         p.shutdown(wait=False, cancel_futures=True)
     if loop is not None and _pid == os.getpid() and not loop.is_closed():
         loop.call_soon_threadsafe(loop.stop)

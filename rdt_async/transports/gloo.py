@@ -18,7 +18,6 @@ stops waiting; its receives complete into buffers nobody reads.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import itertools
 import threading
 from collections.abc import Sequence
@@ -29,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import _io
 from .._errors import CollectiveGroupError, ObjectFreedError
 from ._base import Channel, TransferInfo, Transport
 
@@ -147,19 +147,6 @@ def _my_host(hint: str) -> str:
             return hint
 
 
-_waiters: concurrent.futures.ThreadPoolExecutor | None = None
-_waiters_lock = threading.Lock()
-
-
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    global _waiters
-    if _waiters is None:
-        with _waiters_lock:
-            if _waiters is None:
-                _waiters = concurrent.futures.ThreadPoolExecutor(WAITERS, thread_name_prefix="rdt-gloo")
-    return _waiters
-
-
 async def wait_works(works: Sequence[Any]) -> None:
     """Wait for Gloo works in the bounded waiter pool, without blocking the loop."""
 
@@ -167,7 +154,7 @@ async def wait_works(works: Sequence[Any]) -> None:
         for w in works:
             w.wait()
 
-    await asyncio.get_running_loop().run_in_executor(_pool(), wait_all)
+    await asyncio.get_running_loop().run_in_executor(_io.pool("gloo", WAITERS), wait_all)
 
 
 @dataclass(frozen=True)

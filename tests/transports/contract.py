@@ -11,13 +11,15 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import os
+import pickle
 import threading
 from typing import Any
 
 import torch
+from helpers import LagProbe
 
 from rdt_async import _io
-from rdt_async._errors import ObjectFreedError, PeerDiedError
+from rdt_async._errors import ObjectFreedError, PeerDiedError, translating
 from rdt_async.transports import _registry
 from rdt_async.transports._base import TensorSpec, TransferInfo
 
@@ -30,6 +32,23 @@ def make_value(obj_no: int, device: str, sizes: tuple[int, ...] = (1000, 7, 0)) 
     out.append(torch.tensor([True, False]))
     out.append(torch.linspace(0, 1, 5).to(torch.bfloat16))
     return [t.to(device) for t in out]
+
+
+def _send_out_of_band(conn: Any, msg: Any) -> None:
+    """Send with large buffers (NumPy arrays) out of band, as Ray does: no pickled copy."""
+    buffers: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(msg, protocol=5, buffer_callback=buffers.append)
+    conn.send(("oob", data, len(buffers)))
+    for b in buffers:
+        conn.send_bytes(b.raw())
+
+
+def _recv(conn: Any) -> Any:
+    msg = conn.recv()
+    if isinstance(msg, tuple) and msg and msg[0] == "oob":
+        _, data, n = msg
+        return pickle.loads(data, buffers=[conn.recv_bytes() for _ in range(n)])
+    return msg
 
 
 def _producer_main(conn: Any, transport_name: str, device: str) -> None:
@@ -56,7 +75,7 @@ def _producer_main(conn: Any, transport_name: str, device: str) -> None:
                     raise ObjectFreedError(f"object {obj_id} was freed", obj_id=obj_id)
                 tensors, meta = objects[obj_id]
                 reply = _io.submit(transport.send_multiple_tensors(obj_id, tensors, meta, request)).result()
-                conn.send(("ok", reply))
+                _send_out_of_band(conn, ("ok", reply))
             elif op == "free":
                 tensors, meta = objects.pop(msg[1])
                 transport.garbage_collect(msg[1], meta)
@@ -88,7 +107,7 @@ class Producer:
         with self._lock:
             self.conn.send(msg)
             try:
-                status, value = self.conn.recv()
+                status, value = _recv(self.conn)
             except (EOFError, ConnectionError) as exc:
                 raise PeerDiedError(f"producer process died during {msg[0]}") from exc
         if status == "err":
@@ -125,8 +144,22 @@ class PipeChannel:
         )
 
 
+MAX_LAG = 0.05  # the consumer's loop may be late by this much at most during a fetch
+
+
 async def fetch(producer: Producer, info: TransferInfo[Any], buffers: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-    """Fetch like the core does: start the request, await its completion."""
+    """Fetch like the core does, and fail if the transfer blocked this process's loop."""
     transport = _registry.get(producer.transport)
-    request = transport.fetch_multiple_tensors(info, buffers=buffers, channel=producer.channel(info.obj_id))
-    return await transport.wait_fetch_complete(request)
+    probe = LagProbe()
+    probe.start()
+    try:
+        with translating(f"{transport.name} fetch of {info.obj_id}", info.obj_id):  # as the core does
+            now = transport.receive_nowait(info, buffers)
+            if now is not None:
+                return now
+            request = transport.fetch_multiple_tensors(info, buffers=buffers, channel=producer.channel(info.obj_id))
+            tensors = await transport.wait_fetch_complete(request)
+    finally:
+        lag = await asyncio.shield(probe.stop())
+    assert lag < MAX_LAG, f"{transport.name} blocked the consumer's loop for {lag * 1000:.0f} ms"
+    return tensors
