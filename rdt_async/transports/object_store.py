@@ -7,8 +7,8 @@ NumPy arrays, which Ray moves out of band and without pickling tensor data.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
