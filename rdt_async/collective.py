@@ -32,6 +32,7 @@ order).
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import math
 import secrets
@@ -227,6 +228,7 @@ REDUCE_OPS = ("sum", "prod", "min", "max", "avg")
 _TORCH_OPS = {"sum": "SUM", "prod": "PRODUCT", "min": "MIN", "max": "MAX", "avg": "AVG"}
 BREAK_GRACE_S = 10.0  # after breaking a group, how long the caller waits for the survivors' answers
 BUFFERS_PER_SHAPE = 2  # result buffers a member keeps per (dtype, size) for reuse
+COLLECT_BYTES = 1 << 20  # from this size, a busy buffer is worth a young-generation GC to free
 
 
 def allreduce(
@@ -471,10 +473,14 @@ async def _resolve_all(kind: str, refs: Sequence[Any]) -> list[RDTObject]:
     if isinstance(refs, (RDTObject, ray.ObjectRef)):
         raise TypeError(f"rdt.{kind} takes a list of refs, one per member")
 
+    refs = list(refs)
+    # Refs whose values are here already resolve in one call (cheaper than a future each).
+    ready = await _io.to_thread(_get_ready, list(dict.fromkeys(x for x in refs if _object.is_ref(x))))
+
     async def one(i: int, x: Any) -> RDTObject:
         if _object.is_ref(x):
             try:
-                x = await _await(x)
+                x = ready[x] if x in ready else await _await(x)
             except BaseException as exc:
                 err = translate(exc, f"rdt.{kind}: resolving ref {i}")
                 if err is exc:
@@ -488,6 +494,17 @@ async def _resolve_all(kind: str, refs: Sequence[Any]) -> list[RDTObject]:
         return x
 
     return list(await asyncio.gather(*(one(i, x) for i, x in enumerate(refs))))
+
+
+def _get_ready(refs: list[Any]) -> dict[Any, Any]:
+    """Return ref -> value for the refs whose values are ready (never waits for the others)."""
+    if not refs:
+        return {}
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+    try:
+        return dict(zip(ready, ray.get(ready, timeout=0))) if ready else {}
+    except Exception:
+        return {}  # an error value, or not local after all: the futures report it
 
 
 def _holder_of(kind: str, i: int, obj: RDTObject) -> _Holder:
@@ -806,9 +823,16 @@ class _Buffers:
         key = (dtype, numel, str(device))
         with self._lock:
             kept = self._kept.setdefault(key, [])
-            for b in kept:
-                if _unshared(b):
-                    return b.view(-1)
+            for attempt in range(2):
+                for b in kept:
+                    if _unshared(b):
+                        return b.view(-1)
+                if not kept or attempt or numel * dtype.itemsize < COLLECT_BYTES:
+                    break
+                # Flattening a value makes short-lived reference cycles (recursive closures)
+                # that hold its tensors until the cyclic GC runs: collect the young ones
+                # (well under a millisecond) rather than fault in fresh memory.
+                gc.collect(1)
             b = torch.empty(numel, dtype=dtype, device=device)
             if len(kept) < BUFFERS_PER_SHAPE:
                 kept.append(b)

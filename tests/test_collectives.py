@@ -254,6 +254,8 @@ def test_errors_name_the_holder_and_leave_the_group_usable(four):
         rdt.allreduce([*refs[:3], outsider.grads.remote()], group="coll-four")
     with pytest.raises(rdt.CollectiveGroupError, match=rf"refs\[0\] and refs\[2\] are both held by actor {short(workers[0])}"):
         rdt.allreduce([refs[0], refs[1], workers[0].grads.remote(), refs[3]])
+    with pytest.raises(rdt.CollectiveGroupError, match=rf"refs\[1\] and refs\[2\] are both held by actor {short(workers[1])}"):
+        rdt.allreduce([refs[0], refs[1], refs[1], refs[3]])
     with pytest.raises(ValueError, match=rf"tensor 0 of ref 2 \(held by actor {short(workers[2])}\) is float32\[4, 2\]@cpu but ref 0's is float32\[3, 2\]"):
         rdt.allreduce([refs[0], refs[1], workers[2].grads.remote(8), refs[3]])
     with pytest.raises(ValueError, match=rf"tensor 0 of ref 1 \(held by actor {short(workers[1])}\) is float64\[3, 2\]@cpu"):
