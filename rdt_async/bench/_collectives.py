@@ -64,14 +64,6 @@ class Worker:
     def raw_allreduce(self, numel: int) -> None:
         self.pg.allreduce([self.grads[numel]]).wait()
 
-    def objects(self) -> tuple[int, list[int]]:
-        """Objects this worker's store holds, and the ids of the buffers its collectives kept (debug)."""
-        from rdt_async import collective
-
-        kept = [id(b) for bufs in collective._buffers.values() for bs in bufs._kept.values() for b in bs]
-        busy = [not collective._unshared(b) for bufs in collective._buffers.values() for bs in bufs._kept.values() for b in bs]
-        return rdt.store_stats()["objects"], kept, busy
-
     def leave_raw(self) -> None:
         self.pg, self.store = None, None
 
