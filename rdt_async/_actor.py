@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 from collections.abc import Callable
@@ -22,7 +23,8 @@ from . import _api, _io, _object, collective
 from .transports import _registry
 
 RDT_GROUP = "rdt"
-RDT_GROUP_CONCURRENCY = 4
+RDT_GROUP_CONCURRENCY = 8  # transfers served at once; also bounds group operations in sync actors
+GROUP_THREADS = 8
 CONTROL_METHODS = ("rdt__send", "rdt__free", "rdt__group")
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -187,7 +189,10 @@ def _control_methods(is_async: bool) -> dict[str, Any]:
             _object.serve_free(obj_id)
 
         async def rdt__group(self: Any, op: str, *args: Any) -> Any:
-            return await _io.to_thread(collective.serve, op, *args)
+            # Group operations block for a whole collective: their own threads, so
+            # that they never starve the copies of the shared pool.
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(_io.pool("group", GROUP_THREADS), collective.serve, op, *args)
 
     else:
 

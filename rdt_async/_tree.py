@@ -29,25 +29,39 @@ def flatten(value: Any) -> tuple[Any, list[torch.Tensor]]:
     Walks dict, list, tuple, namedtuple and dataclass instances; anything else is a leaf.
     """
     tensors: list[torch.Tensor] = []
-
-    def walk(v: Any) -> Any:
-        if isinstance(v, torch.Tensor):
-            tensors.append(v)
-            return Slot(len(tensors) - 1)
-        return _map_children(v, walk)
-
-    return walk(value), tensors
+    return _Flatten(tensors).walk(value), tensors
 
 
 def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
     """Rebuild a value from its skeleton and tensors."""
+    return _Unflatten(tensors).walk(skeleton)
 
-    def walk(v: Any) -> Any:
+
+# Walkers are objects, not closures: a recursive closure is a reference cycle that
+# would keep the tensors alive until the cyclic GC runs, delaying frees.
+class _Flatten:
+    __slots__ = ("tensors",)
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def walk(self, v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            self.tensors.append(v)
+            return Slot(len(self.tensors) - 1)
+        return _map_children(v, self.walk)
+
+
+class _Unflatten:
+    __slots__ = ("tensors",)
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def walk(self, v: Any) -> Any:
         if isinstance(v, Slot):
-            return tensors[v.index]
-        return _map_children(v, walk)
-
-    return walk(skeleton)
+            return self.tensors[v.index]
+        return _map_children(v, self.walk)
 
 
 def tensors_of(value: Any) -> list[torch.Tensor]:

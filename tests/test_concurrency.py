@@ -15,7 +15,10 @@ import rdt_async as rdt
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
-MAX_LAG = 0.05  # an actor's loop may be late by a few tens of ms at most during a fetch
+# An actor's loop may be late by this much at most during a fetch: the bound for
+# "other methods answer", with room for a 2-core machine's scheduling (a blocked loop
+# shows as the whole transfer: hundreds of ms, see the benchmark).
+MAX_LAG = 0.1
 BIG = 32 << 20  # float32 elements: 128 MiB
 
 
@@ -61,9 +64,10 @@ def test_async_consumer_loop_stays_free_during_a_big_fetch(method, into):
     ray.wait([ref], timeout=60)
     w = Watched.remote()
     total, lag = ray.get(w.fetch_watched.remote([ref], BIG if into else 0), timeout=120)
+    del ref
+    ray.kill(p)
     assert total == float(BIG)
     assert lag < MAX_LAG, f"loop blocked {lag * 1000:.0f} ms"
-    ray.kill(p)
 
 
 def test_other_calls_are_served_while_an_argument_arrives():

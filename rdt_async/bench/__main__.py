@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="4K,1M,64M,256M,512M")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", default="-", help="file for the JSON results ('-': stdout)")
-    ap.add_argument("--only", default="", help="comma-separated: memcpy,fetch,pass,responsiveness,gloo,nixl")
+    ap.add_argument("--only", default="", help="comma-separated: memcpy,fetch,pass,responsiveness,gloo,collectives,nixl")
     args = ap.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     only = set(filter(None, args.only.split(",")))
@@ -60,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
             from . import _gloo
 
             rows += _gloo.run(sizes, args.repeat)
+        if want("collectives"):
+            from . import _collectives
+
+            rows += _collectives.run(sizes, args.repeat)
         if want("nixl"):
             try:
                 from . import _nixl
