@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
+import time
 import warnings
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
@@ -16,7 +18,7 @@ from ._errors import ObjectFreedError, translating
 from ._object import RDTObject
 from ._store import log, store
 from .transports import _registry
-from .transports._base import TensorSpec, TransferInfo, copy_into
+from .transports._base import TensorSpec, TransferInfo, Transport, copy_into
 
 # Copies at most this large are done inline rather than in the pool.
 INLINE_COPY_BYTES = 1 << 20
@@ -86,9 +88,20 @@ def get(
             "rdt.get() would block the event loop running in this thread; "
             "use `await rdt.fetch(ref)` here instead"
         )
-    fut = _io.submit(fetch(x, device=device, into=into))
+    deadline = None if timeout is None else time.monotonic() + timeout
+    if _object.is_ref(x):  # resolve here: a plain ray.get beats a hop through the I/O loop
+        with translating(f"resolving {x}"):
+            x = _object.get_ref(x, timeout)
+        if not isinstance(x, RDTObject):
+            return x  # a ref to a plain value
+    elif not isinstance(x, RDTObject):
+        raise _not_rdt(x)
+    done, value = _fetch_now(x, device=device, into=into)
+    if done:
+        return value
+    fut = _io.submit(_fetch_object(x, device=device, into=into))
     try:
-        return fut.result(timeout)
+        return fut.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
     except concurrent.futures.TimeoutError as exc:
         if fut.done():
             raise
@@ -164,40 +177,80 @@ async def _resolve(x: Any) -> Any:
     if _object.is_ref(x):
         with translating(f"resolving {x}"):
             return await _object.await_ref(x)
-    raise TypeError(f"rdt.fetch() takes an ObjectRef or an RDTObject, not {type(x).__name__}")
+    raise _not_rdt(x)
+
+
+def _not_rdt(x: Any) -> TypeError:
+    return TypeError(f"rdt.fetch() takes an ObjectRef or an RDTObject, not {type(x).__name__}")
 
 
 async def _fetch_object(obj: RDTObject, *, device: Any, into: Any) -> Any:
+    start = _start(obj, into)
+    if isinstance(start, _Done):
+        tensors, buffers, name = start.tensors, start.buffers, start.transport
+    else:
+        transport, info, buffers = start
+        name = transport.name
+        request = transport.fetch_multiple_tensors(info, buffers=buffers, channel=_object.RayChannel(obj, name))
+        with translating(f"{name} fetch of {obj.obj_id}", obj.obj_id):
+            tensors = await transport.wait_fetch_complete(request)
+        buffers = None  # written by the transport
+    _record(obj, name)
+    if buffers:
+        tensors = await _copy(buffers, tensors, obj.nbytes)
+    elif device is not None:
+        tensors = await _move(tensors, torch.device(device), obj.nbytes)
+    return _tree.unflatten(obj.skeleton, tensors)
+
+
+def _fetch_now(obj: RDTObject, *, device: Any, into: Any) -> tuple[bool, Any]:
+    """Fetch on the caller's thread if nothing can block: (True, value), else (False, None)."""
+    start = _start(obj, into)
+    if not isinstance(start, _Done) or obj.nbytes > INLINE_COPY_BYTES:
+        return False, None  # the transfer (or a large copy) belongs to the I/O loop
+    tensors, buffers = start.tensors, start.buffers
+    _record(obj, start.transport)
+    if buffers:
+        tensors = copy_into(buffers, tensors)
+    elif device is not None:
+        tensors = [t.to(device) for t in tensors]
+    return True, _tree.unflatten(obj.skeleton, tensors)
+
+
+@dataclasses.dataclass
+class _Done:
+    """A fetch whose tensors were had at once: `buffers` are still to be filled."""
+
+    tensors: list[torch.Tensor]
+    buffers: list[torch.Tensor] | None
+    transport: str
+
+
+def _start(obj: RDTObject, into: Any) -> _Done | tuple[Transport[Any], TransferInfo[Any], list[torch.Tensor] | None]:
+    """Check the fetch and do what needs no waiting; else return what to transfer with."""
     if store.was_freed(obj.obj_id):
         raise ObjectFreedError(f"object {obj.obj_id} was freed", obj_id=obj.obj_id)
     buffers = _buffers(obj, into)
     if not obj.specs:
-        return _tree.unflatten(obj.skeleton, [])
+        return _Done([], None, "none")
     if _object.is_local(obj):
         tensors = _object.resolve_local(obj)
         _warn_local(obj.obj_id)
-        name = "local"
-    else:
-        name, meta = _object.choose_transport(obj, _node_id())
-        transport = _registry.get(name)
-        info = TransferInfo(obj.obj_id, obj.specs, meta)
-        with translating(f"{name} fetch of {obj.obj_id}", obj.obj_id):
-            now = transport.receive_nowait(info, buffers)
-            if now is not None:
-                tensors = now
-            else:
-                request = transport.fetch_multiple_tensors(
-                    info, buffers=buffers, channel=_object.RayChannel(obj, name)
-                )
-                tensors = await transport.wait_fetch_complete(request)
-        buffers = None if buffers is None else []  # already written
-    store.fetches[name] += 1
-    log.debug("rdt_async: fetched %s over %s (%d bytes)", obj.obj_id, name, obj.nbytes)
-    if buffers:
-        tensors = await _copy(buffers, tensors, obj.nbytes)
-    elif device is not None and buffers is None:
-        tensors = await _move(tensors, torch.device(device), obj.nbytes)
-    return _tree.unflatten(obj.skeleton, tensors)
+        return _Done(tensors, buffers, "local")
+    name, meta = _object.choose_transport(obj, _node_id())
+    transport = _registry.get(name)
+    info = TransferInfo(obj.obj_id, obj.specs, meta)
+    with translating(f"{name} fetch of {obj.obj_id}", obj.obj_id):
+        now = transport.receive_nowait(info, buffers)
+    if now is not None:
+        return _Done(now, None, name)
+    return transport, info, buffers
+
+
+def _record(obj: RDTObject, transport: str) -> None:
+    if obj.specs:
+        store.fetches[transport] += 1
+        log.debug("rdt_async: fetched %s over %s (%d bytes)", obj.obj_id, transport, obj.nbytes)
 
 
 def _buffers(obj: RDTObject, into: Any) -> list[torch.Tensor] | None:
