@@ -191,3 +191,13 @@ def test_fetch_records_the_transport_used(producer):
     big = torch.ones(1 << 15)  # 128 KiB: above what auto inlines
     refs = [producer.value.remote(torch.ones(2)), producer.value.remote(big), producer.value_os.remote(big)]
     assert ray.get(Counter.remote().run.remote(refs)) == {"inline": 1, "shm": 1, "object_store": 1}
+
+
+def test_into_large_objects_contiguous_and_strided_buffers(producer):
+    src = {"a": torch.arange(1 << 20, dtype=torch.float32), "b": torch.arange(1 << 18, dtype=torch.int64).reshape(512, 512)}
+    ref = producer.value.remote(src)  # 6 MiB: read on the I/O loop, not inline
+    strided = torch.empty(512, 512, dtype=torch.int64).t()  # not contiguous: copied through a mapping
+    into = {"a": torch.empty(1 << 20), "b": strided}
+    out = rdt.get(ref, into=into, timeout=60)
+    assert out["a"].data_ptr() == into["a"].data_ptr() and out["b"] is strided
+    assert torch.equal(into["a"], src["a"]) and torch.equal(strided, src["b"])
