@@ -99,7 +99,7 @@ def get(
     done, value = _fetch_now(x, device=device, into=into)
     if done:
         return value
-    fut = _io.submit(_fetch_object(x, device=device, into=into))
+    fut = _io.submit(_fetch_object(x, device=device, into=into, start=value))
     try:
         return fut.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
     except concurrent.futures.TimeoutError as exc:
@@ -184,8 +184,8 @@ def _not_rdt(x: Any) -> TypeError:
     return TypeError(f"rdt.fetch() takes an ObjectRef or an RDTObject, not {type(x).__name__}")
 
 
-async def _fetch_object(obj: RDTObject, *, device: Any, into: Any) -> Any:
-    start = _start(obj, into)
+async def _fetch_object(obj: RDTObject, *, device: Any, into: Any, start: _Start | None = None) -> Any:
+    start = start or _start(obj, into)
     if isinstance(start, _Done):
         tensors, buffers, name = start.tensors, start.buffers, start.transport
     else:
@@ -204,10 +204,10 @@ async def _fetch_object(obj: RDTObject, *, device: Any, into: Any) -> Any:
 
 
 def _fetch_now(obj: RDTObject, *, device: Any, into: Any) -> tuple[bool, Any]:
-    """Fetch on the caller's thread if nothing can block: (True, value), else (False, None)."""
+    """Fetch on the caller's thread if nothing can block: (True, value), else (False, start)."""
     start = _start(obj, into)
     if not isinstance(start, _Done) or obj.nbytes > INLINE_COPY_BYTES:
-        return False, None  # the transfer (or a large copy) belongs to the I/O loop
+        return False, start  # the transfer (or a large copy) belongs to the I/O loop
     tensors, buffers = start.tensors, start.buffers
     _record(obj, start.transport)
     if buffers:
@@ -226,7 +226,11 @@ class _Done:
     transport: str
 
 
-def _start(obj: RDTObject, into: Any) -> _Done | tuple[Transport[Any], TransferInfo[Any], list[torch.Tensor] | None]:
+# What `_start` leaves: tensors had at once, or the transport, info and buffers to transfer with.
+_Start = _Done | tuple[Transport[Any], TransferInfo[Any], list[torch.Tensor] | None]
+
+
+def _start(obj: RDTObject, into: Any) -> _Start:
     """Check the fetch and do what needs no waiting; else return what to transfer with."""
     if store.was_freed(obj.obj_id):
         raise ObjectFreedError(f"object {obj.obj_id} was freed", obj_id=obj.obj_id)

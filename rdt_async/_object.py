@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import pickle
 import secrets
 import sys
 import threading
@@ -49,17 +50,36 @@ if not hasattr(ray._raylet.CoreWorker, "add_object_out_of_scope_callback"):
 
 @dataclass(frozen=True)
 class Process:
-    """Where an object lives: node, process token, and the actor serving it (if any)."""
+    """Where an object lives: node, process token, and the actor serving it (if any).
+
+    The actor's handle travels as pickled bytes and is rebuilt once per process on
+    first use: an ActorHandle in every RDTObject would cost each deserialization of
+    every ref a few hundred microseconds, and most fetches never call the producer.
+    """
 
     node_id: str
     token: str
-    actor: Any = field(default=None, compare=False)  # ActorHandle | None
+    actor_id: str | None = None
+    actor_state: bytes | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def actor(self) -> Any:
+        """The producer's ActorHandle, or None for the driver and tasks."""
+        if self.actor_state is None:
+            return None
+        handle = _handles.get(self.token)
+        if handle is None:
+            handle = _handles[self.token] = pickle.loads(self.actor_state)
+        return handle
 
     @property
     def label(self) -> str:
-        if self.actor is None:
+        if self.actor_id is None:
             return f"driver/process {self.token.split(':')[0]}"
-        return f"actor {self.actor._ray_actor_id.hex()[:8]}"
+        return f"actor {self.actor_id[:8]}"
+
+
+_handles: dict[str, Any] = {}  # process token -> ActorHandle rebuilt in this process
 
 
 @functools.lru_cache(maxsize=1)
@@ -70,15 +90,17 @@ def _token_for(pid: int) -> str:
 def here() -> Process:
     """Return this process's identity (Ray must be initialized)."""
     ctx = ray.get_runtime_context()
-    actor = None
     if ctx.worker.mode == ray.WORKER_MODE and ctx.get_actor_id() is not None:
-        actor = _current_actor()
-    return Process(ctx.get_node_id(), _token_for(os.getpid()), actor)
+        actor_id, state = _current_actor()
+        return Process(ctx.get_node_id(), _token_for(os.getpid()), actor_id, state)
+    return Process(ctx.get_node_id(), _token_for(os.getpid()))
 
 
 @functools.lru_cache(maxsize=1)
-def _current_actor() -> Any:
-    return ray.get_runtime_context().current_actor
+def _current_actor() -> tuple[str, bytes]:
+    """This actor's id and its handle pickled out of band (made once per process)."""
+    handle = ray.get_runtime_context().current_actor
+    return handle._ray_actor_id.hex(), pickle.dumps(handle)
 
 
 @dataclass(frozen=True, repr=False)
