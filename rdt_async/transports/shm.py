@@ -29,6 +29,8 @@ PREFIX = "rdt-"
 ALIGN = 64
 # Segments up to this size are mapped (and copied into buffers) on the caller's thread.
 NOWAIT_BYTES = 1 << 20
+# Reads into buffers from this size use two threads.
+SPLIT_READ_BYTES = 16 << 20
 
 # Runs in the guardian: detach from the producer's process tree, sweep what dead
 # producers left, then wait for our producer's end (EOF on stdin) and sweep its segments.
@@ -187,9 +189,21 @@ def _read_into(info: TransferInfo[ShmMeta], buffers: list[torch.Tensor]) -> list
 
 def _pread_exact(fd: int, t: torch.Tensor, offset: int, nbytes: int) -> None:
     view = memoryview(t.view(-1).view(torch.uint8).numpy()).cast("B")
-    done = 0
-    while done < nbytes:
-        n = os.preadv(fd, [view[done:]], offset + done)
+    if nbytes < SPLIT_READ_BYTES:
+        _pread_range(fd, view, offset, 0, nbytes)
+        return
+    # Two kernel copies at once (the GIL is released in preadv): one core copies at
+    # about half of memcpy's speed from tmpfs pages.
+    half = nbytes // 2 // ALIGN * ALIGN
+    other = _io.pool("shm-read", 1).submit(_pread_range, fd, view, offset, half, nbytes)
+    _pread_range(fd, view, offset, 0, half)
+    other.result()
+
+
+def _pread_range(fd: int, view: memoryview, offset: int, start: int, end: int) -> None:
+    done = start
+    while done < end:
+        n = os.preadv(fd, [view[done:end]], offset + done)
         if n <= 0:
             raise OSError(f"short read of a shared memory segment at offset {offset + done}")
         done += n
