@@ -168,10 +168,6 @@ class _Anchors:
         finally:
             self._refilling = False
 
-    def clear(self) -> None:
-        with self._lock:
-            self._pool.clear()
-
 
 _anchors = _Anchors()
 

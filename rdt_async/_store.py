@@ -90,13 +90,6 @@ class Store:
             fut.get_loop().call_soon_threadsafe(_set_done, fut)
         return True
 
-    def free_all(self) -> None:
-        """Free every object (process exit)."""
-        with self._lock:
-            ids = list(self._objects)
-        for obj_id in ids:
-            self.free(obj_id)
-
     def tensor_freed_future(self, tensor: torch.Tensor) -> asyncio.Future[None]:
         """Return a future on the running loop, done when no object holds `tensor`."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()

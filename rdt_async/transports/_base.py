@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 import torch
 
 from .. import _io
-from .._errors import TransportUnavailableError, translating
+from .._errors import TransportUnavailableError
 
 M = TypeVar("M")
 
@@ -172,13 +172,12 @@ class Transport(Generic[M]):
 
         Runs on: consumer. Cancelling the await aborts the transfer.
         """
-        with translating(f"{self.name} fetch"):
-            try:
-                return await request
-            except BaseException:
-                if not request.done():
-                    self.abort_transport(request)
-                raise
+        try:
+            return await request
+        except BaseException:  # callers translate native errors (rdt_async._errors.translating)
+            if not request.done():
+                self.abort_transport(request)
+            raise
 
     async def receive(
         self, info: TransferInfo[M], buffers: list[torch.Tensor] | None, channel: Channel

@@ -174,9 +174,6 @@ class GlooTransport(Transport[GlooMeta]):
     one_sided = False
     can_abort = False
 
-    def check_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
-        super().check_tensors(tensors)
-
     async def receive(
         self, info: TransferInfo[GlooMeta], buffers: list[torch.Tensor] | None, channel: Channel
     ) -> list[torch.Tensor]:
