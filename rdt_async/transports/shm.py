@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import _io
+from .._errors import PeerDiedError
 from ._base import Channel, TransferInfo, Transport, copy_into
 
 SHM_DIR = "/dev/shm"
@@ -148,12 +149,32 @@ class ShmTransport(Transport[ShmMeta]):
             self._guardian, self._guardian_pid = proc, os.getpid()
 
 
+def _open(info: TransferInfo[ShmMeta]) -> int:
+    """Open the object's segment for reading; fail if its producer has died.
+
+    The segment outlives a killed producer until its guardian unlinks it. Once the fd
+    is open the data stays readable, so a producer alive after the open means the
+    fetch is good; a dead one fails the fetch at once, whatever the guardian's pace.
+    """
+    segment = info.meta.segment
+    assert segment is not None
+    fd = os.open(os.path.join(SHM_DIR, segment), os.O_RDONLY)
+    try:
+        os.kill(int(segment[len(PREFIX) :].split("-", 1)[0]), 0)
+    except ProcessLookupError:
+        os.close(fd)
+        raise PeerDiedError(f"fetch over shm: the producer of {info.obj_id} died", obj_id=info.obj_id) from None
+    except PermissionError:
+        pass  # alive, under another user
+    return fd
+
+
 def _map(info: TransferInfo[ShmMeta]) -> list[torch.Tensor]:
     """Map the segment copy-on-write and return a view per tensor (no copy)."""
     meta = info.meta
     mm: mmap.mmap | None = None
     if meta.segment is not None:
-        fd = os.open(os.path.join(SHM_DIR, meta.segment), os.O_RDONLY)
+        fd = _open(info)
         try:
             mm = mmap.mmap(fd, meta.size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
@@ -172,7 +193,7 @@ def _read_into(info: TransferInfo[ShmMeta], buffers: list[torch.Tensor]) -> list
     if meta.segment is None:
         return buffers
     direct = [b.device.type == "cpu" and b.is_contiguous() for b in buffers]
-    fd = os.open(os.path.join(SHM_DIR, meta.segment), os.O_RDONLY)
+    fd = _open(info)
     try:
         for b, spec, off, ok in zip(buffers, info.specs, meta.offsets, direct):
             if ok and spec.nbytes:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
+import subprocess
 import time
 
 import pytest
@@ -15,6 +17,7 @@ import torch
 
 import rdt_async as rdt
 from rdt_async.transports import _registry
+from rdt_async.transports._base import TensorSpec, TransferInfo
 
 from .contract import Producer, fetch, make_value
 
@@ -87,8 +90,8 @@ async def test_fetch_after_free_raises_object_freed(producer):
         await fetch(producer, info)
 
 
-async def test_dead_producer_fails_in_bounded_time():
-    name = TRANSPORTS[0] if TRANSPORTS else pytest.skip("no transport")
+@pytest.mark.parametrize("name", TRANSPORTS)
+async def test_dead_producer_fails_in_bounded_time(name):
     p = Producer(name, DEVICE)
     info = p.make(5)
     p.proc.kill()
@@ -99,3 +102,27 @@ async def test_dead_producer_fails_in_bounded_time():
             await fetch(p, info)
     assert time.monotonic() - t0 < 30
     p.close()
+
+
+@pytest.mark.skipif("shm" not in TRANSPORTS, reason="shm not selected")
+async def test_shm_segment_left_by_a_dead_producer_is_refused():
+    # A killed producer's segment lives until its guardian unlinks it: in that window a
+    # fetch must fail, not serve a dead object.
+    from rdt_async.transports import shm
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    name = f"{shm.PREFIX}{dead.pid}-{secrets.token_hex(12)}"
+    path = os.path.join(shm.SHM_DIR, name)
+    want = torch.arange(16, dtype=torch.float32)
+    with open(path, "wb") as f:
+        f.write(want.numpy().tobytes())
+    try:
+        info = TransferInfo("obj-dead", (TensorSpec.of(want),), shm.ShmMeta(name, 64, (0,)))
+        transport = shm.ShmTransport()
+        with pytest.raises(rdt.PeerDiedError, match="producer of obj-dead died"):
+            transport.receive_nowait(info, None)
+        with pytest.raises(rdt.PeerDiedError, match="producer of obj-dead died"):
+            await transport.receive(info, [torch.empty(16)], channel=None)
+    finally:
+        os.unlink(path)
