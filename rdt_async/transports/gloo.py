@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import _io
+from .. import _alloc, _io
 from .._errors import CollectiveGroupError, ObjectFreedError
 from ._base import Channel, TransferInfo, Transport
 
@@ -179,7 +179,7 @@ class GlooTransport(Transport[GlooMeta]):
     ) -> list[torch.Tensor]:
         group = _group(info.meta.group)
         dsts = [
-            b if b is not None and b.is_contiguous() else torch.empty(s.shape, dtype=s.dtype, device=_device(self))
+            b if b is not None and b.is_contiguous() else _alloc.empty(s.shape, s.dtype, _device(self))
             for b, s in zip(buffers or [None] * len(info.specs), info.specs)
         ]
         base = next(group.tags)
