@@ -32,6 +32,20 @@ class GlooProducer:
 
         return os.getpid()
 
+    def die_after_first_tensor(self):
+        """Fault injection: the next send delivers tensor 0 over Gloo, then this process dies."""
+        import os
+
+        from rdt_async.transports import gloo
+
+        send = gloo.GlooTransport.send_multiple_tensors
+
+        async def dying(transport, obj_id, tensors, meta, request):
+            await send(transport, obj_id, tensors[:1], meta, request)
+            os._exit(1)
+
+        gloo.GlooTransport.send_multiple_tensors = dying
+
 
 @rdt.remote
 class AsyncMember:
@@ -187,6 +201,23 @@ def test_producer_killed_mid_transfer_breaks_the_group_not_the_survivors():
     g2 = rdt.create_collective_group([p2, c, s])  # recreated on the survivors
     assert ray.get(c.sums.remote([p2.make.remote(10, 1.0)])) == ([10.0], {"gloo": 1})
     rdt.destroy_collective_group(g2)
+
+
+def test_producer_dying_between_the_tensors_of_one_transfer():
+    # Tensor 0 has arrived and tensor 1's receive is posted when the producer dies.
+    p, c, s = GlooProducer.remote(), AsyncMember.remote(), SyncMember.remote()
+    g = rdt.create_collective_group([p, c, s])
+    ref = p.make.remote((1 << 22) + 5)  # 16 MiB "w", then a 5-element "b"
+    ray.get(p.die_after_first_tensor.remote())
+    t0 = time.monotonic()
+    with pytest.raises(rdt.PeerDiedError, match="producer died"):
+        ray.get(c.sums.remote([ref]), timeout=60)
+    assert time.monotonic() - t0 < 30
+    with pytest.raises(rdt.CollectiveGroupError, match="is broken"):
+        ray.get(c.sums.remote([ref]), timeout=60)
+    assert ray.get(c.ping.remote()) == "pong"
+    assert ray.get(s.take.remote({"w": torch.ones(3)})) == 3.0  # the other member serves calls too
+    rdt.destroy_collective_group(g)
 
 
 def test_fetch_of_a_freed_gloo_object_fails_cleanly(pair):
