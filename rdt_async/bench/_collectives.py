@@ -6,7 +6,9 @@ actor's tensor and waits for all four. The declarative version runs `rdt.allredu
 refs to the same tensors (a Gloo-transport RDT object per actor), over an rdt
 collective group of the same four actors. Both run in one Ray session, interleaved.
 
-Cases: `imperative pg.allreduce` (in place on the actor's tensor), `rdt.allreduce`
+Cases: `imperative pg.allreduce` (in place on the actor's tensor), `imperative copy +
+pg.allreduce` (the same into a kept result buffer: the input stays intact, as with
+`rdt.allreduce`, which is compared with both), `rdt.allreduce`
 (a new object per holder, input untouched: one copy into a buffer the member reuses
 once the previous result is freed), `rdt.allreduce inplace=True` (reduces into the
 inputs, like the imperative one), and `rdt.allreduce cold` (the first call, whose
@@ -35,6 +37,7 @@ class Worker:
 
     def __init__(self) -> None:
         self.grads: dict[int, torch.Tensor] = {}
+        self.outs: dict[int, torch.Tensor] = {}
         self.pg: Any = None
         self.store: Any = None
 
@@ -61,8 +64,11 @@ class Worker:
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=ray.util.get_node_ip_address())]
         self.pg = dist.ProcessGroupGloo(dist.PrefixStore("bench-raw", store), rank, size, opts)
 
-    def raw_allreduce(self, numel: int) -> None:
-        self.pg.allreduce([self.grads[numel]]).wait()
+    def raw_allreduce(self, numel: int, out_of_place: bool = False) -> None:
+        t = self.grads[numel]
+        if out_of_place:  # into a kept result buffer, leaving the input as it was
+            t = self.outs.setdefault(numel, torch.empty_like(t)).copy_(t)
+        self.pg.allreduce([t]).wait()
 
     def leave_raw(self) -> None:
         self.pg, self.store = None, None
@@ -101,6 +107,9 @@ def _one_size(workers: list[Any], size: int, repeat: int) -> list[dict[str, Any]
     def imperative() -> None:
         ray.get([w.raw_allreduce.remote(numel) for w in workers])
 
+    def imperative_copy() -> None:
+        ray.get([w.raw_allreduce.remote(numel, True) for w in workers])
+
     def declarative() -> None:
         out = rdt.allreduce(refs)
         del out  # the results are freed: the next call reuses their buffers
@@ -110,9 +119,14 @@ def _one_size(workers: list[Any], size: int, repeat: int) -> list[dict[str, Any]
 
     cold = _timed(declarative)
     imperative()  # warm the raw group's connections for this size
-    times: dict[str, list[float]] = {"imperative pg.allreduce": [], "rdt.allreduce": [], "rdt.allreduce inplace=True": []}
+    imperative_copy()  # and its result buffers
+    times: dict[str, list[float]] = {
+        "imperative pg.allreduce": [], "imperative copy + pg.allreduce": [],
+        "rdt.allreduce": [], "rdt.allreduce inplace=True": [],
+    }  # fmt: skip
     for _ in range(repeat):
         times["imperative pg.allreduce"].append(_timed(imperative))
+        times["imperative copy + pg.allreduce"].append(_timed(imperative_copy))
         time.sleep(0.05)  # let the last results' anchors go (1-6 ms), so their buffers are reused
         times["rdt.allreduce"].append(_timed(declarative))
         times["rdt.allreduce inplace=True"].append(_timed(inplace))
@@ -122,6 +136,8 @@ def _one_size(workers: list[Any], size: int, repeat: int) -> list[dict[str, Any]
     rows.append(_row("rdt.allreduce cold", size, cold))
     for case in ("rdt.allreduce", "rdt.allreduce inplace=True"):
         rows.append({"bench": "collectives", "case": f"{case} / imperative", "size": size, "ratio": medians[case] / base})
+    rows.append({"bench": "collectives", "case": "rdt.allreduce / imperative copy", "size": size,
+                 "ratio": medians["rdt.allreduce"] / medians["imperative copy + pg.allreduce"]})
     return rows
 
 
