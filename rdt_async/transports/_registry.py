@@ -30,6 +30,7 @@ BUILTIN: dict[str, str] = {
     "shm": "rdt_async.transports.shm:ShmTransport",
     "object_store": "rdt_async.transports.object_store:ObjectStoreTransport",
     "nixl": "rdt_async.transports.nixl:NixlTransport",
+    "ucxx": "rdt_async.transports.ucxx:UcxxTransport",
     "gloo": "rdt_async.transports.gloo:GlooTransport",
     "nccl": "rdt_async.transports.gloo:NcclTransport",
 }

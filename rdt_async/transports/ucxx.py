@@ -1,0 +1,362 @@
+"""`ucxx`: UCX tag transfers through UCXX, progressed by the I/O loop itself.
+
+Each process has one UCX worker and, once it produces, one listener whose address
+travels in the `RDTObject`. A consumer keeps one endpoint per producer. A transfer:
+
+    consumer (I/O loop)                           producer (I/O loop)
+    -------------------                           -------------------
+    post recv: status (tag T)
+    active message {T, obj_id}               ->   look the object up
+                                             <-   send status (T): held or freed
+    post recv per tensor (T+1+i)             <-   send each tensor (T+1+i)
+
+The request rides on UCX, not on a Ray call: a fetch costs one UCX round trip before
+the bytes move. Large tensors go by UCX's rendezvous protocol, so posting the receives
+after the status costs no copy.
+
+Progress: UCXX's own progress modes spin (its thread mode wakes every millisecond, its
+asyncio modes keep a task runnable), so they are not used. The worker runs in blocking
+mode: the I/O loop watches its epoll descriptor, progresses it on every event and arms
+it again when idle, and polls every `POLL_S` only while requests are in flight. An idle
+process spends no CPU on UCX.
+
+UCXX's Python API cannot cancel one posted receive, so a cancelled fetch returns once
+the bytes already asked for have landed (at most `DRAIN_S`): after that nothing writes
+the caller's buffers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib
+import importlib.util
+import itertools
+import os
+import socket
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import _alloc, _io
+from .._errors import ObjectFreedError, PeerDiedError, TransportUnavailableError
+from ._base import Channel, TransferInfo, Transport
+
+INSTALL_HINT = "pip install 'rdt_async[ucxx]'"
+POLL_S = 0.0005  # progress period while requests are in flight (events also progress)
+SAFETY_S = 1.0  # progress at least this often while any endpoint is open
+DRAIN_S = 30.0  # the longest a cancelled fetch waits for its bytes in flight
+PROGRESS_STEPS = 64  # UCX progress calls per wake-up at most; more wait for the next poll
+TAG_STRIDE = 1 << 20  # tags per transfer: status, then one per tensor
+HELD, FREED = 0, 1
+
+
+@functools.cache
+def _import_reason() -> str | None:
+    try:
+        spec = importlib.util.find_spec("ucxx")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        return f"the ucxx package is not installed: {INSTALL_HINT}"
+    try:
+        importlib.import_module("ucxx._lib.libucxx")
+    except Exception as exc:  # a broken install is a reason, not a crash
+        return f"ucxx is installed but cannot be loaded ({type(exc).__name__}: {exc}); reinstall with {INSTALL_HINT}"
+    return None
+
+
+@dataclass(frozen=True)
+class UcxxMeta:
+    """Where the producer's listener is."""
+
+    host: str
+    port: int
+
+
+class _Peer:
+    """A consumer's endpoint to one producer's listener."""
+
+    def __init__(self, ep: Any) -> None:
+        self.ep = ep
+        self.closed = False
+
+
+class _Worker:
+    """This process's UCX worker, listener, endpoints and requests in flight.
+
+    Runs on: the I/O loop; every UCX call is made there (UCXX is used single-threaded).
+    """
+
+    def __init__(self) -> None:
+        from ucxx._lib import libucxx
+        from ucxx._lib.arr import Array
+
+        self.u, self.Array = libucxx, Array
+        flags = (libucxx.Feature.TAG, libucxx.Feature.WAKEUP, libucxx.Feature.AM)
+        self.context = libucxx.UCXContext({}, feature_flags=flags)
+        self.worker = libucxx.UCXWorker(self.context)
+        self.worker.init_blocking_progress_mode()
+        self.loop = asyncio.get_running_loop()
+        self.loop.add_reader(self.worker.epoll_file_descriptor, self.progress)
+        self.pending: list[tuple[Any, asyncio.Future[Any], Any]] = []
+        self.timer: asyncio.TimerHandle | None = None
+        self.listener: Any = None
+        self.address: UcxxMeta | None = None
+        self.peers: dict[tuple[str, int], _Peer] = {}
+        self.served: set[Any] = set()  # endpoints accepted by the listener
+        self.tags = itertools.count(1)
+        self.progress()
+
+    # -- progress -------------------------------------------------------------
+
+    def progress(self) -> None:
+        """Progress the worker, settle finished requests, re-arm or re-poll."""
+        # A bounded number of single steps: `worker.progress()` loops while UCX reports
+        # work, which after an endpoint failure it can do for a long time.
+        for _ in range(PROGRESS_STEPS):
+            if not self.worker.progress_once():
+                break
+        if self.pending:
+            still = []
+            for item in self.pending:
+                if item[0].completed:
+                    _settle(*item)
+                else:
+                    still.append(item)
+            self.pending = still
+        # Arm when idle: the epoll descriptor then wakes us. Arming fails while UCX has
+        # work left (events that came in meanwhile, a failed endpoint being torn down):
+        # then poll again soon, never spin here.
+        idle = not self.pending and self.worker.arm()
+        if self.timer is None:
+            if not idle:
+                self.timer = self.loop.call_later(POLL_S, self._tick)
+            elif self.peers or self.served:
+                self.timer = self.loop.call_later(SAFETY_S, self._tick)
+
+    def _tick(self) -> None:
+        self.timer = None
+        self.progress()
+
+    def wait(self, request: Any, keep: Any = None) -> asyncio.Future[Any]:
+        """Return a future for a UCXX request; `keep` stays referenced until it finishes."""
+        fut = self.loop.create_future()
+        self.pending.append((request, fut, keep))
+        if self.timer is not None and self.timer.when() > self.loop.time() + POLL_S:
+            self.timer.cancel()
+            self.timer = None
+        self.progress()
+        return fut
+
+    def post(self, ep: Any, op: str, array: np.ndarray, tag: int | None = None) -> Any:
+        """Post a send or receive on `ep`; refuse on an endpoint that failed.
+
+        UCXX blocks for good when a request is posted on an endpoint whose error
+        callback has run (it waits for a close that needs this thread's progress).
+        Callbacks only run inside `progress()` on this thread, so this check holds.
+        """
+        if not ep.alive:
+            raise self.u.UCXNotConnectedError("Endpoint is not connected")
+        args = (self.Array(array),) if tag is None else (self.Array(array), self.u.UCXXTag(tag))
+        return getattr(ep, op)(*args)
+
+    # -- producer -------------------------------------------------------------
+
+    def listen(self) -> UcxxMeta:
+        if self.address is None:
+            self.listener = self.u.UCXListener.create(self.worker, 0, self._accept, deliver_endpoint=True)
+            self.address = UcxxMeta(_host(), int(self.listener.port))
+        return self.address
+
+    def _accept(self, ep: Any) -> None:  # inside progress(): only schedule
+        self.served.add(ep)
+        self.loop.call_soon(lambda: asyncio.ensure_future(self._serve(ep)))
+
+    async def _serve(self, ep: Any) -> None:
+        try:
+            while True:
+                if not ep.alive:
+                    return
+                request = ep.am_recv()
+                await self.wait(request)
+                message = bytes(memoryview(request.recv_buffer))
+                asyncio.ensure_future(self._send(ep, message))
+        except Exception:  # the consumer closed its endpoint or died: nothing to serve
+            pass
+        finally:
+            self.served.discard(ep)
+
+    async def _send(self, ep: Any, message: bytes) -> None:
+        base = int.from_bytes(message[:8], "little")
+        tensors = _objects.get(message[8:].decode())
+        status = np.array([HELD if tensors is not None else FREED], dtype=np.uint64)
+        waits = []
+        try:
+            waits.append(self.wait(self.post(ep, "tag_send", status, base), status))
+            for i, t in enumerate(tensors or ()):
+                if t.numel():
+                    raw = _raw(t)
+                    waits.append(self.wait(self.post(ep, "tag_send", raw, base + 1 + i), (t, raw)))
+        except Exception:
+            pass  # the consumer went away: nobody to send to
+        await asyncio.gather(*waits, return_exceptions=True)  # a dead consumer fails them all
+
+    # -- consumer -------------------------------------------------------------
+
+    def peer(self, meta: UcxxMeta) -> _Peer:
+        key = (meta.host, meta.port)
+        peer = self.peers.get(key)
+        if peer is None or peer.closed:
+            ep = self.u.UCXEndpoint.create(self.worker, meta.host, meta.port, True)
+            peer = self.peers[key] = _Peer(ep)
+            ep.set_close_callback(self._closed, cb_args=(key, peer))
+        return peer
+
+    def _closed(self, key: tuple[str, int], peer: _Peer) -> None:  # inside progress()
+        peer.closed = True
+        if self.peers.get(key) is peer:
+            del self.peers[key]
+
+
+def _settle(request: Any, fut: asyncio.Future[Any], keep: Any) -> None:
+    if fut.done():
+        return
+    try:
+        request.check_error()
+    except Exception as exc:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(request)
+
+
+def _raw(t: torch.Tensor) -> np.ndarray:
+    """The bytes of a contiguous CPU tensor as a NumPy array (no copy)."""
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _host() -> str:
+    """The address other nodes reach this one at (loopback where there is no route)."""
+    hint = os.environ.get("RDT_UCXX_HOST")
+    if hint:
+        return hint
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 9))  # no packet is sent: this only picks a route
+            return str(s.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
+# obj_id -> contiguous tensors, for the listener to serve. Written by the producer's
+# threads (prepare, garbage_collect) with single dict operations; read on the I/O loop.
+_objects: dict[str, list[torch.Tensor]] = {}
+_workers: dict[int, _Worker] = {}
+_lock = threading.Lock()
+
+
+async def _worker_async() -> _Worker:
+    w = _workers.get(os.getpid())
+    if w is None:
+        w = _workers[os.getpid()] = _Worker()
+    return w
+
+
+def _worker_blocking() -> _Worker:
+    """Return this process's worker from any thread, creating it on the I/O loop."""
+    w = _workers.get(os.getpid())
+    if w is not None:
+        return w
+    if _io.on_io_thread():
+        raise RuntimeError("the ucxx worker must be created before use on the I/O loop")
+    with _lock:
+        return _io.submit(_worker_async()).result()
+
+
+class UcxxTransport(Transport[UcxxMeta]):
+    """UCX tag send/recv between any two processes that can load ucxx (CPU tensors)."""
+
+    name = "ucxx"
+    devices = ("cpu",)
+    one_sided = True  # no Ray call: the request travels over UCX to the producer's listener
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return _import_reason()
+
+    def prepare(self, obj_id: str, tensors: Sequence[torch.Tensor]) -> UcxxMeta:
+        reason = _import_reason()
+        if reason:
+            raise TransportUnavailableError(reason)
+        w = _worker_blocking()
+        address = _io.submit(_listen(w)).result() if w.address is None else w.address
+        _objects[obj_id] = [t.detach().contiguous() for t in tensors]
+        return address
+
+    def garbage_collect(self, obj_id: str, meta: UcxxMeta) -> None:
+        _objects.pop(obj_id, None)  # sends in flight keep their own references
+
+    async def receive(
+        self, info: TransferInfo[UcxxMeta], buffers: list[torch.Tensor] | None, channel: Channel
+    ) -> list[torch.Tensor]:
+        if len(info.specs) >= TAG_STRIDE - 1:
+            raise ValueError(f"ucxx moves at most {TAG_STRIDE - 2} tensors per object")
+        w = await _worker_async()
+        dsts = [
+            b if b is not None and b.is_contiguous() else _alloc.empty(s.shape, s.dtype)
+            for b, s in zip(buffers or [None] * len(info.specs), info.specs)
+        ]
+        transfer = asyncio.ensure_future(_transfer(w, info, dsts))
+        try:
+            await asyncio.shield(transfer)
+        except asyncio.CancelledError:
+            # The producer sends what was asked for; let it land, then give up.
+            await asyncio.wait({transfer}, timeout=DRAIN_S)
+            if transfer.done() and not transfer.cancelled():
+                transfer.exception()  # retrieved: the caller cancelled, errors are moot
+            raise
+        if buffers is not None:
+            for b, d in zip(buffers, dsts):
+                if b is not d:
+                    b.copy_(d)
+            return list(buffers)
+        return dsts
+
+
+async def _listen(w: _Worker) -> UcxxMeta:
+    return w.listen()
+
+
+async def _transfer(w: _Worker, info: TransferInfo[UcxxMeta], dsts: list[torch.Tensor]) -> None:
+    """Ask the producer for the object and receive it into `dsts` (on the I/O loop)."""
+    meta = info.meta
+    peer = w.peer(meta)
+    base = next(w.tags) * TAG_STRIDE
+    status = np.full(1, 99, dtype=np.uint64)
+    request = np.frombuffer(base.to_bytes(8, "little") + info.obj_id.encode(), dtype=np.uint8)
+    try:
+        got_status = w.wait(w.post(peer.ep, "tag_recv", status, base), status)
+        await w.wait(w.post(peer.ep, "am_send", request), request)
+        await got_status
+        if int(status[0]) == FREED:
+            raise ObjectFreedError(f"ucxx fetch of {info.obj_id}: the producer no longer holds it", obj_id=info.obj_id)
+        waits = []
+        for i, d in enumerate(dsts):
+            if d.numel():
+                raw = _raw(d)
+                waits.append(w.wait(w.post(peer.ep, "tag_recv", raw, base + 1 + i), (d, raw)))
+        await asyncio.gather(*waits)
+    except ObjectFreedError:
+        raise
+    except Exception as exc:
+        if peer.closed or not peer.ep.alive:
+            raise PeerDiedError(
+                f"ucxx fetch of {info.obj_id}: the producer at {meta.host}:{meta.port} died or closed "
+                f"({type(exc).__name__}: {exc})",
+                obj_id=info.obj_id,
+            ) from exc
+        raise
