@@ -121,6 +121,14 @@ class Transport(Generic[M]):
         """Return why this transport cannot be used in this process, or None."""
         return None
 
+    def warm_up(self) -> None:
+        """Load native libraries and create this process's state now (blocking).
+
+        Runs on: either side, on a thread that may block. Transports do this on first
+        use anyway; call it where a first-use stall would hurt (UCXX holds the GIL for
+        ~0.4 s while its libraries load).
+        """
+
     def check_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
         """Refuse tensors this transport cannot move, naming the fix.
 

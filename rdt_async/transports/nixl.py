@@ -55,6 +55,7 @@ import torch
 
 from .. import _io
 from .._errors import ObjectFreedError, PeerDiedError, TransferAbortedError, TransportUnavailableError
+from . import _ucx
 from ._base import Channel, TransferInfo, Transport, copy_into
 
 T = TypeVar("T")
@@ -186,7 +187,7 @@ class NixlTransport(Transport[NixlMeta]):
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
-        return _import_reason()
+        return _import_reason() or _ucx.conflict("nixl")
 
     # -- what tests and operators look at --------------------------------------------
 
@@ -213,6 +214,7 @@ class NixlTransport(Transport[NixlMeta]):
                 reason = _import_reason()
                 if reason is not None:
                     raise TransportUnavailableError(f"transport 'nixl' is unavailable: {reason}")
+                _ucx.claim("nixl")
                 agent = _Agent()
                 table = torch.zeros(SLOTS_PER_TABLE, dtype=torch.int64)
                 dlist = agent.locked(agent.nixl.register_memory, table)
@@ -227,6 +229,9 @@ class NixlTransport(Transport[NixlMeta]):
                 self._conn = conn
                 self._agent = agent
             return self._agent
+
+    def warm_up(self) -> None:
+        self.agent()
 
     async def _agent_async(self) -> _Agent:
         agent = self._agent

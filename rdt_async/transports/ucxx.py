@@ -44,6 +44,7 @@ import torch
 
 from .. import _alloc, _io
 from .._errors import ObjectFreedError, PeerDiedError, TransportUnavailableError
+from . import _ucx
 from ._base import Channel, TransferInfo, Transport
 
 INSTALL_HINT = "pip install 'rdt_async[ucxx]'"
@@ -57,17 +58,29 @@ HELD, FREED = 0, 1
 
 @functools.cache
 def _import_reason() -> str | None:
+    # Only look: loading ucxx's native library loads its UCX, which NIXL must not meet.
     try:
         spec = importlib.util.find_spec("ucxx")
     except (ImportError, ValueError):
         spec = None
     if spec is None:
         return f"the ucxx package is not installed: {INSTALL_HINT}"
-    try:
-        importlib.import_module("ucxx._lib.libucxx")
-    except Exception as exc:  # a broken install is a reason, not a crash
-        return f"ucxx is installed but cannot be loaded ({type(exc).__name__}: {exc}); reinstall with {INSTALL_HINT}"
     return None
+
+
+def _load() -> Any:
+    """Load UCXX's native library (and its UCX) into this process, or say why not."""
+    reason = _import_reason()
+    if reason is not None:
+        raise TransportUnavailableError(f"transport 'ucxx' is unavailable: {reason}")
+    _ucx.claim("ucxx")
+    try:
+        return importlib.import_module("ucxx._lib.libucxx")
+    except Exception as exc:  # a broken install is a reason, not a crash
+        raise TransportUnavailableError(
+            f"transport 'ucxx' is unavailable: ucxx is installed but cannot be loaded "
+            f"({type(exc).__name__}: {exc}); reinstall with {INSTALL_HINT}"
+        ) from exc
 
 
 @dataclass(frozen=True)
@@ -93,7 +106,7 @@ class _Worker:
     """
 
     def __init__(self) -> None:
-        from ucxx._lib import libucxx
+        libucxx = _load()
         from ucxx._lib.arr import Array
 
         self.u, self.Array = libucxx, Array
@@ -103,7 +116,8 @@ class _Worker:
         self.worker.init_blocking_progress_mode()
         self.loop = asyncio.get_running_loop()
         self.loop.add_reader(self.worker.epoll_file_descriptor, self.progress)
-        self.pending: list[tuple[Any, asyncio.Future[Any], Any]] = []
+        self.pending: list[tuple[Any, asyncio.Future[Any], Any]] = []  # transfers: polled
+        self.listening: list[tuple[Any, asyncio.Future[Any], Any]] = []  # request waits: not
         self.timer: asyncio.TimerHandle | None = None
         self.listener: Any = None
         self.address: UcxxMeta | None = None
@@ -121,17 +135,13 @@ class _Worker:
         for _ in range(PROGRESS_STEPS):
             if not self.worker.progress_once():
                 break
-        if self.pending:
-            still = []
-            for item in self.pending:
-                if item[0].completed:
-                    _settle(*item)
-                else:
-                    still.append(item)
-            self.pending = still
-        # Arm when idle: the epoll descriptor then wakes us. Arming fails while UCX has
-        # work left (events that came in meanwhile, a failed endpoint being torn down):
-        # then poll again soon, never spin here.
+        for pending in (self.pending, self.listening):
+            if pending:
+                pending[:] = [item for item in pending if not (item[0].completed and _settle(*item))]
+        # Arm when no transfer is in flight (waits for requests are no transfers): the
+        # epoll descriptor then wakes us. Arming fails while UCX has work left (events
+        # that came in meanwhile, a failed endpoint being torn down): then poll again
+        # soon, never spin here.
         idle = not self.pending and self.worker.arm()
         if self.timer is None:
             if not idle:
@@ -143,10 +153,14 @@ class _Worker:
         self.timer = None
         self.progress()
 
-    def wait(self, request: Any, keep: Any = None) -> asyncio.Future[Any]:
-        """Return a future for a UCXX request; `keep` stays referenced until it finishes."""
+    def wait(self, request: Any, keep: Any = None, *, listening: bool = False) -> asyncio.Future[Any]:
+        """Return a future for a UCXX request; `keep` stays referenced until it finishes.
+
+        A `listening` request (a producer waiting for the next request message) may wait
+        forever: it is progressed by events only, never polled for.
+        """
         fut = self.loop.create_future()
-        self.pending.append((request, fut, keep))
+        (self.listening if listening else self.pending).append((request, fut, keep))
         if self.timer is not None and self.timer.when() > self.loop.time() + POLL_S:
             self.timer.cancel()
             self.timer = None
@@ -183,7 +197,7 @@ class _Worker:
                 if not ep.alive:
                     return
                 request = ep.am_recv()
-                await self.wait(request)
+                await self.wait(request, listening=True)
                 message = bytes(memoryview(request.recv_buffer))
                 asyncio.ensure_future(self._send(ep, message))
         except Exception:  # the consumer closed its endpoint or died: nothing to serve
@@ -223,15 +237,16 @@ class _Worker:
             del self.peers[key]
 
 
-def _settle(request: Any, fut: asyncio.Future[Any], keep: Any) -> None:
-    if fut.done():
-        return
-    try:
-        request.check_error()
-    except Exception as exc:
-        fut.set_exception(exc)
-    else:
-        fut.set_result(request)
+def _settle(request: Any, fut: asyncio.Future[Any], keep: Any) -> bool:
+    """Complete `fut` from its finished request; return True (it leaves the pending list)."""
+    if not fut.done():
+        try:
+            request.check_error()
+        except Exception as exc:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(request)
+    return True
 
 
 def _raw(t: torch.Tensor) -> np.ndarray:
@@ -286,12 +301,12 @@ class UcxxTransport(Transport[UcxxMeta]):
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
-        return _import_reason()
+        return _import_reason() or _ucx.conflict("ucxx")
+
+    def warm_up(self) -> None:
+        _worker_blocking()
 
     def prepare(self, obj_id: str, tensors: Sequence[torch.Tensor]) -> UcxxMeta:
-        reason = _import_reason()
-        if reason:
-            raise TransportUnavailableError(reason)
         w = _worker_blocking()
         address = _io.submit(_listen(w)).result() if w.address is None else w.address
         _objects[obj_id] = [t.detach().contiguous() for t in tensors]

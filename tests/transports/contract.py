@@ -150,6 +150,7 @@ MAX_LAG = 0.05  # the consumer's loop may be late by this much at most during a 
 async def fetch(producer: Producer, info: TransferInfo[Any], buffers: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Fetch like the core does, and fail if the transfer blocked this process's loop."""
     transport = _registry.get(producer.transport)
+    await asyncio.to_thread(transport.warm_up)  # a first use may load libraries (GIL held): not measured
     probe = LagProbe()
     probe.start()
     try:

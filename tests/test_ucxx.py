@@ -1,0 +1,260 @@
+"""UCXX between actors, and alone in its process: NIXL and UCXX never share one.
+
+The pytest process uses NIXL (test_nixl, the contract suite), so everything that needs
+UCXX in the fetching process runs in actors or in a subprocess here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("ucxx")
+
+import ray  # noqa: E402
+import torch  # noqa: E402
+from conftest import ON_NODE2, wait_until  # noqa: E402
+
+import rdt_async as rdt  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cpu_seconds() -> float:
+    with open("/proc/self/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def value(n: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, generator=g)
+    return {"w": w, "pair": (w[: n // 2], torch.arange(12).reshape(3, 4).t()), "flag": torch.tensor([True]), "seed": seed}
+
+
+def checksum(t: torch.Tensor) -> str:
+    """An exact digest (a float sum depends on how many threads add it up)."""
+    return hashlib.sha1(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+
+
+def held() -> int:
+    from rdt_async.transports import ucxx
+
+    return len(ucxx._objects)
+
+
+@rdt.remote
+class UcxxProducer:
+    @rdt.method(tensor_transport="ucxx")
+    def make(self, n: int, seed: int = 0):
+        return value(n, seed)
+
+    @rdt.method(tensor_transport="ucxx")
+    async def make_async(self, n: int, seed: int = 0):
+        await asyncio.sleep(0)
+        return value(n, seed)
+
+    def put(self, n: int):
+        return [rdt.put({"x": torch.full((n,), 5.0)}, tensor_transport="ucxx")]
+
+    def held(self) -> int:
+        return held()
+
+    def idle_cpu(self, seconds: float) -> float:
+        t0 = cpu_seconds()
+        time.sleep(seconds)
+        return cpu_seconds() - t0
+
+
+@rdt.remote
+class UcxxConsumer:
+    async def check(self, v):
+        return [checksum(v["w"]), checksum(v["pair"][0]), v["pair"][1].tolist(), v["flag"].tolist(), v["seed"]]
+
+    async def many(self, refs):
+        objs = [await r for r in refs]
+        values = await rdt.fetch_all(objs)
+        return [checksum(v["w"]) for v in values], rdt.store_stats()["fetches"].get("ucxx", 0)
+
+    async def into(self, refs):
+        obj = await refs[0]
+        bufs = [torch.empty(s.shape, dtype=s.dtype) for s in obj.specs]
+        got = await rdt.fetch(obj, into=bufs)
+        flat = [got["w"], got["pair"][0], got["pair"][1], got["flag"]]
+        # the contiguous buffers were written in place; the transposed view was copied into
+        return [t.data_ptr() for t in flat[:2]] == [bufs[0].data_ptr(), bufs[1].data_ptr()], checksum(got["w"])
+
+    async def cancel_then_fetch(self, refs):
+        obj = await refs[0]
+        task = asyncio.ensure_future(rdt.fetch(obj))
+        await asyncio.sleep(0.001)
+        task.cancel()
+        try:
+            await task
+            first = "finished"
+        except asyncio.CancelledError:
+            first = "cancelled"
+        v = await rdt.fetch(obj)
+        return first, checksum(v["w"])
+
+    async def fetch(self, refs, key="w"):
+        v = await rdt.fetch(await refs[0])
+        return checksum(v[key])
+
+    async def ping(self):
+        return "pong"
+
+    def idle_cpu(self, seconds: float) -> float:
+        t0 = cpu_seconds()
+        time.sleep(seconds)
+        return cpu_seconds() - t0
+
+
+@rdt.remote
+class UcxxSyncConsumer:
+    def check(self, v):
+        return [checksum(v["w"]), v["seed"]]
+
+
+def want(n: int, seed: int) -> list:
+    v = value(n, seed)
+    return [checksum(v["w"]), checksum(v["pair"][0]), v["pair"][1].tolist(), [True], seed]
+
+
+def test_sync_and_async_producers_to_async_and_sync_consumers():
+    p, c = UcxxProducer.remote(), UcxxConsumer.remote()
+    assert ray.get(c.check.remote(p.make.remote(1000, 1))) == want(1000, 1)
+    assert ray.get(c.check.remote(p.make_async.remote(1 << 20, 2))) == want(1 << 20, 2)
+    s = UcxxSyncConsumer.remote()
+    assert ray.get(s.check.remote(p.make.remote(300, 3))) == [checksum(value(300, 3)["w"]), 3]
+
+
+def test_many_concurrent_reads_and_into():
+    p, c = UcxxProducer.remote(), UcxxConsumer.remote()
+    refs = [p.make.remote(4096 * (i + 1), i) for i in range(12)]
+    sums, used = ray.get(c.many.remote(refs))
+    assert sums == [checksum(value(4096 * (i + 1), i)["w"]) for i in range(12)] and used == 12
+    same, total = ray.get(c.into.remote([p.make.remote(1 << 18, 7)]))
+    assert same and total == checksum(value(1 << 18, 7)["w"])
+
+
+def test_across_nodes_and_put_from_an_actor():
+    p, c = UcxxProducer.options(**ON_NODE2).remote(), UcxxConsumer.remote()
+    assert ray.get(c.check.remote(p.make.remote(5000, 4))) == want(5000, 4)
+    (ref,) = ray.get(p.put.remote(1000))
+    assert ray.get(UcxxConsumer.remote().fetch.remote([ref], "x")) == checksum(torch.full((1000,), 5.0))
+
+
+def test_cancel_mid_read_then_read_again():
+    p, c = UcxxProducer.remote(), UcxxConsumer.remote()
+    first, total = ray.get(c.cancel_then_fetch.remote([p.make.remote(16 << 20, 5)]))
+    assert first in ("cancelled", "finished") and total == checksum(value(16 << 20, 5)["w"])
+
+
+def test_lifetime_returns_to_zero():
+    p, c = UcxxProducer.remote(), UcxxConsumer.remote()
+    refs = [p.make.remote(1000, i) for i in range(5)]
+    ray.get(c.many.remote(refs))
+    assert ray.get(p.held.remote()) == 5
+    del refs
+    wait_until(lambda: ray.get(p.held.remote()) == 0, 15, lambda: f"{ray.get(p.held.remote())} objects held")
+    ref = p.make.remote(10, 0)
+    ray.wait([ref])
+    rdt.free(ref)
+    wait_until(lambda: ray.get(p.held.remote()) == 0, 15)
+    with pytest.raises(rdt.ObjectFreedError):
+        ray.get(c.fetch.remote([ref]))
+
+
+def test_producer_killed_gives_peer_died_in_bounded_time():
+    p, c = UcxxProducer.remote(), UcxxConsumer.remote()
+    assert ray.get(c.fetch.remote([p.make.remote(100, 0)])) == checksum(value(100, 0)["w"])  # endpoint cached
+    ref = p.make.remote(1000, 1)
+    ray.wait([ref])
+    ray.kill(p)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    with pytest.raises(rdt.PeerDiedError, match="died or closed"):
+        ray.get(c.fetch.remote([ref]), timeout=60)
+    assert time.monotonic() - t0 < 30
+    assert ray.get(c.ping.remote()) == "pong"
+
+
+def test_idle_processes_spend_no_cpu_on_ucx():
+    p, c = UcxxProducer.remote(), UcxxConsumer.remote()
+    ray.get(c.fetch.remote([p.make.remote(1 << 20, 0)]))  # both have a worker, an endpoint
+    assert ray.get(p.idle_cpu.remote(2.0)) < 0.2
+    assert ray.get(c.idle_cpu.remote(2.0)) < 0.2
+
+
+def run_script(code: str) -> list[str]:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout.strip().splitlines()
+
+
+def test_driver_put_and_get(cluster):
+    # In a driver of its own: this pytest process has loaded NIXL.
+    code = (
+        "import ray, torch, rdt_async as rdt\n"
+        f"ray.init(address={cluster.address!r}, log_to_driver=False)\n"
+        "@rdt.remote\n"
+        "class P:\n"
+        "    @rdt.method(tensor_transport='ucxx')\n"
+        "    def make(self, n):\n"
+        "        return {'a': torch.arange(n), 'b': [torch.ones(3, 3)]}\n"
+        "@rdt.remote\n"
+        "class C:\n"
+        "    async def total(self, v):\n"
+        "        return int(v['a'].sum())\n"
+        "p = P.remote()\n"
+        "v = rdt.get(p.make.remote(1000), timeout=60)\n"
+        "print(int(v['a'].sum()), float(v['b'][0].sum()), v['a'].dtype)\n"
+        "ref = rdt.put({'a': torch.arange(10)}, tensor_transport='ucxx')\n"
+        "print(ray.get(C.remote().total.remote(ref)), rdt.store_stats()['fetches'])\n"
+        "ray.shutdown()\n"
+    )
+    assert run_script(code)[-2:] == ["499500 9.0 torch.int64", "45 {'ucxx': 1}"]
+
+
+def test_contract_suite_in_a_process_of_its_own():
+    env = {**os.environ, "RDT_CONTRACT_TRANSPORTS": "ucxx"}
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/transports", "-k", "ucxx"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env=env,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert "6 passed" in out.stdout, out.stdout[-3000:]
+
+
+def test_nixl_and_ucxx_refuse_to_share_a_process():
+    pytest.importorskip("nixl")
+    code = (
+        "import torch, rdt_async as rdt, sys\n"
+        "from rdt_async.transports import _registry\n"
+        "first, second = sys.argv[1:]\n"
+        "t = _registry.get(first)\n"
+        "meta = t.prepare('x', [torch.ones(4)])\n"
+        "print(first, rdt.available_transports()[first])\n"
+        "print(second, rdt.available_transports()[second])\n"
+        "try:\n"
+        "    _registry.get(second).prepare('y', [torch.ones(4)])\n"
+        "except rdt.TransportUnavailableError as e:\n"
+        "    print('raised', e)\n"
+    )
+    for first, second in (("ucxx", "nixl"), ("nixl", "ucxx")):
+        out = subprocess.run(
+            [sys.executable, "-c", code, first, second], capture_output=True, text=True, timeout=300, cwd=ROOT
+        )
+        lines = [line for line in out.stdout.splitlines() if line.split(" ")[0] in (first, second, "raised")]
+        assert lines[0] == f"{first} True", out.stdout + out.stderr[-2000:]
+        clash = f"{first} already loaded its own UCX build in this process"
+        assert lines[1].startswith(f"{second} ") and clash in lines[1]
+        assert lines[2].startswith(f"raised transport '{second}' is unavailable: {clash}")
