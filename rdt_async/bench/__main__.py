@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import platform
 import sys
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="4K,1M,64M,256M,512M")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", default="-", help="file for the JSON results ('-': stdout)")
-    ap.add_argument("--only", default="", help="comma-separated: memcpy,fetch,pass,responsiveness,gloo,collectives,nixl")
+    ap.add_argument("--only", default="", help="comma-separated: memcpy,fetch,pass,responsiveness,gloo,collectives,nixl,ucxx")
     args = ap.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     only = set(filter(None, args.only.split(",")))
@@ -71,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
                 pass
             else:
                 rows += _nixl.run(sizes, args.repeat)
+        if want("ucxx") and importlib.util.find_spec("ucxx") is not None:
+            from . import _ucxx
+
+            rows += _ucxx.run(sizes, args.repeat)
     finally:
         ray.shutdown()
 
