@@ -138,13 +138,13 @@ class _Worker:
         for pending in (self.pending, self.listening):
             if pending:
                 pending[:] = [item for item in pending if not (item[0].completed and _settle(*item))]
-        # Arm when no transfer is in flight (waits for requests are no transfers): the
-        # epoll descriptor then wakes us. Arming fails while UCX has work left (events
-        # that came in meanwhile, a failed endpoint being torn down): then poll again
-        # soon, never spin here.
-        idle = not self.pending and self.worker.arm()
+        # Arm: the epoll descriptor then wakes us at the next event. Arming fails while
+        # UCX has work left (events that came in meanwhile, a failed endpoint being torn
+        # down): then poll again soon, never spin here. Transfers in flight (waits for
+        # requests are none) are also polled, for progress that raises no event.
+        armed = self.worker.arm()
         if self.timer is None:
-            if not idle:
+            if self.pending or not armed:
                 self.timer = self.loop.call_later(POLL_S, self._tick)
             elif self.peers or self.served:
                 self.timer = self.loop.call_later(SAFETY_S, self._tick)
