@@ -150,6 +150,16 @@ class NixlConsumer:
         again = await rdt.fetch(refs[0])
         return first, checksum(again)
 
+    async def fetch_each_dropping(self, refs):
+        """Fetch one by one, dropping each value first: receive buffers are reused."""
+        sums, ptrs = [], set()
+        for r in refs:
+            v = await rdt.fetch(r)
+            sums.append(checksum(v))
+            ptrs.add(v.data_ptr())
+            del v
+        return sums, len(ptrs)
+
     async def state(self):
         return nixl_state() if "nixl" in rdt.store_stats()["fetches"] else rdt.store_stats()
 
@@ -305,3 +315,14 @@ def test_without_nixl_installed_the_error_names_the_extra():
     assert len(lines) == 2, out.stderr
     assert "pip install 'rdt_async[nixl]'" in lines[0]
     assert lines[1].startswith("raised transport 'nixl' is unavailable") and "rdt_async[nixl]" in lines[1]
+
+
+def test_fresh_reads_reuse_dropped_buffers_with_their_registrations(producer, consumer):
+    # Each value is dropped before the next fetch, so its buffer (and the address NIXL
+    # registered) is reused while the previous registration may still be going away.
+    n = 1 << 20
+    refs = [producer.big.remote(n + (i % 2)) for i in range(12)]
+    sums, distinct = ray.get(consumer.fetch_each_dropping.remote(refs))
+    assert sums == [3.0 * (n + (i % 2)) for i in range(12)]
+    assert distinct < 12  # buffers came back for reuse
+    wait_until(lambda: ray.get(consumer.state.remote())["registrations"] == 0, 10)

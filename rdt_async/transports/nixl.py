@@ -53,7 +53,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .. import _io
+from .. import _alloc, _io
 from .._errors import ObjectFreedError, PeerDiedError, TransferAbortedError, TransportUnavailableError
 from . import _ucx
 from ._base import Channel, TransferInfo, Transport, copy_into
@@ -607,7 +607,7 @@ def _views_of_blocks(specs: Sequence[Any]) -> list[torch.Tensor]:
         device = _local_device(spec.device)
         offsets.append((device, sizes.get(device, 0)))
         sizes[device] = sizes.get(device, 0) + -(-spec.nbytes // ALIGN) * ALIGN
-    blocks = {d: torch.empty(n, dtype=torch.uint8, device=d) for d, n in sizes.items()}
+    blocks = {d: _alloc.empty((n,), torch.uint8, d) for d, n in sizes.items()}  # CPU: reused, warm
     out = []
     for spec, (device, off) in zip(specs, offsets):
         if spec.nbytes == 0:
