@@ -60,8 +60,8 @@ def quickstart(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     """Run the test suite on a local two-node Ray cluster."""
     _install_torch(session)
-    # nixl ships Linux wheels only; elsewhere its tests skip and say why.
-    session.install(".[tests,nixl]" if sys.platform == "linux" else ".[tests]")
+    # nixl and ucxx ship Linux wheels only; elsewhere their tests skip and say why.
+    session.install(".[tests,nixl,ucxx]" if sys.platform == "linux" else ".[tests]")
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *session.posargs)
 
 
