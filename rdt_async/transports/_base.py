@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
 
-from .. import _io
+from .. import _alloc, _io
 from .._errors import TransportUnavailableError
 
 M = TypeVar("M")
@@ -230,4 +230,29 @@ def copy_into(buffers: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) 
     """Copy each source into its buffer (a blocking call: run it in the pool)."""
     for dst, src in zip(buffers, sources):
         dst.copy_(src)
+    return list(buffers)
+
+
+def landing_buffers(
+    specs: Sequence[TensorSpec], buffers: list[torch.Tensor] | None, device: str = "cpu"
+) -> list[torch.Tensor]:
+    """Return where each tensor of a receive lands.
+
+    The caller's buffer where it is contiguous, else a fresh one (from the reuse cache
+    on CPU). Runs on: consumer.
+    """
+    given = buffers or [None] * len(specs)
+    return [
+        b if b is not None and b.is_contiguous() else _alloc.empty(s.shape, s.dtype, device)
+        for b, s in zip(given, specs)
+    ]
+
+
+def delivered(buffers: list[torch.Tensor] | None, landed: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Return the caller's buffers, filled from where they did not land, or `landed`."""
+    if buffers is None:
+        return landed
+    for b, d in zip(buffers, landed):
+        if b is not d:
+            b.copy_(d)
     return list(buffers)

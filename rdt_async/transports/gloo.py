@@ -28,9 +28,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import _alloc, _io
+from .. import _io
 from .._errors import CollectiveGroupError, ObjectFreedError
-from ._base import Channel, TransferInfo, Transport
+from ._base import Channel, TransferInfo, Transport, delivered, landing_buffers
 
 WAITERS = 16  # Gloo waits in flight per process; more queue
 
@@ -178,10 +178,7 @@ class GlooTransport(Transport[GlooMeta]):
         self, info: TransferInfo[GlooMeta], buffers: list[torch.Tensor] | None, channel: Channel
     ) -> list[torch.Tensor]:
         group = _group(info.meta.group)
-        dsts = [
-            b if b is not None and b.is_contiguous() else _alloc.empty(s.shape, s.dtype, _device(self))
-            for b, s in zip(buffers or [None] * len(info.specs), info.specs)
-        ]
+        dsts = landing_buffers(info.specs, buffers, _device(self))
         base = next(group.tags)
         posted = [(i, d) for i, d in enumerate(dsts) if d.numel()]
         works = [group.pg.recv([d], info.meta.src, base + i) for i, d in posted]
@@ -199,12 +196,7 @@ class GlooTransport(Transport[GlooMeta]):
             if not isinstance(exc, (asyncio.CancelledError, ObjectFreedError)):
                 groups.mark_broken(group.name, f"a transfer failed: {type(exc).__name__}")
             raise
-        if buffers is not None:
-            for b, d in zip(buffers, dsts):
-                if b is not d:
-                    b.copy_(d)
-            return list(buffers)
-        return dsts
+        return delivered(buffers, dsts)
 
     async def send_multiple_tensors(
         self, obj_id: str, tensors: Sequence[torch.Tensor], meta: Any, request: dict[str, Any]

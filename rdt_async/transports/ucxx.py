@@ -42,10 +42,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import _alloc, _io
+from .. import _io
 from .._errors import ObjectFreedError, PeerDiedError, TransportUnavailableError
 from . import _ucx
-from ._base import Channel, TransferInfo, Transport
+from ._base import Channel, TransferInfo, Transport, delivered, landing_buffers
 
 INSTALL_HINT = "pip install 'rdt_async[ucxx]'"
 POLL_S = 0.0005  # progress period while requests are in flight (events also progress)
@@ -321,10 +321,7 @@ class UcxxTransport(Transport[UcxxMeta]):
         if len(info.specs) >= TAG_STRIDE - 1:
             raise ValueError(f"ucxx moves at most {TAG_STRIDE - 2} tensors per object")
         w = await _worker_async()
-        dsts = [
-            b if b is not None and b.is_contiguous() else _alloc.empty(s.shape, s.dtype)
-            for b, s in zip(buffers or [None] * len(info.specs), info.specs)
-        ]
+        dsts = landing_buffers(info.specs, buffers)
         transfer = asyncio.ensure_future(_transfer(w, info, dsts))
         try:
             await asyncio.shield(transfer)
@@ -334,12 +331,7 @@ class UcxxTransport(Transport[UcxxMeta]):
             if transfer.done() and not transfer.cancelled():
                 transfer.exception()  # retrieved: the caller cancelled, errors are moot
             raise
-        if buffers is not None:
-            for b, d in zip(buffers, dsts):
-                if b is not d:
-                    b.copy_(d)
-            return list(buffers)
-        return dsts
+        return delivered(buffers, dsts)
 
 
 async def _listen(w: _Worker) -> UcxxMeta:
