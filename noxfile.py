@@ -69,5 +69,5 @@ def tests(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Run the benchmarks; JSON to bench.json, table on stdout."""
     _install_torch(session)
-    session.install(".")
+    session.install(".[nixl,ucxx]" if sys.platform == "linux" else ".")  # their baselines too
     session.run("python", "-m", "rdt_async.bench", "--json", "bench.json", *session.posargs)
