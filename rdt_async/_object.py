@@ -227,13 +227,20 @@ def produce(value: Any, transport: str, *, owner: Process | None = None) -> RDTO
 
 
 async def produce_async(value: Any, transport: str, *, owner: Process | None = None) -> RDTObject:
-    """`produce`, with large exports done off the running loop."""
+    """`produce`, with large exports, and a transport's first use, done off the running loop."""
     skeleton, tensors = _tree.flatten(value)
     plan = _plan(transport, tensors)
+    for t in plan:
+        if (os.getpid(), t.name) not in _warm:  # e.g. NIXL's agent: ~0.45 s, once
+            await _io.to_thread(t.warm_up)
+            _warm.add((os.getpid(), t.name))
     limit = min((t.inline_prepare_bytes for t in plan), default=Transport.inline_prepare_bytes)
     if sum(t.numel() * t.element_size() for t in tensors) > limit:
         return await _io.to_thread(_finish, skeleton, tensors, transport, plan, owner)
     return _finish(skeleton, tensors, transport, plan, owner)
+
+
+_warm: set[tuple[int, str]] = set()  # (pid, transport) whose warm_up ran
 
 
 def _plan(transport: str, tensors: list[torch.Tensor]) -> list[Transport[Any]]:

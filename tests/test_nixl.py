@@ -15,7 +15,7 @@ pytest.importorskip("nixl")
 import ray  # noqa: E402
 import torch  # noqa: E402
 from conftest import ON_NODE2, wait_until  # noqa: E402
-from helpers import checksum  # noqa: E402
+from helpers import LagProbe, checksum  # noqa: E402
 
 import rdt_async as rdt  # noqa: E402
 from rdt_async.transports import _registry  # noqa: E402
@@ -109,6 +109,24 @@ class AsyncNixlProducer:
     async def make(self, n: int, seed: int = 0):
         await asyncio.sleep(0)
         return make_value(n, seed)
+
+
+@rdt.remote
+class FreshAsyncProducer:
+    """An async actor whose first nixl object makes its NIXL agent (~0.45 s)."""
+
+    def __init__(self) -> None:
+        self.probe = LagProbe()
+
+    @rdt.method(tensor_transport="nixl")
+    async def make(self, n: int):
+        return torch.full((n,), 2.0)
+
+    async def start_probe(self) -> None:
+        self.probe.start()
+
+    async def stop_probe(self) -> float:
+        return await self.probe.stop()
 
 
 @rdt.remote
@@ -326,3 +344,14 @@ def test_fresh_reads_reuse_dropped_buffers_with_their_registrations(producer, co
     assert sums == [3.0 * (n + (i % 2)) for i in range(12)]
     assert distinct < 12  # buffers came back for reuse
     wait_until(lambda: ray.get(consumer.state.remote())["registrations"] == 0, 10)
+
+
+def test_first_nixl_object_of_an_async_producer_keeps_its_loop_free():
+    p = FreshAsyncProducer.remote()
+    ray.get(p.start_probe.remote())
+    ref = p.make.remote(100)
+    ray.wait([ref])
+    lag = ray.get(p.stop_probe.remote())
+    assert lag < 0.2, f"the producer's loop stalled {lag * 1000:.0f} ms while its agent was made"
+    assert checksum(rdt.get(ref, timeout=60)) == 200.0
+    ray.kill(p)
