@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import torch
@@ -12,6 +13,20 @@ import rdt_async as rdt
 
 def checksum(t: torch.Tensor) -> float:
     return float(t.double().sum())
+
+
+def cpu_seconds() -> float:
+    """CPU time (user + system) of this process so far, from /proc."""
+    with open("/proc/self/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def idle_cpu(seconds: float) -> float:
+    """CPU this process burns over `seconds` while the calling thread sleeps."""
+    t0 = cpu_seconds()
+    time.sleep(seconds)
+    return cpu_seconds() - t0
 
 
 class LagProbe:

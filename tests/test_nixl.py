@@ -15,7 +15,7 @@ pytest.importorskip("nixl")
 import ray  # noqa: E402
 import torch  # noqa: E402
 from conftest import ON_NODE2, wait_until  # noqa: E402
-from helpers import LagProbe, checksum  # noqa: E402
+from helpers import LagProbe, checksum, cpu_seconds, idle_cpu  # noqa: E402
 
 import rdt_async as rdt  # noqa: E402
 from rdt_async.transports import _registry  # noqa: E402
@@ -27,13 +27,6 @@ def nixl_state() -> dict:
     """This process's store and NIXL registrations."""
     t = _registry.get("nixl")
     return {**rdt.store_stats(), "registrations": t.registrations, "registered_bytes": t.registered_bytes}
-
-
-def cpu_seconds() -> float:
-    """CPU time (user + system) of this process so far, from /proc."""
-    with open("/proc/self/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def make_value(n: int, seed: int) -> dict:
@@ -94,10 +87,7 @@ class NixlProducer:
         return nixl_state()
 
     def idle_cpu(self, seconds: float) -> float:
-        """CPU this process burns over `seconds` while its actor thread sleeps."""
-        t0 = cpu_seconds()
-        time.sleep(seconds)
-        return cpu_seconds() - t0
+        return idle_cpu(seconds)
 
     def pid(self) -> int:
         return os.getpid()

@@ -22,17 +22,12 @@ if importlib.util.find_spec("ucxx") is None:  # not importorskip: importing ucxx
 import ray  # noqa: E402
 import torch  # noqa: E402
 from conftest import ON_NODE2, wait_until  # noqa: E402
+from helpers import idle_cpu  # noqa: E402
 
 import rdt_async as rdt  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def cpu_seconds() -> float:
-    with open("/proc/self/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def value(n: int, seed: int) -> dict:
@@ -70,9 +65,7 @@ class UcxxProducer:
         return held()
 
     def idle_cpu(self, seconds: float) -> float:
-        t0 = cpu_seconds()
-        time.sleep(seconds)
-        return cpu_seconds() - t0
+        return idle_cpu(seconds)
 
 
 @rdt.remote
@@ -114,9 +107,7 @@ class UcxxConsumer:
         return "pong"
 
     def idle_cpu(self, seconds: float) -> float:
-        t0 = cpu_seconds()
-        time.sleep(seconds)
-        return cpu_seconds() - t0
+        return idle_cpu(seconds)
 
 
 @rdt.remote
