@@ -81,6 +81,20 @@ def submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
     return asyncio.run_coroutine_threadsafe(coro, io_loop())
 
 
+def start(coro: Coroutine[Any, Any, T]) -> tuple[concurrent.futures.Future[T], asyncio.Task[T] | None]:
+    """`submit`, and the task itself when the caller runs on the I/O loop.
+
+    On the I/O loop the task starts in this iteration, with no hop through the loop's
+    self-pipe, and awaiting it there needs no wrapping future (~0.1 ms saved per hop).
+    """
+    if not on_io_thread():
+        return submit(coro), None
+    task = asyncio.get_running_loop().create_task(coro)
+    fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+    asyncio.futures._chain_future(task, fut)  # type: ignore[attr-defined]  # what run_coroutine_threadsafe uses
+    return fut, task
+
+
 def run_io(coro: Coroutine[Any, Any, T]) -> Awaitable[T]:
     """Run a coroutine on the I/O loop and return an awaitable for the caller's loop.
 

@@ -58,16 +58,24 @@ class FetchRequest:
     blocks that loop, and `result()` waits from plain threads.
     """
 
-    def __init__(self, transport: str, future: concurrent.futures.Future[list[torch.Tensor]]) -> None:
+    def __init__(
+        self,
+        transport: str,
+        future: concurrent.futures.Future[list[torch.Tensor]],
+        task: asyncio.Task[list[torch.Tensor]] | None = None,
+    ) -> None:
         self.transport = transport
         self._future = future
+        self._task = task  # set when started on the I/O loop: awaited directly there
 
     @classmethod
     def start(cls, transport: str, work: Coroutine[Any, Any, list[torch.Tensor]]) -> FetchRequest:
         """Run `work` on the I/O loop and return its request."""
-        return cls(transport, _io.submit(work))
+        return cls(transport, *_io.start(work))
 
     def __await__(self) -> Generator[Any, None, list[torch.Tensor]]:
+        if self._task is not None and _io.on_io_thread():
+            return self._task.__await__()
         return asyncio.wrap_future(self._future).__await__()
 
     def cancel(self) -> bool:
