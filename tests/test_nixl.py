@@ -18,7 +18,9 @@ from conftest import ON_NODE2, wait_until  # noqa: E402
 from helpers import LagProbe, checksum, cpu_seconds, idle_cpu  # noqa: E402
 
 import rdt_async as rdt  # noqa: E402
+from rdt_async import _io  # noqa: E402
 from rdt_async.transports import _registry  # noqa: E402
+from rdt_async.transports import nixl as nixl_transport  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -75,6 +77,14 @@ class NixlProducer:
     @rdt.method(tensor_transport="nixl")
     def views(self):
         return [self.base[:100], self.base[100:300], self.base]
+
+    @rdt.method(tensor_transport="nixl")
+    def kept(self, which: str):
+        """Tensors that outlive their objects: each storage keeps one registration."""
+        if not hasattr(self, "a"):
+            self.a = torch.arange(1000, dtype=torch.int64)
+            self.b = torch.linspace(-1, 1, 3000, dtype=torch.float64)
+        return {"w": self.a, "which": "a"} if which == "a" else {"w": self.b, "which": "b"}
 
     @rdt.method(tensor_transport="auto")
     def auto(self, n: int):
@@ -345,3 +355,61 @@ def test_first_nixl_object_of_an_async_producer_keeps_its_loop_free():
     assert lag < 0.2, f"the producer's loop stalled {lag * 1000:.0f} ms while its agent was made"
     assert checksum(rdt.get(ref, timeout=60)) == 200.0
     ray.kill(p)
+
+
+def test_small_reads_from_this_host_are_done_on_the_callers_thread(producer):
+    rdt.get(producer.make.remote(10), timeout=60)  # connected: the first read goes through the I/O loop
+    small = [producer.make.remote(1000, seed=i) for i in range(3)]
+    large = producer.big.remote(1 << 16)  # 256 KiB: above BOUNCE_BYTES, the I/O loop's job
+    ray.wait(small + [large], num_returns=4)
+    blocked = _io.submit(asyncio.to_thread(time.sleep, 0))  # warm the loop's default executor
+    blocked.result(10)
+
+    async def block_the_loop() -> None:
+        time.sleep(1.5)
+
+    blocked = _io.submit(block_the_loop())
+    time.sleep(0.05)
+    t0 = time.monotonic()
+    for i, ref in enumerate(small):
+        assert_same(rdt.get(ref, timeout=60), make_value(1000, i))
+    buf = torch.zeros(12, dtype=torch.int32).reshape(3, 4).t()  # strided: copied into
+    got = rdt.get(small[0], into=[torch.empty(1000), torch.empty(500), buf, torch.empty(7, dtype=torch.bfloat16),
+                                  torch.empty(2, dtype=torch.bool), torch.empty(0)], timeout=60)
+    took = time.monotonic() - t0
+    assert not blocked.done(), "the loop was not blocked while the small reads ran"
+    assert took < 1.0, f"small reads waited {took:.2f} s for the blocked I/O loop"
+    assert torch.equal(got["pair"][1], buf) and torch.equal(buf, torch.arange(12, dtype=torch.int32).reshape(3, 4).t())
+    assert checksum(rdt.get(large, timeout=60)) == 3.0 * (1 << 16)  # after the loop is free again
+    assert _registry.get("nixl").registrations == 0  # small reads land in the bounce buffer
+
+
+def test_objects_over_storages_read_before_keep_reading_right(producer):
+    # The metadata of a storage is loaded once per consumer; objects over storages read
+    # earlier skip it. Interleave two storages, in the driver and in an async actor.
+    refs = [producer.kept.remote("ab"[i % 2]) for i in range(8)]
+    want = {"a": torch.arange(1000, dtype=torch.int64), "b": torch.linspace(-1, 1, 3000, dtype=torch.float64)}
+    for i, ref in enumerate(refs + refs[::-1]):
+        got = rdt.get(ref, timeout=60)
+        assert_same(got["w"], want[got["which"]])
+        assert got["which"] == "ab"[(i if i < 8 else 15 - i) % 2]
+    reader = NixlConsumer.remote()
+    sums = ray.get(reader.checksums.remote(*refs))
+    assert sums == [checksum(want["ab"[i % 2]]) for i in range(8)]
+    ray.kill(reader)
+
+
+def test_a_small_read_nixl_leaves_in_progress_is_finished_on_the_loop(producer, monkeypatch):
+    t = _registry.get("nixl")
+    assert checksum(rdt.get(producer.big.remote(100), timeout=60)) == 300.0  # connected
+    nx = t.agent().nixl
+    real_check, until = nx.check_xfer_state, time.monotonic() + 0.05
+    monkeypatch.setattr(nx, "transfer", lambda h, *a: (type(nx).transfer(nx, h, *a), "PROC")[1])
+    monkeypatch.setattr(nx, "check_xfer_state", lambda h: "PROC" if time.monotonic() < until else real_check(h))
+    ref = producer.make.remote(1000, seed=5)
+    ray.wait([ref])
+    until = time.monotonic() + 0.05
+    assert_same(rdt.get(ref, timeout=60), make_value(1000, 5))
+    monkeypatch.undo()
+    wait_until(lambda: len(t._free_bounce) == nixl_transport.BOUNCE_CHUNKS, 10, lambda: f"bounce {len(t._free_bounce)} landing {len(t._free_landing)}")
+    wait_until(lambda: len(t._free_landing) == nixl_transport.SLOTS_PER_TABLE, 10)

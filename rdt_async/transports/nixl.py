@@ -40,6 +40,7 @@ temporary registration, after any copy already running in the pool has ended.
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import importlib.util
 import os
@@ -64,6 +65,13 @@ INSTALL_HINT = "pip install 'rdt_async[nixl]'"
 # Reads at most this large are posted on the I/O loop; larger ones copy in the pool.
 INLINE_BYTES = 256 << 10
 SLOTS_PER_TABLE = 1024
+# Reads of CPU objects up to BOUNCE_BYTES land in a buffer registered once per process and
+# are copied out (a registration costs more than copying 64 KiB). From the producer's own
+# host, once connected, they are done on the caller's thread when NIXL's agent is free:
+# under CMA the READ completes inside `transfer()` (~0.1 ms, no hop through the I/O loop).
+BOUNCE_BYTES, BOUNCE_CHUNKS = 64 << 10, 16
+SPIN_S = 0.0002  # how long a read done on the caller's thread may poll before handing off
+MD_CACHE = 4096  # partial metadata blobs remembered per producer (loaded once each)
 ALIGN = 64  # offsets of tensors that share a fetched block
 LINGER_S, LINGER_MAX_S, LINGER_BYTES_PER_S = 0.05, 10.0, float(1 << 30)
 POLL_MIN_S, POLL_MAX_S = 0.001, 0.02
@@ -180,8 +188,13 @@ class NixlTransport(Transport[NixlMeta]):
         self._free_slots: list[int] = []  # indexes over all tables
         self._landing: torch.Tensor | None = None  # where consumers read slots into
         self._free_landing: list[int] = []
+        self._bounce: torch.Tensor | None = None  # where small reads land (registered once)
+        self._free_bounce: list[int] = []
         self._conn: bytes = b""
         self._remotes: dict[str, str] = {}  # producer agent -> name NIXL knows it by
+        # producer agent -> partial metadata blobs already loaded (a storage registered
+        # once on the producer yields the same blob for every object over it)
+        self._loaded: dict[str, collections.OrderedDict[bytes, None]] = {}
         self._poller: asyncio.Task[None] | None = None
         self._host = socket.gethostname()
 
@@ -221,10 +234,14 @@ class NixlTransport(Transport[NixlMeta]):
                 conn = agent.locked(agent.nixl.get_partial_agent_metadata, dlist, True)
                 self._landing = torch.zeros(SLOTS_PER_TABLE, dtype=torch.int64)
                 agent.locked(agent.nixl.register_memory, self._landing)
+                self._bounce = torch.zeros(BOUNCE_CHUNKS * BOUNCE_BYTES, dtype=torch.uint8)
+                agent.locked(agent.nixl.register_memory, self._bounce)
                 with self._state:
                     self._tables = [(table, dlist)]
                     self._free_slots = list(range(SLOTS_PER_TABLE - 1, -1, -1))
                     self._free_landing = list(range(SLOTS_PER_TABLE - 1, -1, -1))
+                    self._free_bounce = list(range(BOUNCE_CHUNKS - 1, -1, -1))
+                    self._loaded = {}
                     self._regs, self._objects, self._remotes = {}, {}, {}
                 self._conn = conn
                 self._agent = agent
@@ -460,12 +477,14 @@ class NixlTransport(Transport[NixlMeta]):
         meta = info.meta
         out, dsts = self._destinations(info, buffers)
         pairs = [(d, s) for d, s in zip(dsts, meta.descs) if s is not None]
+        bounce = self._take_bounce(pairs)
+        lands = self._bounce_views(bounce, pairs) if bounce >= 0 else [d for d, _ in pairs]
         landing, lslot = self._take_landing()
         keys: list[tuple[str, int, int]] = []
         try:
-            keys = await self._register_all(agent, [d for d, _ in pairs] + ([lslot] if landing < 0 else []))
+            keys = await self._register_all(agent, (lands if bounce < 0 else []) + ([lslot] if landing < 0 else []))
             error: Exception | None = None
-            for group in _by_device(pairs):
+            for group in _by_device([(d, s) for d, (_, s) in zip(lands, pairs)]):
                 try:
                     await self._read(
                         agent, remote,
@@ -489,8 +508,11 @@ class NixlTransport(Transport[NixlMeta]):
                 ) from error
             if error is not None:
                 raise error
+            if bounce >= 0:
+                copy_into([d for d, _ in pairs], lands)
         finally:
             self._give_landing(landing)
+            self._give_bounce(bounce)
             if keys:
                 _deregister_soon(agent, self._drop(keys))
         return out
@@ -525,11 +547,35 @@ class NixlTransport(Transport[NixlMeta]):
                     f"{meta.host}): it died or is unreachable ({type(exc).__name__}: {exc})"
                 ) from exc
             remote = self._remotes[meta.agent] = name.decode() if isinstance(name, bytes) else name
-        for md in meta.regs:
+        for md in self._unloaded(meta):
             await agent.call(agent.nixl.add_remote_agent, md)
+            self._mark_loaded(meta.agent, md)
         return remote
 
+    def _unloaded(self, meta: NixlMeta) -> list[bytes]:
+        """Return the object's partial metadata blobs this agent has not loaded yet."""
+        with self._state:
+            known = self._loaded.get(meta.agent)
+            if known is None:
+                return list(meta.regs)
+            out = []
+            for md in meta.regs:
+                if md in known:
+                    known.move_to_end(md)
+                else:
+                    out.append(md)
+            return out
+
+    def _mark_loaded(self, producer: str, md: bytes) -> None:
+        with self._state:
+            known = self._loaded.setdefault(producer, collections.OrderedDict())
+            known[md] = None
+            while len(known) > MD_CACHE:
+                known.popitem(last=False)  # forgetting only costs a reload
+
     def _forget(self, producer: str) -> None:
+        with self._state:
+            self._loaded.pop(producer, None)
         remote = self._remotes.pop(producer, None)
         agent = self._agent
         if remote is not None and agent is not None:
@@ -587,6 +633,122 @@ class NixlTransport(Transport[NixlMeta]):
             else:
                 _call_soon(agent, nx.release_xfer_handle, handle)
 
+    def receive_nowait(
+        self, info: TransferInfo[NixlMeta], buffers: list[torch.Tensor] | None
+    ) -> list[torch.Tensor] | None:
+        """Read a small CPU object of a connected producer on this host, on this thread.
+
+        Under CMA the READ completes inside `transfer()`, so this costs no hop through the
+        I/O loop. Anything else (a busy agent, no free bounce chunk, a READ NIXL leaves in
+        progress, an error) returns None and the fetch takes the usual path; a READ left in
+        progress is finished and released on the I/O loop.
+        Raises: ObjectFreedError if the liveness slot says the object is gone.
+        """
+        meta = info.meta
+        agent, remote = self._agent, self._remotes.get(meta.agent)
+        if (
+            agent is None or remote is None or agent.pid != os.getpid() or meta.host != self._host
+            or any(d is not None and d[3] != "DRAM" for d in meta.descs)
+            or (buffers is not None and any(b.device.type != "cpu" for b in buffers))
+        ):
+            return None
+        out, dsts = self._destinations(info, buffers)
+        pairs = [(d, s) for d, s in zip(dsts, meta.descs) if s is not None]
+        bounce = self._take_bounce(pairs)
+        if bounce < 0:
+            return None
+        landing, lslot = self._take_landing()
+        if landing < 0 or not agent.lock.acquire(blocking=False):
+            self._give_landing(landing)
+            self._give_bounce(bounce)
+            return None
+        def give_back() -> None:
+            self._give_landing(landing)
+            self._give_bounce(bounce)
+
+        handed_off = False  # then the I/O loop gives bounce and landing back
+        try:
+            nx = agent.nixl
+            for md in self._unloaded(meta):
+                nx.add_remote_agent(md)
+                self._mark_loaded(meta.agent, md)
+            lands = self._bounce_views(bounce, pairs)
+            local = [(b.data_ptr(), s[1], 0) for b, (_, s) in zip(lands, pairs)]
+            if pairs and not self._read_now(agent, remote, local, [s[:3] for _, s in pairs], give_back):
+                handed_off = True
+                return None
+            lslot.zero_()
+            if not self._read_now(agent, remote, [(lslot.data_ptr(), 8, 0)], [(meta.slot, 8, 0)], give_back):
+                handed_off = True
+                return None
+            if int(lslot.item()) != meta.token:
+                raise ObjectFreedError(
+                    f"object {info.obj_id} was freed before its nixl read finished", obj_id=info.obj_id
+                )
+            copy_into([d for d, _ in pairs], lands)
+        except ObjectFreedError:
+            raise
+        except Exception:  # the usual path reads again and reports what is wrong
+            return None
+        finally:
+            agent.lock.release()
+            if not handed_off:
+                give_back()
+        if buffers is None:
+            return out
+        return copy_into(buffers, out) if any(b is not o for b, o in zip(buffers, out)) else list(buffers)
+
+    def _read_now(
+        self,
+        agent: _Agent,
+        remote: str,
+        local: list[tuple[int, int, int]],
+        remote_descs: list[tuple[int, int, int]],
+        on_end: Callable[[], None],
+    ) -> bool:
+        """READ DRAM regions holding the agent; False if NIXL left it in progress.
+
+        A READ left in progress is handed to the I/O loop, which releases its handle and
+        calls `on_end` once it ends. Raises: TransferAbortedError, NIXL's errors.
+        """
+        nx = agent.nixl
+        handle = nx.initialize_xfer("READ", nx.get_xfer_descs(local, "DRAM"), nx.get_xfer_descs(remote_descs, "DRAM"), remote)
+        try:
+            state = nx.transfer(handle)
+            deadline = time.perf_counter() + SPIN_S
+            while state == "PROC" and time.perf_counter() < deadline:
+                state = nx.check_xfer_state(handle)
+        except BaseException:
+            _quietly(nx.release_xfer_handle, handle)
+            raise
+        if state == "PROC":
+            _io.call_soon(_finish_later, agent, handle, on_end)
+            return False
+        _quietly(nx.release_xfer_handle, handle)
+        if state != "DONE":
+            raise TransferAbortedError(f"nixl READ from {remote} ended in state {state}")
+        return True
+
+    def _take_bounce(self, pairs: list[tuple[torch.Tensor, Any]]) -> int:
+        """Return a free bounce chunk for a read this small into CPU memory, else -1."""
+        if sum(-(-s[1] // ALIGN) * ALIGN for _, s in pairs) > BOUNCE_BYTES or any(d.device.type != "cpu" for d, _ in pairs):
+            return -1
+        with self._state:
+            return self._free_bounce.pop() if self._free_bounce and self._bounce is not None else -1
+
+    def _give_bounce(self, i: int) -> None:
+        if i >= 0:
+            with self._state:
+                self._free_bounce.append(i)
+
+    def _bounce_views(self, i: int, pairs: list[tuple[torch.Tensor, Any]]) -> list[torch.Tensor]:
+        assert self._bounce is not None
+        chunk, off, out = self._bounce[i * BOUNCE_BYTES : (i + 1) * BOUNCE_BYTES], 0, []
+        for _, s in pairs:
+            out.append(chunk[off : off + s[1]])
+            off += -(-s[1] // ALIGN) * ALIGN
+        return out
+
     def _take_landing(self) -> tuple[int, torch.Tensor]:
         with self._state:
             i = self._free_landing.pop() if self._free_landing else -1
@@ -638,6 +800,37 @@ def _call_soon(agent: _Agent, fn: Callable[..., Any], *args: Any) -> None:
             agent.lock.release()
     else:
         _io.pool().submit(_quietly, agent.locked, fn, *args)
+
+
+def _finish_later(agent: _Agent, handle: Any, on_end: Callable[[], None]) -> None:
+    """Wait on the I/O loop for a READ left in progress, release it, then call `on_end`."""
+
+    async def finish() -> None:
+        try:
+            delay, deadline, state = 0.0002, time.monotonic() + ABORT_GRACE_S, "PROC"
+            while state == "PROC" and time.monotonic() < deadline:
+                await asyncio.sleep(delay)
+                delay = min(0.005, delay * 2)
+                if agent.lock.acquire(blocking=False):
+                    try:
+                        state = agent.nixl.check_xfer_state(handle)
+                    except Exception:
+                        state = "ERR"
+                    finally:
+                        agent.lock.release()
+            if state == "PROC":
+                await _abort(agent, handle)
+            else:
+                _call_soon(agent, agent.nixl.release_xfer_handle, handle)
+        finally:
+            on_end()
+
+    task = asyncio.get_running_loop().create_task(finish())
+    _finishing.add(task)  # the loop keeps tasks only weakly
+    task.add_done_callback(_finishing.discard)
+
+
+_finishing: set[asyncio.Task[None]] = set()
 
 
 def _deregister_soon(agent: _Agent, dlists: list[Any]) -> None:
