@@ -5,7 +5,7 @@
   return an RDTObject;
 - every method receives its top-level RDTObject arguments already fetched (on the
   actor's loop for async methods, on the I/O thread for sync ones);
-- two control methods (`rdt__send`, `rdt__free`) run in the `rdt` concurrency group,
+- control methods (`rdt__send`, `rdt__free`, `rdt__group`, `rdt__anchors`) run in the `rdt` concurrency group,
   so transfers are served while user methods are busy or queued.
 """
 
@@ -25,7 +25,7 @@ from .transports import _registry
 RDT_GROUP = "rdt"
 RDT_GROUP_CONCURRENCY = 8  # transfers served at once; also bounds group operations in sync actors
 GROUP_THREADS = 8
-CONTROL_METHODS = ("rdt__send", "rdt__free", "rdt__group")
+CONTROL_METHODS = ("rdt__send", "rdt__free", "rdt__group", "rdt__anchors")
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -188,6 +188,9 @@ def _control_methods(is_async: bool) -> dict[str, Any]:
         async def rdt__free(self: Any, obj_id: str) -> None:
             _object.serve_free(obj_id)
 
+        async def rdt__anchors(self: Any, n: int) -> tuple[None, ...]:
+            return (None,) * n  # its returns are this actor's anchors (_object._Anchors)
+
         async def rdt__group(self: Any, op: str, *args: Any) -> Any:
             # Group operations block for a whole collective: their own threads, so
             # that they never starve the copies of the shared pool.
@@ -202,7 +205,15 @@ def _control_methods(is_async: bool) -> dict[str, Any]:
         def rdt__free(self: Any, obj_id: str) -> None:  # type: ignore[misc]
             _object.serve_free(obj_id)
 
+        def rdt__anchors(self: Any, n: int) -> tuple[None, ...]:  # type: ignore[misc]
+            return (None,) * n
+
         def rdt__group(self: Any, op: str, *args: Any) -> Any:  # type: ignore[misc]
             return collective.serve(op, *args)
 
-    return {"rdt__send": group(rdt__send), "rdt__free": group(rdt__free), "rdt__group": group(rdt__group)}
+    return {
+        "rdt__send": group(rdt__send),
+        "rdt__free": group(rdt__free),
+        "rdt__group": group(rdt__group),
+        "rdt__anchors": group(rdt__anchors),
+    }

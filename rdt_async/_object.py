@@ -135,9 +135,16 @@ class RDTObject:
 
 
 class _Anchors:
-    """A pool of pre-made anchors, so that `ray.put` stays off the producer's hot path."""
+    """A pool of pre-made anchors, so that making one stays off the producer's hot path.
+
+    In an `rdt.remote` actor the anchors are the returns of one call to its own
+    `rdt__anchors` method (its `rdt` group): 32 owned refs for ~1.6 ms, inlined in this
+    process's memory store. A `ray.put` goes through plasma and costs ~0.55 ms of CPU
+    each, which the driver and plain actors still pay.
+    """
 
     LOW, BATCH = 8, 32
+    WAIT_S = 30.0  # for the own-method call; an actor that cannot answer is going away
 
     def __init__(self) -> None:
         self._pool: list[Any] = []
@@ -160,13 +167,28 @@ class _Anchors:
 
     def _refill(self) -> None:
         try:
-            fresh = [ray.put(None) for _ in range(self.BATCH)]
+            fresh = self._make(self.BATCH)
             with self._lock:
                 self._pool.extend(fresh)
         except Exception:  # Ray shutting down: the pool stays small, take() still works
             pass
         finally:
             self._refilling = False
+
+    def _make(self, n: int) -> list[Any]:
+        actor = _anchor_source()
+        if actor is None:
+            return [ray.put(None) for _ in range(n)]
+        refs = actor.rdt__anchors.options(num_returns=n).remote(n)
+        ready, _ = ray.wait(refs, num_returns=n, timeout=self.WAIT_S, fetch_local=False)
+        return refs if len(ready) == n else []
+
+
+@functools.lru_cache(maxsize=1)
+def _anchor_source() -> Any:
+    """This process's actor handle if it serves `rdt__anchors` (an `rdt.remote` actor), else None."""
+    actor = here().actor
+    return actor if actor is not None and hasattr(actor, "rdt__anchors") else None
 
 
 _anchors = _Anchors()

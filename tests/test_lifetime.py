@@ -129,3 +129,40 @@ def test_segments_are_private_and_unguessable(producer):
     assert os.stat(f"/dev/shm/{seg}").st_mode & 0o777 == 0o600
     assert len(seg.rsplit("-", 1)[1]) == 24  # 96 random bits
     del ref
+
+
+@rdt.remote
+class ManyObjects:
+    """An async producer of many tiny objects; reports where its anchors came from."""
+
+    @rdt.method(tensor_transport="inline")
+    async def tiny(self, i: int):
+        return torch.full((4,), float(i))
+
+    async def anchors_from_own_method(self) -> bool:
+        from rdt_async import _object
+
+        return _object._anchor_source() is not None
+
+    async def stats(self):
+        return rdt.store_stats()
+
+
+def test_anchors_from_the_actors_own_method_keep_lifetime_exact():
+    # Past the first few objects, an rdt actor's anchors are the returns of calls to its
+    # own rdt__anchors method (no plasma put each); each still frees exactly its object.
+    p = ManyObjects.remote()
+    refs = [p.tiny.remote(i) for i in range(100)]
+    values = [rdt.get(r, timeout=60) for r in refs]
+    assert [float(v[0]) for v in values] == [float(i) for i in range(100)]
+    assert ray.get(p.anchors_from_own_method.remote())
+    from rdt_async import _object
+
+    assert _object._anchor_source() is None  # the driver puts its anchors
+    assert ray.get(p.stats.remote())["objects"] == 100
+    del refs[::2]
+    wait_until(lambda: ray.get(p.stats.remote())["objects"] == 50, 10)
+    assert [float(rdt.get(r, timeout=60)[0]) for r in refs] == [float(i) for i in range(1, 100, 2)]
+    del refs
+    wait_until(lambda: ray.get(p.stats.remote())["objects"] == 0, 10)
+    ray.kill(p)
