@@ -129,6 +129,15 @@ class _RdtProducer:
     def plain(self, n: int):
         return self.t[n]
 
+    def put(self, n: int):
+        return [ray.put(self.t[n])]  # a ref the driver borrows: its get asks this actor
+
+    def holding_ref(self, n: int):
+        return self.t[n], self.anchor  # a value holding an ObjectRef, as every RDTObject does
+
+    def make_anchor(self) -> None:
+        self.anchor = ray.put(None)
+
 
 @ray.remote
 class _RayProducer:
@@ -154,7 +163,7 @@ def _rdt_rows(sizes: list[int], repeat: int) -> list[dict[str, Any]]:
         for n in sizes:
             dst = torch.zeros(n, dtype=torch.uint8)
             fetch_t, call_t = [], []
-            for i in range(repeat + 1):
+            for i in range(_reps(n, repeat) + 1):
                 t0 = time.perf_counter()
                 ref = p.nixl.remote(n)
                 obj = ray.get(ref)
@@ -169,16 +178,51 @@ def _rdt_rows(sizes: list[int], repeat: int) -> list[dict[str, Any]]:
             rows.append(_row("nixl", "rdt.get nixl, into= (actor -> driver)", n, fetch_t))
             rows.append(_row("nixl", "rdt call + get nixl, into= (actor -> driver)", n, call_t))
             if n <= 1 << 20:
-                times = []
-                for i in range(repeat + 1):
-                    t0 = time.perf_counter()
-                    assert int(ray.get(p.plain.remote(n))[-1]) == 7
-                    if i:
-                        times.append(time.perf_counter() - t0)
-                rows.append(_row("nixl", "ray object store call + get (baseline)", n, times))
+                rows += _object_store_rows(p, n, repeat)
     finally:
         ray.kill(p)
     return rows
+
+
+def _reps(n: int, repeat: int) -> int:
+    """Sub-millisecond cases get enough samples for a stable median."""
+    return repeat if n > 1 << 20 else max(repeat, 200)
+
+
+def _object_store_rows(p: Any, n: int, repeat: int) -> list[dict[str, Any]]:
+    """Ray's object store for the same bytes: a call + get, and a get of a ready ref.
+
+    Each case runs in a loop of its own, like the rdt rows: interleaved, each would pay
+    for the reference counting the others leave behind.
+    """
+    ray.get(p.make_anchor.remote())
+
+    def call_get() -> float:
+        t0 = time.perf_counter()
+        assert int(ray.get(p.plain.remote(n))[-1]) == 7
+        return time.perf_counter() - t0
+
+    def ready_get() -> float:
+        inner = ray.get(p.put.remote(n))[0]
+        t0 = time.perf_counter()
+        assert int(ray.get(inner)[-1]) == 7
+        return time.perf_counter() - t0
+
+    def holding() -> float:
+        t0 = time.perf_counter()
+        value, _ = ray.get(p.holding_ref.remote(n))
+        took = time.perf_counter() - t0
+        assert int(value[-1]) == 7
+        return took
+
+    reps = _reps(n, repeat)
+    return [
+        _row("nixl", "ray object store call + get (baseline)", n, [call_get() for _ in range(reps + 1)][1:]),
+        _row("nixl", "ray.get of a ready object-store ref the actor put (baseline)", n,
+             [ready_get() for _ in range(reps + 1)][1:]),
+        _row("nixl", "ray call + get of a value holding an ObjectRef (an RDT method's floor)", n,
+             [holding() for _ in range(reps + 1)][1:]),
+    ]
 
 
 def _ray_rdt_rows(sizes: list[int], repeat: int) -> list[dict[str, Any]]:
@@ -259,9 +303,16 @@ def _summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     if full and ray_rdt:
         out.append({"bench": "nixl", "case": "check: 256M rdt.get / ray RDT (target >= 3)", "size": n,
                     "seconds": 0.0, "gib_s": 0.0, "ratio": round(full["gib_s"] / ray_rdt["gib_s"], 3)})
-    small_ours = by.get(("rdt call + get nixl, into= (actor -> driver)", 4096))
-    small_ray = by.get(("ray object store call + get (baseline)", 4096))
-    if small_ours and small_ray:
-        out.append({"bench": "nixl", "case": "check: 4K nixl call+get / object store (target <= 1)", "size": 4096,
-                    "seconds": 0.0, "gib_s": 0.0, "ratio": round(small_ours["seconds"] / small_ray["seconds"], 3)})
+    for ours_case, ray_case, check in [
+        ("rdt.get nixl, into= (actor -> driver)", "ray.get of a ready object-store ref the actor put (baseline)",
+         "check: 4K nixl fetch / object-store get, ready refs (target <= 1)"),
+        ("rdt call + get nixl, into= (actor -> driver)", "ray object store call + get (baseline)",
+         "check: 4K nixl call+get / object store call+get (target <= 1)"),
+        ("ray call + get of a value holding an ObjectRef (an RDT method's floor)", "ray object store call + get (baseline)",
+         "floor: 4K call+get of a value holding an ObjectRef / object store call+get"),
+    ]:
+        ours, theirs = by.get((ours_case, 4096)), by.get((ray_case, 4096))
+        if ours and theirs:
+            out.append({"bench": "nixl", "case": check, "size": 4096,
+                        "seconds": 0.0, "gib_s": 0.0, "ratio": round(ours["seconds"] / theirs["seconds"], 3)})
     return out
