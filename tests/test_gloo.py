@@ -61,6 +61,13 @@ class AsyncMember:
     async def ping(self):
         return "pong"
 
+    async def near_the_last_tag(self, group_name: str) -> int:
+        from rdt_async.transports import gloo
+
+        group = gloo.groups.get(group_name)
+        group._next_tag = gloo.TAG_LIMIT - 3
+        return group._next_tag
+
 
 @rdt.remote
 class SyncMember:
@@ -228,6 +235,19 @@ def test_fetch_of_a_freed_gloo_object_fails_cleanly(pair):
     with pytest.raises(rdt.ObjectFreedError):
         ray.get(c.sums.remote([ref]))
     assert ray.get(c.sums.remote([p.make.remote(10, 1.0)])) == ([10.0], {"gloo": 1})  # group still fine
+
+
+def test_tags_wrap_before_they_leave_int32(pair):
+    # A transfer reserves 1 + n tags (status, tensors); a group's tags wrap at TAG_LIMIT.
+    p, c, _, group = pair
+    from rdt_async.transports import gloo
+
+    assert ray.get(c.near_the_last_tag.remote(group.name)) == gloo.TAG_LIMIT - 3
+    refs = [p.make.remote(100 + i, float(i)) for i in range(4)]  # 3 tags each: the 2nd wraps
+    assert ray.get(c.sums.remote(refs)) == ([float(i * (100 + i)) for i in range(4)], {"gloo": 4})
+    g = gloo.Group("g", "gloo", 0, 2, pg=None)
+    g._next_tag = gloo.TAG_LIMIT - 10
+    assert [g.tags(4), g.tags(4), g.tags(4), g.tags(1)] == [gloo.TAG_LIMIT - 10, gloo.TAG_LIMIT - 6, 1, 5]
 
 
 async def test_create_from_a_loop_needs_the_async_twin():

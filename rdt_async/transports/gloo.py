@@ -5,20 +5,21 @@ group), so a process may be in any number of groups at once. A transfer:
 
     consumer                                    producer (its `rdt` group)
     --------                                    --------
-    post recv per tensor (unique tags)
-    request_send({group, dst, tag, nbytes})  -> post send per tensor, wait (pool)
-    wait recvs (pool)                        <- reply: done
+    post recvs: status, one per tensor (a block of unique tags)
+    request_send({group, dst, tag, specs})   -> post sends: status HELD, tensors; wait (pool)
+    wait recvs (pool): done                  <- reply (not waited for once the status says HELD)
 Gloo's point-to-point `Work` has no future, so each wait runs in a bounded pool of
-waiter threads and completion reaches the caller's loop through the I/O loop. A
-producer that no longer holds the object answers with zeros of the right size (so the
-consumer's posted receives complete) and an ObjectFreedError. A cancelled fetch
-stops waiting; its receives complete into buffers nobody reads.
+waiter threads and completion reaches the caller's loop through the I/O loop. The
+status message makes the data self-describing, so a fetch ends when its bytes land,
+not one Ray reply later. A producer that no longer holds the object sends status
+FREED and zeros of the right size (so the consumer's posted receives complete), and
+its reply raises ObjectFreedError. A cancelled fetch stops waiting; its receives
+complete into buffers nobody reads.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,6 +34,9 @@ from .._errors import CollectiveGroupError, ObjectFreedError
 from ._base import Channel, TransferInfo, Transport, delivered, landing_buffers
 
 WAITERS = 16  # Gloo waits in flight per process; more queue
+TAG_LIMIT = 1 << 30  # Gloo tags are int32: a group's tags wrap here (bench's raw tags lie above)
+HELD, FREED = 1, 2  # the status message that comes before an object's tensors
+REPLY_AFTER_FAILURE_S = 10.0  # how long a failed receive waits for Ray's word on the producer
 
 
 @dataclass
@@ -46,7 +50,16 @@ class Group:
     pg: Any
     store: Any = None  # the TCPStore: rank 0 hosts it and must keep it alive
     broken: str | None = None
-    tags: itertools.count[int] = field(default_factory=lambda: itertools.count(1, 1 << 10))
+    _next_tag: int = 1
+    _tag_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def tags(self, n: int) -> int:
+        """Reserve `n` consecutive tags for one transfer and return the first."""
+        with self._tag_lock:
+            if self._next_tag + n > TAG_LIMIT:
+                self._next_tag = 1
+            base, self._next_tag = self._next_tag, self._next_tag + n
+        return base
 
     def check(self) -> None:
         if self.broken:
@@ -179,31 +192,52 @@ class GlooTransport(Transport[GlooMeta]):
     ) -> list[torch.Tensor]:
         group = _group(info.meta.group)
         dsts = landing_buffers(info.specs, buffers, _device(self))
-        base = next(group.tags)
-        posted = [(i, d) for i, d in enumerate(dsts) if d.numel()]
-        works = [group.pg.recv([d], info.meta.src, base + i) for i, d in posted]
+        base = group.tags(len(dsts) + 1)
+        status = torch.zeros(1, dtype=torch.int64, device=_device(self))
+        src = info.meta.src
+        works = [group.pg.recv([status], src, base)]
+        works += [group.pg.recv([d], src, base + 1 + i) for i, d in enumerate(dsts) if d.numel()]
         request = {
             "group": group.name,
             "dst": group.rank,
             "tag": base,
             "specs": [(tuple(s.shape), s.dtype) for s in info.specs],
         }
+        reply = asyncio.ensure_future(channel.request_send(request))
         waiting = asyncio.ensure_future(self.wait_works(works))
         try:
-            await channel.request_send(request)
-            await waiting
+            await asyncio.wait([reply, waiting], return_when=asyncio.FIRST_COMPLETED)
+            if reply.done() and reply.exception() is not None:
+                reply.result()  # the producer said why first: freed, died, not in the group
+            try:
+                await waiting
+            except Exception:
+                # A receive failed: Ray's word on the producer (died) says more than Gloo's.
+                await asyncio.wait_for(asyncio.shield(reply), REPLY_AFTER_FAILURE_S)
+                raise
+            if int(status.item()) != HELD:
+                await reply  # raises ObjectFreedError
+                raise ObjectFreedError(f"object {info.obj_id} was freed before it was fetched", obj_id=info.obj_id)
         except BaseException as exc:
             if not isinstance(exc, (asyncio.CancelledError, ObjectFreedError)):
                 groups.mark_broken(group.name, f"a transfer failed: {type(exc).__name__}")
             raise
+        finally:
+            if not reply.done():
+                reply.add_done_callback(_consume)  # the bytes are here; the reply is news to nobody
         return delivered(buffers, dsts)
 
     async def send_multiple_tensors(
         self, obj_id: str, tensors: Sequence[torch.Tensor], meta: Any, request: dict[str, Any]
     ) -> None:
+        await self._send(request, tensors, HELD)
+
+    async def _send(self, request: dict[str, Any], tensors: Sequence[torch.Tensor], state: int) -> None:
         group = _group(request["group"])
+        dst, base = request["dst"], request["tag"]
         srcs = [t.contiguous() for t in tensors]
-        works = [group.pg.send([t], request["dst"], request["tag"] + i) for i, t in enumerate(srcs) if t.numel()]
+        works = [group.pg.send([torch.full((1,), state, dtype=torch.int64, device=_device(self))], dst, base)]
+        works += [group.pg.send([t], dst, base + 1 + i) for i, t in enumerate(srcs) if t.numel()]
         await self.wait_works(works)
 
     async def wait_works(self, works: Sequence[Any]) -> None:
@@ -211,10 +245,14 @@ class GlooTransport(Transport[GlooMeta]):
         await wait_works(works)
 
     async def refuse(self, obj_id: str, request: dict[str, Any]) -> None:
-        """The object is gone: complete the consumer's posted receives with zeros."""
+        """The object is gone: status FREED, and zeros to complete the consumer's receives."""
         zeros = [torch.zeros(shape, dtype=dtype, device=_device(self)) for shape, dtype in request["specs"]]
-        await self.send_multiple_tensors(obj_id, zeros, None, request)
+        await self._send(request, zeros, FREED)
 
+
+def _consume(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()  # retrieved: no "exception was never retrieved" at exit
 
 def _group(name: str) -> Group:
     group = groups.get(name)
