@@ -185,7 +185,7 @@ def _not_rdt(x: Any) -> TypeError:
 
 
 async def _fetch_object(obj: RDTObject, *, device: Any, into: Any, start: _Start | None = None) -> Any:
-    start = start or _start(obj, into)
+    start = start or _start(obj, into, device)
     if isinstance(start, _Done):
         tensors, buffers, name = start.tensors, start.buffers, start.transport
     else:
@@ -205,7 +205,7 @@ async def _fetch_object(obj: RDTObject, *, device: Any, into: Any, start: _Start
 
 def _fetch_now(obj: RDTObject, *, device: Any, into: Any) -> tuple[bool, Any]:
     """Fetch on the caller's thread if nothing can block: (True, value), else (False, start)."""
-    start = _start(obj, into)
+    start = _start(obj, into, device)
     if not isinstance(start, _Done) or obj.nbytes > INLINE_COPY_BYTES:
         return False, start  # the transfer (or a large copy) belongs to the I/O loop
     tensors, buffers = start.tensors, start.buffers
@@ -230,7 +230,7 @@ class _Done:
 _Start = _Done | tuple[Transport[Any], TransferInfo[Any], list[torch.Tensor] | None]
 
 
-def _start(obj: RDTObject, into: Any) -> _Start:
+def _start(obj: RDTObject, into: Any, device: Any = None) -> _Start:
     """Check the fetch and do what needs no waiting; else return what to transfer with."""
     if store.was_freed(obj.obj_id):
         raise ObjectFreedError(f"object {obj.obj_id} was freed", obj_id=obj.obj_id)
@@ -243,12 +243,23 @@ def _start(obj: RDTObject, into: Any) -> _Start:
         return _Done(tensors, buffers, "local")
     name, meta = _object.choose_transport(obj, _node_id())
     transport = _registry.get(name)
+    if buffers is None and device is not None:
+        buffers = _device_buffers(obj, transport, torch.device(device))
     info = TransferInfo(obj.obj_id, obj.specs, meta)
     with translating(f"{name} fetch of {obj.obj_id}", obj.obj_id):
         now = transport.receive_nowait(info, buffers)
     if now is not None:
         return _Done(now, None, name)
     return transport, info, buffers
+
+
+def _device_buffers(obj: RDTObject, transport: Transport[Any], device: torch.device) -> list[torch.Tensor] | None:
+    """Buffers on `device` for a transport that reads straight into them, else None (move after)."""
+    if not transport.cross_device_buffers or device.type not in transport.devices:
+        return None
+    if all(torch.device(s.device) == device for s in obj.specs):
+        return None  # already there: the transport's own landing is as good
+    return [torch.empty(s.shape, dtype=s.dtype, device=device) for s in obj.specs]
 
 
 def _record(obj: RDTObject, transport: str) -> None:

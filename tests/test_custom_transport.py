@@ -610,3 +610,40 @@ def test_the_example_runs_on_the_cluster(capsys):
     assert "server fetched w[1]: [6.0, 8.0, 10.0]" in out
     assert "server fetched over: {'spool': 2}" in out
     assert "objects the trainer still holds: 0" in out
+
+
+class _LandsWhereAsked(rdt.Transport):
+    """Writes into caller buffers on any of its devices and notes where they were."""
+
+    devices = ("cpu", "meta")
+    cross_device_buffers = True
+    seen: list = []
+
+    async def receive(self, info, buffers, channel):
+        type(self).seen.append(None if buffers is None else [str(b.device) for b in buffers])
+        if buffers is None:
+            return [torch.empty(s.shape, dtype=s.dtype, device=s.device) for s in info.specs]
+        for i, b in enumerate(buffers):
+            b.fill_(i + 1)
+        return buffers
+
+
+def test_device_reads_straight_into_that_device_where_the_transport_can():
+    from rdt_async._object import Process, RDTObject
+    from rdt_async._tree import flatten
+    from rdt_async.transports._base import TensorSpec
+
+    rdt.register_transport("lands-where-asked", ["cpu", "meta"], _LandsWhereAsked)
+    held = [torch.empty(3, device="meta"), {"x": torch.empty(2, 2, dtype=torch.int64, device="meta")}]
+    skeleton, tensors = flatten(held)
+    obj = RDTObject(
+        secrets.token_hex(12), Process(ray.get_runtime_context().get_node_id(), "1:elsewhere"),
+        "lands-where-asked", tuple(TensorSpec.of(t) for t in tensors), skeleton,
+        {"lands-where-asked": None}, {}, None,
+    )
+    _LandsWhereAsked.seen.clear()
+    got = rdt.get(obj, device="cpu")
+    assert _LandsWhereAsked.seen == [["cpu", "cpu"]]  # the transport wrote into CPU buffers itself
+    assert torch.equal(got[0], torch.ones(3)) and torch.equal(got[1]["x"], torch.full((2, 2), 2))
+    got = asyncio.run(rdt.fetch(obj, device="meta"))  # already there: no buffers, nothing moved
+    assert _LandsWhereAsked.seen[-1] is None and got[0].device.type == "meta"

@@ -123,6 +123,10 @@ class Transport(Generic[M]):
     can_abort: ClassVar[bool] = True
     # Bytes above which the producer prepares off the caller's loop.
     inline_prepare_bytes: ClassVar[int] = 1 << 20
+    # True if `receive` writes into caller buffers on any of `devices`, whatever device
+    # the producer's tensors are on (NIXL: CPU -> CUDA and back). Then
+    # `fetch(device=...)` reads straight into that device instead of moving afterwards.
+    cross_device_buffers: ClassVar[bool] = False
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

@@ -177,6 +177,7 @@ class NixlTransport(Transport[NixlMeta]):
     name = "nixl"
     devices = ("cpu", "cuda")
     one_sided = True
+    cross_device_buffers = True
 
     def __init__(self) -> None:
         self._agent: _Agent | None = None

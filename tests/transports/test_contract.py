@@ -66,6 +66,23 @@ async def test_into_receives_into_caller_buffers(producer):
     assert_same(got, expect(2))
 
 
+async def test_into_buffers_on_the_other_device(producer):
+    # CPU -> CUDA and CUDA -> CPU in one read, for transports that say they can
+    # (`cross_device_buffers`; what `fetch(device=...)` relies on). Needs a GPU.
+    other = "cpu" if DEVICE == "cuda" else "cuda"
+    transport = _registry.get(producer.transport)
+    if not transport.cross_device_buffers or other not in transport.devices:
+        pytest.skip(f"{producer.transport} does not read across devices")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    info = producer.make(3)
+    buffers = [torch.empty(s.shape, dtype=s.dtype, device=other) for s in info.specs]
+    ptrs = [b.data_ptr() for b in buffers]
+    got = await fetch(producer, info, buffers)
+    assert [g.data_ptr() for g in got] == ptrs and all(g.device.type == other for g in got)
+    assert_same(got, expect(3))
+
+
 async def test_many_concurrent_fetches(producer):
     infos = [producer.make(10 + i, (4096,)) for i in range(8)]
     results = await asyncio.gather(*(fetch(producer, info) for info in reversed(infos)))
