@@ -30,11 +30,15 @@ producer's agent progresses: 8 ms per fetch with a producer polling every 10 ms,
 polling fast enough to hide that costs a core. Reads racing a free happen only on an
 explicit `free()`: while a consumer fetches, its RDTObject keeps the anchor alive.
 
-Consumer: loads a producer's connection metadata once (cached per agent), registers
+Consumer: loads a producer's connection metadata once (cached per agent) and each
+storage's partial metadata once (the same registration gives the same blob), registers
 the destination (caller buffers when given) for the length of the fetch, posts the
 READ (off the loop above `INLINE_BYTES`: under CMA the copy happens in the call) and
 polls `check_xfer_state` with backoff. Cancelling releases the handle and the
 temporary registration, after any copy already running in the pool has ended.
+Objects up to `BOUNCE_BYTES` bound for CPU land in a bounce buffer registered once
+and are copied out; from a connected producer on this host they are read on the
+caller's thread (`receive_nowait`), with no hop through the I/O loop.
 """
 
 from __future__ import annotations
