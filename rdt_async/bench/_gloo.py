@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import multiprocessing as mp
 import statistics
@@ -115,6 +116,7 @@ class OurConsumer:
     async def raw_recv(self, group: str, n: int, i: int) -> float:
         pg = _pg(group)
         buf = self.buf.setdefault(n, torch.zeros(n, dtype=torch.uint8))
+        await asyncio.sleep(0.02)  # the sender's call has started and waits: time no Ray skew
         t0 = time.perf_counter()
         pg.send([torch.zeros(1)], 0, RAW_TAG + 2 * i).wait()
         pg.recv([buf], 0, RAW_TAG + 2 * i + 1).wait()
