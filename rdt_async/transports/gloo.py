@@ -278,6 +278,20 @@ class NcclTransport(GlooTransport):
     backend = "nccl"
     devices = ("cuda",)
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._pairs: dict[tuple[str, int], asyncio.Lock] = {}
+
+    async def receive(
+        self, info: TransferInfo[GlooMeta], buffers: list[torch.Tensor] | None, channel: Channel
+    ) -> list[torch.Tensor]:
+        # NCCL ignores tags and runs a pair's point-to-point ops on one stream in the
+        # order they are posted: one transfer per (group, producer) at a time, so that
+        # each send meets the receive it was meant for. Runs on the I/O loop only.
+        lock = self._pairs.setdefault((info.meta.group, info.meta.src), asyncio.Lock())
+        async with lock:
+            return await super().receive(info, buffers, channel)
+
     @classmethod
     def unavailable_reason(cls) -> str | None:
         if not torch.cuda.is_available():
