@@ -18,7 +18,7 @@ from ._errors import ObjectFreedError, translating
 from ._object import RDTObject
 from ._store import log, store
 from .transports import _registry
-from .transports._base import TensorSpec, TransferInfo, Transport, copy_into
+from .transports._base import SETTLE_S, TensorSpec, TransferInfo, Transport, copy_into
 
 # Copies at most this large are done inline rather than in the pool.
 INLINE_COPY_BYTES = 1 << 20
@@ -99,16 +99,18 @@ def get(
     done, value = _fetch_now(x, device=device, into=into)
     if done:
         return value
-    fut = _io.submit(_fetch_object(x, device=device, into=into, start=value))
+    started = _io.start(_fetch_object(x, device=device, into=into, start=value))
+    fut = started.future
     try:
         return fut.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
     except concurrent.futures.TimeoutError as exc:
         if fut.done():
             raise
         fut.cancel()
+        started.wait_settled(SETTLE_S)  # the transport let go: nothing writes `into` afterwards
         raise TimeoutError(f"rdt.get() timed out after {timeout} s; the transfer was aborted") from exc
     finally:
-        del fut  # the future holds the error, whose traceback holds this frame: break the cycle
+        del fut, started  # the future holds the error, whose traceback holds this frame: break the cycle
 
 
 def put(value: Any, /, *, tensor_transport: str = "auto") -> Any:

@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import dataclasses
 import os
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -81,19 +82,72 @@ def submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
     return asyncio.run_coroutine_threadsafe(coro, io_loop())
 
 
-def start(coro: Coroutine[Any, Any, T]) -> tuple[concurrent.futures.Future[T], asyncio.Task[T] | None]:
-    """`submit`, and the task itself when the caller runs on the I/O loop.
+@dataclasses.dataclass
+class Started(Generic[T]):
+    """A coroutine started on the I/O loop: its result, its task, when it has fully ended."""
 
-    On the I/O loop the task starts in this iteration, with no hop through the loop's
-    self-pipe, and awaiting it there needs no wrapping future (~0.1 ms saved per hop).
+    future: concurrent.futures.Future[T]  # cancelling it cancels the task
+    settled: concurrent.futures.Future[None]  # set once the coroutine has exited, cleanup and all
+    task: asyncio.Task[T] | None = None  # set when started from the I/O loop itself
+
+    def wait_settled(self, timeout: float) -> bool:
+        """Wait (from a thread) until the coroutine has exited; False on timeout."""
+        try:
+            self.settled.result(timeout)
+            return True
+        except concurrent.futures.TimeoutError:
+            return False
+
+    async def settle(self, timeout: float) -> bool:
+        """Await (from any loop) until the coroutine has exited; False on timeout."""
+        if self.task is not None and on_io_thread():
+            done, _ = await asyncio.wait({self.task}, timeout=timeout)
+            return bool(done)
+        done, _ = await asyncio.wait({asyncio.wrap_future(self.settled)}, timeout=timeout)
+        return bool(done)
+
+
+def start(coro: Coroutine[Any, Any, T]) -> Started[T]:
+    """Run a coroutine on the I/O loop, like `submit`, and say when it has fully ended.
+
+    Cancelling `future` cancels the task; `settled` is set once the coroutine has exited
+    (after its cleanup on cancel), or at once if it was cancelled before it started. On
+    the I/O loop the task starts in this iteration, with no hop through the loop's
+    self-pipe, and is awaited there directly (~0.1 ms saved per hop).
     """
-    chain = getattr(asyncio.futures, "_chain_future", None)  # what run_coroutine_threadsafe uses
-    if chain is None or not on_io_thread():
-        return submit(coro), None
-    task = asyncio.get_running_loop().create_task(coro)
     fut: concurrent.futures.Future[T] = concurrent.futures.Future()
-    chain(task, fut)
-    return fut, task
+    settled: concurrent.futures.Future[None] = concurrent.futures.Future()
+    started = Started(fut, settled)
+
+    def create() -> None:
+        if fut.cancelled():  # (stays PENDING while it runs, so that the caller can cancel it)
+            coro.close()
+            settled.set_result(None)
+            return
+        task = asyncio.get_running_loop().create_task(coro)
+        started.task = task
+        task.add_done_callback(lambda t: _copy_outcome(t, fut, settled))
+        fut.add_done_callback(lambda f: f.cancelled() and task.get_loop().call_soon_threadsafe(task.cancel))
+
+    if on_io_thread():
+        create()
+    else:
+        io_loop().call_soon_threadsafe(create)
+    return started
+
+
+def _copy_outcome(task: asyncio.Task[T], fut: concurrent.futures.Future[T], settled: concurrent.futures.Future[None]) -> None:
+    if task.cancelled():
+        fut.cancel()
+    elif fut.set_running_or_notify_cancel():  # False if the caller cancelled it meanwhile
+        exc = task.exception()
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(task.result())
+    else:
+        task.exception()  # retrieved: the caller gave up on it
+    settled.set_result(None)
 
 
 def run_io(coro: Coroutine[Any, Any, T]) -> Awaitable[T]:

@@ -10,6 +10,7 @@ import asyncio
 import hashlib
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import time
@@ -224,7 +225,8 @@ def test_contract_suite_in_a_process_of_its_own():
         capture_output=True, text=True, timeout=300, cwd=ROOT, env=env,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:]
-    assert "6 passed" in out.stdout, out.stdout[-3000:]
+    passed = re.search(r"(\d+) passed", out.stdout)
+    assert passed and int(passed.group(1)) >= 9 and "failed" not in out.stdout, out.stdout[-3000:]
 
 
 def test_nixl_and_ucxx_refuse_to_share_a_process():

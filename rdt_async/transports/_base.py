@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 from collections.abc import Coroutine, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
@@ -51,6 +50,10 @@ class Channel(Protocol):
         ...
 
 
+# How long a cancelled fetch waits for its transport's cleanup (transports bound their own).
+SETTLE_S = 60.0
+
+
 class FetchRequest:
     """An in-flight fetch: await it for the tensors, cancel it to abort.
 
@@ -58,25 +61,25 @@ class FetchRequest:
     blocks that loop, and `result()` waits from plain threads.
     """
 
-    def __init__(
-        self,
-        transport: str,
-        future: concurrent.futures.Future[list[torch.Tensor]],
-        task: asyncio.Task[list[torch.Tensor]] | None = None,
-    ) -> None:
+    def __init__(self, transport: str, started: _io.Started[list[torch.Tensor]]) -> None:
         self.transport = transport
-        self._future = future
-        self._task = task  # set when started on the I/O loop: awaited directly there
+        self._started = started
+        self._future = started.future
 
     @classmethod
     def start(cls, transport: str, work: Coroutine[Any, Any, list[torch.Tensor]]) -> FetchRequest:
         """Run `work` on the I/O loop and return its request."""
-        return cls(transport, *_io.start(work))
+        return cls(transport, _io.start(work))
 
     def __await__(self) -> Generator[Any, None, list[torch.Tensor]]:
-        if self._task is not None and _io.on_io_thread():
-            return self._task.__await__()
+        task = self._started.task
+        if task is not None and _io.on_io_thread():
+            return task.__await__()  # started from the I/O loop: no wrapping future
         return asyncio.wrap_future(self._future).__await__()
+
+    async def settle(self, timeout: float = SETTLE_S) -> bool:
+        """Await until the transfer's work has fully ended (its cleanup after a cancel)."""
+        return await self._started.settle(timeout)
 
     def cancel(self) -> bool:
         """Abort the transfer; what it held is released on the I/O loop."""
@@ -194,6 +197,12 @@ class Transport(Generic[M]):
         """
         try:
             return await request
+        except asyncio.CancelledError:
+            self.abort_transport(request)  # (awaiting it from another loop cancelled it already)
+            # Return once the transport let go: a receive into the caller's buffers that
+            # cannot be interrupted lands first, so nothing writes them afterwards.
+            await request.settle()
+            raise
         except BaseException:  # callers translate native errors (rdt_async._errors.translating)
             if not request.done():
                 self.abort_transport(request)

@@ -100,6 +100,23 @@ async def test_cancel_mid_fetch_then_fetch_again(producer):
     assert_same(await fetch(producer, info), expect(3, (16 << 20,)))
 
 
+@pytest.mark.parametrize("after", [0.0, 0.003, 0.01])
+async def test_cancelled_fetch_into_buffers_is_not_written_after_it_returns(producer, after):
+    info = producer.make(5, (16 << 20,))  # 64 MiB
+    buffers = [torch.zeros(s.shape, dtype=s.dtype, device=DEVICE) for s in info.specs]
+    task = asyncio.ensure_future(fetch(producer, info, buffers))
+    await asyncio.sleep(after)
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    then = [b.clone() for b in buffers]
+    await asyncio.sleep(0.3)
+    assert all(torch.equal(t, b) for t, b in zip(then, buffers)), "written after the cancel returned"
+    assert_same(await fetch(producer, info, buffers), expect(5, (16 << 20,)))
+
+
 async def test_fetch_after_free_raises_object_freed(producer):
     info = producer.make(4)
     producer.call("free", info.obj_id)
