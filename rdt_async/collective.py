@@ -740,15 +740,7 @@ def _break_here(name: str, why: str) -> bool:
     """
     from .transports.gloo import groups
 
-    group = groups.get(name)
-    if group is None:
-        return False
-    groups.mark_broken(name, why)
-    try:
-        group.pg.abort()
-    except Exception:
-        pass
-    return True
+    return groups.abort(name, why)
 
 
 def _serve_part(part: _Part) -> RDTObject | None:

@@ -61,6 +61,22 @@ class AsyncMember:
     async def ping(self):
         return "pong"
 
+    async def cancel_into(self, refs, after: float):
+        """Cancel a fetch into our buffers mid-transfer; report what they hold then and later."""
+        obj = await refs[0]
+        into = [torch.zeros(spec.shape, dtype=spec.dtype) for spec in obj.specs]
+        task = asyncio.ensure_future(rdt.fetch(obj, into=into))
+        await asyncio.sleep(after)
+        task.cancel()
+        try:
+            await task
+            first = "done"
+        except asyncio.CancelledError:
+            first = "cancelled"
+        then = checksum(into[0])
+        await asyncio.sleep(0.5)
+        return first, then, checksum(into[0])
+
     async def near_the_last_tag(self, group_name: str) -> int:
         from rdt_async.transports import gloo
 
@@ -234,6 +250,16 @@ def test_fetch_of_a_freed_gloo_object_fails_cleanly(pair):
     time.sleep(0.5)
     with pytest.raises(rdt.ObjectFreedError):
         ray.get(c.sums.remote([ref]))
+    assert ray.get(c.sums.remote([p.make.remote(10, 1.0)])) == ([10.0], {"gloo": 1})  # group still fine
+
+
+def test_cancelled_fetch_into_buffers_is_not_written_after_it_returns(pair):
+    # Gloo cannot cancel a posted receive: the cancel returns once the bytes have landed.
+    p, c, _, _ = pair
+    n = 1 << 24  # 64 MiB: tens of ms on the wire, cancelled 5 ms in
+    first, then, later = ray.get(c.cancel_into.remote([p.make.remote(n, 2.0)], 0.005))
+    assert first in ("cancelled", "done")
+    assert then == later == 2.0 * n
     assert ray.get(c.sums.remote([p.make.remote(10, 1.0)])) == ([10.0], {"gloo": 1})  # group still fine
 
 

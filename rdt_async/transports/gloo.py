@@ -13,8 +13,10 @@ waiter threads and completion reaches the caller's loop through the I/O loop. Th
 status message makes the data self-describing, so a fetch ends when its bytes land,
 not one Ray reply later. A producer that no longer holds the object sends status
 FREED and zeros of the right size (so the consumer's posted receives complete), and
-its reply raises ObjectFreedError. A cancelled fetch stops waiting; its receives
-complete into buffers nobody reads.
+its reply raises ObjectFreedError. Gloo cannot cancel a posted receive: a cancelled
+fetch whose receives land in the caller's `into=` buffers returns once they have landed
+(at most `DRAIN_S`; then the group is aborted, so nothing writes them afterwards), and
+one landing in buffers of its own returns at once.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ WAITERS = 16  # Gloo waits in flight per process; more queue
 TAG_LIMIT = 1 << 30  # Gloo tags are int32: a group's tags wrap here (bench's raw tags lie above)
 HELD, FREED = 1, 2  # the status message that comes before an object's tensors
 REPLY_AFTER_FAILURE_S = 10.0  # how long a failed receive waits for Ray's word on the producer
+DRAIN_S = 30.0  # how long a cancelled fetch waits for receives that write caller buffers
 
 
 @dataclass
@@ -128,6 +131,18 @@ class Groups:
         with self._lock:
             return self._groups.get(name)
 
+    def abort(self, name: str, why: str) -> bool:
+        """Mark group `name` broken and abort its process group: its pending work ends now."""
+        group = self.get(name)
+        if group is None:
+            return False
+        self.mark_broken(name, why)
+        try:
+            group.pg.abort()
+        except Exception:
+            pass
+        return True
+
     def memberships(self) -> dict[str, tuple[str, int]]:
         """Return name -> (backend, rank) of the groups this process is in and can use."""
         with self._lock:
@@ -210,7 +225,7 @@ class GlooTransport(Transport[GlooMeta]):
             if reply.done() and reply.exception() is not None:
                 reply.result()  # the producer said why first: freed, died, not in the group
             try:
-                await waiting
+                await asyncio.shield(waiting)  # a cancel must not cancel it: _drain waits on it
             except Exception:
                 # A receive failed: Ray's word on the producer (died) says more than Gloo's.
                 await asyncio.wait_for(asyncio.shield(reply), REPLY_AFTER_FAILURE_S)
@@ -218,6 +233,10 @@ class GlooTransport(Transport[GlooMeta]):
             if int(status.item()) != HELD:
                 await reply  # raises ObjectFreedError
                 raise ObjectFreedError(f"object {info.obj_id} was freed before it was fetched", obj_id=info.obj_id)
+        except asyncio.CancelledError:
+            if buffers is not None and any(d is b for d, b in zip(dsts, buffers)):
+                await _drain(group, waiting)  # they write the caller's memory: not after we return
+            raise
         except BaseException as exc:
             if not isinstance(exc, (asyncio.CancelledError, ObjectFreedError)):
                 groups.mark_broken(group.name, f"a transfer failed: {type(exc).__name__}")
@@ -248,6 +267,15 @@ class GlooTransport(Transport[GlooMeta]):
         """The object is gone: status FREED, and zeros to complete the consumer's receives."""
         zeros = [torch.zeros(shape, dtype=dtype, device=_device(self)) for shape, dtype in request["specs"]]
         await self._send(request, zeros, FREED)
+
+
+async def _drain(group: Group, waiting: asyncio.Future[None]) -> None:
+    """Wait (bounded) for a cancelled fetch's receives; abort the group if they hang."""
+    done, _ = await asyncio.wait({waiting}, timeout=DRAIN_S)
+    if done:
+        _consume(waiting)
+    else:
+        groups.abort(group.name, f"a cancelled fetch's receives did not complete in {DRAIN_S:.0f} s")
 
 
 def _consume(fut: asyncio.Future[Any]) -> None:
