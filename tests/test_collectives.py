@@ -292,12 +292,12 @@ def test_a_member_killed_mid_collective_gives_peer_died_and_breaks_the_group_in_
     victim = SyncWorker.remote(2)
     members = [workers[0], workers[1], victim]  # survivors of a sync and an async kind
     g = rdt.create_collective_group(members, name="coll-doomed")
-    refs = [m.full.remote(32 << 20, 1.0) for m in members]  # 128 MiB each: long enough to be killed during
+    refs = [m.full.remote(64 << 20, 1.0) for m in members]  # 256 MiB each: ~0.5 s here, killed well within
     ray.wait(refs, num_returns=3)
 
     async def run():
         task = asyncio.ensure_future(rdt.allreduce_async(refs))
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.15)
         ray.kill(victim)
         return await task
 
