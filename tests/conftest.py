@@ -1,4 +1,8 @@
-"""One two-node Ray cluster (simulated on this machine) shared by the whole session."""
+"""One two-node Ray cluster (simulated on this machine) shared by the whole session.
+
+Ray is imported only when a test asks for the cluster: the transport contract suite
+(tests/transports) runs without it, as on the GPU machine, where Ray is not installed.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,6 @@ import os
 import time
 
 import pytest
-import ray
-from ray.cluster_utils import Cluster
 
 
 @pytest.fixture(scope="session")
@@ -17,6 +19,9 @@ def cluster():
 
     Actors land on the head node unless a test places them with `ON_NODE2`.
     """
+    import ray
+    from ray.cluster_utils import Cluster
+
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 16, "resources": {"head": 1000}})
     c.add_node(num_cpus=0, resources={"node2": 1000})
     c.wait_for_nodes()

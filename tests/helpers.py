@@ -7,53 +7,9 @@ import os
 import time
 
 import torch
+from probes import LagProbe, checksum, cpu_seconds, idle_cpu  # noqa: F401  (the tests import them from here too)
 
 import rdt_async as rdt
-
-
-def checksum(t: torch.Tensor) -> float:
-    return float(t.double().sum())
-
-
-def cpu_seconds() -> float:
-    """CPU time (user + system) of this process so far, from /proc."""
-    with open("/proc/self/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def idle_cpu(seconds: float) -> float:
-    """CPU this process burns over `seconds` while the calling thread sleeps."""
-    t0 = cpu_seconds()
-    time.sleep(seconds)
-    return cpu_seconds() - t0
-
-
-class LagProbe:
-    """Measures how late an event loop wakes a 5 ms sleeper: a blocked loop shows here."""
-
-    def __init__(self) -> None:
-        self.max_lag = 0.0
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self.max_lag = 0.0
-        self._task = asyncio.get_running_loop().create_task(self._run())
-
-    async def stop(self) -> float:
-        assert self._task is not None
-        self._task.cancel()
-        try:
-            await self._task
-        except asyncio.CancelledError:
-            pass
-        return self.max_lag
-
-    async def _run(self) -> None:
-        while True:
-            t0 = time.perf_counter()
-            await asyncio.sleep(0.005)
-            self.max_lag = max(self.max_lag, time.perf_counter() - t0 - 0.005)
 
 
 @rdt.remote
@@ -87,8 +43,6 @@ class SyncProducer:
         return rdt.store_stats()
 
     def pid(self):
-        import os
-
         return os.getpid()
 
     def sleep(self, s: float) -> float:

@@ -60,3 +60,15 @@ def test_transports_import_without_ray():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "needs ray", out.stderr
+
+
+def test_the_contract_suite_runs_without_ray():
+    """What the GPU machine runs: tests/transports, with torch and no Ray installed."""
+    code = (
+        "import sys; sys.modules['ray'] = None\n"
+        "import pytest\n"
+        "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/transports', '-k', 'shm and intact']))\n"
+    )
+    root = __file__.rsplit("/tests/", 1)[0]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root)
+    assert out.returncode == 0 and "1 passed" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]

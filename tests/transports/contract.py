@@ -16,7 +16,7 @@ import threading
 from typing import Any
 
 import torch
-from helpers import LagProbe
+from probes import LagProbe
 
 from rdt_async import _io
 from rdt_async._errors import ObjectFreedError, PeerDiedError, translating
