@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from typing import Any
 
 import torch
 
@@ -52,3 +53,15 @@ class LagProbe:
             t0 = time.perf_counter()
             await asyncio.sleep(0.005)
             self.max_lag = max(self.max_lag, time.perf_counter() - t0 - 0.005)
+
+
+async def cancel_after(awaitable: Any, seconds: float) -> str:
+    """Start `awaitable`, cancel it after `seconds`: "done" if it finished first, else "cancelled"."""
+    task = asyncio.ensure_future(awaitable)
+    await asyncio.sleep(seconds)
+    task.cancel()
+    try:
+        await task
+        return "done"
+    except asyncio.CancelledError:
+        return "cancelled"

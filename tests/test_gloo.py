@@ -11,6 +11,7 @@ import ray
 import torch
 from conftest import ON_NODE2
 from helpers import checksum
+from probes import cancel_after
 
 import rdt_async as rdt
 
@@ -65,14 +66,7 @@ class AsyncMember:
         """Cancel a fetch into our buffers mid-transfer; report what they hold then and later."""
         obj = await refs[0]
         into = [torch.zeros(spec.shape, dtype=spec.dtype) for spec in obj.specs]
-        task = asyncio.ensure_future(rdt.fetch(obj, into=into))
-        await asyncio.sleep(after)
-        task.cancel()
-        try:
-            await task
-            first = "done"
-        except asyncio.CancelledError:
-            first = "cancelled"
+        first = await cancel_after(rdt.fetch(obj, into=into), after)
         then = checksum(into[0])
         await asyncio.sleep(0.5)
         return first, then, checksum(into[0])

@@ -16,6 +16,7 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 from conftest import ON_NODE2, wait_until  # noqa: E402
 from helpers import LagProbe, checksum, cpu_seconds, idle_cpu  # noqa: E402
+from probes import cancel_after  # noqa: E402
 
 import rdt_async as rdt  # noqa: E402
 from rdt_async import _io  # noqa: E402
@@ -157,14 +158,7 @@ class NixlConsumer:
         return out.data_ptr() == buf.data_ptr(), checksum(buf)
 
     async def cancel_then_fetch(self, refs):
-        task = asyncio.ensure_future(rdt.fetch(refs[0]))
-        await asyncio.sleep(0.005)
-        task.cancel()
-        try:
-            await task
-            first = "done"
-        except asyncio.CancelledError:
-            first = "cancelled"
+        first = await cancel_after(rdt.fetch(refs[0]), 0.005)
         again = await rdt.fetch(refs[0])
         return first, checksum(again)
 

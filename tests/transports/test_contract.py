@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+from probes import cancel_after
 
 import rdt_async as rdt
 from rdt_async.transports import _registry
@@ -104,13 +105,7 @@ async def test_cancel_mid_fetch_then_fetch_again(producer):
 async def test_cancelled_fetch_into_buffers_is_not_written_after_it_returns(producer, after):
     info = producer.make(5, (16 << 20,))  # 64 MiB
     buffers = [torch.zeros(s.shape, dtype=s.dtype, device=DEVICE) for s in info.specs]
-    task = asyncio.ensure_future(fetch(producer, info, buffers))
-    await asyncio.sleep(after)
-    task.cancel()
-    try:
-        await task
-    except asyncio.CancelledError:
-        pass
+    await cancel_after(fetch(producer, info, buffers), after)
     then = [b.clone() for b in buffers]
     await asyncio.sleep(0.3)
     assert all(torch.equal(t, b) for t, b in zip(then, buffers)), "written after the cancel returned"
