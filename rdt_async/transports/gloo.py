@@ -228,7 +228,9 @@ class GlooTransport(Transport[GlooMeta]):
                 await asyncio.shield(waiting)  # a cancel must not cancel it: _drain waits on it
             except Exception:
                 # A receive failed: Ray's word on the producer (died) says more than Gloo's.
-                await asyncio.wait_for(asyncio.shield(reply), REPLY_AFTER_FAILURE_S)
+                await asyncio.wait({reply}, timeout=REPLY_AFTER_FAILURE_S)
+                if reply.done() and not reply.cancelled() and reply.exception() is not None:
+                    reply.result()
                 raise
             if int(status.item()) != HELD:
                 await reply  # raises ObjectFreedError
