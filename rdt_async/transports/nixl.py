@@ -621,15 +621,8 @@ class NixlTransport(Transport[NixlMeta]):
                 state = await agent.call(nx.transfer, handle)
             else:
                 state = await _finish_in_pool(agent, nx.transfer, handle)
-            delay = 0.0
-            while state == "PROC":
-                await asyncio.sleep(delay)
-                delay = min(0.005, delay * 2 or 0.0002)
-                if agent.lock.acquire(blocking=False):
-                    try:
-                        state = nx.check_xfer_state(handle)
-                    finally:
-                        agent.lock.release()
+            if state == "PROC":
+                state = await _wait_state(agent, handle)
             if state != "DONE":
                 raise TransferAbortedError(f"nixl READ from {remote} ended in state {state}")
         finally:
@@ -667,6 +660,7 @@ class NixlTransport(Transport[NixlMeta]):
             self._give_landing(landing)
             self._give_bounce(bounce)
             return None
+
         def give_back() -> None:
             self._give_landing(landing)
             self._give_bounce(bounce)
@@ -807,22 +801,33 @@ def _call_soon(agent: _Agent, fn: Callable[..., Any], *args: Any) -> None:
         _io.pool().submit(_quietly, agent.locked, fn, *args)
 
 
+async def _wait_state(agent: _Agent, handle: Any, within: float | None = None) -> str:
+    """Poll a posted transfer from the I/O loop with backoff until it leaves PROC (or `within` s pass).
+
+    Raises: NIXL's error from `check_xfer_state`.
+    """
+    deadline = None if within is None else time.monotonic() + within
+    delay, state = 0.0, "PROC"
+    while state == "PROC" and (deadline is None or time.monotonic() < deadline):
+        await asyncio.sleep(delay)
+        delay = min(0.005, delay * 2 or 0.0002)
+        if agent.lock.acquire(blocking=False):
+            try:
+                state = agent.nixl.check_xfer_state(handle)
+            finally:
+                agent.lock.release()
+    return state
+
+
 def _finish_later(agent: _Agent, handle: Any, on_end: Callable[[], None]) -> None:
     """Wait on the I/O loop for a READ left in progress, release it, then call `on_end`."""
 
     async def finish() -> None:
         try:
-            delay, deadline, state = 0.0002, time.monotonic() + ABORT_GRACE_S, "PROC"
-            while state == "PROC" and time.monotonic() < deadline:
-                await asyncio.sleep(delay)
-                delay = min(0.005, delay * 2)
-                if agent.lock.acquire(blocking=False):
-                    try:
-                        state = agent.nixl.check_xfer_state(handle)
-                    except Exception:
-                        state = "ERR"
-                    finally:
-                        agent.lock.release()
+            try:
+                state = await _wait_state(agent, handle, ABORT_GRACE_S)
+            except Exception:
+                state = "ERR"
             if state == "PROC":
                 await _abort(agent, handle)
             else:
