@@ -79,7 +79,7 @@ async def to_thread(fn: Callable[..., T], *args: Any) -> T:
 
 def submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
     """Run a coroutine on the I/O loop; cancelling the returned future cancels it."""
-    return asyncio.run_coroutine_threadsafe(coro, io_loop())
+    return start(coro).future
 
 
 @dataclasses.dataclass
