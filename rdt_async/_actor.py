@@ -5,8 +5,9 @@
   return an RDTObject;
 - every method receives its top-level RDTObject arguments already fetched (on the
   actor's loop for async methods, on the I/O thread for sync ones);
-- control methods (`rdt__send`, `rdt__free`, `rdt__group`, `rdt__anchors`) run in the `rdt` concurrency group,
-  so transfers are served while user methods are busy or queued.
+- control methods (`rdt__send`, `rdt__free`, `rdt__group`, `rdt__anchors`) run in
+  the `rdt` concurrency group, so transfers are served while user methods are busy or
+  queued.
 """
 
 from __future__ import annotations
