@@ -407,3 +407,26 @@ def test_a_small_read_nixl_leaves_in_progress_is_finished_on_the_loop(producer, 
     monkeypatch.undo()
     wait_until(lambda: len(t._free_bounce) == nixl_transport.BOUNCE_CHUNKS, 10, lambda: f"bounce {len(t._free_bounce)} landing {len(t._free_landing)}")
     wait_until(lambda: len(t._free_landing) == nixl_transport.SLOTS_PER_TABLE, 10)
+
+
+@rdt.remote(max_concurrency=8)
+class ThreadedReader:
+    """A threaded actor: its threads read small nixl objects at the same time."""
+
+    def read(self, refs, seed0: int):
+        sums = []
+        for i, r in enumerate(refs):
+            value = rdt.get(r, timeout=60)
+            sums.append(checksum(value["w"]) == checksum(make_value(300, seed0 + i)["w"]) and value["step"] == seed0 + i)
+        return all(sums)
+
+    def free_bounce(self) -> int:
+        return len(_registry.get("nixl")._free_bounce)
+
+
+def test_threads_of_one_actor_read_small_objects_at_once(producer):
+    reader = ThreadedReader.remote()
+    batches = [[producer.make.remote(300, seed=100 * b + i) for i in range(25)] for b in range(8)]
+    assert ray.get([reader.read.remote(refs, 100 * b) for b, refs in enumerate(batches)]) == [True] * 8
+    assert ray.get(reader.free_bounce.remote()) == nixl_transport.BOUNCE_CHUNKS
+    ray.kill(reader)
