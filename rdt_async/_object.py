@@ -1,7 +1,8 @@
 """RDTObject, the anchor lifetime, and the producer's side of an object.
 
 Lifetime: every object with tensors carries an *anchor*, a tiny object this process
-`ray.put`s, with Ray's out-of-scope callback registered on it. The RDTObject holds the
+owns (a return of its own `rdt__anchors` method in an `rdt.remote` actor, else a
+`ray.put`), with Ray's out-of-scope callback registered on it. The RDTObject holds the
 anchor's ref, so Ray's distributed reference counting keeps the anchor alive while
 any ref to the RDTObject, or any deserialized copy of it, exists anywhere. When the
 last one goes, the callback frees the tensors here. The producer never keeps the
