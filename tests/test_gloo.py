@@ -85,6 +85,20 @@ class SyncMember:
         return checksum(value["w"])
 
 
+@rdt.remote(max_concurrency=4)
+class ThreadedMember:
+    """A threaded (sync, max_concurrency=4) member: its calls run on several threads."""
+
+    def take(self, value):
+        return checksum(value["w"])
+
+    def get_many(self, refs):
+        return [checksum(rdt.get(r, timeout=60)["w"]) for r in refs]
+
+    def fetches(self):
+        return dict(rdt.store_stats()["fetches"])
+
+
 @rdt.remote
 class Orchestrator:
     """Not in any group: submits the tasks that pass refs between members."""
@@ -133,6 +147,21 @@ def test_refs_passed_by_an_actor_that_did_not_create_the_group(pair):
     p, c, _, _ = pair
     o = Orchestrator.remote()
     assert ray.get(o.relay.remote(p, c, 64)) == (320.0, 5.0, list(range(64)))
+
+
+def test_a_threaded_member_receives_on_several_threads_at_once():
+    p, t = GlooProducer.remote(), ThreadedMember.remote()
+    g = rdt.create_collective_group([p, t])
+    refs = [[p.make.remote(1 << 16, float(4 * b + i)) for i in range(4)] for b in range(4)]
+    assert ray.get([t.get_many.remote(r) for r in refs]) == [
+        [float(4 * b + i) * (1 << 16) for i in range(4)] for b in range(4)
+    ]
+    sums = ray.get([t.take.remote(p.make.remote(1000, float(i))) for i in range(8)])  # auto-fetched arguments
+    assert sums == [1000.0 * i for i in range(8)]
+    assert ray.get(t.fetches.remote()) == {"gloo": 24}
+    rdt.destroy_collective_group(g)
+    ray.kill(p)
+    ray.kill(t)
 
 
 def test_an_actor_in_two_groups():
