@@ -48,13 +48,18 @@ class GlooProducer:
         gloo.GlooTransport.send_multiple_tensors = dying
 
 
+async def sums_and_transports(refs):
+    """Checksums of the fetched values, and the transports this process used for them."""
+    before = collections.Counter(rdt.store_stats()["fetches"])
+    values = await rdt.fetch_all(refs)
+    used = dict(collections.Counter(rdt.store_stats()["fetches"]) - before)
+    return [checksum(v["w"]) if isinstance(v, dict) else checksum(v) for v in values], used
+
+
 @rdt.remote
 class AsyncMember:
     async def sums(self, refs):
-        before = collections.Counter(rdt.store_stats()["fetches"])
-        values = await rdt.fetch_all(refs)
-        used = dict(collections.Counter(rdt.store_stats()["fetches"]) - before)
-        return [checksum(v["w"]) if isinstance(v, dict) else checksum(v) for v in values], used
+        return await sums_and_transports(refs)
 
     async def take(self, value):
         return checksum(value["w"]), value["tag"], value["b"][0].tolist()
@@ -83,6 +88,18 @@ class AsyncMember:
 class SyncMember:
     def take(self, value):
         return checksum(value["w"])
+
+
+@rdt.remote
+class Both:
+    """Produces over gloo and fetches: every member is both ends of some pair."""
+
+    @rdt.method(tensor_transport="gloo")
+    async def make(self, n: int, fill: float):
+        return {"w": torch.full((n,), fill)}
+
+    async def sums(self, refs):
+        return await sums_and_transports(refs)
 
 
 @rdt.remote(max_concurrency=4)
@@ -147,6 +164,21 @@ def test_refs_passed_by_an_actor_that_did_not_create_the_group(pair):
     p, c, _, _ = pair
     o = Orchestrator.remote()
     assert ray.get(o.relay.remote(p, c, 64)) == (320.0, 5.0, list(range(64)))
+
+
+def test_concurrent_transfers_across_pairs_in_both_directions():
+    members = [Both.remote() for _ in range(3)]
+    g = rdt.create_collective_group(members)
+    calls = []
+    for i, consumer in enumerate(members):
+        refs = [members[j].make.remote(1 << 18, float(10 * j + k)) for j in range(3) if j != i for k in range(4)]
+        calls.append(consumer.sums.remote(refs))
+    for i, (sums, used) in enumerate(ray.get(calls)):
+        assert sums == [float((10 * j + k) * (1 << 18)) for j in range(3) if j != i for k in range(4)]
+        assert used == {"gloo": 8}
+    rdt.destroy_collective_group(g)
+    for m in members:
+        ray.kill(m)
 
 
 def test_a_threaded_member_receives_on_several_threads_at_once():
