@@ -507,10 +507,7 @@ class NixlTransport(Transport[NixlMeta]):
                 if error is not None:
                     raise error from None
                 raise
-            if int(lslot.item()) != meta.token:
-                raise ObjectFreedError(
-                    f"object {info.obj_id} was freed before its nixl read finished", obj_id=info.obj_id
-                ) from error
+            _check_slot(lslot, info, error)
             if error is not None:
                 raise error
             if bounce >= 0:
@@ -680,10 +677,7 @@ class NixlTransport(Transport[NixlMeta]):
             if not self._read_now(agent, remote, [(lslot.data_ptr(), 8, 0)], [(meta.slot, 8, 0)], give_back):
                 handed_off = True
                 return None
-            if int(lslot.item()) != meta.token:
-                raise ObjectFreedError(
-                    f"object {info.obj_id} was freed before its nixl read finished", obj_id=info.obj_id
-                )
+            _check_slot(lslot, info)
             copy_into([d for d, _ in pairs], lands)
         except ObjectFreedError:
             raise
@@ -759,6 +753,14 @@ class NixlTransport(Transport[NixlMeta]):
         if i >= 0:
             with self._state:
                 self._free_landing.append(i)
+
+
+def _check_slot(lslot: torch.Tensor, info: TransferInfo[NixlMeta], cause: Exception | None = None) -> None:
+    """Raise ObjectFreedError unless the liveness slot just read still holds the object's token."""
+    if int(lslot.item()) != info.meta.token:
+        raise ObjectFreedError(
+            f"object {info.obj_id} was freed before its nixl read finished", obj_id=info.obj_id
+        ) from cause
 
 
 def _views_of_blocks(specs: Sequence[Any]) -> list[torch.Tensor]:
