@@ -37,9 +37,9 @@ _cached = 0
 _sweep_due = False
 
 
-def empty(shape: Sequence[int], dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
+def empty(shape: Sequence[int], dtype: torch.dtype, device: str | torch.device = "cpu") -> torch.Tensor:
     """Return an uninitialized contiguous tensor; CPU ones come from the cache when one fits."""
-    if device != "cpu":
+    if torch.device(device).type != "cpu":
         return torch.empty(tuple(shape), dtype=dtype, device=device)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if nbytes < MIN_BYTES:

@@ -39,6 +39,15 @@ def test_a_dropped_buffer_is_reused_for_the_same_size_class():
     assert b.data_ptr() == ptr and _alloc.cached_bytes() == 0
 
 
+def test_a_cpu_device_object_takes_the_cache_too():
+    a = _alloc.empty((3 * MIB,), torch.uint8, torch.device("cpu"))  # as transports pass it
+    ptr = a.data_ptr()
+    del a
+    assert _alloc.cached_bytes() == 4 * MIB
+    b = _alloc.empty((3 * MIB,), torch.uint8, torch.device("cpu"))
+    assert b.data_ptr() == ptr and _alloc.cached_bytes() == 0
+
+
 def test_a_live_view_keeps_its_buffer_out_of_the_cache():
     a = _alloc.empty((2 * MIB,), torch.uint8)
     view = a[10:20]
