@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from . import _io, _object, _tree
+from . import _cuda, _io, _object, _tree
 from ._errors import ObjectFreedError, translating
 from ._object import RDTObject
 from ._store import log, store
@@ -191,8 +191,9 @@ async def _fetch_object(obj: RDTObject, *, device: Any, into: Any, start: _Start
     if isinstance(start, _Done):
         tensors, buffers, name = start.tensors, start.buffers, start.transport
     else:
-        transport, info, buffers = start
+        transport, info, buffers, ready = start
         name = transport.name
+        await _cuda.wait(ready)  # the caller's queued work on the destinations has run
         request = transport.fetch_multiple_tensors(info, buffers=buffers, channel=_object.RayChannel(obj, name))
         with translating(f"{name} fetch of {obj.obj_id}", obj.obj_id):
             tensors = await transport.wait_fetch_complete(request)
@@ -228,8 +229,9 @@ class _Done:
     transport: str
 
 
-# What `_start` leaves: tensors had at once, or the transport, info and buffers to transfer with.
-_Start = _Done | tuple[Transport[Any], TransferInfo[Any], list[torch.Tensor] | None]
+# What `_start` leaves: tensors had at once, or the transport, info and buffers to transfer
+# with, and events on the caller's streams that the transfer waits for before it writes.
+_Start = _Done | tuple[Transport[Any], TransferInfo[Any], list[torch.Tensor] | None, list[Any]]
 
 
 def _start(obj: RDTObject, into: Any, device: Any = None) -> _Start:
@@ -252,7 +254,7 @@ def _start(obj: RDTObject, into: Any, device: Any = None) -> _Start:
         now = transport.receive_nowait(info, buffers)
     if now is not None:
         return _Done(now, None, name)
-    return transport, info, buffers
+    return transport, info, buffers, _cuda.record(buffers or ())
 
 
 def _device_buffers(obj: RDTObject, transport: Transport[Any], device: torch.device) -> list[torch.Tensor] | None:
@@ -286,17 +288,33 @@ def _buffers(obj: RDTObject, into: Any) -> list[torch.Tensor] | None:
 
 
 async def _copy(buffers: list[torch.Tensor], tensors: list[torch.Tensor], nbytes: int) -> list[torch.Tensor]:
-    if nbytes <= INLINE_COPY_BYTES:
-        return copy_into(buffers, tensors)
-    return await _io.to_thread(copy_into, buffers, tensors)
+    return await _off_caller_streams(copy_into, buffers, tensors, nbytes=nbytes)
 
 
 async def _move(tensors: list[torch.Tensor], device: torch.device, nbytes: int) -> list[torch.Tensor]:
     if all(t.device == device for t in tensors):
         return tensors
-    if nbytes <= INLINE_COPY_BYTES:
-        return [t.to(device) for t in tensors]
-    return await _io.to_thread(lambda: [t.to(device) for t in tensors])
+    return await _off_caller_streams(lambda ts: [t.to(device) for t in ts], tensors, nbytes=nbytes)
+
+
+async def _off_caller_streams(fn: Any, *args: Any, nbytes: int) -> list[torch.Tensor]:
+    """Run a copy inline when small, else in the pool; device results are ready on return.
+
+    A copy on the caller's own thread is ordered on its streams. One on the I/O loop
+    (`rdt.get`) or in the pool is not, so it has finished before the caller sees it.
+    """
+    if nbytes > INLINE_COPY_BYTES:
+        return await _io.to_thread(_settled, fn, *args)
+    out: list[torch.Tensor] = fn(*args)
+    if _io.on_io_thread():
+        await _cuda.wait(_cuda.record(out))
+    return out
+
+
+def _settled(fn: Any, *args: Any) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = fn(*args)
+    _cuda.settle(out)
+    return out
 
 
 @functools.lru_cache(maxsize=1)

@@ -35,7 +35,7 @@ from typing import Any
 import ray
 import torch
 
-from . import _io, _tree
+from . import _cuda, _io, _tree
 from ._errors import ObjectFreedError, RDTError, TransportUnavailableError, translating
 from ._store import StoredObject, log, store
 from .transports import _registry
@@ -245,6 +245,7 @@ def produce(value: Any, transport: str, *, owner: Process | None = None) -> RDTO
     Runs on: producer. Blocking (copies into shared memory): call `produce_async` on a loop.
     """
     skeleton, tensors = _tree.flatten(value)
+    _cuda.settle(tensors)  # transports read outside this thread's streams: let them finish
     plan = _plan(transport, tensors)
     return _finish(skeleton, tensors, transport, plan, owner)
 
@@ -252,6 +253,7 @@ def produce(value: Any, transport: str, *, owner: Process | None = None) -> RDTO
 async def produce_async(value: Any, transport: str, *, owner: Process | None = None) -> RDTObject:
     """`produce`, with large exports, and a transport's first use, done off the running loop."""
     skeleton, tensors = _tree.flatten(value)
+    await _cuda.wait(_cuda.record(tensors))  # as in `produce`, with the loop free meanwhile
     plan = _plan(transport, tensors)
     for t in plan:
         if (os.getpid(), t.name) not in _warm:  # e.g. NIXL's agent: ~0.45 s, once

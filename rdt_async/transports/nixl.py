@@ -58,7 +58,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .. import _alloc, _io
+from .. import _alloc, _cuda, _io
 from .._errors import ObjectFreedError, PeerDiedError, TransferAbortedError, TransportUnavailableError
 from . import _ucx
 from ._base import Channel, TransferInfo, Transport, copy_into
@@ -472,7 +472,7 @@ class NixlTransport(Transport[NixlMeta]):
             return out
         strided = [(b, o) for b, o in zip(buffers, out) if b is not o]
         if strided:  # caller buffers that were not contiguous received a temporary
-            await _io.to_thread(copy_into, [b for b, _ in strided], [o for _, o in strided])
+            await _io.to_thread(_copied, [b for b, _ in strided], [o for _, o in strided])
         return list(buffers)
 
     async def _read_object(
@@ -481,6 +481,10 @@ class NixlTransport(Transport[NixlMeta]):
         """READ the tensors, then the liveness slot; raise ObjectFreedError if it changed."""
         meta = info.meta
         out, dsts = self._destinations(info, buffers)
+        # Device memory just allocated here may still be in use by work queued on this
+        # thread's streams (the caching allocator hands it out again); NIXL writes it
+        # outside any stream. (Caller buffers were waited for on the caller's streams.)
+        await _cuda.wait(_cuda.record(out))
         pairs = [(d, s) for d, s in zip(dsts, meta.descs) if s is not None]
         bounce = self._take_bounce(pairs)
         lands = self._bounce_views(bounce, pairs) if bounce >= 0 else [d for d, _ in pairs]
@@ -753,6 +757,11 @@ class NixlTransport(Transport[NixlMeta]):
         if i >= 0:
             with self._state:
                 self._free_landing.append(i)
+
+
+def _copied(buffers: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """Copy in the pool and wait for it: the caller's streams do not order against ours."""
+    _cuda.settle(copy_into(buffers, sources))
 
 
 def _check_slot(lslot: torch.Tensor, info: TransferInfo[NixlMeta], cause: Exception | None = None) -> None:

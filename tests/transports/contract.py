@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from probes import LagProbe
 
-from rdt_async import _io
+from rdt_async import _cuda, _io
 from rdt_async._errors import ObjectFreedError, PeerDiedError, translating
 from rdt_async.transports import _registry
 from rdt_async.transports._base import TensorSpec, TransferInfo
@@ -51,6 +51,24 @@ def _recv(conn: Any) -> Any:
     return msg
 
 
+def _make_late(obj_no: int, sizes: tuple[int, ...]) -> list[torch.Tensor]:
+    """`make_value` on CUDA, written by a side stream behind ~0.1 s of GPU time.
+
+    The producer returns while the kernels are still queued, as a method that computes
+    on its current stream does; the core's `produce` then waits for them (`_cuda.settle`).
+    """
+    want = make_value(obj_no, "cuda", sizes)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out = [torch.zeros_like(t) for t in want]
+        torch.cuda._sleep(200_000_000)
+        for o, w in zip(out, want):
+            o.copy_(w)
+        _cuda.settle(out)  # as `_object.produce` does, on the producing thread
+    return out
+
+
 def _producer_main(conn: Any, transport_name: str, device: str) -> None:
     transport = _registry.get(transport_name)
     objects: dict[str, tuple[list[torch.Tensor], Any]] = {}
@@ -61,9 +79,12 @@ def _producer_main(conn: Any, transport_name: str, device: str) -> None:
             break
         op = msg[0]
         try:
-            if op == "make":
+            if op in ("make", "make_late"):
                 _, obj_no, sizes = msg
-                tensors = make_value(obj_no, device, sizes)
+                if op == "make":
+                    tensors = make_value(obj_no, device, sizes)
+                else:
+                    tensors = _make_late(obj_no, sizes)
                 obj_id = f"obj{obj_no}-{os.urandom(4).hex()}"
                 meta = transport.prepare(obj_id, tensors)
                 objects[obj_id] = (tensors, meta)
@@ -158,6 +179,7 @@ async def fetch(producer: Producer, info: TransferInfo[Any], buffers: list[torch
             now = transport.receive_nowait(info, buffers)
             if now is not None:
                 return now
+            await _cuda.wait(_cuda.record(buffers or ()))  # as the core does before a transfer writes
             request = transport.fetch_multiple_tensors(info, buffers=buffers, channel=producer.channel(info.obj_id))
             tensors = await transport.wait_fetch_complete(request)
     finally:

@@ -84,6 +84,27 @@ async def test_into_buffers_on_the_other_device(producer):
     assert_same(got, expect(3))
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA stream order: RDT_CONTRACT_DEVICE=cuda")
+async def test_queued_producer_kernels_finish_before_the_read(producer):
+    # The producer's tensors are still being written by queued kernels when it returns.
+    info = producer.call("make_late", 6, (1 << 20,))
+    assert_same(await fetch(producer, info), expect(6, (1 << 20,)))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA stream order: RDT_CONTRACT_DEVICE=cuda")
+async def test_queued_kernels_on_into_buffers_finish_before_the_write(producer):
+    # The caller's stream still has a kernel queued that writes the buffers: the fetch
+    # must land after it, not be overwritten by it.
+    info = producer.make(7, (1 << 20,))
+    buffers = [torch.empty(s.shape, dtype=s.dtype, device="cuda") for s in info.specs]
+    torch.cuda._sleep(200_000_000)
+    for b in buffers:
+        b.fill_(3)
+    got = await fetch(producer, info, buffers)
+    torch.cuda.synchronize()
+    assert_same(got, expect(7, (1 << 20,)))
+
+
 async def test_many_concurrent_fetches(producer):
     infos = [producer.make(10 + i, (4096,)) for i in range(8)]
     results = await asyncio.gather(*(fetch(producer, info) for info in reversed(infos)))

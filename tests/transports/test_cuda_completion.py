@@ -13,6 +13,7 @@ import pytest
 import torch
 from probes import LagProbe
 
+from rdt_async import _cuda
 from rdt_async.transports.gloo import poll_works
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -50,3 +51,32 @@ async def test_cuda_events_complete_without_blocking_the_loop():
     sums = [float((x * 2).sum()) for x in xs]  # the current stream now runs after the side stream
     assert sums == [2.0 * (i + 1) * (1 << 22) for i in range(4)]
     assert took > 0.01 and lag < 0.05, (took, lag)
+
+
+async def test_stream_order_waits_for_the_current_stream_without_blocking_the_loop():
+    # `_cuda.record` takes the *current* stream of this thread (a side stream here), and
+    # `_cuda.wait` returns once what was queued on it has run, with the loop free.
+    side = torch.cuda.Stream()
+    x = torch.zeros(1 << 22, device="cuda")
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time
+        x.fill_(5.0)
+        events = _cuda.record([x, torch.ones(3)])  # the CPU tensor adds no event
+    assert len(events) == 1 and not events[0].query() and not side.query()
+    probe = LagProbe()
+    probe.start()
+    await _cuda.wait(events)
+    lag = await probe.stop()
+    assert side.query() and lag < 0.05, lag
+    assert float(x.sum()) == 5.0 * (1 << 22)
+
+
+def test_settle_blocks_until_this_threads_work_has_run():
+    side = torch.cuda.Stream()
+    x = torch.zeros(1 << 20, device="cuda")
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)
+        x.fill_(2.0)
+        _cuda.settle([x])
+    assert side.query()
+    assert _cuda.record([torch.ones(2)]) == []  # CPU tensors: nothing to wait for
