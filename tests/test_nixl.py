@@ -329,6 +329,23 @@ def test_without_nixl_installed_the_error_names_the_extra():
     assert lines[1].startswith("raised transport 'nixl' is unavailable") and "rdt_async[nixl]" in lines[1]
 
 
+@pytest.mark.parametrize("level", ["", "INFO"])
+def test_an_agent_starting_prints_nothing_unless_nixl_log_level_asks(level):
+    # NIXL logs at INFO to stdout by default; a program's stdout is its own.
+    code = (
+        "from rdt_async.transports import _registry\n"
+        "t = _registry.get('nixl'); t.warm_up(); print('agent', t.agent().name)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "NIXL_LOG_LEVEL"}
+    if level:
+        env["NIXL_LOG_LEVEL"] = level
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    lines = out.stdout.strip().splitlines()
+    assert lines[-1].startswith("agent rdt-"), out.stderr
+    nixl_lines = [line for line in lines if "NIXL INFO" in line]
+    assert (len(nixl_lines) >= 1) == bool(level), lines
+
+
 def test_fresh_reads_reuse_dropped_buffers_with_their_registrations(producer, consumer):
     # Each value is dropped before the next fetch, so its buffer (and the address NIXL
     # registered) is reused while the previous registration may still be going away.

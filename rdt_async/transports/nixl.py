@@ -47,6 +47,7 @@ import asyncio
 import collections
 import functools
 import importlib.util
+import logging
 import os
 import secrets
 import socket
@@ -110,6 +111,10 @@ def _import_reason() -> str | None:
         importlib.import_module("nixl._api")
     except Exception as exc:  # a broken install is a reason, not a crash
         return f"nixl is installed but cannot be loaded ({type(exc).__name__}: {exc}); reinstall with {INSTALL_HINT}"
+    if not os.environ.get("NIXL_LOG_LEVEL"):
+        # NIXL logs at INFO to stdout by default (an agent's start prints two lines):
+        # a library's stdout belongs to the program. NIXL_LOG_LEVEL still rules.
+        logging.getLogger("nixl").setLevel(logging.WARNING)
     return None
 
 
