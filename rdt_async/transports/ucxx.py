@@ -5,14 +5,17 @@ travels in the `RDTObject`. A consumer keeps one endpoint per producer. A transf
 
     consumer (I/O loop)                           producer (I/O loop)
     -------------------                           -------------------
-    post recv: status (tag T)
-    active message {T, obj_id}               ->   look the object up
+    post recv: status (tag T), and one per
+    tensor (T+1+i) into its destination
+    active message {T, [i...], obj_id}       ->   look the object up
                                              <-   send status (T): held or freed
-    post recv per tensor (T+1+i)             <-   send each tensor (T+1+i)
+                                             <-   send each tensor (T+1+i); for a
+                                                  freed object, empty messages
 
-The request rides on UCX, not on a Ray call: a fetch costs one UCX round trip before
-the bytes move. Large tensors go by UCX's rendezvous protocol, so posting the receives
-after the status costs no copy.
+The request rides on UCX, not on a Ray call, and every receive is posted before it
+goes: a fetch is one UCX round trip, and large tensors (UCX's rendezvous protocol)
+land straight in their destination. A freed object still answers each posted
+receive (with nothing), because UCXX cannot cancel one posted receive.
 
 Progress: UCXX's own progress modes spin (its thread mode wakes every millisecond, its
 asyncio modes keep a task runnable), so they are not used. The worker runs in blocking
@@ -52,6 +55,7 @@ POLL_S = 0.0005  # progress period while requests are in flight (events also pro
 SAFETY_S = 1.0  # progress at least this often while any endpoint is open
 DRAIN_S = 30.0  # the longest a cancelled fetch waits for its bytes in flight
 PROGRESS_STEPS = 64  # UCX progress calls per wake-up at most; more wait for the next poll
+PACKED_BYTES = 64 << 10  # objects up to this size come with their status in one message
 TAG_STRIDE = 1 << 20  # tags per transfer: status, then one per tensor
 HELD, FREED = 0, 1
 
@@ -97,6 +101,7 @@ class _Peer:
     def __init__(self, ep: Any) -> None:
         self.ep = ep
         self.closed = False
+        self.inflight: set[asyncio.Future[Any]] = set()  # this peer's transfers' requests
 
 
 class _Worker:
@@ -123,6 +128,7 @@ class _Worker:
         self.address: UcxxMeta | None = None
         self.peers: dict[tuple[str, int], _Peer] = {}
         self.served: set[Any] = set()  # endpoints accepted by the listener
+        self.sending: set[asyncio.Future[Any]] = set()  # answers in flight (the loop keeps tasks weakly)
         self.tags = itertools.count(1)
         self.progress()
 
@@ -137,7 +143,8 @@ class _Worker:
                 break
         for pending in (self.pending, self.listening):
             if pending:
-                pending[:] = [item for item in pending if not (item[0].completed and _settle(*item))]
+                # A future already done was given up (its peer is gone): drop the request.
+                pending[:] = [item for item in pending if not (item[1].done() or (item[0].completed and _settle(*item)))]
         # Arm: the epoll descriptor then wakes us at the next event. Arming fails while
         # UCX has work left (events that came in meanwhile, a failed endpoint being torn
         # down): then poll again soon, never spin here. Transfers in flight (waits for
@@ -157,14 +164,14 @@ class _Worker:
         """Return a future for a UCXX request; `keep` stays referenced until it finishes.
 
         A `listening` request (a producer waiting for the next request message) may wait
-        forever: it is progressed by events only, never polled for.
+        forever: it is progressed by events only, never polled for. The caller calls
+        `progress()` once it has posted what it posts in one go.
         """
         fut = self.loop.create_future()
         (self.listening if listening else self.pending).append((request, fut, keep))
         if self.timer is not None and self.timer.when() > self.loop.time() + POLL_S:
             self.timer.cancel()
             self.timer = None
-        self.progress()
         return fut
 
     def post(self, ep: Any, op: str, array: np.ndarray, tag: int | None = None) -> Any:
@@ -197,28 +204,38 @@ class _Worker:
                 if not ep.alive:
                     return
                 request = ep.am_recv()
-                await self.wait(request, listening=True)
-                message = bytes(memoryview(request.recv_buffer))
-                asyncio.ensure_future(self._send(ep, message))
+                fut = self.wait(request, listening=True)
+                self.progress()
+                await fut
+                self._send(ep, bytes(memoryview(request.recv_buffer)))
         except Exception:  # the consumer closed its endpoint or died: nothing to serve
             pass
         finally:
             self.served.discard(ep)
 
-    async def _send(self, ep: Any, message: bytes) -> None:
-        base = int.from_bytes(message[:8], "little")
-        tensors = _objects.get(message[8:].decode())
+    def _send(self, ep: Any, message: bytes) -> None:
+        """Post the answer to a fetch request now; a task keeps it until it is sent."""
+        base, posted, packed, obj_id = _unpack(message)
+        tensors = _objects.get(obj_id)
         status = np.array([HELD if tensors is not None else FREED], dtype=np.uint64)
+        if packed:  # a small object: status and bytes in one message
+            parts = [status.view(np.uint8)] + [_raw(t) for t in tensors or () if t.numel()]
+            status, sends = np.concatenate(parts), []
+        elif tensors is None:  # answer each posted receive, with nothing
+            sends = [(i, _EMPTY, None) for i in posted]
+        else:
+            sends = [(i, _raw(t), t) for i, t in enumerate(tensors) if t.numel()]
         waits = []
         try:
             waits.append(self.wait(self.post(ep, "tag_send", status, base), status))
-            for i, t in enumerate(tensors or ()):
-                if t.numel():
-                    raw = _raw(t)
-                    waits.append(self.wait(self.post(ep, "tag_send", raw, base + 1 + i), (t, raw)))
+            for i, raw, t in sends:
+                waits.append(self.wait(self.post(ep, "tag_send", raw, base + 1 + i), (t, raw)))
         except Exception:
             pass  # the consumer went away: nobody to send to
-        await asyncio.gather(*waits, return_exceptions=True)  # a dead consumer fails them all
+        self.progress()
+        sending = asyncio.ensure_future(asyncio.gather(*waits, return_exceptions=True))  # a dead consumer fails them all
+        self.sending.add(sending)
+        sending.add_done_callback(self.sending.discard)
 
     # -- consumer -------------------------------------------------------------
 
@@ -235,6 +252,11 @@ class _Worker:
         peer.closed = True
         if self.peers.get(key) is peer:
             del self.peers[key]
+        # Receives are matched by tag on the worker, not the endpoint: UCX never ends the
+        # ones a dead producer was to answer. Fail them here; nothing will send their tags.
+        for fut in peer.inflight:
+            if not fut.done():
+                fut.set_exception(self.u.UCXNotConnectedError("the producer's endpoint closed"))
 
 
 def _settle(request: Any, fut: asyncio.Future[Any], keep: Any) -> bool:
@@ -247,6 +269,22 @@ def _settle(request: Any, fut: asyncio.Future[Any], keep: Any) -> bool:
         else:
             fut.set_result(request)
     return True
+
+
+_EMPTY = np.empty(0, dtype=np.uint8)
+
+
+def _pack(base: int, posted: list[int], packed: bool, obj_id: str) -> np.ndarray:
+    """A fetch request: its base tag, the tensor indexes it posted receives for (or, if
+    `packed`, that it wants status and bytes in one message), the object."""
+    head = np.array([base, len(posted), packed], dtype=np.uint64).tobytes()
+    return np.frombuffer(head + np.array(posted, dtype=np.uint32).tobytes() + obj_id.encode(), dtype=np.uint8)
+
+
+def _unpack(message: bytes) -> tuple[int, list[int], bool, str]:
+    base, n, packed = (int(x) for x in np.frombuffer(message[:24], dtype=np.uint64))
+    posted = np.frombuffer(message[24 : 24 + 4 * n], dtype=np.uint32).tolist()
+    return base, posted, bool(packed), message[24 + 4 * n :].decode()
 
 
 def _raw(t: torch.Tensor) -> np.ndarray:
@@ -343,23 +381,39 @@ async def _transfer(w: _Worker, info: TransferInfo[UcxxMeta], dsts: list[torch.T
     meta = info.meta
     peer = w.peer(meta)
     base = next(w.tags) * TAG_STRIDE
-    status = np.full(1, 99, dtype=np.uint64)
-    request = np.frombuffer(base.to_bytes(8, "little") + info.obj_id.encode(), dtype=np.uint8)
+    raws = [_raw(d) for d in dsts]
+    nbytes = sum(raw.nbytes for raw in raws)
+    packed = nbytes <= PACKED_BYTES
+    # Packed: status and bytes in one message, copied out. Else a receive per tensor.
+    status = np.full(8 + (nbytes if packed else 0), 99, dtype=np.uint8)
+    posted = [] if packed else [(i, raw, d) for i, (raw, d) in enumerate(zip(raws, dsts)) if raw.nbytes]
+    request = _pack(base, [i for i, _, _ in posted], packed, info.obj_id)
+    waits: list[asyncio.Future[Any]] = []
     try:
-        got_status = w.wait(w.post(peer.ep, "tag_recv", status, base), status)
-        await w.wait(w.post(peer.ep, "am_send", request), request)
-        await got_status
-        if int(status[0]) == FREED:
-            raise ObjectFreedError(f"ucxx fetch of {info.obj_id}: the producer no longer holds it", obj_id=info.obj_id)
-        waits = []
-        for i, d in enumerate(dsts):
-            if d.numel():
-                raw = _raw(d)
+        try:
+            waits.append(w.wait(w.post(peer.ep, "tag_recv", status, base), status))
+            for i, raw, d in posted:
                 waits.append(w.wait(w.post(peer.ep, "tag_recv", raw, base + 1 + i), (d, raw)))
-        await asyncio.gather(*waits)
+            waits.append(w.wait(w.post(peer.ep, "am_send", request), request))
+        finally:
+            peer.inflight.update(waits)
+            w.progress()  # what was posted goes now, and is polled until it ends
+        await asyncio.wait(waits, return_when=asyncio.FIRST_EXCEPTION)
+        for error in [f.exception() for f in waits if f.done() and not f.cancelled()]:
+            if error is not None:
+                raise error
+        if int(status[:8].view(np.uint64)[0]) == FREED:
+            raise ObjectFreedError(f"ucxx fetch of {info.obj_id}: the producer no longer holds it", obj_id=info.obj_id)
+        if packed:
+            off = 8
+            for raw in raws:
+                raw[:] = status[off : off + raw.nbytes]
+                off += raw.nbytes
     except ObjectFreedError:
         raise
     except Exception as exc:
+        for fut in waits:
+            fut.cancel()  # given up: the requests left are dropped (nothing answers them)
         if peer.closed or not peer.ep.alive:
             raise PeerDiedError(
                 f"ucxx fetch of {info.obj_id}: the producer at {meta.host}:{meta.port} died or closed "
@@ -367,3 +421,5 @@ async def _transfer(w: _Worker, info: TransferInfo[UcxxMeta], dsts: list[torch.T
                 obj_id=info.obj_id,
             ) from exc
         raise
+    finally:
+        peer.inflight.difference_update(waits)

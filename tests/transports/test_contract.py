@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import signal
 import subprocess
 import time
 
@@ -155,6 +156,36 @@ async def test_dead_producer_fails_in_bounded_time(name):
             await fetch(p, info)
     assert time.monotonic() - t0 < 30
     p.close()
+
+
+@pytest.mark.parametrize("n", [1024, 64 << 20])
+@pytest.mark.parametrize("name", TRANSPORTS)
+async def test_producer_stopped_then_killed_mid_fetch_fails_in_bounded_time(name, n):
+    # The producer is stopped before the fetch starts (it never answers) and killed
+    # during it: the fetch ends, with the whole value (one-sided reads need no answer)
+    # or an RDTError, and never waits for messages a dead producer will not send.
+    reason = _registry.transport_class(name).unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    p = Producer(name, DEVICE)
+    try:
+        assert_same(await fetch(p, p.make(8)), expect(8))  # connected, warm
+        info = p.make(9, (n,))
+        os.kill(p.proc.pid, signal.SIGSTOP)
+        task = asyncio.ensure_future(fetch(p, info))
+        await asyncio.sleep(0.2)
+        p.proc.kill()
+        t0 = time.monotonic()
+        try:
+            async with asyncio.timeout(30):
+                got = await task
+        except rdt.RDTError:
+            pass
+        else:
+            assert_same(got, expect(9, (n,)))
+        assert time.monotonic() - t0 < 20
+    finally:
+        p.close()
 
 
 @pytest.mark.skipif("shm" not in TRANSPORTS, reason="shm not selected")
