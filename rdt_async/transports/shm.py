@@ -10,6 +10,7 @@ what is left if the producer is killed.
 
 from __future__ import annotations
 
+import atexit
 import mmap
 import os
 import secrets
@@ -146,6 +147,8 @@ class ShmTransport(Transport[ShmMeta]):
                 close_fds=True,
             )
             proc.wait()  # the first child exits at once; its detached child keeps stdin
+            assert proc.stdin is not None
+            atexit.register(proc.stdin.close)  # at exit, as at death: the guardian cleans up
             self._guardian, self._guardian_pid = proc, os.getpid()
 
 

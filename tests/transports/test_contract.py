@@ -11,6 +11,7 @@ import os
 import secrets
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -210,3 +211,26 @@ async def test_shm_segment_left_by_a_dead_producer_is_refused():
             await transport.receive(info, [torch.empty(16)], channel=None)
     finally:
         os.unlink(path)
+
+
+@pytest.mark.skipif("shm" not in TRANSPORTS, reason="shm not selected")
+def test_shm_producer_exiting_leaves_no_segment_and_no_open_pipe():
+    # The guardian's pipe is closed at exit (no ResourceWarning), and the guardian then
+    # unlinks what the process left.
+    from rdt_async.transports import shm
+
+    code = (
+        "import os, torch\n"
+        "from rdt_async.transports import _registry\n"
+        "m = _registry.get('shm').prepare('kept', [torch.ones(1000)])\n"
+        "print(os.getpid(), m.segment)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-W", "always::ResourceWarning", "-c", code], capture_output=True, text=True, timeout=120
+    )
+    pid, segment = out.stdout.split()
+    assert segment.startswith(f"{shm.PREFIX}{pid}-") and "ResourceWarning" not in out.stderr, out.stderr
+    deadline = time.monotonic() + 10
+    while os.path.exists(os.path.join(shm.SHM_DIR, segment)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(os.path.join(shm.SHM_DIR, segment))
