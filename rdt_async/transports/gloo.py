@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import _io
+from .. import _cuda, _io
 from .._errors import CollectiveGroupError, ObjectFreedError
 from ._base import Channel, TransferInfo, Transport, delivered, landing_buffers
 
@@ -246,7 +246,9 @@ class GlooTransport(Transport[GlooMeta]):
         finally:
             if not reply.done():
                 reply.add_done_callback(_consume)  # the bytes are here; the reply is news to nobody
-        return delivered(buffers, dsts)
+        out = delivered(buffers, dsts)
+        await _cuda.wait(_cuda.record(out))  # NCCL: copies into strided buffers ran on this thread's stream
+        return out
 
     async def send_multiple_tensors(
         self, obj_id: str, tensors: Sequence[torch.Tensor], meta: Any, request: dict[str, Any]
