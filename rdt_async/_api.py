@@ -250,11 +250,13 @@ def _start(obj: RDTObject, into: Any, device: Any = None) -> _Start:
     if buffers is None and device is not None:
         buffers = _device_buffers(obj, transport, torch.device(device))
     info = TransferInfo(obj.obj_id, obj.specs, meta)
-    with translating(f"{name} fetch of {obj.obj_id}", obj.obj_id):
-        now = transport.receive_nowait(info, buffers)
-    if now is not None:
-        return _Done(now, None, name)
-    return transport, info, buffers, _cuda.record(buffers or ())
+    ready = _cuda.record(buffers or ())
+    if not ready:  # device buffers wait for the caller's streams first: never now
+        with translating(f"{name} fetch of {obj.obj_id}", obj.obj_id):
+            now = transport.receive_nowait(info, buffers)
+        if now is not None:
+            return _Done(now, None, name)
+    return transport, info, buffers, ready
 
 
 def _device_buffers(obj: RDTObject, transport: Transport[Any], device: torch.device) -> list[torch.Tensor] | None:
