@@ -460,6 +460,8 @@ class NixlTransport(Transport[NixlMeta]):
         meta = info.meta
         agent = await self._agent_async()
         try:
+            if not _alive(meta):  # checked first: a READ posted to a dead agent leaks inside NIXL
+                raise _died(info)
             remote = await self._connect(agent, meta)
             out = await self._read_object(agent, remote, info, buffers)
         except asyncio.CancelledError:
@@ -468,10 +470,7 @@ class NixlTransport(Transport[NixlMeta]):
             if _is_disconnect(exc):
                 self._forget(meta.agent)
             if not isinstance(exc, (ObjectFreedError, PeerDiedError)) and not _alive(meta):
-                raise PeerDiedError(
-                    f"nixl fetch of {info.obj_id}: the producer (pid {meta.pid} on {meta.host}) died",
-                    obj_id=info.obj_id,
-                ) from exc
+                raise _died(info) from exc
             raise
         if buffers is None:
             return out
@@ -654,6 +653,7 @@ class NixlTransport(Transport[NixlMeta]):
             agent is None or remote is None or agent.pid != os.getpid() or meta.host != self._host
             or any(d is not None and d[3] != "DRAM" for d in meta.descs)
             or (buffers is not None and any(b.device.type != "cpu" for b in buffers))
+            or not _alive(meta)  # the usual path says so
         ):
             return None
         out, dsts = self._destinations(info, buffers)
@@ -922,6 +922,13 @@ def _local_device(device: str) -> torch.device:
 def _is_disconnect(exc: BaseException) -> bool:
     return type(exc).__name__ in ("nixlRemoteDisconnectError", "nixlNotAllowedError") or isinstance(
         exc, PeerDiedError
+    )
+
+
+def _died(info: TransferInfo[NixlMeta]) -> PeerDiedError:
+    meta = info.meta
+    return PeerDiedError(
+        f"nixl fetch of {info.obj_id}: the producer (pid {meta.pid} on {meta.host}) died", obj_id=info.obj_id
     )
 
 

@@ -234,3 +234,27 @@ def test_shm_producer_exiting_leaves_no_segment_and_no_open_pipe():
     while os.path.exists(os.path.join(shm.SHM_DIR, segment)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not os.path.exists(os.path.join(shm.SHM_DIR, segment))
+
+
+@pytest.mark.skipif("nixl" not in TRANSPORTS, reason="nixl not selected")
+async def test_nixl_posts_nothing_to_a_producer_known_dead():
+    # A READ posted to a dead agent leaves a UCX request behind inside NIXL: a producer
+    # on this host that is gone fails the fetch before anything is posted.
+    p = Producer("nixl", DEVICE)
+    try:
+        assert_same(await fetch(p, p.make(8)), expect(8))  # connected
+        info = p.make(9)
+        p.proc.kill()
+        p.proc.join(10)
+        nx = _registry.get("nixl").agent().nixl
+        posted = []
+        real = nx.initialize_xfer
+        nx.initialize_xfer = lambda *a: posted.append(a) or real(*a)
+        try:
+            with pytest.raises(rdt.PeerDiedError, match=f"producer \\(pid {p.proc.pid} on .*\\) died"):
+                await fetch(p, info)
+        finally:
+            del nx.initialize_xfer
+        assert posted == []
+    finally:
+        p.close()
