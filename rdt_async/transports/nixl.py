@@ -3,7 +3,8 @@
 One agent per process, created on first use, without NIXL's progress thread (it spins
 a core forever): the consumer drives its transfers from the I/O loop, and a producer
 polls `get_new_notifs()` there with backoff (the passive side must progress or wire-up
-hangs), only while it has registered objects. The agent is created with
+hangs): up to every 20 ms while it has registered objects, every 0.25 s once it has
+none (a consumer may still first reach it to learn an object was freed). The agent is created with
 NIXL_THREAD_SYNC_STRICT, and our own lock sits on top of it so the I/O loop only ever
 *tries* to take the agent: under CMA `transfer()` does the whole copy while holding
 NIXL's lock, and a loop waiting on it would stall for the copy.
@@ -80,6 +81,7 @@ MD_CACHE = 4096  # partial metadata blobs remembered per producer (loaded once e
 ALIGN = 64  # offsets of tensors that share a fetched block
 LINGER_S, LINGER_MAX_S, LINGER_BYTES_PER_S = 0.05, 10.0, float(1 << 30)
 POLL_MIN_S, POLL_MAX_S = 0.001, 0.02
+POLL_IDLE_S = 0.25  # the producer's pace once it holds nothing (consumers may still wire up)
 # How long a transfer may stay in progress after a cancel before its handle is dropped.
 ABORT_GRACE_S = 5.0
 
@@ -206,6 +208,8 @@ class NixlTransport(Transport[NixlMeta]):
         # once on the producer yields the same blob for every object over it)
         self._loaded: dict[str, collections.OrderedDict[bytes, None]] = {}
         self._poller: asyncio.Task[None] | None = None
+        self._poll_idle = False  # the poller holds nothing and sleeps at POLL_IDLE_S
+        self._poll_wake: asyncio.Future[None] | None = None
         self._host = socket.gethostname()
 
     @classmethod
@@ -420,23 +424,26 @@ class NixlTransport(Transport[NixlMeta]):
         return None  # table 0 travels in the connection metadata
 
     def _ensure_poller(self) -> None:
-        if self._poller is None or self._poller.done():
+        if self._poller is None or self._poller.done() or self._poll_idle:
             _io.call_soon(self._start_poller)
 
     def _start_poller(self) -> None:
         if self._poller is None or self._poller.done():
             self._poller = asyncio.get_running_loop().create_task(self._poll())
+        elif self._poll_idle and self._poll_wake is not None and not self._poll_wake.done():
+            self._poll_wake.set_result(None)  # objects again: back to the quick pace
 
     async def _poll(self) -> None:
-        """Progress the agent while objects are registered, so consumers can wire up.
+        """Progress the agent, so that consumers can wire up, for as long as it lives.
 
-        Runs on: producer (I/O loop). Backs off to POLL_MAX_S while nothing arrives.
+        Runs on: producer (I/O loop). Backs off to POLL_MAX_S while objects are registered
+        and nothing arrives, and to POLL_IDLE_S once none are: a consumer whose first
+        contact is a fetch of an object freed meanwhile still wires up (and learns it is
+        freed) instead of waiting forever for a producer that no longer progresses.
         """
+        loop = asyncio.get_running_loop()
         delay = POLL_MIN_S
         while True:
-            with self._state:
-                if not self._regs:
-                    return
             agent = self._agent
             if agent is None or agent.pid != os.getpid():
                 return
@@ -449,8 +456,16 @@ class NixlTransport(Transport[NixlMeta]):
                     agent.lock.release()
                 if notifs:
                     delay = POLL_MIN_S
-            await asyncio.sleep(delay)
-            delay = min(POLL_MAX_S, delay * 2)
+            with self._state:
+                self._poll_idle = not self._regs
+            self._poll_wake = loop.create_future()
+            wake = loop.call_later(delay, _set_once, self._poll_wake)
+            await self._poll_wake
+            wake.cancel()
+            if self._poll_idle and self._regs:
+                delay = POLL_MIN_S  # woken by a new object
+            else:
+                delay = min(POLL_IDLE_S if self._poll_idle else POLL_MAX_S, delay * 2)
 
     # -- consumer --------------------------------------------------------------------
 
@@ -923,6 +938,11 @@ def _is_disconnect(exc: BaseException) -> bool:
     return type(exc).__name__ in ("nixlRemoteDisconnectError", "nixlNotAllowedError") or isinstance(
         exc, PeerDiedError
     )
+
+
+def _set_once(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 def _died(info: TransferInfo[NixlMeta]) -> PeerDiedError:

@@ -135,11 +135,30 @@ async def test_cancelled_fetch_into_buffers_is_not_written_after_it_returns(prod
     assert_same(await fetch(producer, info, buffers), expect(5, (16 << 20,)))
 
 
-async def test_fetch_after_free_raises_object_freed(producer):
-    info = producer.make(4)
+@pytest.mark.parametrize("sizes", [(1000, 7, 0), (1 << 16, 3)])  # small, and over 256 KiB
+async def test_fetch_after_free_raises_object_freed(producer, sizes):
+    info = producer.make(4, sizes)
     producer.call("free", info.obj_id)
     with pytest.raises(rdt.ObjectFreedError):
         await fetch(producer, info)
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+async def test_first_contact_with_an_object_freed_meanwhile_raises_object_freed(name):
+    # The producer holds nothing by the time this consumer first reaches it.
+    reason = _registry.transport_class(name).unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    p = Producer(name, DEVICE)
+    try:
+        info = p.make(4)
+        p.call("free", info.obj_id)
+        await asyncio.sleep(0.5)  # past any linger: nothing registered is left
+        with pytest.raises(rdt.ObjectFreedError):
+            async with asyncio.timeout(20):
+                await fetch(p, info)
+    finally:
+        p.close()
 
 
 @pytest.mark.parametrize("name", TRANSPORTS)
