@@ -7,6 +7,7 @@ device with RDT_CONTRACT_DEVICE (cpu or cuda): the GPU machine runs this file al
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 import signal
@@ -42,6 +43,19 @@ def producer(request):
     p = Producer(request.param, DEVICE)
     yield p
     p.close()
+
+
+@contextlib.contextmanager
+def own_producer(name: str):
+    """A producer of a test's own (it may free everything, stop or kill it); skips if unavailable."""
+    reason = _registry.transport_class(name).unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    p = Producer(name, DEVICE)
+    try:
+        yield p
+    finally:
+        p.close()
 
 
 def expect(obj_no: int, sizes=(1000, 7, 0)) -> list[torch.Tensor]:
@@ -146,36 +160,26 @@ async def test_fetch_after_free_raises_object_freed(producer, sizes):
 @pytest.mark.parametrize("name", TRANSPORTS)
 async def test_first_contact_with_an_object_freed_meanwhile_raises_object_freed(name):
     # The producer holds nothing by the time this consumer first reaches it.
-    reason = _registry.transport_class(name).unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    p = Producer(name, DEVICE)
-    try:
+    with own_producer(name) as p:
         info = p.make(4)
         p.call("free", info.obj_id)
         await asyncio.sleep(0.5)  # past any linger: nothing registered is left
         with pytest.raises(rdt.ObjectFreedError):
             async with asyncio.timeout(20):
                 await fetch(p, info)
-    finally:
-        p.close()
 
 
 @pytest.mark.parametrize("name", TRANSPORTS)
 async def test_dead_producer_fails_in_bounded_time(name):
-    reason = _registry.transport_class(name).unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    p = Producer(name, DEVICE)
-    info = p.make(5)
-    p.proc.kill()
-    p.proc.join(10)
-    t0 = time.monotonic()
-    with pytest.raises(rdt.RDTError):
-        async with asyncio.timeout(30):
-            await fetch(p, info)
-    assert time.monotonic() - t0 < 30
-    p.close()
+    with own_producer(name) as p:
+        info = p.make(5)
+        p.proc.kill()
+        p.proc.join(10)
+        t0 = time.monotonic()
+        with pytest.raises(rdt.RDTError):
+            async with asyncio.timeout(30):
+                await fetch(p, info)
+        assert time.monotonic() - t0 < 30
 
 
 @pytest.mark.parametrize("n", [1024, 64 << 20])
@@ -184,11 +188,7 @@ async def test_producer_stopped_then_killed_mid_fetch_fails_in_bounded_time(name
     # The producer is stopped before the fetch starts (it never answers) and killed
     # during it: the fetch ends, with the whole value (one-sided reads need no answer)
     # or an RDTError, and never waits for messages a dead producer will not send.
-    reason = _registry.transport_class(name).unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    p = Producer(name, DEVICE)
-    try:
+    with own_producer(name) as p:
         assert_same(await fetch(p, p.make(8)), expect(8))  # connected, warm
         info = p.make(9, (n,))
         os.kill(p.proc.pid, signal.SIGSTOP)
@@ -204,8 +204,6 @@ async def test_producer_stopped_then_killed_mid_fetch_fails_in_bounded_time(name
         else:
             assert_same(got, expect(9, (n,)))
         assert time.monotonic() - t0 < 20
-    finally:
-        p.close()
 
 
 @pytest.mark.skipif("shm" not in TRANSPORTS, reason="shm not selected")
@@ -259,8 +257,7 @@ def test_shm_producer_exiting_leaves_no_segment_and_no_open_pipe():
 async def test_nixl_posts_nothing_to_a_producer_known_dead():
     # A READ posted to a dead agent leaves a UCX request behind inside NIXL: a producer
     # on this host that is gone fails the fetch before anything is posted.
-    p = Producer("nixl", DEVICE)
-    try:
+    with own_producer("nixl") as p:
         assert_same(await fetch(p, p.make(8)), expect(8))  # connected
         info = p.make(9)
         p.proc.kill()
@@ -275,5 +272,3 @@ async def test_nixl_posts_nothing_to_a_producer_known_dead():
         finally:
             del nx.initialize_xfer
         assert posted == []
-    finally:
-        p.close()
