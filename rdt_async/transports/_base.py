@@ -254,6 +254,15 @@ def copy_into(buffers: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) 
     return list(buffers)
 
 
+def local_device(device: str) -> torch.device:
+    """Where a fetched tensor produced on `device` lands here: the same device, or the
+    CPU in a process without CUDA."""
+    d = torch.device(device)
+    if d.type == "cuda" and not torch.cuda.is_available():
+        return torch.device("cpu")
+    return d
+
+
 def landing_buffers(
     specs: Sequence[TensorSpec], buffers: list[torch.Tensor] | None, device: str = "cpu"
 ) -> list[torch.Tensor]:

@@ -63,7 +63,7 @@ import torch
 from .. import _alloc, _cuda, _io
 from .._errors import ObjectFreedError, PeerDiedError, TransferAbortedError, TransportUnavailableError
 from . import _ucx
-from ._base import Channel, TransferInfo, Transport, copy_into
+from ._base import Channel, TransferInfo, Transport, copy_into, local_device
 
 T = TypeVar("T")
 
@@ -796,7 +796,7 @@ def _views_of_blocks(specs: Sequence[Any]) -> list[torch.Tensor]:
     """Allocate one byte block per device and return each spec's tensor as a view of it."""
     offsets, sizes = [], {}
     for spec in specs:
-        device = _local_device(spec.device)
+        device = local_device(spec.device)
         offsets.append((device, sizes.get(device, 0)))
         sizes[device] = sizes.get(device, 0) + -(-spec.nbytes // ALIGN) * ALIGN
     blocks = {d: _alloc.empty((n,), torch.uint8, d) for d, n in sizes.items()}  # CPU: reused, warm
@@ -925,13 +925,6 @@ def _quietly(fn: Callable[..., Any], *args: Any) -> None:
         fn(*args)
     except Exception:
         pass
-
-
-def _local_device(device: str) -> torch.device:
-    d = torch.device(device)
-    if d.type == "cuda" and not torch.cuda.is_available():
-        return torch.device("cpu")
-    return d
 
 
 def _is_disconnect(exc: BaseException) -> bool:

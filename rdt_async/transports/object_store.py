@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import _io
-from ._base import Channel, TensorSpec, TransferInfo, Transport
+from .. import _cuda, _io
+from ._base import Channel, TensorSpec, TransferInfo, Transport, local_device
 
 
 class ObjectStoreTransport(Transport[None]):
@@ -58,8 +58,11 @@ def from_wire(
             with warnings.catch_warnings():  # read-only: we copy out at once
                 warnings.simplefilter("ignore", UserWarning)
                 src = torch.frombuffer(arr, dtype=spec.dtype).view(spec.shape)
-        if buffers is None:
+        if buffers is not None:
+            out.append(buffers[i].copy_(src))
+        elif (device := local_device(spec.device)).type == "cpu":
             out.append(src.clone())
         else:
-            out.append(buffers[i].copy_(src))
+            out.append(src.to(device))  # where it was produced, as the other transports do
+    _cuda.settle(out)  # copies into device memory ran on this (pool) thread's stream
     return out

@@ -71,7 +71,9 @@ def assert_same(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
 
 async def test_values_arrive_intact(producer):
     info = producer.make(1)
-    assert_same(await fetch(producer, info), expect(1))
+    got = await fetch(producer, info)
+    assert_same(got, expect(1))
+    assert [g.device.type for g in got] == [DEVICE] * len(got)  # where they were produced
 
 
 async def test_into_receives_into_caller_buffers(producer):
