@@ -255,11 +255,15 @@ def copy_into(buffers: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) 
 
 
 def local_device(device: str) -> torch.device:
-    """Where a fetched tensor produced on `device` lands here: the same device, or the
-    CPU in a process without CUDA."""
+    """Where a fetched tensor produced on `device` lands here: the same device where this
+    process has it, else its current CUDA device, or the CPU in a process without CUDA."""
     d = torch.device(device)
-    if d.type == "cuda" and not torch.cuda.is_available():
+    if d.type != "cuda":
+        return d
+    if not torch.cuda.is_available():
         return torch.device("cpu")
+    if d.index is None or d.index >= torch.cuda.device_count():
+        return torch.device("cuda", torch.cuda.current_device())
     return d
 
 

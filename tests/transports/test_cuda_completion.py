@@ -80,3 +80,12 @@ def test_settle_blocks_until_this_threads_work_has_run():
         _cuda.settle([x])
     assert side.query()
     assert _cuda.record([torch.ones(2)]) == []  # CPU tensors: nothing to wait for
+
+
+def test_fetched_tensors_land_on_a_device_this_process_has():
+    from rdt_async.transports._base import local_device
+
+    assert local_device("cuda:0") == torch.device("cuda", 0)
+    n = torch.cuda.device_count()
+    assert local_device(f"cuda:{n}") == torch.device("cuda", torch.cuda.current_device())  # the producer's 9th GPU
+    assert local_device("cpu") == torch.device("cpu")
