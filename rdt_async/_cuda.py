@@ -18,11 +18,13 @@ process with no CUDA tensor in sight nothing here touches CUDA.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import torch
 
 POLL_FIRST_S, POLL_CAP_S = 50e-6, 5e-3
+T = TypeVar("T")
 
 
 def record(tensors: Iterable[torch.Tensor]) -> list[torch.cuda.Event]:
@@ -45,15 +47,22 @@ def wait_blocking(events: Iterable[torch.cuda.Event]) -> None:
         event.synchronize()
 
 
-async def wait(events: Iterable[torch.cuda.Event]) -> None:
-    """Wait until every event has fired, polling with backoff: the loop stays free."""
-    pending = list(events)
-    delay = POLL_FIRST_S
+async def poll(
+    items: Iterable[T], done: Callable[[T], bool], *, first: float = POLL_FIRST_S, cap: float = POLL_CAP_S
+) -> None:
+    """Wait until `done(item)` holds for every item, polling with backoff: the loop stays free."""
+    pending = list(items)
+    delay = first
     while pending:
-        pending = [e for e in pending if not e.query()]
+        pending = [x for x in pending if not done(x)]
         if pending:
             await asyncio.sleep(delay)
-            delay = min(delay * 2, POLL_CAP_S)
+            delay = min(delay * 2, cap)
+
+
+async def wait(events: Iterable[torch.cuda.Event]) -> None:
+    """Wait until every event has fired, polling with backoff: the loop stays free."""
+    await poll(events, lambda e: e.query())
 
 
 def settle(tensors: Iterable[torch.Tensor]) -> None:
@@ -63,3 +72,10 @@ def settle(tensors: Iterable[torch.Tensor]) -> None:
     not order against a pool thread's stream, so the copy must be finished on return.
     """
     wait_blocking(record(tensors))
+
+
+def settled(fn: Callable[..., list[torch.Tensor]], *args: Any) -> list[torch.Tensor]:
+    """Run `fn` (a copy into memory, in the pool) and return its tensors once settled."""
+    out = fn(*args)
+    settle(out)
+    return out

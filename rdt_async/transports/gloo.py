@@ -336,12 +336,6 @@ class NcclTransport(GlooTransport):
 
 async def poll_works(works: Sequence[Any], *, first: float = 50e-6, cap: float = 5e-3) -> None:
     """Await works by polling their completion (CUDA events) with backoff, then order streams."""
-    delay = first
-    pending = list(works)
-    while pending:
-        pending = [w for w in pending if not w.is_completed()]
-        if pending:
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, cap)
+    await _cuda.poll(works, lambda w: w.is_completed(), first=first, cap=cap)
     for w in works:
         w.wait()  # NCCL: the current stream waits on the work's event; returns at once

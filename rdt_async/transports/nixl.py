@@ -491,7 +491,8 @@ class NixlTransport(Transport[NixlMeta]):
             return out
         strided = [(b, o) for b, o in zip(buffers, out) if b is not o]
         if strided:  # caller buffers that were not contiguous received a temporary
-            await _io.to_thread(_copied, [b for b, _ in strided], [o for _, o in strided])
+            # Off the caller's thread: finished on return (the caller's streams do not order against ours).
+            await _io.to_thread(_cuda.settled, copy_into, [b for b, _ in strided], [o for _, o in strided])
         return list(buffers)
 
     async def _read_object(
@@ -777,11 +778,6 @@ class NixlTransport(Transport[NixlMeta]):
         if i >= 0:
             with self._state:
                 self._free_landing.append(i)
-
-
-def _copied(buffers: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-    """Copy in the pool and wait for it: the caller's streams do not order against ours."""
-    _cuda.settle(copy_into(buffers, sources))
 
 
 def _check_slot(lslot: torch.Tensor, info: TransferInfo[NixlMeta], cause: Exception | None = None) -> None:

@@ -34,7 +34,7 @@ class ObjectStoreTransport(Transport[None]):
         self, info: TransferInfo[None], buffers: list[torch.Tensor] | None, channel: Channel
     ) -> list[torch.Tensor]:
         arrays = await channel.request_send(None)
-        return await _io.to_thread(from_wire, arrays, info.specs, buffers)
+        return await _io.to_thread(_cuda.settled, from_wire, arrays, info.specs, buffers)
 
 
 def to_wire(tensors: Sequence[torch.Tensor]) -> list[np.ndarray]:
@@ -64,5 +64,4 @@ def from_wire(
             out.append(src.clone())
         else:
             out.append(src.to(device))  # where it was produced, as the other transports do
-    _cuda.settle(out)  # copies into device memory ran on this (pool) thread's stream
     return out
