@@ -27,6 +27,9 @@ GIB = float(1 << 30)
 def _agent(name: str) -> Any:
     from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
+    from rdt_async.transports import nixl as transport
+
+    transport._import_reason()  # NIXL's INFO lines off stdout, as for the transport's own agents
     cfg = nixl_agent_config(
         enable_prog_thread=False, backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
     )
@@ -79,7 +82,7 @@ def _raw_read_rows(agent: Any, remote: str, addrs: dict[int, int], sizes: list[i
         agent.register_memory(dst)
         remote_descs = agent.get_xfer_descs([(addrs[n], n, 0)], "DRAM")
         times = []
-        for i in range(repeat + 1):
+        for i in range(_reps(n, repeat) + 1):
             t0 = time.perf_counter()
             h = agent.initialize_xfer("READ", agent.get_xfer_descs(dst), remote_descs, remote)
             state = agent.transfer(h)
@@ -106,7 +109,7 @@ def _transport_rows(infos: dict[int, Any], sizes: list[int], repeat: int) -> lis
         for into, case in ((True, "rdt nixl transport, into= (2 processes)"),
                            (False, "rdt nixl transport, fresh tensors (cold pages)")):
             times = []
-            for i in range(repeat + 1):
+            for i in range(_reps(n, repeat) + 1):
                 t0 = time.perf_counter()
                 out = transport.fetch_multiple_tensors(infos[n], buffers=[dst] if into else None, channel=None).result()
                 if i:
@@ -202,6 +205,12 @@ def _object_store_rows(p: Any, n: int, repeat: int) -> list[dict[str, Any]]:
         assert int(ray.get(p.plain.remote(n))[-1]) == 7
         return time.perf_counter() - t0
 
+    def put_call_get() -> float:
+        t0 = time.perf_counter()
+        inner = ray.get(p.put.remote(n))[0]
+        assert int(ray.get(inner)[-1]) == 7
+        return time.perf_counter() - t0
+
     def ready_get() -> float:
         inner = ray.get(p.put.remote(n))[0]
         t0 = time.perf_counter()
@@ -217,7 +226,9 @@ def _object_store_rows(p: Any, n: int, repeat: int) -> list[dict[str, Any]]:
 
     reps = _reps(n, repeat)
     return [
-        _row("nixl", "ray object store call + get (baseline)", n, [call_get() for _ in range(reps + 1)][1:]),
+        _row("nixl", "ray call + get of an inline return, no object store (baseline)", n, [call_get() for _ in range(reps + 1)][1:]),
+        _row("nixl", "ray object store pass: call that ray.puts + get (baseline)", n,
+             [put_call_get() for _ in range(reps + 1)][1:]),
         _row("nixl", "ray.get of a ready object-store ref the actor put (baseline)", n,
              [ready_get() for _ in range(reps + 1)][1:]),
         _row("nixl", "ray call + get of a value holding an ObjectRef (an RDT method's floor)", n,
@@ -306,10 +317,12 @@ def _summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for ours_case, ray_case, check in [
         ("rdt.get nixl, into= (actor -> driver)", "ray.get of a ready object-store ref the actor put (baseline)",
          "check: 4K nixl fetch / object-store get, ready refs (target <= 1)"),
-        ("rdt call + get nixl, into= (actor -> driver)", "ray object store call + get (baseline)",
-         "check: 4K nixl call+get / object store call+get (target <= 1)"),
-        ("ray call + get of a value holding an ObjectRef (an RDT method's floor)", "ray object store call + get (baseline)",
-         "floor: 4K call+get of a value holding an ObjectRef / object store call+get"),
+        ("rdt call + get nixl, into= (actor -> driver)", "ray object store pass: call that ray.puts + get (baseline)",
+         "check: 4K nixl call+get / object-store pass, call that puts + get (target <= 1)"),
+        ("rdt call + get nixl, into= (actor -> driver)", "ray call + get of an inline return, no object store (baseline)",
+         "4K nixl call+get / ray call + get of an inline return"),
+        ("ray call + get of a value holding an ObjectRef (an RDT method's floor)", "ray call + get of an inline return, no object store (baseline)",
+         "floor: 4K call+get of a value holding an ObjectRef / ray call + get of an inline return"),
     ]:
         ours, theirs = by.get((ours_case, 4096)), by.get((ray_case, 4096))
         if ours and theirs:
