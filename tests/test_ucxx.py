@@ -223,6 +223,21 @@ def test_contract_suite_in_a_process_of_its_own():
     assert passed and int(passed.group(1)) >= 9 and "failed" not in out.stdout, out.stdout[-3000:]
 
 
+def test_a_process_using_ucxx_prints_no_ucx_warning():
+    # ucxx's import sets UCX_MEMTYPE_CACHE, which its own UCX then reports as unused.
+    code = (
+        "import torch\n"
+        "from rdt_async.transports import _registry\n"
+        "t = _registry.get('ucxx')\n"
+        "t.warm_up()\n"
+        "print('meta', type(t.prepare('x', [torch.ones(4)])).__name__)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert out.returncode == 0 and out.stdout.splitlines()[-1] == "meta UcxxMeta", out.stdout + out.stderr[-2000:]
+    assert "UCX  WARN" not in out.stdout + out.stderr, out.stdout + out.stderr[-2000:]  # UCX logs to stdout
+
+
 def test_nixl_and_ucxx_refuse_to_share_a_process():
     pytest.importorskip("nixl")
     code = (

@@ -24,8 +24,11 @@ it again when idle, and polls every `POLL_S` only while requests are in flight. 
 process spends no CPU on UCX.
 
 UCXX's Python API cannot cancel one posted receive, so a cancelled fetch returns once
-the bytes already asked for have landed (at most `DRAIN_S`): after that nothing writes
-the caller's buffers.
+the bytes already asked for have landed. A producer that has not answered within
+`DRAIN_S` gets its endpoint closed, which cancels every receive posted on it (its
+other transfers fail too; the next fetch reconnects): either way nothing writes the
+caller's buffers after the fetch returns. A transfer that fails on a live endpoint
+closes it the same way.
 """
 
 from __future__ import annotations
@@ -78,13 +81,19 @@ def _load() -> Any:
     if reason is not None:
         raise TransportUnavailableError(f"transport 'ucxx' is unavailable: {reason}")
     _ucx.claim("ucxx")
+    ours = "UCX_MEMTYPE_CACHE" not in os.environ
     try:
-        return importlib.import_module("ucxx._lib.libucxx")
+        lib = importlib.import_module("ucxx._lib.libucxx")
     except Exception as exc:  # a broken install is a reason, not a crash
         raise TransportUnavailableError(
             f"transport 'ucxx' is unavailable: ucxx is installed but cannot be loaded "
             f"({type(exc).__name__}: {exc}); reinstall with {INSTALL_HINT}"
         ) from exc
+    if ours:
+        # Importing ucxx sets UCX_MEMTYPE_CACHE=n, which the UCX it ships no longer knows:
+        # every process would print UCX's "unused environment variable" warning.
+        os.environ.pop("UCX_MEMTYPE_CACHE", None)
+    return lib
 
 
 @dataclass(frozen=True)
@@ -248,7 +257,18 @@ class _Worker:
             ep.set_close_callback(self._closed, cb_args=(key, peer))
         return peer
 
-    def _closed(self, key: tuple[str, int], peer: _Peer) -> None:  # inside progress()
+    def abandon(self, peer: _Peer) -> None:
+        """Close `peer`'s endpoint now, cancelling every receive posted on it.
+
+        For a transfer that gives up while its producer may still answer: once this
+        returns, no receive it posted can write its buffers. Other transfers from that
+        producer fail with it (the close callback fails them); the next fetch connects
+        anew. A forced close does not wait for the peer.
+        """
+        if not peer.closed:
+            peer.ep.close_blocking()  # calls `_closed`
+
+    def _closed(self, key: tuple[str, int], peer: _Peer) -> None:  # inside progress() or abandon()
         peer.closed = True
         if self.peers.get(key) is peer:
             del self.peers[key]
@@ -364,9 +384,13 @@ class UcxxTransport(Transport[UcxxMeta]):
         try:
             await asyncio.shield(transfer)
         except asyncio.CancelledError:
-            # The producer sends what was asked for; let it land, then give up.
+            # The producer sends what was asked for; let it land, then give up: past
+            # the bound, the transfer cancels its receives before it ends.
             await asyncio.wait({transfer}, timeout=DRAIN_S)
-            if transfer.done() and not transfer.cancelled():
+            if not transfer.done():
+                transfer.cancel()
+                await asyncio.wait({transfer})
+            if not transfer.cancelled():
                 transfer.exception()  # retrieved: the caller cancelled, errors are moot
             raise
         return delivered(buffers, dsts)
@@ -411,15 +435,19 @@ async def _transfer(w: _Worker, info: TransferInfo[UcxxMeta], dsts: list[torch.T
                 off += raw.nbytes
     except ObjectFreedError:
         raise
-    except Exception as exc:
+    except BaseException as exc:  # an error, or cancelled past the drain bound
+        unfinished = any(not fut.done() for fut in waits)
         for fut in waits:
-            fut.cancel()  # given up: the requests left are dropped (nothing answers them)
+            fut.cancel()  # given up: their requests leave the polled list
         if peer.closed or not peer.ep.alive:
-            raise PeerDiedError(
-                f"ucxx fetch of {info.obj_id}: the producer at {meta.host}:{meta.port} died or closed "
-                f"({type(exc).__name__}: {exc})",
-                obj_id=info.obj_id,
-            ) from exc
+            if isinstance(exc, Exception):
+                raise PeerDiedError(
+                    f"ucxx fetch of {info.obj_id}: the producer at {meta.host}:{meta.port} died or closed "
+                    f"({type(exc).__name__}: {exc})",
+                    obj_id=info.obj_id,
+                ) from exc
+        elif unfinished:
+            w.abandon(peer)  # a live producer may still answer: cancel what would land
         raise
     finally:
         peer.inflight.difference_update(waits)

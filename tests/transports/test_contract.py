@@ -151,6 +151,30 @@ async def test_cancelled_fetch_into_buffers_is_not_written_after_it_returns(prod
     assert_same(await fetch(producer, info, buffers), expect(5, (16 << 20,)))
 
 
+@pytest.mark.parametrize("name", TRANSPORTS)
+@pytest.mark.parametrize("n", [1 << 10, 1 << 20])  # one message, and UCX's rendezvous
+async def test_a_fetch_cancelled_past_the_drain_bound_never_writes_its_buffers_later(name, n, monkeypatch):
+    # The producer is stopped, so receives it was to answer stay pending past the
+    # bound a cancelled fetch waits for them. Once the fetch has returned, the
+    # producer resumes and answers: nothing of that answer may land in the buffers.
+    for module in ("gloo", "ucxx"):
+        monkeypatch.setattr(f"rdt_async.transports.{module}.DRAIN_S", 0.3, raising=False)
+    with own_producer(name) as p:
+        assert_same(await fetch(p, p.make(8)), expect(8))  # connected, warm
+        info = p.make(9, (n,))
+        buffers = [torch.zeros(s.shape, dtype=s.dtype, device=DEVICE) for s in info.specs]
+        os.kill(p.proc.pid, signal.SIGSTOP)
+        try:
+            async with asyncio.timeout(20):
+                await cancel_after(fetch(p, info, buffers), 0.2)
+            then = [b.clone() for b in buffers]
+        finally:
+            os.kill(p.proc.pid, signal.SIGCONT)
+        await asyncio.sleep(0.5)  # the producer's answer, if anything still waits for it
+        assert all(torch.equal(t, b) for t, b in zip(then, buffers)), "written after the cancel returned"
+        assert_same(await fetch(p, info, buffers), expect(9, (n,)))  # and the producer serves again
+
+
 @pytest.mark.parametrize("sizes", [(1000, 7, 0), (1 << 16, 3)])  # small, and over 256 KiB
 async def test_fetch_after_free_raises_object_freed(producer, sizes):
     info = producer.make(4, sizes)
