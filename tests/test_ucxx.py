@@ -223,19 +223,38 @@ def test_contract_suite_in_a_process_of_its_own():
     assert passed and int(passed.group(1)) >= 9 and "failed" not in out.stdout, out.stdout[-3000:]
 
 
-def test_a_process_using_ucxx_prints_no_ucx_warning():
-    # ucxx's import sets UCX_MEMTYPE_CACHE, which its own UCX then reports as unused.
+@pytest.mark.parametrize("level", [None, "ERROR"])
+def test_ucx_and_ucxx_print_nothing_unless_ucxx_log_level_asks(level):
+    # ucxx's import sets UCX_MEMTYPE_CACHE, which its own UCX then reports as unused;
+    # UCXX logs a producer's death at ERROR, while the fetch raises PeerDiedError for it.
     code = (
-        "import torch\n"
-        "from rdt_async.transports import _registry\n"
-        "t = _registry.get('ucxx')\n"
-        "t.warm_up()\n"
-        "print('meta', type(t.prepare('x', [torch.ones(4)])).__name__)\n"
+        "import asyncio\n"
+        "import rdt_async as rdt\n"
+        "from transports.contract import Producer, fetch\n"
+        "async def main():\n"
+        "    p = Producer('ucxx')\n"
+        "    first = p.make(1)\n"
+        "    print('got', len(await fetch(p, first)) == len(first.specs))\n"
+        "    info = p.make(2)\n"
+        "    p.proc.kill()\n"
+        "    p.proc.join()\n"
+        "    try:\n"
+        "        await fetch(p, info)\n"
+        "    except rdt.PeerDiedError as e:\n"
+        "        print('raised', type(e).__name__)\n"
+        "    p.close()\n"
+        "asyncio.run(main())\n"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("UCX_", "UCXX_"))}
+    env["PYTHONPATH"] = os.path.join(ROOT, "tests")
+    if level:
+        env["UCXX_LOG_LEVEL"] = level
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
-    assert out.returncode == 0 and out.stdout.splitlines()[-1] == "meta UcxxMeta", out.stdout + out.stderr[-2000:]
-    assert "UCX  WARN" not in out.stdout + out.stderr, out.stdout + out.stderr[-2000:]  # UCX logs to stdout
+    both = out.stdout + out.stderr  # UCX and UCXX log to stdout
+    lines = [line for line in out.stdout.splitlines() if line.split(" ")[0] in ("got", "raised")]
+    assert out.returncode == 0 and lines == ["got True", "raised PeerDiedError"], both[-3000:]
+    assert "UCX  WARN" not in both, both[-2000:]
+    assert ("UCXX ERROR" in both) == bool(level), both[-2000:]
 
 
 def test_nixl_and_ucxx_refuse_to_share_a_process():

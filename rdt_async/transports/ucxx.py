@@ -125,7 +125,7 @@ class _Worker:
 
         self.u, self.Array = libucxx, Array
         flags = (libucxx.Feature.TAG, libucxx.Feature.WAKEUP, libucxx.Feature.AM)
-        self.context = libucxx.UCXContext({}, feature_flags=flags)
+        self.context = _context(libucxx, flags)
         self.worker = libucxx.UCXWorker(self.context)
         self.worker.init_blocking_progress_mode()
         self.loop = asyncio.get_running_loop()
@@ -277,6 +277,23 @@ class _Worker:
         for fut in peer.inflight:
             if not fut.done():
                 fut.set_exception(self.u.UCXNotConnectedError("the producer's endpoint closed"))
+
+
+def _context(libucxx: Any, flags: tuple[Any, ...]) -> Any:
+    """Create the UCX context, with UCXX's own log at FATAL unless UCXX_LOG_LEVEL says.
+
+    UCXX logs at ERROR, on stdout, each endpoint that fails with a status other than a
+    reset: here, every producer that exits while a consumer holds an endpoint to it.
+    The fetch raises PeerDiedError for it; a library's stdout belongs to the program.
+    UCXX reads the variable when a context is made.
+    """
+    if "UCXX_LOG_LEVEL" in os.environ:
+        return libucxx.UCXContext({}, feature_flags=flags)
+    os.environ["UCXX_LOG_LEVEL"] = "FATAL"
+    try:
+        return libucxx.UCXContext({}, feature_flags=flags)
+    finally:
+        os.environ.pop("UCXX_LOG_LEVEL", None)
 
 
 def _settle(request: Any, fut: asyncio.Future[Any], keep: Any) -> bool:
