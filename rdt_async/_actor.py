@@ -45,8 +45,11 @@ def method(fn: F | None = None, /, *, tensor_transport: str = "auto", **ray_meth
     def mark(f: F) -> F:
         if not callable(f):
             raise TypeError(f"@rdt.method decorates methods, not {type(f).__name__}")
+        if ray_method_opts:
+            # On `f` itself, checked now: Ray reads a method's options from the function
+            # under the wrappers (`inspect.unwrap`), not from the wrapper it calls.
+            ray.method(**ray_method_opts)(f)
         f.__rdt_transport__ = tensor_transport  # type: ignore[attr-defined]
-        f.__rdt_ray_method_opts__ = ray_method_opts  # type: ignore[attr-defined]
         return f
 
     return mark(fn) if fn is not None else mark
@@ -110,39 +113,59 @@ def _is_async(f: Callable[..., Any]) -> bool:
 
 def _wrap_method(f: Callable[..., Any]) -> Callable[..., Any]:
     transport: str | None = getattr(f, "__rdt_transport__", None)
+    returns = getattr(f, "__ray_num_returns__", None)
+    split = isinstance(returns, int) and returns > 1  # one RDTObject per return
     wrapped: Callable[..., Any]
+
+    def parts(value: Any) -> Any:
+        if not isinstance(value, (tuple, list)) or len(value) != returns:
+            raise ValueError(
+                f"{f.__qualname__} has num_returns={returns}: return a tuple of {returns} values, "
+                f"not {type(value).__name__}" + (f" of {len(value)}" if isinstance(value, (tuple, list)) else "")
+            )
+        return value
+
+    def produce(value: Any) -> Any:
+        if transport is None:
+            return value
+        if split:
+            return tuple(_object.produce(v, transport) for v in parts(value))
+        return _object.produce(value, transport)
+
+    async def produce_async(value: Any) -> Any:
+        if transport is None:
+            return value
+        if split:
+            return tuple([await _object.produce_async(v, transport) for v in parts(value)])
+        return await _object.produce_async(value, transport)
+
     if inspect.iscoroutinefunction(f):
 
         async def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
             args, kwargs = await _fetch_args(args, kwargs)
-            value = await f(self, *args, **kwargs)
-            return value if transport is None else await _object.produce_async(value, transport)
+            return await produce_async(await f(self, *args, **kwargs))
 
     elif inspect.isasyncgenfunction(f):
 
         async def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
             args, kwargs = await _fetch_args(args, kwargs)
             async for value in f(self, *args, **kwargs):
-                yield value if transport is None else await _object.produce_async(value, transport)
+                yield await produce_async(value)
 
     elif inspect.isgeneratorfunction(f):
 
         def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
             args, kwargs = _fetch_args_blocking(args, kwargs)
             for value in f(self, *args, **kwargs):
-                yield value if transport is None else _object.produce(value, transport)
+                yield produce(value)
 
     else:
 
         def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
             args, kwargs = _fetch_args_blocking(args, kwargs)
-            value = f(self, *args, **kwargs)
-            return value if transport is None else _object.produce(value, transport)
+            return produce(f(self, *args, **kwargs))
 
-    wrapped = functools.wraps(f)(wrapped)
-    if transport is not None:
-        wrapped = ray.method(**f.__rdt_ray_method_opts__)(wrapped) if f.__rdt_ray_method_opts__ else wrapped  # type: ignore[attr-defined]
-    return wrapped
+    return functools.wraps(f)(wrapped)  # with `f`'s attributes: its Ray method options
 
 
 def _rdt_positions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int | str]:

@@ -36,6 +36,14 @@ class BusyProducer:
     def io_thread(self) -> str:
         return threading.current_thread().name
 
+    @rdt.method(tensor_transport="shm", concurrency_group="io")
+    def make_io(self, n: int):
+        return {"x": torch.full((n,), 2.0)}
+
+    @rdt.method(tensor_transport="shm", num_returns=2)
+    def pair(self, n: int):
+        return torch.ones(n), {"b": torch.arange(n)}
+
 
 @rdt.remote
 class Watched:
@@ -93,6 +101,18 @@ def test_busy_producer_with_max_concurrency_1_still_serves_fetches():
     assert out.sum().item() == 1000.0
     assert not ray.wait([busy], timeout=0)[0]  # still blocked in the user method
     assert ray.get(p.io_thread.remote(), timeout=15) != ""  # user groups pass through
+    made = rdt.get(p.make_io.remote(1000), timeout=15)  # as an rdt.method's (the default one is busy)
+    assert made["x"].sum().item() == 2000.0
+    ray.kill(p)
+
+
+def test_method_options_reach_ray():
+    p = BusyProducer.remote()
+    a, b = p.pair.remote(5)  # num_returns=2: one RDTObject per return
+    assert rdt.get(a, timeout=15).tolist() == [1.0] * 5
+    assert rdt.get(b, timeout=15)["b"].tolist() == [0, 1, 2, 3, 4]
+    with pytest.raises(AssertionError, match="Unexpected keyword argument to @ray.method: 'concurency_group'"):
+        rdt.method(tensor_transport="shm", concurency_group="io")(lambda self: None)
     ray.kill(p)
 
 
