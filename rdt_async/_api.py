@@ -90,7 +90,7 @@ def get(
         )
     deadline = None if timeout is None else time.monotonic() + timeout
     if _object.is_ref(x):  # resolve here: a plain ray.get beats a hop through the I/O loop
-        with translating(f"resolving {x}"):
+        with translating(f"resolving {x}", user_code=True):
             x = _object.get_ref(x, timeout)
         if not isinstance(x, RDTObject):
             return x  # a ref to a plain value
@@ -177,7 +177,7 @@ async def _resolve(x: Any) -> Any:
     if isinstance(x, RDTObject):
         return x
     if _object.is_ref(x):
-        with translating(f"resolving {x}"):
+        with translating(f"resolving {x}", user_code=True):
             return await _object.await_ref(x)
     raise _not_rdt(x)
 

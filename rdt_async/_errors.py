@@ -50,11 +50,13 @@ class CollectiveGroupError(RDTError):
     """A collective group cannot be created, used or destroyed."""
 
 
-def translate(exc: BaseException, what: str, obj_id: str | None = None) -> BaseException:
+def translate(exc: BaseException, what: str, obj_id: str | None = None, *, user_code: bool = False) -> BaseException:
     """Map a native error raised while doing `what` to the rdt_async tree.
 
     The result is meant for ``raise translate(exc, ...) from exc``. Errors that are
-    already ours, cancellation and timeouts pass through unchanged.
+    already ours, cancellation and timeouts pass through unchanged; with `user_code`
+    (resolving a method's ref), so does what the method raised, as `ray.get` raises it
+    (a `RayTaskError` that is also an instance of the method's exception class).
     """
     if isinstance(exc, (RDTError, TimeoutError, KeyboardInterrupt, SystemExit)):
         return exc
@@ -66,6 +68,8 @@ def translate(exc: BaseException, what: str, obj_id: str | None = None) -> BaseE
         if isinstance(exc, ray_exceptions.RayTaskError) and isinstance(cause, RDTError):
             # Rebuild the remote error so that ``except ObjectFreedError`` works here.
             return type(cause)(str(cause), obj_id=cause.obj_id)
+        if isinstance(exc, ray_exceptions.RayTaskError) and user_code:
+            return exc
         if isinstance(exc, (ray_exceptions.RayActorError, ray_exceptions.ActorDiedError)):
             return PeerDiedError(f"{what}: the producer died ({exc})", obj_id=obj_id)
         if isinstance(exc, ray_exceptions.GetTimeoutError):
@@ -86,12 +90,12 @@ def translate(exc: BaseException, what: str, obj_id: str | None = None) -> BaseE
 
 
 @contextmanager
-def translating(what: str, obj_id: str | None = None) -> Iterator[None]:
+def translating(what: str, obj_id: str | None = None, *, user_code: bool = False) -> Iterator[None]:
     """Translate native errors raised in the block (see `translate`), keeping the chain."""
     try:
         yield
     except BaseException as exc:
-        err = translate(exc, what, obj_id)
+        err = translate(exc, what, obj_id, user_code=user_code)
         if err is exc:
             raise
         raise err from exc

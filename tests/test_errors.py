@@ -85,3 +85,32 @@ def test_explicit_inline_refuses_large_values():
     with pytest.raises(rdt.TransportUnavailableError, match="at most 1048576 bytes.*use tensor_transport='auto' or 'shm'"):
         ray.get(Inliner.remote().big.remote())
     ray.kill(p)
+
+
+@rdt.remote
+class Failing:
+    @rdt.method(tensor_transport="shm")
+    def boom(self):
+        raise ValueError("boom: bad input")
+
+    @rdt.method(tensor_transport="shm", num_returns=2)
+    def three(self):
+        return torch.ones(1), torch.ones(2), torch.ones(3)
+
+    async def fetch_boom(self, refs):
+        try:
+            await rdt.fetch(refs[0])
+        except ValueError as exc:
+            return f"ValueError {exc}"
+
+
+def test_what_a_producer_method_raises_reaches_the_consumer_as_ray_get_raises_it():
+    p = Failing.remote()
+    with pytest.raises(ValueError, match="boom: bad input") as info:
+        rdt.get(p.boom.remote(), timeout=30)
+    assert isinstance(info.value, ray.exceptions.RayTaskError)  # as ray.get raises it
+    assert "boom: bad input" in ray.get(p.fetch_boom.remote([p.boom.remote()]), timeout=30)
+    a, _ = p.three.remote()
+    with pytest.raises(ValueError, match=r"num_returns=2: return a tuple of 2 values, not tuple of 3"):
+        rdt.get(a, timeout=30)
+    ray.kill(p)
