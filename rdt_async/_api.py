@@ -306,7 +306,7 @@ async def _off_caller_streams(fn: Any, *args: Any, nbytes: int) -> list[torch.Te
     (`rdt.get`) or in the pool is not, so it has finished before the caller sees it.
     """
     if nbytes > INLINE_COPY_BYTES:
-        return await _io.to_thread(_cuda.settled, fn, *args)
+        return await _io.to_thread_finished(_cuda.settled, fn, *args)
     out: list[torch.Tensor] = fn(*args)
     if _io.on_io_thread():
         await _cuda.wait(_cuda.record(out))

@@ -77,6 +77,20 @@ async def to_thread(fn: Callable[..., T], *args: Any) -> T:
     return await asyncio.get_running_loop().run_in_executor(pool(), fn, *args)
 
 
+async def to_thread_finished(fn: Callable[..., T], *args: Any) -> T:
+    """`to_thread` for work that writes memory the caller gets back (its `into=` buffers).
+
+    A cancel returns once the work has finished, so nothing writes that memory after
+    the cancelled fetch has returned. The work is a bounded copy: it always ends.
+    """
+    work = asyncio.ensure_future(to_thread(fn, *args))
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        await asyncio.wait({work})
+        raise
+
+
 def submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
     """Run a coroutine on the I/O loop; cancelling the returned future cancels it."""
     return start(coro).future

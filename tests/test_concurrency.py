@@ -135,6 +135,28 @@ def test_get_timeout_raises_timeout_error():
     ray.kill(p)
 
 
+@pytest.mark.parametrize("method", ["value_shm", "value_os"])
+def test_get_timeout_into_buffers_leaves_them_alone_once_it_raised(method):
+    # The copy into `into=` runs in the pool: a timeout returns once it has stopped.
+    p = SyncProducer.remote()
+    ref = getattr(p, method).remote(torch.full((BIG,), 3.0))
+    ray.wait([ref])
+    into = torch.zeros(BIG)
+    rdt.get(ref, into=into, timeout=60)  # warm: the next copy is the only slow part
+    into.zero_()
+    for timeout in (0.0005, 0.005, 0.02):
+        try:
+            rdt.get(ref, into=into, timeout=timeout)
+        except TimeoutError:
+            pass
+        then = into.count_nonzero().item()
+        time.sleep(0.3)
+        assert into.count_nonzero().item() == then, f"written after the timeout returned ({timeout} s)"
+        into.zero_()
+    assert rdt.get(ref, into=into, timeout=60).sum().item() == 3.0 * BIG
+    ray.kill(p)
+
+
 def test_dead_producer_gives_peer_died_error_quickly():
     p = SyncProducer.remote()
     ref = p.value_os.remote(torch.ones(10))

@@ -492,7 +492,7 @@ class NixlTransport(Transport[NixlMeta]):
         strided = [(b, o) for b, o in zip(buffers, out) if b is not o]
         if strided:  # caller buffers that were not contiguous received a temporary
             # Off the caller's thread: finished on return (the caller's streams do not order against ours).
-            await _io.to_thread(_cuda.settled, copy_into, [b for b, _ in strided], [o for _, o in strided])
+            await _io.to_thread_finished(_cuda.settled, copy_into, [b for b, _ in strided], [o for _, o in strided])
         return list(buffers)
 
     async def _read_object(

@@ -34,7 +34,7 @@ class ObjectStoreTransport(Transport[None]):
         self, info: TransferInfo[None], buffers: list[torch.Tensor] | None, channel: Channel
     ) -> list[torch.Tensor]:
         arrays = await channel.request_send(None)
-        return await _io.to_thread(_cuda.settled, from_wire, arrays, info.specs, buffers)
+        return await _io.to_thread_finished(_cuda.settled, from_wire, arrays, info.specs, buffers)
 
 
 def to_wire(tensors: Sequence[torch.Tensor]) -> list[np.ndarray]:

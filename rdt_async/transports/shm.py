@@ -124,7 +124,7 @@ class ShmTransport(Transport[ShmMeta]):
     ) -> list[torch.Tensor]:
         if buffers is None:
             return _map(info)  # each view keeps the private mapping alive
-        return await _io.to_thread(_read_into, info, buffers)
+        return await _io.to_thread_finished(_read_into, info, buffers)
 
     def garbage_collect(self, obj_id: str, meta: ShmMeta) -> None:
         if meta.segment is not None:
