@@ -135,9 +135,9 @@ def free(x: Any, /) -> None:
     if _object.is_local(obj):
         store.free(obj.obj_id)
         return
-    store.mark_freed(obj.obj_id)
     if obj.specs:
-        _object.free_remote(obj)
+        _object.free_remote(obj)  # raises, marking nothing, where this process may not free it
+    store.mark_freed(obj.obj_id)
 
 
 async def wait_tensor_freed(tensor: torch.Tensor, /) -> None:

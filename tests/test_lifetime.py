@@ -166,3 +166,21 @@ def test_anchors_from_the_actors_own_method_keep_lifetime_exact():
     del refs
     wait_until(lambda: ray.get(p.stats.remote())["objects"] == 0, 10)
     ray.kill(p)
+
+
+def test_a_free_refused_in_the_wrong_process_frees_nothing_there():
+    @rdt.remote
+    class Other:
+        async def free_then_fetch(self, refs):
+            try:
+                rdt.free(refs[0])
+            except rdt.RDTError as exc:
+                refused = str(exc)
+            return refused, float((await rdt.fetch(refs[0]))["x"].sum())
+
+    ref = rdt.put({"x": torch.ones(1 << 15)}, tensor_transport="shm")
+    refused, total = ray.get(Other.remote().free_then_fetch.remote([ref]))
+    assert "call rdt.free() there" in refused and total == float(1 << 15)
+    rdt.free(ref)
+    with pytest.raises(rdt.ObjectFreedError):
+        rdt.get(ref)
