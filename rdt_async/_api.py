@@ -143,8 +143,10 @@ def free(x: Any, /) -> None:
 async def wait_tensor_freed(tensor: torch.Tensor, /) -> None:
     """Wait until no object of this process holds `tensor` (every ref to them is gone).
 
-    Runs on: producer. Bound it with `asyncio.timeout`.
+    Runs on: producer. Bound it with `asyncio.timeout`. Raises: TypeError for a non-tensor.
     """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"rdt.wait_tensor_freed() takes a tensor this process returned or put, not {type(tensor).__name__}")
     await store.tensor_freed_future(tensor)
 
 
@@ -239,6 +241,8 @@ def _start(obj: RDTObject, into: Any, device: Any = None) -> _Start:
     if store.was_freed(obj.obj_id):
         raise ObjectFreedError(f"object {obj.obj_id} was freed", obj_id=obj.obj_id)
     buffers = _buffers(obj, into)
+    if device is not None:
+        _check_device(torch.device(device))
     if not obj.specs:
         return _Done([], None, "none")
     if _object.is_local(obj):
@@ -259,6 +263,16 @@ def _start(obj: RDTObject, into: Any, device: Any = None) -> _Start:
     return transport, info, buffers, ready
 
 
+def _check_device(device: torch.device) -> None:
+    if device.type == "meta":
+        raise ValueError("device='meta' holds no data: fetch to 'cpu' or 'cuda'")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"device={str(device)!r}, but this process has no usable CUDA device "
+            "(torch.cuda.is_available() is False): fetch to 'cpu', or fetch in a process with a GPU"
+        )
+
+
 def _device_buffers(obj: RDTObject, transport: Transport[Any], device: torch.device) -> list[torch.Tensor] | None:
     """Buffers on `device` for a transport that reads straight into them, else None (move after)."""
     if not transport.cross_device_buffers or device.type not in transport.devices:
@@ -277,7 +291,9 @@ def _record(obj: RDTObject, transport: str) -> None:
 def _buffers(obj: RDTObject, into: Any) -> list[torch.Tensor] | None:
     if into is None:
         return None
-    bufs = _tree.tensors_of(into)
+    skeleton, bufs = _tree.flatten(into)
+    if not bufs and obj.specs:
+        raise TypeError(f"into= holds no tensor ({type(into).__name__} {skeleton!r}); pass the tensors to receive into")
     if len(bufs) != len(obj.specs):
         raise ValueError(
             f"into= holds {len(bufs)} tensor(s) but the object has {len(obj.specs)}: "

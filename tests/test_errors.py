@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import ray
 import torch
@@ -113,4 +115,20 @@ def test_what_a_producer_method_raises_reaches_the_consumer_as_ray_get_raises_it
     a, _ = p.three.remote()
     with pytest.raises(ValueError, match=r"num_returns=2: return a tuple of 2 values, not tuple of 3"):
         rdt.get(a, timeout=30)
+    ray.kill(p)
+
+
+def test_bad_fetch_arguments_fail_at_the_call_naming_the_fix():
+    p = SyncProducer.remote()
+    ref = p.value_shm.remote(torch.ones(4))
+    with pytest.raises(TypeError, match=r"into= holds no tensor \(list \[5\]\)"):
+        rdt.get(ref, into=[5])
+    with pytest.raises(ValueError, match="device='meta' holds no data"):
+        rdt.get(ref, device="meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"no usable CUDA device .* fetch to 'cpu'"):
+            rdt.get(ref, device="cuda")
+    with pytest.raises(TypeError, match="takes a tensor this process returned or put, not str"):
+        asyncio.run(rdt.wait_tensor_freed("notatensor"))
+    assert rdt.get(ref, device="cpu").tolist() == [1.0] * 4
     ray.kill(p)
