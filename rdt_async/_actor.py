@@ -45,6 +45,12 @@ def method(fn: F | None = None, /, *, tensor_transport: str = "auto", **ray_meth
     def mark(f: F) -> F:
         if not callable(f):
             raise TypeError(f"@rdt.method decorates methods, not {type(f).__name__}")
+        if inspect.isgeneratorfunction(f) or inspect.isasyncgenfunction(f):
+            raise TypeError(
+                f"@rdt.method cannot make the generator {f.__qualname__} a producer: Ray 2.60 loses the "
+                "references inside yielded values (ray-project/ray#58080), so their tensors would be "
+                "freed before they are fetched; return a list, or a tuple with num_returns=N"
+            )
         if ray_method_opts:
             # On `f` itself, checked now: Ray reads a method's options from the function
             # under the wrappers (`inspect.unwrap`), not from the wrapper it calls.
@@ -150,14 +156,14 @@ def _wrap_method(f: Callable[..., Any]) -> Callable[..., Any]:
         async def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
             args, kwargs = await _fetch_args(args, kwargs)
             async for value in f(self, *args, **kwargs):
-                yield await produce_async(value)
+                yield value  # never a producer (see `method`)
 
     elif inspect.isgeneratorfunction(f):
 
         def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
             args, kwargs = _fetch_args_blocking(args, kwargs)
             for value in f(self, *args, **kwargs):
-                yield produce(value)
+                yield value  # never a producer (see `method`)
 
     else:
 

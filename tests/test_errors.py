@@ -132,3 +132,17 @@ def test_bad_fetch_arguments_fail_at_the_call_naming_the_fix():
         asyncio.run(rdt.wait_tensor_freed("notatensor"))
     assert rdt.get(ref, device="cpu").tolist() == [1.0] * 4
     ray.kill(p)
+
+
+def test_generator_methods_are_refused_at_decoration():
+    with pytest.raises(TypeError, match=r"generator .*gen a producer: Ray 2.60 loses .* return a list"):
+
+        @rdt.method(tensor_transport="shm")
+        def gen(self):
+            yield torch.ones(1)
+
+    with pytest.raises(TypeError, match=r"generator .*agen a producer"):
+
+        @rdt.method
+        async def agen(self):
+            yield torch.ones(1)
