@@ -23,12 +23,14 @@ mode: the I/O loop watches its epoll descriptor, progresses it on every event an
 it again when idle, and polls every `POLL_S` only while requests are in flight. An idle
 process spends no CPU on UCX.
 
-UCXX's Python API cannot cancel one posted receive, so a cancelled fetch returns once
-the bytes already asked for have landed. A producer that has not answered within
-`DRAIN_S` gets its endpoint closed, which cancels every receive posted on it (its
-other transfers fail too; the next fetch reconnects): either way nothing writes the
-caller's buffers after the fetch returns. A transfer that fails on a live endpoint
-closes it the same way.
+Cancellation: UCXX's Python API cannot cancel one posted receive. A fetch whose
+receives land in memory of its own (objects up to `PACKED_BYTES`, fetches without
+`into=`) returns at once; its receives keep that memory until they end. One whose
+receives write the caller's `into=` buffers returns once the bytes already asked for
+have landed; a producer that has not answered within `DRAIN_S` gets its endpoint
+closed, which cancels every receive posted on it (its other transfers fail too; the
+next fetch reconnects). Either way nothing writes the caller's buffers after the
+fetch returns. A transfer that fails on a live endpoint gives up the same way.
 """
 
 from __future__ import annotations
@@ -132,6 +134,7 @@ class _Worker:
         self.loop.add_reader(self.worker.epoll_file_descriptor, self.progress)
         self.pending: list[tuple[Any, asyncio.Future[Any], Any]] = []  # transfers: polled
         self.listening: list[tuple[Any, asyncio.Future[Any], Any]] = []  # request waits: not
+        self.orphans: list[tuple[Any, Any, _Peer]] = []  # given up, writing our memory: kept
         self.timer: asyncio.TimerHandle | None = None
         self.listener: Any = None
         self.address: UcxxMeta | None = None
@@ -154,6 +157,8 @@ class _Worker:
             if pending:
                 # A future already done was given up (its peer is gone): drop the request.
                 pending[:] = [item for item in pending if not (item[1].done() or (item[0].completed and _settle(*item)))]
+        if self.orphans:  # their memory is free once UCX has ended them, or their peer is gone
+            self.orphans[:] = [o for o in self.orphans if not (o[0].completed or o[2].closed)]
         # Arm: the epoll descriptor then wakes us at the next event. Arming fails while
         # UCX has work left (events that came in meanwhile, a failed endpoint being torn
         # down): then poll again soon, never spin here. Transfers in flight (waits for
@@ -256,6 +261,17 @@ class _Worker:
             peer = self.peers[key] = _Peer(ep)
             ep.set_close_callback(self._closed, cb_args=(key, peer))
         return peer
+
+    def orphan(self, futs: set[asyncio.Future[Any]], peer: _Peer) -> None:
+        """Keep the requests of given-up waits, and the memory they write, until they end.
+
+        For a transfer that gives up while its producer may still answer, and whose
+        receives write only memory of its own: nothing is cancelled, nothing else fails.
+        Orphans are progressed by events and the safety tick, never polled for.
+        """
+        given_up = [item for item in self.pending if item[1] in futs and not item[0].completed]
+        self.pending[:] = [item for item in self.pending if item[1] not in futs]
+        self.orphans += [(request, keep, peer) for request, _, keep in given_up]
 
     def abandon(self, peer: _Peer) -> None:
         """Close `peer`'s endpoint now, cancelling every receive posted on it.
@@ -397,13 +413,18 @@ class UcxxTransport(Transport[UcxxMeta]):
             raise ValueError(f"ucxx moves at most {TAG_STRIDE - 2} tensors per object")
         w = await _worker_async()
         dsts = landing_buffers(info.specs, buffers)
-        transfer = asyncio.ensure_future(_transfer(w, info, dsts))
+        # Large tensors land straight in the caller's contiguous buffers: a cancel must not
+        # return while a receive may still write them. Else all lands in memory of ours.
+        theirs = buffers is not None and any(d is b for d, b in zip(dsts, buffers)) and sum(s.nbytes for s in info.specs) > PACKED_BYTES
+        transfer = asyncio.ensure_future(_transfer(w, info, dsts, theirs))
         try:
             await asyncio.shield(transfer)
         except asyncio.CancelledError:
-            # The producer sends what was asked for; let it land, then give up: past
-            # the bound, the transfer cancels its receives before it ends.
-            await asyncio.wait({transfer}, timeout=DRAIN_S)
+            # Into the caller's memory: let what was asked for land, then give up; past
+            # the bound, the transfer cancels its receives before it ends. Into ours:
+            # give up now; the receives keep that memory until they end.
+            if theirs:
+                await asyncio.wait({transfer}, timeout=DRAIN_S)
             if not transfer.done():
                 transfer.cancel()
                 await asyncio.wait({transfer})
@@ -417,8 +438,12 @@ async def _listen(w: _Worker) -> UcxxMeta:
     return w.listen()
 
 
-async def _transfer(w: _Worker, info: TransferInfo[UcxxMeta], dsts: list[torch.Tensor]) -> None:
-    """Ask the producer for the object and receive it into `dsts` (on the I/O loop)."""
+async def _transfer(w: _Worker, info: TransferInfo[UcxxMeta], dsts: list[torch.Tensor], theirs: bool) -> None:
+    """Ask the producer for the object and receive it into `dsts` (on the I/O loop).
+
+    `theirs`: receives write the caller's buffers, so a transfer that gives up on a live
+    producer cancels them (closing the endpoint); else they are left to end on their own.
+    """
     meta = info.meta
     peer = w.peer(meta)
     base = next(w.tags) * TAG_STRIDE
@@ -452,18 +477,21 @@ async def _transfer(w: _Worker, info: TransferInfo[UcxxMeta], dsts: list[torch.T
                 off += raw.nbytes
     except ObjectFreedError:
         raise
-    except BaseException as exc:  # an error, or cancelled past the drain bound
+    except BaseException as exc:  # an error, or cancelled
         unfinished = any(not fut.done() for fut in waits)
+        live = not peer.closed and peer.ep.alive
+        if live and unfinished and not theirs:
+            w.orphan(set(waits), peer)  # the producer may still answer: into our memory
         for fut in waits:
             fut.cancel()  # given up: their requests leave the polled list
-        if peer.closed or not peer.ep.alive:
+        if not live:
             if isinstance(exc, Exception):
                 raise PeerDiedError(
                     f"ucxx fetch of {info.obj_id}: the producer at {meta.host}:{meta.port} died or closed "
                     f"({type(exc).__name__}: {exc})",
                     obj_id=info.obj_id,
                 ) from exc
-        elif unfinished:
+        elif unfinished and theirs:
             w.abandon(peer)  # a live producer may still answer: cancel what would land
         raise
     finally:

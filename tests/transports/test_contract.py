@@ -175,6 +175,28 @@ async def test_a_fetch_cancelled_past_the_drain_bound_never_writes_its_buffers_l
         assert_same(await fetch(p, info, buffers), expect(9, (n,)))  # and the producer serves again
 
 
+@pytest.mark.parametrize("name", TRANSPORTS)
+@pytest.mark.parametrize("n", [1 << 10, 1 << 20])
+async def test_a_fetch_into_its_own_memory_from_a_stopped_producer_is_cancelled_at_once(name, n):
+    # No caller buffer to protect: the cancel returns now, not after the drain bound,
+    # and the answer that comes later neither breaks the connection nor lands anywhere.
+    with own_producer(name) as p:
+        assert_same(await fetch(p, p.make(8)), expect(8))  # connected, warm
+        info = p.make(9, (n,))
+        os.kill(p.proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            async with asyncio.timeout(20):
+                await cancel_after(fetch(p, info), 0.2)
+            took = time.monotonic() - t0
+        finally:
+            os.kill(p.proc.pid, signal.SIGCONT)
+        assert took < 5, f"the cancel waited {took:.1f} s"  # a hang check: the drain bound is 30 s
+        await asyncio.sleep(0.3)  # the late answer arrives
+        assert_same(await fetch(p, info), expect(9, (n,)))
+        assert_same(await fetch(p, p.make(10)), expect(10))
+
+
 @pytest.mark.parametrize("sizes", [(1000, 7, 0), (1 << 16, 3)])  # small, and over 256 KiB
 async def test_fetch_after_free_raises_object_freed(producer, sizes):
     info = producer.make(4, sizes)
