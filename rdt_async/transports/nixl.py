@@ -172,14 +172,19 @@ class _Agent:
         with self.lock:
             return fn(*args)
 
-    async def call(self, fn: Callable[..., T], *args: Any, slow: bool = False) -> T:
-        """Call `fn` holding the agent: inline when free and quick, else in the pool."""
+    async def call(
+        self, fn: Callable[..., T], *args: Any, slow: bool = False, undo: Callable[[T], None] | None = None
+    ) -> T:
+        """Call `fn` holding the agent: inline when free and quick, else in the pool.
+
+        A cancel waits for a call already in the pool (see `_in_pool`); `undo` gets what it made.
+        """
         if not slow and self.lock.acquire(blocking=False):
             try:
                 return fn(*args)
             finally:
                 self.lock.release()
-        return await _io.to_thread(self.locked, fn, *args)
+        return await _in_pool(self.locked, fn, *args, undo=undo)
 
 
 class NixlTransport(Transport[NixlMeta]):
@@ -612,7 +617,9 @@ class NixlTransport(Transport[NixlMeta]):
         try:
             for d in dsts:
                 key = self._register_nowait(agent, d) if d.device.type == "cpu" else None
-                keys.append(key if key is not None else await _io.to_thread(self._register, agent, d))
+                if key is None:
+                    key = await _in_pool(self._register, agent, d, undo=lambda k: _deregister_soon(agent, self._drop([k])))
+                keys.append(key)
         except BaseException:
             _deregister_soon(agent, self._drop(keys))
             raise
@@ -635,13 +642,14 @@ class NixlTransport(Transport[NixlMeta]):
         handle = await agent.call(
             nx.initialize_xfer, "READ", nx.get_xfer_descs(local, local_mem),
             nx.get_xfer_descs(remote_descs, remote_mem), remote,
+            undo=lambda h: _call_soon(agent, nx.release_xfer_handle, h),
         )
         state = "PROC"
         try:
             if sum(r[1] for r in remote_descs) <= INLINE_BYTES:
                 state = await agent.call(nx.transfer, handle)
             else:
-                state = await _finish_in_pool(agent, nx.transfer, handle)
+                state = await agent.call(nx.transfer, handle, slow=True)
             if state == "PROC":
                 state = await _wait_state(agent, handle)
             if state != "DONE":
@@ -875,23 +883,27 @@ def _deregister_soon(agent: _Agent, dlists: list[Any]) -> None:
         _call_soon(agent, agent.nixl.deregister_memory, dlist)
 
 
-async def _finish_in_pool(agent: _Agent, fn: Callable[..., str], handle: Any) -> str:
-    """Run a blocking agent call in the pool; if cancelled, wait for it before re-raising.
+async def _in_pool(fn: Callable[..., T], *args: Any, undo: Callable[[T], None] | None = None) -> T:
+    """Run a blocking call in the pool; if cancelled, wait for it before re-raising.
 
-    The copy cannot be interrupted and writes into memory the caller may free or reuse,
-    so a cancel takes effect once the call has returned (then the handle is released).
+    The call cannot be interrupted: a copy writes memory the caller may free or reuse,
+    and what a call makes (a registration, a transfer handle) would leak, so a cancel
+    takes effect once the call has returned, and `undo` gets its result. The caller's
+    cleanup thus never runs before it (a READ posted after its destination was
+    deregistered fails with "createXferReq: no specified or potential backend had the
+    required registrations").
     """
-    fut = asyncio.ensure_future(_io.to_thread(agent.locked, fn, handle))
+    fut = asyncio.ensure_future(_io.to_thread(fn, *args))
     cancelled = False
-    while True:
+    while not fut.done():
         try:
-            result = await asyncio.shield(fut)
-            break
+            await asyncio.shield(fut)
         except asyncio.CancelledError:
-            if fut.done():
-                raise
             cancelled = True
+    result = fut.result()
     if cancelled:
+        if undo is not None:
+            undo(result)
         raise asyncio.CancelledError
     return result
 
