@@ -84,6 +84,9 @@ POLL_MIN_S, POLL_MAX_S = 0.001, 0.02
 POLL_IDLE_S = 0.25  # the producer's pace once it holds nothing (consumers may still wire up)
 # How long a transfer may stay in progress after a cancel before its handle is dropped.
 ABORT_GRACE_S = 5.0
+# How long a fetch that lost its connection to a live producer may take to ask it anew
+# whether the object was freed.
+RECHECK_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -488,7 +491,9 @@ class NixlTransport(Transport[NixlMeta]):
             raise
         except BaseException as exc:
             if _is_disconnect(exc):
-                self._forget(meta.agent)
+                await self._forget(agent, meta.agent)
+                if not isinstance(exc, PeerDiedError) and _alive(meta):
+                    await self._raise_if_freed(agent, info, exc)
             if not isinstance(exc, (ObjectFreedError, PeerDiedError)) and not _alive(meta):
                 raise _died(info) from exc
             raise
@@ -604,13 +609,47 @@ class NixlTransport(Transport[NixlMeta]):
             while len(known) > MD_CACHE:
                 known.popitem(last=False)  # forgetting only costs a reload
 
-    def _forget(self, producer: str) -> None:
+    async def _forget(self, agent: _Agent, producer: str) -> None:
+        """Drop the producer's connection and metadata (before connecting anew)."""
         with self._state:
             self._loaded.pop(producer, None)
         remote = self._remotes.pop(producer, None)
-        agent = self._agent
-        if remote is not None and agent is not None:
-            _io.pool().submit(_quietly, agent.locked, agent.nixl.remove_remote_agent, remote)
+        if remote is not None:
+            try:
+                await agent.call(agent.nixl.remove_remote_agent, remote)
+            except Exception:
+                pass
+
+    async def _raise_if_freed(self, agent: _Agent, info: TransferInfo[NixlMeta], cause: BaseException) -> None:
+        """Read the liveness slot over a fresh connection; raise ObjectFreedError if it changed.
+
+        A READ of memory the producer has unmapped (a `free()` racing the read past the
+        linger) fails its UCX endpoint for good: NIXL reports the producer disconnected,
+        and the slot cannot be read over that endpoint any more. Any failure here leaves
+        the caller's error as it was.
+        """
+        meta = info.meta
+        landing, lslot = self._take_landing()
+        keys: list[tuple[str, int, int]] = []
+        freed: ObjectFreedError | None = None
+        try:
+            async with asyncio.timeout(RECHECK_S):
+                keys = await self._register_all(agent, [lslot] if landing < 0 else [])
+                remote = await self._connect(agent, meta)
+                lslot.zero_()
+                await self._read(agent, remote, [(lslot.data_ptr(), 8, 0)], [(meta.slot, 8, 0)], "DRAM", "DRAM")
+            _check_slot(lslot, info)
+        except ObjectFreedError as exc:
+            freed = exc
+        except Exception as exc:
+            if _is_disconnect(exc):
+                await self._forget(agent, meta.agent)
+        finally:
+            self._give_landing(landing)
+            if keys:
+                _deregister_soon(agent, self._drop(keys))
+        if freed is not None:
+            raise freed from cause
 
     async def _register_all(self, agent: _Agent, dsts: list[torch.Tensor]) -> list[tuple[str, int, int]]:
         keys: list[tuple[str, int, int]] = []

@@ -320,3 +320,39 @@ async def test_nixl_posts_nothing_to_a_producer_known_dead():
         finally:
             del nx.initialize_xfer
         assert posted == []
+
+
+
+@pytest.mark.skipif("nixl" not in TRANSPORTS, reason="nixl not selected")
+@pytest.mark.parametrize("freed", [True, False])
+async def test_nixl_read_failing_as_a_disconnect_from_a_live_producer(freed):
+    # A READ of memory the producer unmapped (a free() racing the read past the linger)
+    # fails UCX's endpoint: NIXL then reports every READ over it as a disconnect until
+    # the agent is removed. Emulated here, as the race itself is timing-bound.
+    from nixl._bindings import nixlRemoteDisconnectError
+
+    with own_producer("nixl") as p:
+        assert_same(await fetch(p, p.make(8)), expect(8))  # connected
+        info = p.make(9)
+        if freed:
+            p.call("free", info.obj_id)
+        nx = _registry.get("nixl").agent().nixl
+        broken = [True]
+        real_transfer, real_remove = nx.transfer, nx.remove_remote_agent
+
+        def transfer(handle):
+            if broken[0]:
+                raise nixlRemoteDisconnectError("NIXL_ERR_REMOTE_DISCONNECT")
+            return real_transfer(handle)
+
+        def remove_remote_agent(name):
+            broken[0] = False
+            return real_remove(name)
+
+        nx.transfer, nx.remove_remote_agent = transfer, remove_remote_agent
+        try:
+            with pytest.raises(rdt.ObjectFreedError if freed else rdt.PeerDiedError):
+                await fetch(p, info)
+        finally:
+            del nx.transfer, nx.remove_remote_agent
+        assert_same(await fetch(p, p.make(10)), expect(10))  # connected anew
