@@ -356,3 +356,28 @@ async def test_nixl_read_failing_as_a_disconnect_from_a_live_producer(freed):
         finally:
             del nx.transfer, nx.remove_remote_agent
         assert_same(await fetch(p, p.make(10)), expect(10))  # connected anew
+
+
+@pytest.mark.skipif("nixl" not in TRANSPORTS, reason="nixl not selected")
+async def test_nixl_concurrent_fetches_cancelled_again_and_again_leave_no_registration():
+    # A fetch cancelled while its destination was being registered in the pool (the
+    # agent busy with another fetch's copy) left that registration, and its buffer, for good.
+    transport = _registry.get("nixl")
+    with own_producer("nixl") as p:
+        infos = [p.make(20 + i, (8 << 20,)) for i in range(8)]  # 32 MiB each
+        await asyncio.to_thread(transport.warm_up)
+        before = transport.registrations
+
+        async def fetch_one(info):
+            request = transport.fetch_multiple_tensors(info, buffers=None, channel=p.channel(info.obj_id))
+            return await transport.wait_fetch_complete(request)
+
+        for _ in range(40):
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0.01):
+                    await asyncio.gather(*(fetch_one(info) for info in infos))
+        deadline = time.monotonic() + 5
+        while transport.registrations > before and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert transport.registrations == before
+        assert_same(await fetch(p, infos[0]), expect(20, (8 << 20,)))
