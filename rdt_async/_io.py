@@ -77,18 +77,27 @@ async def to_thread(fn: Callable[..., T], *args: Any) -> T:
     return await asyncio.get_running_loop().run_in_executor(pool(), fn, *args)
 
 
-async def to_thread_finished(fn: Callable[..., T], *args: Any) -> T:
-    """`to_thread` for work that writes memory the caller gets back (its `into=` buffers).
+async def to_thread_finished(fn: Callable[..., T], *args: Any, undo: Callable[[T], None] | None = None) -> T:
+    """`to_thread` for a call that must not be left running when its caller gives up.
 
-    A cancel returns once the work has finished, so nothing writes that memory after
-    the cancelled fetch has returned. The work is a bounded copy: it always ends.
+    A blocking call cannot be interrupted: a copy writes memory the caller gets back or
+    may reuse (its `into=` buffers), and what a call makes (a registration, a handle)
+    would leak. So a cancel takes effect once the call has returned, `undo` gets what it
+    made, and the caller's cleanup never runs before it.
     """
     work = asyncio.ensure_future(to_thread(fn, *args))
-    try:
-        return await asyncio.shield(work)
-    except asyncio.CancelledError:
-        await asyncio.wait({work})
-        raise
+    cancelled = False
+    while not work.done():
+        try:
+            await asyncio.shield(work)
+        except asyncio.CancelledError:
+            cancelled = True
+    result = work.result()
+    if cancelled:
+        if undo is not None:
+            undo(result)
+        raise asyncio.CancelledError
+    return result
 
 
 def submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:

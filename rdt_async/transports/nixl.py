@@ -180,14 +180,14 @@ class _Agent:
     ) -> T:
         """Call `fn` holding the agent: inline when free and quick, else in the pool.
 
-        A cancel waits for a call already in the pool (see `_in_pool`); `undo` gets what it made.
+        A cancel waits for a call already in the pool (see `_io.to_thread_finished`); `undo` gets what it made.
         """
         if not slow and self.lock.acquire(blocking=False):
             try:
                 return fn(*args)
             finally:
                 self.lock.release()
-        return await _in_pool(self.locked, fn, *args, undo=undo)
+        return await _io.to_thread_finished(self.locked, fn, *args, undo=undo)
 
 
 class NixlTransport(Transport[NixlMeta]):
@@ -657,7 +657,7 @@ class NixlTransport(Transport[NixlMeta]):
             for d in dsts:
                 key = self._register_nowait(agent, d) if d.device.type == "cpu" else None
                 if key is None:
-                    key = await _in_pool(self._register, agent, d, undo=lambda k: _deregister_soon(agent, self._drop([k])))
+                    key = await _io.to_thread_finished(self._register, agent, d, undo=lambda k: _deregister_soon(agent, self._drop([k])))
                 keys.append(key)
         except BaseException:
             _deregister_soon(agent, self._drop(keys))
@@ -920,31 +920,6 @@ _finishing: set[asyncio.Task[None]] = set()
 def _deregister_soon(agent: _Agent, dlists: list[Any]) -> None:
     for dlist in dlists:
         _call_soon(agent, agent.nixl.deregister_memory, dlist)
-
-
-async def _in_pool(fn: Callable[..., T], *args: Any, undo: Callable[[T], None] | None = None) -> T:
-    """Run a blocking call in the pool; if cancelled, wait for it before re-raising.
-
-    The call cannot be interrupted: a copy writes memory the caller may free or reuse,
-    and what a call makes (a registration, a transfer handle) would leak, so a cancel
-    takes effect once the call has returned, and `undo` gets its result. The caller's
-    cleanup thus never runs before it (a READ posted after its destination was
-    deregistered fails with "createXferReq: no specified or potential backend had the
-    required registrations").
-    """
-    fut = asyncio.ensure_future(_io.to_thread(fn, *args))
-    cancelled = False
-    while not fut.done():
-        try:
-            await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            cancelled = True
-    result = fut.result()
-    if cancelled:
-        if undo is not None:
-            undo(result)
-        raise asyncio.CancelledError
-    return result
 
 
 async def _abort(agent: _Agent, handle: Any) -> None:
