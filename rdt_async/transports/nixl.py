@@ -482,21 +482,26 @@ class NixlTransport(Transport[NixlMeta]):
     ) -> list[torch.Tensor]:
         meta = info.meta
         agent = await self._agent_async()
-        try:
-            if not _alive(meta):  # checked first: a READ posted to a dead agent leaks inside NIXL
-                raise _died(info)
-            remote = await self._connect(agent, meta)
-            out = await self._read_object(agent, remote, info, buffers)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:
-            if _is_disconnect(exc):
-                await self._forget(agent, meta.agent)
-                if not isinstance(exc, PeerDiedError) and _alive(meta):
-                    await self._raise_if_freed(agent, info, exc)
-            if not isinstance(exc, (ObjectFreedError, PeerDiedError)) and not _alive(meta):
-                raise _died(info) from exc
-            raise
+        for again in (False, True):
+            try:
+                if not _alive(meta):  # checked first: a READ posted to a dead agent leaks inside NIXL
+                    raise _died(info)
+                remote = await self._connect(agent, meta)
+                out = await self._read_object(agent, remote, info, buffers)
+                break
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:
+                if _is_disconnect(exc):
+                    await self._forget(agent, meta.agent)
+                    # One connection serves every read from that producer: a read of
+                    # another object, freed under it, can break it for this one too.
+                    if not isinstance(exc, PeerDiedError) and _alive(meta) and not again:
+                        if await self._still_held(agent, info, exc):
+                            continue  # read again, over the fresh connection
+                if not isinstance(exc, (ObjectFreedError, PeerDiedError)) and not _alive(meta):
+                    raise _died(info) from exc
+                raise
         if buffers is None:
             return out
         strided = [(b, o) for b, o in zip(buffers, out) if b is not o]
@@ -620,18 +625,20 @@ class NixlTransport(Transport[NixlMeta]):
             except Exception:
                 pass
 
-    async def _raise_if_freed(self, agent: _Agent, info: TransferInfo[NixlMeta], cause: BaseException) -> None:
-        """Read the liveness slot over a fresh connection; raise ObjectFreedError if it changed.
+    async def _still_held(self, agent: _Agent, info: TransferInfo[NixlMeta], cause: BaseException) -> bool:
+        """Read the liveness slot over a fresh connection: True if the object is still held.
 
         A READ of memory the producer has unmapped (a `free()` racing the read past the
         linger) fails its UCX endpoint for good: NIXL reports the producer disconnected,
-        and the slot cannot be read over that endpoint any more. Any failure here leaves
-        the caller's error as it was.
+        and the slot cannot be read over that endpoint any more. Raises ObjectFreedError
+        (from `cause`) if the slot changed; any other failure here gives False, and the
+        caller's error stands.
         """
         meta = info.meta
         landing, lslot = self._take_landing()
         keys: list[tuple[str, int, int]] = []
         freed: ObjectFreedError | None = None
+        held = False
         try:
             async with asyncio.timeout(RECHECK_S):
                 keys = await self._register_all(agent, [lslot] if landing < 0 else [])
@@ -639,6 +646,7 @@ class NixlTransport(Transport[NixlMeta]):
                 lslot.zero_()
                 await self._read(agent, remote, [(lslot.data_ptr(), 8, 0)], [(meta.slot, 8, 0)], "DRAM", "DRAM")
             _check_slot(lslot, info)
+            held = True
         except ObjectFreedError as exc:
             freed = exc
         except Exception as exc:
@@ -650,6 +658,7 @@ class NixlTransport(Transport[NixlMeta]):
                 _deregister_soon(agent, self._drop(keys))
         if freed is not None:
             raise freed from cause
+        return held
 
     async def _register_all(self, agent: _Agent, dsts: list[torch.Tensor]) -> list[tuple[str, int, int]]:
         keys: list[tuple[str, int, int]] = []
@@ -831,7 +840,7 @@ def _check_slot(lslot: torch.Tensor, info: TransferInfo[NixlMeta], cause: Except
     """Raise ObjectFreedError unless the liveness slot just read still holds the object's token."""
     if int(lslot.item()) != info.meta.token:
         raise ObjectFreedError(
-            f"object {info.obj_id} was freed before its nixl read finished", obj_id=info.obj_id
+            f"nixl fetch of {info.obj_id}: the producer no longer holds it (it was freed)", obj_id=info.obj_id
         ) from cause
 
 
