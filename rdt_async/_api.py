@@ -264,8 +264,6 @@ def _start(obj: RDTObject, into: Any, device: Any = None) -> _Start:
 
 
 def _check_device(device: torch.device) -> None:
-    if device.type == "meta":
-        raise ValueError("device='meta' holds no data: fetch to 'cpu' or 'cuda'")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(
             f"device={str(device)!r}, but this process has no usable CUDA device "
