@@ -127,7 +127,8 @@ def put(value: Any, /, *, tensor_transport: str = "auto") -> Any:
 def free(x: Any, /) -> None:
     """Release an object's tensors now; later fetches raise ObjectFreedError.
 
-    Never blocks for an RDTObject; an ObjectRef is resolved first (a small object).
+    Never blocks for an RDTObject; an ObjectRef is resolved first with `ray.get` (a small
+    object, but a blocking call): on an event loop, pass `await ref` instead.
     """
     obj = x if isinstance(x, RDTObject) else _object.get_ref(x, None) if _object.is_ref(x) else x
     if not isinstance(obj, RDTObject):
