@@ -212,6 +212,8 @@ class NixlTransport(Transport[NixlMeta]):
         self._free_bounce: list[int] = []
         self._conn: bytes = b""
         self._remotes: dict[str, str] = {}  # producer agent -> name NIXL knows it by
+        self._connects = 0  # connections made so far: `_epochs` tells them apart
+        self._epochs: dict[str, int] = {}  # producer agent -> which connection `_remotes` holds
         # producer agent -> partial metadata blobs already loaded (a storage registered
         # once on the producer yields the same blob for every object over it)
         self._loaded: dict[str, collections.OrderedDict[bytes, None]] = {}
@@ -264,7 +266,7 @@ class NixlTransport(Transport[NixlMeta]):
                     self._free_landing = list(range(SLOTS_PER_TABLE - 1, -1, -1))
                     self._free_bounce = list(range(BOUNCE_CHUNKS - 1, -1, -1))
                     self._loaded = {}
-                    self._regs, self._objects, self._remotes = {}, {}, {}
+                    self._regs, self._objects, self._remotes, self._epochs = {}, {}, {}, {}
                 self._conn = conn
                 self._agent = agent
             return self._agent
@@ -483,17 +485,19 @@ class NixlTransport(Transport[NixlMeta]):
         meta = info.meta
         agent = await self._agent_async()
         for again in (False, True):
+            epoch = None
             try:
                 if not _alive(meta):  # checked first: a READ posted to a dead agent leaks inside NIXL
                     raise _died(info)
                 remote = await self._connect(agent, meta)
+                epoch = self._epochs.get(meta.agent)
                 out = await self._read_object(agent, remote, info, buffers)
                 break
             except asyncio.CancelledError:
                 raise
             except BaseException as exc:
                 if _is_disconnect(exc):
-                    await self._forget(agent, meta.agent)
+                    await self._forget(agent, meta.agent, epoch)
                     # One connection serves every read from that producer: a read of
                     # another object, freed under it, can break it for this one too.
                     if not isinstance(exc, PeerDiedError) and _alive(meta) and not again:
@@ -588,6 +592,8 @@ class NixlTransport(Transport[NixlMeta]):
                     f"{meta.host}): it died or is unreachable ({type(exc).__name__}: {exc})"
                 ) from exc
             remote = self._remotes[meta.agent] = name.decode() if isinstance(name, bytes) else name
+            self._connects += 1
+            self._epochs[meta.agent] = self._connects
         for md in self._unloaded(meta):
             await agent.call(agent.nixl.add_remote_agent, md)
             self._mark_loaded(meta.agent, md)
@@ -614,8 +620,15 @@ class NixlTransport(Transport[NixlMeta]):
             while len(known) > MD_CACHE:
                 known.popitem(last=False)  # forgetting only costs a reload
 
-    async def _forget(self, agent: _Agent, producer: str) -> None:
-        """Drop the producer's connection and metadata (before connecting anew)."""
+    async def _forget(self, agent: _Agent, producer: str, epoch: int | None) -> None:
+        """Drop the producer's connection `epoch` (None: whichever) and its metadata.
+
+        Reads that broke on one connection each drop it: the first to do so may already
+        have connected anew, and that connection stays.
+        """
+        if epoch is not None and self._epochs.get(producer) != epoch:
+            return
+        self._epochs.pop(producer, None)
         with self._state:
             self._loaded.pop(producer, None)
         remote = self._remotes.pop(producer, None)
@@ -638,11 +651,12 @@ class NixlTransport(Transport[NixlMeta]):
         landing, lslot = self._take_landing()
         keys: list[tuple[str, int, int]] = []
         freed: ObjectFreedError | None = None
-        held = False
+        held, epoch = False, None
         try:
             async with asyncio.timeout(RECHECK_S):
                 keys = await self._register_all(agent, [lslot] if landing < 0 else [])
                 remote = await self._connect(agent, meta)
+                epoch = self._epochs.get(meta.agent)
                 lslot.zero_()
                 await self._read(agent, remote, [(lslot.data_ptr(), 8, 0)], [(meta.slot, 8, 0)], "DRAM", "DRAM")
             _check_slot(lslot, info)
@@ -651,7 +665,7 @@ class NixlTransport(Transport[NixlMeta]):
             freed = exc
         except Exception as exc:
             if _is_disconnect(exc):
-                await self._forget(agent, meta.agent)
+                await self._forget(agent, meta.agent, epoch)
         finally:
             self._give_landing(landing)
             if keys:

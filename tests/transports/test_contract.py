@@ -363,6 +363,30 @@ async def test_nixl_read_failing_as_a_disconnect_from_a_live_producer(freed):
 
 
 @pytest.mark.skipif("nixl" not in TRANSPORTS, reason="nixl not selected")
+async def test_nixl_a_read_broken_on_an_old_connection_leaves_the_new_one_alone():
+    # Reads that broke on one connection each drop it; the first may have connected
+    # anew already, and a later one must not drop that fresh connection.
+    with own_producer("nixl") as p:
+        info = p.make(8)
+        assert_same(await fetch(p, info), expect(8))
+        t = _registry.get("nixl")
+        agent, producer = t.agent(), info.meta.agent
+        old = t._epochs[producer]
+        await t._forget(agent, producer, old)  # the first read that broke
+        assert producer not in t._remotes
+        assert_same(await fetch(p, p.make(9)), expect(9))  # connected anew
+        new, removed = t._epochs[producer], []
+        real_remove = agent.nixl.remove_remote_agent
+        agent.nixl.remove_remote_agent = lambda name: removed.append(name) or real_remove(name)
+        try:
+            await t._forget(agent, producer, old)  # a later read that broke on the old one
+        finally:
+            del agent.nixl.remove_remote_agent
+        assert removed == [] and t._epochs[producer] == new and producer in t._remotes
+        assert_same(await fetch(p, p.make(10)), expect(10))
+
+
+@pytest.mark.skipif("nixl" not in TRANSPORTS, reason="nixl not selected")
 async def test_nixl_concurrent_fetches_cancelled_again_and_again_leave_no_registration():
     # A fetch cancelled while its destination was being registered in the pool (the
     # agent busy with another fetch's copy) left that registration, and its buffer, for good.
