@@ -58,6 +58,16 @@ def own_producer(name: str):
         p.close()
 
 
+@contextlib.contextmanager
+def stopped(p: Producer):
+    """The producer process stopped (SIGSTOP) for the block, and resumed after it."""
+    os.kill(p.proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(p.proc.pid, signal.SIGCONT)
+
+
 def expect(obj_no: int, sizes=(1000, 7, 0)) -> list[torch.Tensor]:
     return [t.cpu() for t in make_value(obj_no, "cpu", sizes)]
 
@@ -163,13 +173,10 @@ async def test_a_fetch_cancelled_past_the_drain_bound_never_writes_its_buffers_l
         assert_same(await fetch(p, p.make(8)), expect(8))  # connected, warm
         info = p.make(9, (n,))
         buffers = [torch.zeros(s.shape, dtype=s.dtype, device=DEVICE) for s in info.specs]
-        os.kill(p.proc.pid, signal.SIGSTOP)
-        try:
+        with stopped(p):
             async with asyncio.timeout(20):
                 await cancel_after(fetch(p, info, buffers), 0.2)
             then = [b.clone() for b in buffers]
-        finally:
-            os.kill(p.proc.pid, signal.SIGCONT)
         await asyncio.sleep(0.5)  # the producer's answer, if anything still waits for it
         assert all(torch.equal(t, b) for t, b in zip(then, buffers)), "written after the cancel returned"
         assert_same(await fetch(p, info, buffers), expect(9, (n,)))  # and the producer serves again
@@ -183,14 +190,11 @@ async def test_a_fetch_into_its_own_memory_from_a_stopped_producer_is_cancelled_
     with own_producer(name) as p:
         assert_same(await fetch(p, p.make(8)), expect(8))  # connected, warm
         info = p.make(9, (n,))
-        os.kill(p.proc.pid, signal.SIGSTOP)
-        try:
+        with stopped(p):
             t0 = time.monotonic()
             async with asyncio.timeout(20):
                 await cancel_after(fetch(p, info), 0.2)
             took = time.monotonic() - t0
-        finally:
-            os.kill(p.proc.pid, signal.SIGCONT)
         assert took < 5, f"the cancel waited {took:.1f} s"  # a hang check: the drain bound is 30 s
         await asyncio.sleep(0.3)  # the late answer arrives
         assert_same(await fetch(p, info), expect(9, (n,)))
