@@ -8,14 +8,16 @@ any ref to the RDTObject, or any deserialized copy of it, exists anywhere. When 
 last one goes, the callback frees the tensors here. The producer never keeps the
 anchor itself.
 
-`auto` and NIXL: a GPU object is prepared for nixl whenever this process can load it
-(else it goes through the object store). A CPU object stays inline when small, and
+`auto` and GPUs: a GPU object is exported for cuda_ipc (same-node consumers map it and
+copy once, device to device) where this process's memory can be exported, and prepared
+for nixl (other nodes) whenever this process can load it; else it goes through the
+object store. A CPU object stays inline when small, and
 is exported to shm for same-node consumers; from AUTO_NIXL_MIN_BYTES on, and only
 where nixl loads, it is registered with NIXL as well, so that consumers on other
 nodes read it one-sidedly instead of through the object store. Below that size
 NIXL's costs (one agent per process, a registration per storage, ~0.6 KB of
 metadata in every ref) buy nothing worth the hot path. The consumer picks: inline,
-then shm on the producer's node, then nixl if it can load nixl, then object_store.
+then shm or cuda_ipc on the producer's node, then nixl if it can load nixl, then object_store.
 """
 
 from __future__ import annotations
@@ -220,7 +222,10 @@ def _prepared_transports(name: str, tensors: Sequence[torch.Tensor]) -> list[Tra
         if nbytes >= AUTO_NIXL_MIN_BYTES and _nixl_here():
             plan.append(_registry.get("nixl"))  # for consumers on other nodes
         return plan
-    return [_registry.get("nixl")] if _nixl_here() else []  # GPU: nixl, else object_store
+    plan = [_registry.get("cuda_ipc")] if _cuda_ipc_here() else []  # GPU, same node: mapped, one copy
+    if _nixl_here():
+        plan.append(_registry.get("nixl"))  # GPU, other nodes (and the same one without cuda_ipc)
+    return plan  # nothing: object_store
 
 
 # Auto prepares nixl for CPU objects only from this size on: registering costs ~0.1 ms
@@ -235,6 +240,15 @@ def _nixl_here() -> bool:
     """Say whether this process can load nixl (checked once)."""
     try:
         return _registry.transport_class("nixl").unavailable_reason() is None
+    except Exception:
+        return False
+
+
+@functools.cache
+def _cuda_ipc_here() -> bool:
+    """Say whether this process can export CUDA tensors over cuda_ipc (checked once)."""
+    try:
+        return _registry.transport_class("cuda_ipc").exports_here()  # type: ignore[attr-defined, no-any-return]
     except Exception:
         return False
 
@@ -411,8 +425,9 @@ def choose_transport(obj: RDTObject, node_id: str) -> tuple[str, Any]:
     """Pick the transport for a fetch of `obj` by a process on `node_id`.
 
     `auto`: small CPU objects -> inline (prepared by the producer); same node and
-    CPU -> shm; GPU, or another node -> nixl when the producer prepared it and this
-    process can load nixl; otherwise object_store. A one-sided transport that cannot
+    CPU -> shm; same node and GPU -> cuda_ipc where both ends have CUDA; GPU, or
+    another node -> nixl when the producer prepared it and this process can load
+    nixl; otherwise object_store. A one-sided transport that cannot
     reach this node falls back to object_store. Gloo/NCCL objects go over a group
     both ends share (auto picks one when nothing better applies), else object_store.
     Returns the transport's name and the metadata its fetch needs.
@@ -424,6 +439,8 @@ def choose_transport(obj: RDTObject, node_id: str) -> tuple[str, Any]:
             name = "inline"
         elif "shm" in obj.meta and obj.producer.node_id == node_id:
             name = "shm"
+        elif "cuda_ipc" in obj.meta and obj.producer.node_id == node_id and _cuda_ipc_reads_here():
+            name = "cuda_ipc"
         elif "nixl" in obj.meta and _nixl_here():
             name = "nixl"
         elif shared is not None:
@@ -438,6 +455,15 @@ def choose_transport(obj: RDTObject, node_id: str) -> tuple[str, Any]:
             return "object_store", None  # the consumer is outside the producer's groups
         return name, shared[1]
     return name, obj.meta.get(name)
+
+
+@functools.cache
+def _cuda_ipc_reads_here() -> bool:
+    """Say whether this process can read over cuda_ipc (a CUDA device; checked once)."""
+    try:
+        return _registry.transport_class("cuda_ipc").unavailable_reason() is None
+    except Exception:
+        return False
 
 
 def _shared_group(obj: RDTObject) -> tuple[str, Any] | None:

@@ -13,19 +13,7 @@ from typing import Any
 import ray
 import torch
 
-
-def parse_size(s: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    s = s.strip().upper().removesuffix("B")
-    return int(float(s[:-1]) * units[s[-1]]) if s[-1] in units else int(s)
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.4g} {unit}"
-        n /= 1024
-    return str(n)
+from ._units import human, parse_size
 
 
 def main(argv: list[str] | None = None) -> int:

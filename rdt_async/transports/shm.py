@@ -75,10 +75,6 @@ class ShmTransport(Transport[ShmMeta]):
     devices = ("cpu",)
     one_sided = True
 
-    def __init__(self) -> None:
-        self._guardian: subprocess.Popen[bytes] | None = None
-        self._lock = threading.Lock()
-
     @classmethod
     def unavailable_reason(cls) -> str | None:
         if not os.path.isdir(SHM_DIR):
@@ -92,7 +88,7 @@ class ShmTransport(Transport[ShmMeta]):
             size += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
         if size == 0:
             return ShmMeta(None, 0, tuple(offsets))
-        self._ensure_guardian()
+        ensure_guardian()
         name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(12)}"
         path = os.path.join(SHM_DIR, name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -133,23 +129,33 @@ class ShmTransport(Transport[ShmMeta]):
             except FileNotFoundError:
                 pass
 
-    def _ensure_guardian(self) -> None:
-        if self._guardian is not None and self._guardian_pid == os.getpid():
+
+_guardian: tuple[subprocess.Popen[bytes], int] | None = None  # and the pid it guards
+_guardian_lock = threading.Lock()
+
+
+def ensure_guardian() -> None:
+    """Start this process's guardian once: it unlinks our `PREFIX<pid>-*` files when we end.
+
+    Runs on: producer (shm segments, cuda_ipc's liveness tables).
+    """
+    global _guardian
+    if _guardian is not None and _guardian[1] == os.getpid():
+        return
+    with _guardian_lock:
+        if _guardian is not None and _guardian[1] == os.getpid():
             return
-        with self._lock:
-            if self._guardian is not None and self._guardian_pid == os.getpid():
-                return
-            proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", _GUARDIAN, SHM_DIR, PREFIX, str(os.getpid())],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                close_fds=True,
-            )
-            proc.wait()  # the first child exits at once; its detached child keeps stdin
-            assert proc.stdin is not None
-            atexit.register(proc.stdin.close)  # at exit, as at death: the guardian cleans up
-            self._guardian, self._guardian_pid = proc, os.getpid()
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _GUARDIAN, SHM_DIR, PREFIX, str(os.getpid())],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            close_fds=True,
+        )
+        proc.wait()  # the first child exits at once; its detached child keeps stdin
+        assert proc.stdin is not None
+        atexit.register(proc.stdin.close)  # at exit, as at death: the guardian cleans up
+        _guardian = (proc, os.getpid())
 
 
 def _open(info: TransferInfo[ShmMeta]) -> int:

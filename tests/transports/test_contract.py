@@ -27,7 +27,7 @@ from .contract import Producer, fetch, make_value
 
 DEVICE = os.environ.get("RDT_CONTRACT_DEVICE", "cpu")
 # Optional transports join the default list where their package is installed.
-OPTIONAL = [t for t in ("nixl", "ucxx") if _registry.transport_class(t).unavailable_reason() is None]
+OPTIONAL = [t for t in ("nixl", "cuda_ipc", "ucxx") if _registry.transport_class(t).unavailable_reason() is None]
 TRANSPORTS = [
     t
     for t in os.environ.get("RDT_CONTRACT_TRANSPORTS", ",".join(["shm", "object_store", *OPTIONAL])).split(",")

@@ -1,0 +1,319 @@
+"""python -m rdt_async.bench.gpu [--sizes 4K,...,4G] [--cross-sizes 4K,...,1G] [--json out.json]
+
+GPU transfers between two processes on one GPU, no Ray (the GPU machine has none):
+`cuda_ipc` and `nixl` fetches (fresh tensors, and `into=` buffers reused), beside the raw
+paths a user could write instead (a CUDA IPC mapping and `copy_`, a raw NIXL READ) and
+the physical limit (a device-to-device copy in one process); CPU->CUDA and CUDA->CPU
+against a pinned `cudaMemcpy`. Every figure is wall-clock from the call until the bytes
+have landed (device work synchronized), warm (connections made, memory mapped, one
+untimed round first), the median of the repeats; each fetch row also gives the worst
+stall of the consumer's event loop while it ran and the first (cold) fetch's time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from ._units import human, parse_size
+
+GIB = float(1 << 30)
+
+
+def _reps(n: int) -> int:
+    return 30 if n <= 16 << 20 else 10 if n <= 1 << 30 else 5
+
+
+def _pattern(n: int, device: str, seed: int) -> torch.Tensor:
+    g = torch.Generator(device=device).manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, device=device, generator=g)
+
+
+def _checksum(t: torch.Tensor) -> int:
+    chunk = 64 << 20  # a sum makes an int64 temporary: keep it small
+    return sum(int(t[i : i + chunk].sum(dtype=torch.int64)) for i in range(0, t.numel(), chunk))
+
+
+def _producer_main(conn: Any, sizes: list[int], cross: list[int]) -> None:
+    """Hold one CUDA tensor per size (and a CPU one per cross size); export them every way."""
+    from rdt_async.transports import _registry
+    from rdt_async.transports._base import TensorSpec, TransferInfo
+
+    gpu = {n: _pattern(n, "cuda", n) for n in sizes}
+    cpu = {n: _pattern(n, "cpu", n) for n in cross}
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    out: dict[str, Any] = {"sums": {("cuda", n): _checksum(t) for n, t in gpu.items()}}
+    out["sums"].update({("cpu", n): _checksum(t) for n, t in cpu.items()})
+    infos: dict[tuple[str, str, int], Any] = {}
+    for name in ("cuda_ipc", "nixl"):
+        transport = _registry.get(name)
+        for n, t in gpu.items():
+            infos[(name, "cuda", n)] = TransferInfo(f"{name}-cuda-{n}", (TensorSpec.of(t),), transport.prepare(f"{name}-cuda-{n}", [t]))
+        if name == "nixl":
+            for n, t in cpu.items():
+                infos[(name, "cpu", n)] = TransferInfo(f"nixl-cpu-{n}", (TensorSpec.of(t),), transport.prepare(f"nixl-cpu-{n}", [t]))
+    out["infos"] = infos
+    out["ipc"] = {n: t.untyped_storage()._share_cuda_() for n, t in gpu.items()}
+    raw = _raw_agent(f"bench-gpu-raw-producer-{os.getpid()}")
+    for t in [*gpu.values(), *cpu.values()]:
+        raw.register_memory(t)
+    out["raw"] = (raw.get_agent_metadata(), {("cuda", n): t.data_ptr() for n, t in gpu.items()} | {("cpu", n): t.data_ptr() for n, t in cpu.items()})
+    conn.send(out)
+    while not conn.poll(0.001):
+        raw.get_new_notifs()  # the passive side progresses for wire-up
+
+
+def _raw_agent(name: str) -> Any:
+    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+
+    from rdt_async.transports import nixl as transport
+
+    transport._import_reason()  # NIXL's INFO off stdout
+    cfg = nixl_agent_config(enable_prog_thread=False, backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+    return nixl_agent(name, cfg)
+
+
+def _row(case: str, n: int, times: list[float], **extra: Any) -> dict[str, Any]:
+    s = statistics.median(times)
+    row = {"case": case, "size": n, "seconds": s, "gb_s": n / s / 1e9, **extra}
+    print(_line(row), file=sys.stderr, flush=True)  # progress: a long run shows as it goes
+    return row
+
+
+def _line(r: dict[str, Any]) -> str:
+    extra = "".join(f"  {k}={r[k]:.3g}" for k in ("first_s", "first_map_s", "max_stall_ms") if k in r)
+    return f"{r['case']:<52} {human(r['size']):>10} {r['seconds'] * 1e3:10.3f} ms {r['gb_s']:8.2f} GB/s{extra}"
+
+
+BUDGET_S = 5.0  # a case stops repeating after this long (slow paths: a few samples)
+
+
+def _timed(fn: Any, n: int) -> list[float]:
+    times: list[float] = []
+    start = time.perf_counter()
+    for i in range(_reps(n) + 1):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        if i:
+            times.append(time.perf_counter() - t0)
+        if len(times) >= 2 and time.perf_counter() - start > BUDGET_S:
+            break
+    return times
+
+
+def _limits(sizes: list[int], cross: list[int]) -> list[dict[str, Any]]:
+    rows = []
+    for n in sizes:
+        a, b = torch.empty(n, dtype=torch.uint8, device="cuda"), _pattern(n, "cuda", 1)
+        rows.append(_row("limit: device-to-device copy_, one process", n, _timed(lambda: a.copy_(b), n)))
+    for n in cross:
+        host, dev = torch.empty(n, dtype=torch.uint8).pin_memory(), torch.empty(n, dtype=torch.uint8, device="cuda")
+        host.fill_(1)
+        rows.append(_row("limit: pinned CPU -> CUDA cudaMemcpy", n, _timed(lambda: dev.copy_(host, non_blocking=True), n)))
+        rows.append(_row("limit: CUDA -> pinned CPU cudaMemcpy", n, _timed(lambda: host.copy_(dev, non_blocking=True), n)))
+        pageable = torch.ones(n, dtype=torch.uint8)
+        rows.append(_row("pageable CPU -> CUDA copy_", n, _timed(lambda: dev.copy_(pageable), n)))
+        rows.append(_row("CUDA -> pageable CPU copy_", n, _timed(lambda: pageable.copy_(dev), n)))
+    return rows
+
+
+def _raw_ipc(shares: dict[int, Any], sums: dict[Any, int]) -> list[dict[str, Any]]:
+    rows = []
+    for n, (device, *share) in shares.items():
+        t0 = time.perf_counter()
+        storage = torch.UntypedStorage._new_shared_cuda(device, *share)
+        mapped = time.perf_counter() - t0
+        src = torch.empty(0, dtype=torch.uint8, device="cuda").set_(storage)[:n]
+        dst = torch.empty(n, dtype=torch.uint8, device="cuda")
+        rows.append(_row("raw CUDA IPC: mapped once, copy_", n, _timed(lambda: dst.copy_(src), n), first_map_s=mapped))
+        assert _checksum(dst) == sums[("cuda", n)], f"raw IPC copy of {n} bytes differs"
+    return rows
+
+
+def _raw_nixl(raw: Any, sizes: list[int], cross: list[int], sums: dict[Any, int]) -> list[dict[str, Any]]:
+    md, addrs = raw
+    agent = _raw_agent(f"bench-gpu-raw-consumer-{os.getpid()}")
+    remote = agent.add_remote_agent(md)
+    rows = []
+    cases = [("cuda", "cuda", n) for n in sizes] + [("cpu", "cuda", n) for n in cross] + [("cuda", "cpu", n) for n in cross]
+    for src_dev, dst_dev, n in cases:
+        dst = torch.empty(n, dtype=torch.uint8, device=dst_dev)
+        reg = agent.register_memory(dst)
+        mem = {"cuda": "VRAM", "cpu": "DRAM"}
+        remote_descs = agent.get_xfer_descs([(addrs[(src_dev, n)], n, 0)], mem[src_dev])
+        local_descs = agent.get_xfer_descs([(dst.data_ptr(), n, 0)], mem[dst_dev])
+
+        def read() -> None:
+            h = agent.initialize_xfer("READ", local_descs, remote_descs, remote)
+            state = agent.transfer(h)
+            while state == "PROC":
+                state = agent.check_xfer_state(h)
+            agent.release_xfer_handle(h)
+            if state != "DONE":
+                raise RuntimeError(f"raw NIXL READ ended in {state}")
+
+        rows.append(_row(f"raw NIXL READ {src_dev} -> {dst_dev}", n, _timed(read, n)))
+        assert _checksum(dst) == sums[(src_dev, n)], f"raw NIXL READ of {n} bytes differs"
+        agent.deregister_memory(reg)
+        del dst
+    return rows
+
+
+async def _fetch_rows(infos: dict[Any, Any], sums: dict[Any, int], sizes: list[int], cross: list[int]) -> list[dict[str, Any]]:
+    from rdt_async.transports import _registry
+
+    rows = []
+    cases = [(name, "cuda", "cuda", n) for name in ("cuda_ipc", "nixl") for n in sizes]
+    cases += [("nixl", "cpu", "cuda", n) for n in cross] + [(name, "cuda", "cpu", n) for name in ("nixl", "cuda_ipc") for n in cross]
+    for name, src_dev, dst_dev, n in cases:
+        transport = _registry.get(name)
+        await asyncio.to_thread(transport.warm_up)
+        info = infos[(name, src_dev, n)]
+        for into in (False, True) if src_dev == dst_dev else (True,):
+            buffers = [torch.empty(n, dtype=torch.uint8, device=dst_dev)] if into else None
+            times, out = [], None
+            probe = _LagProbe()
+            start = time.perf_counter()
+            for i in range(_reps(n) + 1):
+                if len(times) >= 2 and time.perf_counter() - start > BUDGET_S:
+                    break
+                out = None
+                t0 = time.perf_counter()
+                out = await transport.wait_fetch_complete(transport.fetch_multiple_tensors(info, buffers=buffers, channel=None))
+                took = time.perf_counter() - t0
+                if i == 0:
+                    first = took
+                    probe.start()  # the stall of warm fetches (the first may load libraries)
+                else:
+                    times.append(took)
+            stall = await probe.stop()
+            assert out is not None and out[0].device.type == dst_dev
+            assert _checksum(out[0]) == sums[(src_dev, n)], f"{name} fetch of {n} bytes differs"
+            kind = "into= (reused)" if into else "fresh tensors"
+            rows.append(_row(f"rdt {name} fetch {src_dev} -> {dst_dev}, {kind}", n, times, first_s=first, max_stall_ms=stall * 1e3))
+            del out, buffers
+    return rows
+
+
+class _LagProbe:
+    """How late the loop wakes a 1 ms sleeper while transfers run (a blocked loop shows)."""
+
+    def __init__(self) -> None:
+        self.lag = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            t0 = time.perf_counter()
+            await asyncio.sleep(0.001)
+            self.lag = max(self.lag, time.perf_counter() - t0 - 0.001)
+
+    async def stop(self) -> float:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        return self.lag
+
+
+def checks(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The GPU issue's targets, as ratios against the raw copy of the same kind in this run."""
+    by = {(r["case"], r["size"]): r for r in rows}
+    out: dict[str, Any] = {}
+    pairs = {
+        "rdt cuda_ipc fetch cuda -> cuda, into= (reused)": "raw CUDA IPC: mapped once, copy_",
+        "rdt cuda_ipc fetch cuda -> cuda, fresh tensors": "raw CUDA IPC: mapped once, copy_",
+        "rdt nixl fetch cuda -> cuda, into= (reused)": "raw NIXL READ cuda -> cuda",
+        "rdt nixl fetch cpu -> cuda, into= (reused)": "raw NIXL READ cpu -> cuda",
+        "rdt nixl fetch cuda -> cpu, into= (reused)": "raw NIXL READ cuda -> cpu",
+        "rdt cuda_ipc fetch cuda -> cpu, into= (reused)": "CUDA -> pageable CPU copy_",
+    }
+    for case, raw in pairs.items():
+        ratios = {
+            human(s): round(r["gb_s"] / by[(raw, s)]["gb_s"], 3)
+            for (c, s), r in by.items()
+            if c == case and (raw, s) in by and s >= 64 << 20
+        }
+        if ratios:
+            out[f"{case} / {raw} (>= 64 MiB)"] = ratios
+    stalls = [r["max_stall_ms"] for r in rows if "max_stall_ms" in r]
+    if stalls:
+        out["worst_loop_stall_ms"] = round(max(stalls), 2)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m rdt_async.bench.gpu", description=__doc__)
+    ap.add_argument("--sizes", default="4K,64K,1M,16M,64M,256M,1G,4G")
+    ap.add_argument("--cross-sizes", default="4K,1M,64M,256M")
+    ap.add_argument("--json", default="-", help="file for the JSON results ('-': stdout)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("python -m rdt_async.bench.gpu needs a CUDA GPU", file=sys.stderr)
+        return 2
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    cross = [parse_size(s) for s in args.cross_sizes.split(",") if s]
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=_producer_main, args=(child, sizes, cross), daemon=True)
+    proc.start()
+    rows: list[dict[str, Any]] = []
+    try:
+        got = conn.recv()
+        for stage in (
+            lambda: _limits(sizes, cross),
+            lambda: _raw_ipc(got["ipc"], got["sums"]),
+            lambda: asyncio.run(_fetch_rows(got["infos"], got["sums"], sizes, cross)),
+            lambda: _raw_nixl(got["raw"], sizes, cross, got["sums"]),
+        ):
+            rows += stage()
+            torch.cuda.empty_cache()
+    finally:
+        conn.send("exit")
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    result = {
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "machine": {
+            "gpu": torch.cuda.get_device_name(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+        },
+        "rows": rows,
+        "checks": checks(rows),
+    }
+    text = json.dumps(result, indent=2)
+    if args.json == "-":
+        print(text)
+    else:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    out = sys.stderr if args.json == "-" else sys.stdout
+    for r in rows:
+        print(_line(r), file=out)
+    for k, v in result["checks"].items():
+        print(f"check: {k} = {v}", file=out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,489 @@
+"""`cuda_ipc`: one-sided reads of CUDA tensors between processes of one node, through CUDA IPC.
+
+Producer: `prepare` takes the IPC handle of the allocation under each tensor (the
+caching allocator's segment: `cuIpcGetMemHandle`, no copy) and a liveness slot, a word
+in a small table under /dev/shm that holds a random token while the object lives.
+Non-contiguous tensors are copied once to a contiguous tensor kept with the object.
+torch's own `_share_cuda_` is not used: it expects exactly one release per export, made
+by the one consumer that maps it, and an object here is read by any number of fetches.
+
+Consumer: checks the slot, maps the segment (`cuIpcOpenMemHandle`, no copy; mapped once
+per process and kept while fetches use it, closed MAP_IDLE_S after the last), copies
+device-to-device into fresh memory or the caller's `into=` buffers on a copy stream of
+its own, polls the copy's CUDA event from the I/O loop with backoff, then reads the
+slot again: a token that changed means the object was freed during the read and the
+fetch raises ObjectFreedError instead of returning bytes the producer's allocator may
+have handed to other tensors. A cancelled fetch returns once its copy has landed (a GPU
+copy cannot be recalled), so nothing writes the caller's buffers later.
+
+Freeing: `garbage_collect` clears the slot at once and drops the producer's reference
+to the tensors after a linger (LINGER_S plus the time to read them at 10 GB/s), so a
+copy racing an explicit `free()` never reads memory the allocator gave back.
+
+Reach: the producer's node only, and a GPU the consumer's CUDA context can map: the
+producer's GPU (found by UUID, whatever CUDA_VISIBLE_DEVICES numbers it) or one with
+peer access to it. CUDA IPC does not work on MIG instances. Where it cannot work, the
+error says so and names `nixl`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import mmap
+import os
+import secrets
+import socket
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import _cuda, _io
+from .._errors import ObjectFreedError, PeerDiedError, TransportUnavailableError
+from . import _cudadrv, shm
+from ._base import Channel, TransferInfo, Transport
+
+SLOTS_PER_TABLE = 1024
+TABLE_CACHE = 64  # liveness tables a consumer keeps mapped (one per producer, mostly)
+MAP_IDLE_S = 2.0  # a mapped segment no fetch uses is closed after this long
+LINGER_S, LINGER_BYTES_PER_S = 0.25, 10e9
+
+
+@dataclass(frozen=True)
+class IpcTensor:
+    """One tensor as a consumer maps it: its segment's IPC handle and where it lies in it."""
+
+    device_uuid: str
+    handle: bytes  # cuIpcGetMemHandle of the allocation (64 bytes)
+    offset: int  # bytes from the allocation's base
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class CudaIpcMeta:
+    """What a consumer on the producer's node needs: the exports and the liveness slot."""
+
+    host: str
+    pid: int
+    tensors: tuple[IpcTensor | None, ...]  # None for an empty tensor
+    table: str  # name of the liveness table under /dev/shm
+    slot: int
+    token: int
+
+
+@functools.cache
+def _host() -> str:
+    """This node's identity: host name and boot id (containers may share a host name)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+@functools.cache
+def _uuids() -> dict[str, int]:
+    """Return the UUID of each CUDA device this process sees -> its index here."""
+    return {str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())}
+
+
+def _uuid(index: int) -> str:
+    return next(u for u, i in _uuids().items() if i == index)
+
+
+class _Table:
+    """A liveness table: SLOTS_PER_TABLE int64 words in a file under /dev/shm."""
+
+    def __init__(self, name: str, *, create: bool) -> None:
+        self.name = name
+        path = os.path.join(shm.SHM_DIR, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL if create else os.O_RDONLY, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, SLOTS_PER_TABLE * 8)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if create else 0)
+            self._mm = mmap.mmap(fd, SLOTS_PER_TABLE * 8, flags=mmap.MAP_SHARED, prot=prot)
+        finally:
+            os.close(fd)
+        self.words = memoryview(self._mm).cast("q")
+
+    def close(self) -> None:
+        self.words.release()
+        self._mm.close()
+
+
+class CudaIpcTransport(Transport[CudaIpcMeta]):
+    """CUDA tensors between processes of one node: IPC-mapped, then one device copy."""
+
+    name = "cuda_ipc"
+    devices = ("cuda",)
+    one_sided = True
+    inline_prepare_bytes = 1 << 62  # an export copies nothing: never worth a thread hop
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # guards everything below
+        self._tables: list[_Table] = []  # the producer's liveness tables
+        self._free_slots: list[int] = []
+        self._objects: dict[str, tuple[int, list[torch.Tensor]]] = {}  # obj_id -> slot, what it reads
+        self._mapped: OrderedDict[str, _Table] = OrderedDict()  # the consumer's view of producers' tables
+        self._streams: dict[int, torch.cuda.Stream] = {}
+
+    @staticmethod
+    def exports_here() -> bool:
+        """Say whether this process's tensors can be exported: CUDA, and cudaMalloc'd memory.
+
+        PyTorch's expandable segments and cudaMallocAsync allocate memory that CUDA IPC
+        handles cannot export (`auto` then leaves it to nixl).
+        """
+        if CudaIpcTransport.unavailable_reason() is not None:
+            return False
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
+        return "expandable_segments:true" not in conf.replace(" ", "").lower() and torch.cuda.get_allocator_backend() == "native"
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        if not torch.cuda.is_available():
+            return "no CUDA device in this process (torch.cuda.is_available() is False)"
+        if not os.path.isdir(shm.SHM_DIR):
+            return f"{shm.SHM_DIR} does not exist (cuda_ipc keeps its liveness table there: Linux only)"
+        mig = _mig_reason()
+        if mig:
+            return mig
+        return None
+
+    # -- producer --------------------------------------------------------------------
+
+    def prepare(self, obj_id: str, tensors: Sequence[torch.Tensor]) -> CudaIpcMeta:
+        out: list[IpcTensor | None] = []
+        kept: list[torch.Tensor] = []
+        for t in tensors:
+            nbytes = t.numel() * t.element_size()
+            if nbytes == 0:
+                out.append(None)
+                continue
+            if not t.is_contiguous():
+                t = t.contiguous()
+                _cuda.settle([t])  # consumers read it outside this thread's streams
+            kept.append(t)
+            out.append(_export(t, nbytes))
+        table, slot, token = self._take_slot()
+        with self._lock:
+            self._objects[obj_id] = (slot, kept)
+        return CudaIpcMeta(_host(), os.getpid(), tuple(out), table, slot, token)
+
+    def garbage_collect(self, obj_id: str, meta: CudaIpcMeta) -> None:
+        with self._lock:
+            held = self._objects.pop(obj_id, None)
+            if held is None:
+                return
+            slot, kept = held
+            self._tables[slot // SLOTS_PER_TABLE].words[slot % SLOTS_PER_TABLE] = 0  # later reads fail
+            self._free_slots.append(slot)
+        # A copy that checked the slot just before may still read: keep the memory a while.
+        linger = LINGER_S + sum(t.numel() * t.element_size() for t in kept) / LINGER_BYTES_PER_S
+        _io.call_soon(_keep_for, kept, linger)
+
+    def _take_slot(self) -> tuple[str, int, int]:
+        with self._lock:
+            if not self._free_slots:
+                n = len(self._tables)
+                shm.ensure_guardian()  # removes the tables if this process is killed
+                name = f"{shm.PREFIX}{os.getpid()}-ipc-{secrets.token_hex(8)}"
+                self._tables.append(_Table(name, create=True))
+                self._free_slots = list(range((n + 1) * SLOTS_PER_TABLE - 1, n * SLOTS_PER_TABLE - 1, -1))
+            slot = self._free_slots.pop()
+            table = self._tables[slot // SLOTS_PER_TABLE]
+            token = secrets.randbits(62) + 1
+            table.words[slot % SLOTS_PER_TABLE] = token
+        return table.name, slot % SLOTS_PER_TABLE, token
+
+    # -- consumer --------------------------------------------------------------------
+
+    async def receive(
+        self, info: TransferInfo[CudaIpcMeta], buffers: list[torch.Tensor] | None, channel: Channel
+    ) -> list[torch.Tensor]:
+        meta = info.meta
+        self._check_live(info)
+        out = [
+            b if b is not None else torch.empty(s.shape, dtype=s.dtype, device=_landing_device(m))
+            for b, s, m in zip(buffers or [None] * len(info.specs), info.specs, meta.tensors)
+        ]
+        pairs = [(o, m) for o, m in zip(out, meta.tensors) if m is not None]
+        if not pairs:
+            return out
+        if any(o.device.type != "cuda" or not o.is_contiguous() for o, _ in pairs):
+            # Into CPU (or strided) buffers: a blocking copy, off the loop.
+            with _mappings.using([m for _, m in pairs]) as use:
+                await use.mapped()
+                await _io.to_thread_finished(_copy_blocking, pairs, use.sources)
+        else:
+            await self._copy_async(pairs)
+        self._check_live(info, during=True)
+        return out
+
+    async def _copy_async(self, pairs: list[tuple[torch.Tensor, IpcTensor]]) -> None:
+        """Map the sources, queue the copies on this process's copy stream, await them."""
+        with _mappings.using([m for _, m in pairs]) as use:
+            await use.mapped()
+            await self._queue_and_wait(pairs, use.sources)
+
+    async def _queue_and_wait(self, pairs: list[tuple[torch.Tensor, IpcTensor]], sources: list[torch.Tensor]) -> None:
+        events = []
+        for device in {o.device for o, _ in pairs}:
+            stream = self._stream(device)
+            # Fresh memory may still be in use by work queued on this thread's stream.
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for (o, _), src in zip(pairs, sources):
+                    if o.device == device:
+                        o.view(-1).view(torch.uint8).copy_(src, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+                events.append(event)
+        try:
+            await _cuda.wait(events)
+        except BaseException:
+            # A queued copy cannot be recalled: let it land, so nothing writes the
+            # destination after this fetch has given up.
+            await _settled(events)
+            raise
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = self._streams.get(index)
+        if stream is None:
+            stream = self._streams[index] = torch.cuda.Stream(index)
+        return stream
+
+    def _check_live(self, info: TransferInfo[CudaIpcMeta], *, during: bool = False) -> None:
+        """Raise unless the producer is reachable from here, alive, and holds the object."""
+        meta = info.meta
+        if meta.host != _host():
+            raise TransportUnavailableError(
+                f"cuda_ipc fetch of {info.obj_id}: the producer (pid {meta.pid}) is on another node "
+                f"({meta.host.split('/')[0]}); CUDA IPC reaches one node only: use tensor_transport='nixl' or 'auto'",
+                obj_id=info.obj_id,
+            )
+        if not _alive(meta.pid):
+            raise PeerDiedError(f"cuda_ipc fetch of {info.obj_id}: the producer (pid {meta.pid}) died", obj_id=info.obj_id)
+        try:
+            table = self._table(meta.table)
+        except FileNotFoundError:
+            raise PeerDiedError(
+                f"cuda_ipc fetch of {info.obj_id}: the producer (pid {meta.pid}) died", obj_id=info.obj_id
+            ) from None
+        if table.words[meta.slot] != meta.token:
+            when = "during the read" if during else "before the fetch"
+            raise ObjectFreedError(
+                f"cuda_ipc fetch of {info.obj_id}: the producer no longer holds it (freed {when})", obj_id=info.obj_id
+            )
+
+    def _table(self, name: str) -> _Table:
+        with self._lock:
+            table = self._mapped.get(name)
+            if table is not None:
+                self._mapped.move_to_end(name)
+                return table
+        table = _Table(name, create=False)
+        with self._lock:
+            self._mapped[name] = table
+            while len(self._mapped) > TABLE_CACHE:
+                self._mapped.popitem(last=False)[1].close()
+        return table
+
+
+def _export(t: torch.Tensor, nbytes: int) -> IpcTensor:
+    """Return the IPC export of `t`'s bytes (the handle of its allocation; no copy)."""
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    try:
+        handle, base, _ = _cudadrv.export(t.data_ptr(), index)
+    except _cudadrv.CudaDriverError as exc:
+        raise TransportUnavailableError(
+            f"cuda_ipc cannot export a tensor on {t.device}: {exc}. CUDA IPC needs memory from "
+            "cudaMalloc (PyTorch's default allocator, not PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+            "or cudaMallocAsync) on a GPU that is not a MIG instance; use tensor_transport='nixl'"
+        ) from exc
+    return IpcTensor(_uuid(index), handle, t.data_ptr() - base, nbytes)
+
+
+def _landing_device(m: IpcTensor | None) -> torch.device:
+    """Where a fetched tensor lands: the producer's GPU if this process sees it, else the current one."""
+    index = _uuids().get(m.device_uuid) if m is not None else None
+    return torch.device("cuda", index if index is not None else torch.cuda.current_device())
+
+
+def _map_index(m: IpcTensor) -> int:
+    """The device a segment is mapped on here: the producer's GPU, else (hidden here) the current one."""
+    index = _uuids().get(m.device_uuid)
+    return index if index is not None else torch.cuda.current_device()
+
+
+class _Mappings:
+    """This process's mapped segments: each opened once, shared by the fetches using it.
+
+    CUDA maps a handle once per process, so concurrent fetches from one segment share
+    the mapping; it is closed MAP_IDLE_S after the last of them ends.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # handle -> [address or a future of it, users, idle timer]
+        self._maps: dict[bytes, list[Any]] = {}
+
+    def using(self, tensors: list[IpcTensor]) -> _Use:
+        return _Use(self, tensors)
+
+    def acquire(self, m: IpcTensor) -> concurrent.futures.Future[int]:
+        """Count a user of `m`'s segment; the future gives its address here once mapped."""
+        with self._lock:
+            entry = self._maps.get(m.handle)
+            if entry is None:
+                fut: concurrent.futures.Future[int] = concurrent.futures.Future()
+                entry = self._maps[m.handle] = [fut, 0, None, _map_index(m)]
+                _io.pool().submit(_open_into, fut, m.handle, entry[3], m.device_uuid)
+            entry[1] += 1
+            if entry[2] is not None:
+                entry[2].cancel()
+                entry[2] = None
+            return entry[0]
+
+    def release(self, handle: bytes) -> None:
+        with self._lock:
+            entry = self._maps[handle]
+            entry[1] -= 1
+            if entry[1] == 0:
+                if entry[0].done() and entry[0].exception() is not None:
+                    del self._maps[handle]  # a map that failed: the next fetch tries anew
+                else:
+                    entry[2] = _io.io_loop().call_soon_threadsafe(self._idle, handle)
+
+    def _idle(self, handle: bytes) -> None:
+        with self._lock:
+            entry = self._maps.get(handle)
+            if entry is not None and entry[1] == 0:
+                entry[2] = asyncio.get_running_loop().call_later(MAP_IDLE_S, self._close, handle)
+
+    def _close(self, handle: bytes) -> None:
+        with self._lock:
+            entry = self._maps.get(handle)
+            if entry is None or entry[1] != 0:
+                return
+            del self._maps[handle]
+        fut, index = entry[0], entry[3]
+        if fut.done() and fut.exception() is None:
+            _io.pool().submit(_quietly, _cudadrv.close_handle, fut.result(), index)
+
+    @property
+    def mapped(self) -> int:
+        with self._lock:
+            return len(self._maps)
+
+
+class _Use:
+    """The segments one fetch reads, mapped for as long as the `with` block runs."""
+
+    def __init__(self, maps: _Mappings, tensors: list[IpcTensor]) -> None:
+        self._maps, self._tensors = maps, tensors
+        self.sources: list[torch.Tensor] = []
+
+    def __enter__(self) -> _Use:
+        self._futures = [self._maps.acquire(m) for m in self._tensors]
+        return self
+
+    async def mapped(self) -> None:
+        """Wait until every segment is mapped; set `sources`, the tensors' bytes in them."""
+        addresses = [f.result() if f.done() else await asyncio.wrap_future(f) for f in self._futures]
+        self.sources = [_wrap(a + m.offset, m.nbytes, _map_index(m)) for a, m in zip(addresses, self._tensors)]
+
+    def __exit__(self, *exc: Any) -> None:
+        self.sources = []
+        for m in self._tensors:
+            self._maps.release(m.handle)
+
+
+_mappings = _Mappings()
+
+
+def _open_into(fut: concurrent.futures.Future[int], handle: bytes, index: int, uuid: str) -> None:
+    try:
+        fut.set_result(_cudadrv.open_handle(handle, index))
+    except _cudadrv.CudaDriverError as exc:
+        fut.set_exception(
+            TransportUnavailableError(
+                f"cuda_ipc cannot map the producer's memory on GPU {uuid} from cuda:{index} here ({exc}): "
+                "CUDA IPC needs the producer's GPU visible in this process or peer access between "
+                "the two GPUs; use tensor_transport='nixl'"
+            )
+        )
+    except BaseException as exc:
+        fut.set_exception(exc)
+
+
+class _DeviceBytes:
+    """`nbytes` of device memory at an address, as torch.as_tensor takes it (no copy)."""
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (address, False), "version": 3, "strides": None,
+        }
+
+
+def _wrap(address: int, nbytes: int, index: int) -> torch.Tensor:
+    return torch.as_tensor(_DeviceBytes(address, nbytes), device=torch.device("cuda", index))
+
+
+def _copy_blocking(pairs: list[tuple[torch.Tensor, IpcTensor]], sources: list[torch.Tensor]) -> None:
+    """Copy into CPU or strided buffers and wait until it has landed (in the pool)."""
+    for (o, _), src in zip(pairs, sources):
+        if o.is_contiguous():
+            o.view(-1).view(torch.uint8).copy_(src)
+        else:
+            o.copy_(src.view(o.dtype).view(o.shape))
+    _cuda.settle(sources + [o for o, _ in pairs])
+
+
+async def _settled(events: list[torch.cuda.Event]) -> None:
+    """Wait for `events` even if cancelled meanwhile (a GPU copy ends in bounded time)."""
+    waiting = asyncio.ensure_future(_cuda.wait(events))
+    while not waiting.done():
+        try:
+            await asyncio.shield(waiting)
+        except asyncio.CancelledError:
+            pass
+
+
+def _keep_for(tensors: list[torch.Tensor], seconds: float) -> None:
+    """Hold `tensors` on the I/O loop for `seconds`, then let them go."""
+    asyncio.get_running_loop().call_later(seconds, tensors.clear)
+
+
+def _quietly(fn: Any, *args: Any) -> None:
+    try:
+        fn(*args)
+    except Exception:
+        pass
+
+
+@functools.cache
+def _mig_reason() -> str | None:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    if visible.startswith("MIG-") or any(" MIG " in f" {n} " for n in names):
+        return "CUDA IPC does not work on MIG instances (a limit of CUDA); use tensor_transport='nixl'"
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
