@@ -96,6 +96,7 @@ def _line(r: dict[str, Any]) -> str:
     return f"{r['case']:<52} {human(r['size']):>10} {r['seconds'] * 1e3:10.3f} ms {r['gb_s']:8.2f} GB/s{extra}"
 
 
+TRANSPORTS = ("cuda_ipc", "nixl")
 BUDGET_S = 5.0  # a case stops repeating after this long (slow paths: a few samples)
 
 
@@ -177,6 +178,7 @@ async def _fetch_rows(infos: dict[Any, Any], sums: dict[Any, int], sizes: list[i
     rows = []
     cases = [(name, "cuda", "cuda", n) for name in ("cuda_ipc", "nixl") for n in sizes]
     cases += [("nixl", "cpu", "cuda", n) for n in cross] + [(name, "cuda", "cpu", n) for name in ("nixl", "cuda_ipc") for n in cross]
+    cases = [c for c in cases if c[0] in TRANSPORTS]
     for name, src_dev, dst_dev, n in cases:
         transport = _registry.get(name)
         await asyncio.to_thread(transport.warm_up)
@@ -263,8 +265,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m rdt_async.bench.gpu", description=__doc__)
     ap.add_argument("--sizes", default="4K,64K,1M,16M,64M,256M,1G,4G")
     ap.add_argument("--cross-sizes", default="4K,1M,64M,256M")
+    ap.add_argument("--transports", default="cuda_ipc,nixl", help="fetch rows for these transports")
     ap.add_argument("--json", default="-", help="file for the JSON results ('-': stdout)")
     args = ap.parse_args(argv)
+    global TRANSPORTS
+    TRANSPORTS = tuple(args.transports.split(","))
     if not torch.cuda.is_available():
         print("python -m rdt_async.bench.gpu needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -281,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
             lambda: _limits(sizes, cross),
             lambda: _raw_ipc(got["ipc"], got["sums"]),
             lambda: asyncio.run(_fetch_rows(got["infos"], got["sums"], sizes, cross)),
-            lambda: _raw_nixl(got["raw"], sizes, cross, got["sums"]),
+            lambda: _raw_nixl(got["raw"], sizes, cross, got["sums"]) if "nixl" in TRANSPORTS else [],
         ):
             rows += stage()
             torch.cuda.empty_cache()
