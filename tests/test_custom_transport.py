@@ -592,7 +592,7 @@ def test_registration_errors_are_clear_and_immediate(name, devices, cls, error, 
     assert name not in registered or name == "file-spool"  # that one keeps its first class
 
 
-@pytest.mark.parametrize("name", ["auto", "shm", "object_store", "nixl", "ucxx", "gloo", "nccl", "NIXL"])
+@pytest.mark.parametrize("name", ["auto", "shm", "object_store", "nixl", "cuda_ipc", "ucxx", "gloo", "nccl", "NIXL"])
 def test_built_in_names_cannot_be_shadowed(name):
     with pytest.raises(ValueError, match=f"{name!r} is the name of a built-in transport"):
         rdt.register_transport(name, ["cpu"], _Receives)

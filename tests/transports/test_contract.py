@@ -413,3 +413,21 @@ async def test_nixl_concurrent_fetches_cancelled_again_and_again_leave_no_regist
             await asyncio.sleep(0.05)
         assert transport.registrations == before
         assert_same(await fetch(p, infos[0]), expect(20, (8 << 20,)))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_cuda_ipc_refuses_clearly_without_cuda():
+    reason = _registry.transport_class("cuda_ipc").unavailable_reason()
+    assert reason == "no CUDA device in this process (torch.cuda.is_available() is False)"
+    with pytest.raises(rdt.TransportUnavailableError, match="transport 'cuda_ipc' is unavailable: no CUDA device"):
+        _registry.get("cuda_ipc")
+
+
+def test_cuda_ipc_refuses_a_producer_on_another_node():
+    # The node check comes before anything touches CUDA: it holds on any machine.
+    from rdt_async.transports import cuda_ipc
+
+    meta = cuda_ipc.CudaIpcMeta("elsewhere/boot", 1, (None,), "rdt-1-ipc-x", 0, 1)
+    info = TransferInfo("obj-far", (TensorSpec((0,), torch.float32, "cuda:0", 0),), meta)
+    with pytest.raises(rdt.TransportUnavailableError, match=r"on another node \(elsewhere\).*use tensor_transport='nixl'"):
+        cuda_ipc.CudaIpcTransport()._check_live(info)
