@@ -219,11 +219,11 @@ def _prepared_transports(name: str, tensors: Sequence[torch.Tensor]) -> list[Tra
         if nbytes <= INLINE_AUTO_MAX_BYTES:
             return [_registry.get("inline")]  # small: the bytes ride in the ref
         plan = [_registry.get("shm")]  # same node, CPU: the likely consumer
-        if nbytes >= AUTO_NIXL_MIN_BYTES and _nixl_here():
+        if nbytes >= AUTO_NIXL_MIN_BYTES and _loads_here("nixl"):
             plan.append(_registry.get("nixl"))  # for consumers on other nodes
         return plan
     plan = [_registry.get("cuda_ipc")] if _cuda_ipc_here() else []  # GPU, same node: mapped, one copy
-    if _nixl_here():
+    if _loads_here("nixl"):
         plan.append(_registry.get("nixl"))  # GPU, other nodes (and the same one without cuda_ipc)
     return plan  # nothing: object_store
 
@@ -236,10 +236,10 @@ AUTO_NIXL_MIN_BYTES = 1 << 20
 
 
 @functools.cache
-def _nixl_here() -> bool:
-    """Say whether this process can load nixl (checked once)."""
+def _loads_here(name: str) -> bool:
+    """Say whether this process can use transport `name` (checked once)."""
     try:
-        return _registry.transport_class("nixl").unavailable_reason() is None
+        return _registry.transport_class(name).unavailable_reason() is None
     except Exception:
         return False
 
@@ -439,9 +439,9 @@ def choose_transport(obj: RDTObject, node_id: str) -> tuple[str, Any]:
             name = "inline"
         elif "shm" in obj.meta and obj.producer.node_id == node_id:
             name = "shm"
-        elif "cuda_ipc" in obj.meta and obj.producer.node_id == node_id and _cuda_ipc_reads_here():
+        elif "cuda_ipc" in obj.meta and obj.producer.node_id == node_id and _loads_here("cuda_ipc"):
             name = "cuda_ipc"
-        elif "nixl" in obj.meta and _nixl_here():
+        elif "nixl" in obj.meta and _loads_here("nixl"):
             name = "nixl"
         elif shared is not None:
             name = shared[0]
@@ -455,15 +455,6 @@ def choose_transport(obj: RDTObject, node_id: str) -> tuple[str, Any]:
             return "object_store", None  # the consumer is outside the producer's groups
         return name, shared[1]
     return name, obj.meta.get(name)
-
-
-@functools.cache
-def _cuda_ipc_reads_here() -> bool:
-    """Say whether this process can read over cuda_ipc (a CUDA device; checked once)."""
-    try:
-        return _registry.transport_class("cuda_ipc").unavailable_reason() is None
-    except Exception:
-        return False
 
 
 def _shared_group(obj: RDTObject) -> tuple[str, Any] | None:

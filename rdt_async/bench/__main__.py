@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import platform
-import sys
 import time
 from typing import Any
 
 import ray
 import torch
 
-from ._units import human, parse_size
+from ._report import human, parse_size, write_json
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,13 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "checks": checks(rows),
     }
-    text = json.dumps(result, indent=2)
-    if args.json == "-":
-        print(text)
-    else:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
-    print_table(rows, result["checks"], file=sys.stderr if args.json == "-" else sys.stdout)
+    print_table(rows, result["checks"], file=write_json(result, args.json))
     return 0
 
 

@@ -21,19 +21,9 @@ import torch
 
 import rdt_async as rdt
 
+from . import _rawnixl
+
 GIB = float(1 << 30)
-
-
-def _agent(name: str) -> Any:
-    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
-
-    from rdt_async.transports import nixl as transport
-
-    transport._import_reason()  # NIXL's INFO lines off stdout, as for the transport's own agents
-    cfg = nixl_agent_config(
-        enable_prog_thread=False, backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
-    )
-    return nixl_agent(name, cfg)
 
 
 def _cpu_seconds() -> float:
@@ -47,7 +37,7 @@ def _producer_main(conn: Any, sizes: list[int]) -> None:
     from rdt_async.transports import _registry
     from rdt_async.transports._base import TensorSpec, TransferInfo
 
-    raw = _agent(f"bench-raw-producer-{os.getpid()}")
+    raw = _rawnixl.agent(f"bench-raw-producer-{os.getpid()}")
     tensors = {n: torch.full((n,), n % 251, dtype=torch.uint8) for n in sizes}
     for t in tensors.values():
         raw.register_memory(t)
@@ -84,13 +74,7 @@ def _raw_read_rows(agent: Any, remote: str, addrs: dict[int, int], sizes: list[i
         times = []
         for i in range(_reps(n, repeat) + 1):
             t0 = time.perf_counter()
-            h = agent.initialize_xfer("READ", agent.get_xfer_descs(dst), remote_descs, remote)
-            state = agent.transfer(h)
-            while state == "PROC":
-                state = agent.check_xfer_state(h)
-            agent.release_xfer_handle(h)
-            if state != "DONE":
-                raise RuntimeError(f"raw NIXL READ ended in {state}")
+            _rawnixl.read(agent, agent.get_xfer_descs(dst), remote_descs, remote)
             if i:
                 times.append(time.perf_counter() - t0)
         assert int(dst[-1]) == n % 251
@@ -273,7 +257,7 @@ def run(sizes: list[int], repeat: int) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     try:
         md, addrs, infos = conn.recv()
-        raw = _agent(f"bench-raw-consumer-{os.getpid()}")
+        raw = _rawnixl.agent(f"bench-raw-consumer-{os.getpid()}")
         remote = raw.add_remote_agent(md)
         remote = remote.decode() if isinstance(remote, bytes) else remote
         rows += _raw_read_rows(raw, remote, addrs, sizes, repeat)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -25,7 +24,8 @@ from typing import Any
 
 import torch
 
-from ._units import human, parse_size
+from . import _rawnixl
+from ._report import human, parse_size, write_json
 
 GIB = float(1 << 30)
 
@@ -65,23 +65,13 @@ def _producer_main(conn: Any, sizes: list[int], cross: list[int]) -> None:
                 infos[(name, "cpu", n)] = TransferInfo(f"nixl-cpu-{n}", (TensorSpec.of(t),), transport.prepare(f"nixl-cpu-{n}", [t]))
     out["infos"] = infos
     out["ipc"] = {n: t.untyped_storage()._share_cuda_() for n, t in gpu.items()}
-    raw = _raw_agent(f"bench-gpu-raw-producer-{os.getpid()}")
+    raw = _rawnixl.agent(f"bench-gpu-raw-producer-{os.getpid()}")
     for t in [*gpu.values(), *cpu.values()]:
         raw.register_memory(t)
     out["raw"] = (raw.get_agent_metadata(), {("cuda", n): t.data_ptr() for n, t in gpu.items()} | {("cpu", n): t.data_ptr() for n, t in cpu.items()})
     conn.send(out)
     while not conn.poll(0.001):
         raw.get_new_notifs()  # the passive side progresses for wire-up
-
-
-def _raw_agent(name: str) -> Any:
-    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
-
-    from rdt_async.transports import nixl as transport
-
-    transport._import_reason()  # NIXL's INFO off stdout
-    cfg = nixl_agent_config(enable_prog_thread=False, backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
-    return nixl_agent(name, cfg)
 
 
 def _row(case: str, n: int, times: list[float], **extra: Any) -> dict[str, Any]:
@@ -96,7 +86,6 @@ def _line(r: dict[str, Any]) -> str:
     return f"{r['case']:<52} {human(r['size']):>10} {r['seconds'] * 1e3:10.3f} ms {r['gb_s']:8.2f} GB/s{extra}"
 
 
-TRANSPORTS = ("cuda_ipc", "nixl")
 BUDGET_S = 5.0  # a case stops repeating after this long (slow paths: a few samples)
 
 
@@ -145,7 +134,7 @@ def _raw_ipc(shares: dict[int, Any], sums: dict[Any, int]) -> list[dict[str, Any
 
 def _raw_nixl(raw: Any, sizes: list[int], cross: list[int], sums: dict[Any, int]) -> list[dict[str, Any]]:
     md, addrs = raw
-    agent = _raw_agent(f"bench-gpu-raw-consumer-{os.getpid()}")
+    agent = _rawnixl.agent(f"bench-gpu-raw-consumer-{os.getpid()}")
     remote = agent.add_remote_agent(md)
     rows = []
     cases = [("cuda", "cuda", n) for n in sizes] + [("cpu", "cuda", n) for n in cross] + [("cuda", "cpu", n) for n in cross]
@@ -157,13 +146,7 @@ def _raw_nixl(raw: Any, sizes: list[int], cross: list[int], sums: dict[Any, int]
         local_descs = agent.get_xfer_descs([(dst.data_ptr(), n, 0)], mem[dst_dev])
 
         def read() -> None:
-            h = agent.initialize_xfer("READ", local_descs, remote_descs, remote)
-            state = agent.transfer(h)
-            while state == "PROC":
-                state = agent.check_xfer_state(h)
-            agent.release_xfer_handle(h)
-            if state != "DONE":
-                raise RuntimeError(f"raw NIXL READ ended in {state}")
+            _rawnixl.read(agent, local_descs, remote_descs, remote)
 
         rows.append(_row(f"raw NIXL READ {src_dev} -> {dst_dev}", n, _timed(read, n)))
         assert _checksum(dst) == sums[(src_dev, n)], f"raw NIXL READ of {n} bytes differs"
@@ -172,13 +155,15 @@ def _raw_nixl(raw: Any, sizes: list[int], cross: list[int], sums: dict[Any, int]
     return rows
 
 
-async def _fetch_rows(infos: dict[Any, Any], sums: dict[Any, int], sizes: list[int], cross: list[int]) -> list[dict[str, Any]]:
+async def _fetch_rows(
+    infos: dict[Any, Any], sums: dict[Any, int], sizes: list[int], cross: list[int], transports: tuple[str, ...]
+) -> list[dict[str, Any]]:
     from rdt_async.transports import _registry
 
     rows = []
     cases = [(name, "cuda", "cuda", n) for name in ("cuda_ipc", "nixl") for n in sizes]
     cases += [("nixl", "cpu", "cuda", n) for n in cross] + [(name, "cuda", "cpu", n) for name in ("nixl", "cuda_ipc") for n in cross]
-    cases = [c for c in cases if c[0] in TRANSPORTS]
+    cases = [c for c in cases if c[0] in transports]
     for name, src_dev, dst_dev, n in cases:
         transport = _registry.get(name)
         await asyncio.to_thread(transport.warm_up)
@@ -268,8 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transports", default="cuda_ipc,nixl", help="fetch rows for these transports")
     ap.add_argument("--json", default="-", help="file for the JSON results ('-': stdout)")
     args = ap.parse_args(argv)
-    global TRANSPORTS
-    TRANSPORTS = tuple(args.transports.split(","))
+    transports = tuple(args.transports.split(","))
     if not torch.cuda.is_available():
         print("python -m rdt_async.bench.gpu needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -285,8 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         for stage in (
             lambda: _limits(sizes, cross),
             lambda: _raw_ipc(got["ipc"], got["sums"]),
-            lambda: asyncio.run(_fetch_rows(got["infos"], got["sums"], sizes, cross)),
-            lambda: _raw_nixl(got["raw"], sizes, cross, got["sums"]) if "nixl" in TRANSPORTS else [],
+            lambda: asyncio.run(_fetch_rows(got["infos"], got["sums"], sizes, cross, transports)),
+            lambda: _raw_nixl(got["raw"], sizes, cross, got["sums"]) if "nixl" in transports else [],
         ):
             rows += stage()
             torch.cuda.empty_cache()
@@ -306,13 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "checks": checks(rows),
     }
-    text = json.dumps(result, indent=2)
-    if args.json == "-":
-        print(text)
-    else:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
-    out = sys.stderr if args.json == "-" else sys.stdout
+    out = write_json(result, args.json)
     for r in rows:
         print(_line(r), file=out)
     for k, v in result["checks"].items():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Coroutine, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
@@ -245,6 +246,17 @@ class Transport(Generic[M]):
         Runs on: consumer.
         """
         request.cancel()
+
+
+def pid_alive(pid: int) -> bool:
+    """Say whether process `pid` of this node may be alive (one owned by another user counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def copy_into(buffers: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> list[torch.Tensor]:

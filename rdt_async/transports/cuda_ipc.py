@@ -47,7 +47,7 @@ import torch
 from .. import _cuda, _io
 from .._errors import ObjectFreedError, PeerDiedError, TransportUnavailableError
 from . import _cudadrv, shm
-from ._base import Channel, TransferInfo, Transport
+from ._base import Channel, TransferInfo, Transport, pid_alive
 
 SLOTS_PER_TABLE = 1024
 TABLE_CACHE = 64  # liveness tables a consumer keeps mapped (one per producer, mostly)
@@ -214,29 +214,24 @@ class CudaIpcTransport(Transport[CudaIpcMeta]):
         meta = info.meta
         self._check_live(info)
         out = [
-            b if b is not None else torch.empty(s.shape, dtype=s.dtype, device=_landing_device(m))
+            b if b is not None else torch.empty(s.shape, dtype=s.dtype, device=_device_of(m))
             for b, s, m in zip(buffers or [None] * len(info.specs), info.specs, meta.tensors)
         ]
         pairs = [(o, m) for o, m in zip(out, meta.tensors) if m is not None]
         if not pairs:
             return out
-        if any(o.device.type != "cuda" or not o.is_contiguous() for o, _ in pairs):
-            # Into CPU (or strided) buffers: a blocking copy, off the loop.
-            with _mappings.using([m for _, m in pairs]) as use:
-                await use.mapped()
+        with _mappings.using([m for _, m in pairs]) as use:
+            await use.mapped()
+            if any(o.device.type != "cuda" or not o.is_contiguous() for o, _ in pairs):
+                # Into CPU (or strided) buffers: a blocking copy, off the loop.
                 await _io.to_thread_finished(_copy_blocking, pairs, use.sources)
-        else:
-            await self._copy_async(pairs)
+            else:
+                await self._queue_and_wait(pairs, use.sources)
         self._check_live(info, during=True)
         return out
 
-    async def _copy_async(self, pairs: list[tuple[torch.Tensor, IpcTensor]]) -> None:
-        """Map the sources, queue the copies on this process's copy stream, await them."""
-        with _mappings.using([m for _, m in pairs]) as use:
-            await use.mapped()
-            await self._queue_and_wait(pairs, use.sources)
-
     async def _queue_and_wait(self, pairs: list[tuple[torch.Tensor, IpcTensor]], sources: list[torch.Tensor]) -> None:
+        """Queue the copies on this process's copy stream and wait until they have landed."""
         events = []
         for device in {o.device for o, _ in pairs}:
             stream = self._stream(device)
@@ -277,7 +272,7 @@ class CudaIpcTransport(Transport[CudaIpcMeta]):
                 f"({meta.host.split('/')[0]}); CUDA IPC reaches one node only: use tensor_transport='nixl' or 'auto'",
                 obj_id=info.obj_id,
             )
-        if not _alive(meta.pid):
+        if not pid_alive(meta.pid):
             raise PeerDiedError(f"cuda_ipc fetch of {info.obj_id}: the producer (pid {meta.pid}) died", obj_id=info.obj_id)
         try:
             table = self._table(meta.table)
@@ -319,16 +314,14 @@ def _export(t: torch.Tensor, nbytes: int) -> IpcTensor:
     return IpcTensor(_uuid(index), handle, t.data_ptr() - base, nbytes)
 
 
-def _landing_device(m: IpcTensor | None) -> torch.device:
-    """Where a fetched tensor lands: the producer's GPU if this process sees it, else the current one."""
-    index = _uuids().get(m.device_uuid) if m is not None else None
-    return torch.device("cuda", index if index is not None else torch.cuda.current_device())
-
-
 def _map_index(m: IpcTensor) -> int:
-    """The device a segment is mapped on here: the producer's GPU, else (hidden here) the current one."""
+    """The device a segment is mapped (and lands) on here: the producer's GPU, else (hidden here) the current one."""
     index = _uuids().get(m.device_uuid)
     return index if index is not None else torch.cuda.current_device()
+
+
+def _device_of(m: IpcTensor | None) -> torch.device:
+    return torch.device("cuda", _map_index(m) if m is not None else torch.cuda.current_device())
 
 
 class _Mappings:
@@ -384,12 +377,7 @@ class _Mappings:
             del self._maps[handle]
         fut, index = entry[0], entry[3]
         if fut.done() and fut.exception() is None:
-            _io.pool().submit(_quietly, _cudadrv.close_handle, fut.result(), index)
-
-    @property
-    def mapped(self) -> int:
-        with self._lock:
-            return len(self._maps)
+            _io.pool().submit(_cudadrv.close_handle, fut.result(), index)  # a failure stays in its future
 
 
 class _Use:
@@ -468,13 +456,6 @@ def _keep_for(tensors: list[torch.Tensor], seconds: float) -> None:
     asyncio.get_running_loop().call_later(seconds, tensors.clear)
 
 
-def _quietly(fn: Any, *args: Any) -> None:
-    try:
-        fn(*args)
-    except Exception:
-        pass
-
-
 @functools.cache
 def _mig_reason() -> str | None:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
@@ -482,13 +463,3 @@ def _mig_reason() -> str | None:
     if visible.startswith("MIG-") or any(" MIG " in f" {n} " for n in names):
         return "CUDA IPC does not work on MIG instances (a limit of CUDA); use tensor_transport='nixl'"
     return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -63,7 +63,7 @@ import torch
 from .. import _alloc, _cuda, _io
 from .._errors import ObjectFreedError, PeerDiedError, TransferAbortedError, TransportUnavailableError
 from . import _ucx
-from ._base import Channel, TransferInfo, Transport, copy_into, local_device
+from ._base import Channel, TransferInfo, Transport, copy_into, local_device, pid_alive
 
 T = TypeVar("T")
 
@@ -992,12 +992,4 @@ def _died(info: TransferInfo[NixlMeta]) -> PeerDiedError:
 
 def _alive(meta: NixlMeta) -> bool:
     """Say whether the producer may be alive (only checkable on its own host)."""
-    if meta.host != socket.gethostname():
-        return True
-    try:
-        os.kill(meta.pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return meta.host != socket.gethostname() or pid_alive(meta.pid)

@@ -24,7 +24,7 @@ import torch
 
 from .. import _io
 from .._errors import PeerDiedError
-from ._base import Channel, TransferInfo, Transport, copy_into
+from ._base import Channel, TransferInfo, Transport, copy_into, pid_alive
 
 SHM_DIR = "/dev/shm"
 PREFIX = "rdt-"
@@ -168,13 +168,9 @@ def _open(info: TransferInfo[ShmMeta]) -> int:
     segment = info.meta.segment
     assert segment is not None
     fd = os.open(os.path.join(SHM_DIR, segment), os.O_RDONLY)
-    try:
-        os.kill(int(segment[len(PREFIX) :].split("-", 1)[0]), 0)
-    except ProcessLookupError:
+    if not pid_alive(int(segment[len(PREFIX) :].split("-", 1)[0])):
         os.close(fd)
-        raise PeerDiedError(f"fetch over shm: the producer of {info.obj_id} died", obj_id=info.obj_id) from None
-    except PermissionError:
-        pass  # alive, under another user
+        raise PeerDiedError(f"fetch over shm: the producer of {info.obj_id} died", obj_id=info.obj_id)
     return fd
 
 

@@ -1,0 +1,29 @@
+"""Raw NIXL, as a user would drive it without rdt_async: the baseline of the NIXL benchmarks (no Ray)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def agent(name: str) -> Any:
+    """A NIXL agent set up as the transport's own (UCX, no progress thread)."""
+    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+
+    from rdt_async.transports import nixl as transport
+
+    transport._import_reason()  # NIXL's INFO lines off stdout, as for the transport's own agents
+    cfg = nixl_agent_config(
+        enable_prog_thread=False, backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+    )
+    return nixl_agent(name, cfg)
+
+
+def read(agent: Any, local: Any, remote_descs: Any, remote: str) -> None:
+    """One READ, posted and polled to its end on this thread. Raises: RuntimeError unless DONE."""
+    h = agent.initialize_xfer("READ", local, remote_descs, remote)
+    state = agent.transfer(h)
+    while state == "PROC":
+        state = agent.check_xfer_state(h)
+    agent.release_xfer_handle(h)
+    if state != "DONE":
+        raise RuntimeError(f"raw NIXL READ ended in {state}")
