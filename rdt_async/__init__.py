@@ -31,6 +31,7 @@ try:  # the actor layer needs Ray; the transports alone run without it (a GPU bo
     from ._api import register_transport as register_transport
     from ._api import store_stats as store_stats
     from ._api import wait_tensor_freed as wait_tensor_freed
+    from ._api import wait_tensor_freed_sync as wait_tensor_freed_sync
     from ._object import RDTObject as RDTObject
     from .collective import CollectiveGroup as CollectiveGroup
     from .collective import allgather as allgather
@@ -72,6 +73,7 @@ __all__ = [
     "put",
     "free",
     "wait_tensor_freed",
+    "wait_tensor_freed_sync",
     "store_stats",
     # transports
     "register_transport",

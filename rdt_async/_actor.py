@@ -135,14 +135,16 @@ def _wrap_method(f: Callable[..., Any]) -> Callable[..., Any]:
         if transport is None:
             return value
         if split:
-            return tuple(_object.produce(v, transport) for v in parts(value))
+            with _object.holding(value):  # every part waits for wait_tensor_freed, not only the first
+                return tuple(_object.produce(v, transport) for v in parts(value))
         return _object.produce(value, transport)
 
     async def produce_async(value: Any) -> Any:
         if transport is None:
             return value
         if split:
-            return tuple([await _object.produce_async(v, transport) for v in parts(value)])
+            with _object.holding(value):
+                return tuple([await _object.produce_async(v, transport) for v in parts(value)])
         return await _object.produce_async(value, transport)
 
     if inspect.iscoroutinefunction(f):

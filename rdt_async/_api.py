@@ -1,4 +1,4 @@
-"""The verbs: fetch, fetch_all, as_completed, get, put, free, wait_tensor_freed, stats, transports."""
+"""The verbs: fetch, fetch_all, as_completed, get, put, free, wait_tensor_freed(_sync), stats, transports."""
 
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def get(
         if not isinstance(x, RDTObject):
             return x  # a ref to a plain value
     elif not isinstance(x, RDTObject):
-        raise _not_rdt(x)
+        raise _not_rdt(x, "get")
     done, value = _fetch_now(x, device=device, into=into)
     if done:
         return value
@@ -142,13 +142,38 @@ def free(x: Any, /) -> None:
 
 
 async def wait_tensor_freed(tensor: torch.Tensor, /) -> None:
-    """Wait until no object of this process holds `tensor` (every ref to them is gone).
+    """Wait until writing `tensor` in place cannot change what any consumer reads.
 
-    Runs on: producer. Bound it with `asyncio.timeout`. Raises: TypeError for a non-tensor.
+    That is: no object of this process holds any byte of `tensor` (every ref to them is
+    gone), none is being made of it (a producing call that has returned but not finished
+    its export), and no send or collective is reading it. Call it before writing a
+    tensor you returned or put. Runs on: producer. Bound it with `asyncio.timeout`.
+    Raises: TypeError for a non-tensor.
     """
+    await store.wait_freed(_check_tensor(tensor, "wait_tensor_freed"))
+
+
+def wait_tensor_freed_sync(tensor: torch.Tensor, /, *, timeout: float | None = None) -> None:
+    """Blocking twin of `wait_tensor_freed`, for sync and threaded actors and the driver.
+
+    Runs on: producer. Raises: TypeError for a non-tensor; RuntimeError on a thread that
+    runs an event loop (use `await rdt.wait_tensor_freed` there); TimeoutError after
+    `timeout` seconds.
+    """
+    _check_tensor(tensor, "wait_tensor_freed_sync")
+    if _io.running_loop() is not None:
+        raise RuntimeError(
+            "rdt.wait_tensor_freed_sync() would block the event loop running in this thread; "
+            "use `await rdt.wait_tensor_freed(tensor)` here instead"
+        )
+    if not store.wait_freed_blocking(tensor, timeout):
+        raise TimeoutError(f"rdt.wait_tensor_freed_sync(): the tensor is still held after {timeout} s")
+
+
+def _check_tensor(tensor: Any, verb: str) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"rdt.wait_tensor_freed() takes a tensor this process returned or put, not {type(tensor).__name__}")
-    await store.tensor_freed_future(tensor)
+        raise TypeError(f"rdt.{verb}() takes a tensor this process returned or put, not {type(tensor).__name__}")
+    return tensor
 
 
 def store_stats() -> dict[str, Any]:
@@ -182,11 +207,11 @@ async def _resolve(x: Any) -> Any:
     if _object.is_ref(x):
         with translating(f"resolving {x}", user_code=True):
             return await _object.await_ref(x)
-    raise _not_rdt(x)
+    raise _not_rdt(x, "fetch")
 
 
-def _not_rdt(x: Any) -> TypeError:
-    return TypeError(f"rdt.fetch() takes an ObjectRef or an RDTObject, not {type(x).__name__}")
+def _not_rdt(x: Any, verb: str) -> TypeError:
+    return TypeError(f"rdt.{verb}() takes an ObjectRef or an RDTObject, not {type(x).__name__}")
 
 
 async def _fetch_object(obj: RDTObject, *, device: Any, into: Any, start: _Start | None = None) -> Any:

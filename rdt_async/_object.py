@@ -23,6 +23,7 @@ then shm or cuda_ipc on the producer's node, then nixl if it can load nixl, then
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import pickle
@@ -30,7 +31,7 @@ import secrets
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -259,24 +260,33 @@ def produce(value: Any, transport: str, *, owner: Process | None = None) -> RDTO
     Runs on: producer. Blocking (copies into shared memory): call `produce_async` on a loop.
     """
     skeleton, tensors = _tree.flatten(value)
-    _cuda.settle(tensors)  # transports read outside this thread's streams: let them finish
-    plan = _plan(transport, tensors)
-    return _finish(skeleton, tensors, transport, plan, owner)
+    with store.holding(tensors):  # wait_tensor_freed waits from now on
+        _cuda.settle(tensors)  # transports read outside this thread's streams: let them finish
+        plan = _plan(transport, tensors)
+        return _finish(skeleton, tensors, transport, plan, owner)
 
 
 async def produce_async(value: Any, transport: str, *, owner: Process | None = None) -> RDTObject:
     """`produce`, with large exports, and a transport's first use, done off the running loop."""
     skeleton, tensors = _tree.flatten(value)
-    await _cuda.wait(_cuda.record(tensors))  # as in `produce`, with the loop free meanwhile
-    plan = _plan(transport, tensors)
-    for t in plan:
-        if (os.getpid(), t.name) not in _warm:  # e.g. NIXL's agent: ~0.45 s, once
-            await _io.to_thread(t.warm_up)
-            _warm.add((os.getpid(), t.name))
-    limit = min((t.inline_prepare_bytes for t in plan), default=Transport.inline_prepare_bytes)
-    if sum(t.numel() * t.element_size() for t in tensors) > limit:
-        return await _io.to_thread(_finish, skeleton, tensors, transport, plan, owner)
-    return _finish(skeleton, tensors, transport, plan, owner)
+    with store.holding(tensors):  # before the first await: wait_tensor_freed waits from now on
+        await _cuda.wait(_cuda.record(tensors))  # as in `produce`, with the loop free meanwhile
+        plan = _plan(transport, tensors)
+        for t in plan:
+            if (os.getpid(), t.name) not in _warm:  # e.g. NIXL's agent: ~0.45 s, once
+                await _io.to_thread(t.warm_up)
+                _warm.add((os.getpid(), t.name))
+        limit = min((t.inline_prepare_bytes for t in plan), default=Transport.inline_prepare_bytes)
+        if sum(t.numel() * t.element_size() for t in tensors) > limit:
+            return await _io.to_thread(_finish, skeleton, tensors, transport, plan, owner)
+        return _finish(skeleton, tensors, transport, plan, owner)
+
+
+@contextlib.contextmanager
+def holding(value: Any) -> Iterator[None]:
+    """Hold the tensors of `value` for the block, as a producing call does (see `Store.holding`)."""
+    with store.holding(_tree.flatten(value)[1]):
+        yield
 
 
 _warm: set[tuple[int, str]] = set()  # (pid, transport) whose warm_up ran
@@ -356,13 +366,13 @@ async def serve_send(obj_id: str, transport: str, request: Any) -> Any:
     Runs on: producer (the `rdt` concurrency group, then the I/O loop).
     Raises: ObjectFreedError if the object is gone.
     """
-    stored = store.get(obj_id)
     t = _registry.get(transport)
-    if stored is None:
-        await t.refuse(obj_id, request)
-        raise ObjectFreedError(f"object {obj_id} was freed before it was fetched", obj_id=obj_id)
-    meta = next((m for tr, m in stored.prepared.items() if tr.name == transport), None)
-    return await t.send_multiple_tensors(obj_id, stored.tensors, meta, request)
+    with store.reading(obj_id) as stored:  # a free meanwhile: wait_tensor_freed waits for the send
+        if stored is None:
+            await t.refuse(obj_id, request)
+            raise ObjectFreedError(f"object {obj_id} was freed before it was fetched", obj_id=obj_id)
+        meta = next((m for tr, m in stored.prepared.items() if tr.name == transport), None)
+        return await t.send_multiple_tensors(obj_id, stored.tensors, meta, request)
 
 
 def serve_free(obj_id: str) -> None:

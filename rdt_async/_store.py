@@ -1,11 +1,21 @@
-"""The process-local store: tensors kept by their producer until every ref is gone."""
+"""The process-local store: tensors kept by their producer until every ref is gone.
+
+It also answers `wait_tensor_freed`: a tensor is *held* from the moment a producing
+call starts making an object of it (before any export), while the object is stored, and
+while a send or a collective reads it; and a tensor is held when any held tensor shares
+bytes with it (a view, a slice, the same storage under another tensor object).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import functools
+import itertools
 import logging
 import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +27,24 @@ if TYPE_CHECKING:
 log = logging.getLogger("rdt_async")
 
 
+# The bytes a tensor covers: (device, storage address) and a byte range in that storage.
+_Span = tuple[tuple[str, int], int, int]
+
+
+def _spans(tensors: Sequence[torch.Tensor]) -> list[_Span]:
+    out = []
+    for t in tensors:
+        if t.numel() == 0 or t.device.type == "meta":
+            continue
+        storage = t.untyped_storage()
+        start = t.storage_offset() * t.element_size()
+        # The furthest element a strided view reaches: a safe (over-)estimate of its bytes.
+        last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0)
+        end = start + (last + 1) * t.element_size()
+        out.append(((str(t.device), storage.data_ptr()), start, end))
+    return out
+
+
 @dataclass
 class StoredObject:
     """What a producer keeps for one object."""
@@ -24,6 +52,7 @@ class StoredObject:
     tensors: list[torch.Tensor]
     # transport -> the metadata it prepared for this object (registrations, segments).
     prepared: dict[Transport[Any], Any] = field(default_factory=dict)
+    spans: list[_Span] | None = None  # the bytes it holds (computed once)
 
     @property
     def nbytes(self) -> int:
@@ -31,21 +60,89 @@ class StoredObject:
 
 
 class Store:
-    """Objects this process produced, keyed by object id. Thread-safe."""
+    """Objects this process produced, keyed by object id, and who holds which bytes. Thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._objects: dict[str, StoredObject] = {}
-        self._holders: dict[int, set[str]] = {}  # id(tensor) -> object ids holding it
-        self._waiters: dict[int, list[asyncio.Future[None]]] = {}
+        # storage -> hold key -> byte ranges that hold keeps. A hold key is an object id,
+        # or an int for a hold without one (an object being made, a read in progress).
+        self._held: dict[tuple[str, int], dict[str | int, list[tuple[int, int]]]] = {}
+        self._waiters: list[tuple[list[_Span], Callable[[], None]]] = []
+        self._keys = itertools.count()
         self._freed: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.fetches: collections.Counter[str] = collections.Counter()
+
+    # -- holds -------------------------------------------------------------------------
+
+    def _hold(self, key: str | int, spans: list[_Span]) -> None:
+        for storage, start, end in spans:
+            self._held.setdefault(storage, {}).setdefault(key, []).append((start, end))
+
+    def _release(self, key: str | int, spans: list[_Span]) -> list[Callable[[], None]]:
+        """Drop hold `key` on `spans`; return the waiters it set free (call them unlocked)."""
+        touched = set()
+        for storage, _, _ in spans:
+            holds = self._held.get(storage)
+            if holds is not None and holds.pop(key, None) is not None:
+                touched.add(storage)
+                if not holds:
+                    del self._held[storage]
+        if not touched or not self._waiters:
+            return []
+        ready, waiting = [], []
+        for waiter in self._waiters:
+            wanted = waiter[0]
+            if any(s[0] in touched for s in wanted) and not self._overlaps(wanted):
+                ready.append(waiter[1])
+            else:
+                waiting.append(waiter)
+        self._waiters = waiting
+        return ready
+
+    def _overlaps(self, spans: list[_Span]) -> bool:
+        for storage, start, end in spans:
+            for ranges in self._held.get(storage, {}).values():
+                if any(s < end and start < e for s, e in ranges):
+                    return True
+        return False
+
+    @contextlib.contextmanager
+    def holding(self, tensors: Sequence[torch.Tensor]) -> Iterator[list[_Span]]:
+        """Hold `tensors` for the block (an object being made); yield their spans."""
+        spans = _spans(tensors)
+        with self._lock:
+            key = next(self._keys)
+            self._hold(key, spans)
+        try:
+            yield spans
+        finally:
+            with self._lock:
+                ready = self._release(key, spans)
+            _wake(ready)
+
+    @contextlib.contextmanager
+    def reading(self, obj_id: str) -> Iterator[StoredObject | None]:
+        """Yield the stored object (None if gone), its tensors held until the block ends."""
+        with self._lock:
+            stored = self._objects.get(obj_id)
+            key = next(self._keys)
+            if stored is not None:
+                self._hold(key, _spans_of(stored))
+        try:
+            yield stored
+        finally:
+            if stored is not None:
+                with self._lock:
+                    ready = self._release(key, _spans_of(stored))
+                _wake(ready)
+
+    # -- objects -----------------------------------------------------------------------
 
     def add(self, obj_id: str, stored: StoredObject) -> None:
         with self._lock:
             self._objects[obj_id] = stored
-            for t in stored.tensors:
-                self._holders.setdefault(id(t), set()).add(obj_id)
+            self._hold(obj_id, _spans_of(stored))
 
     def get(self, obj_id: str) -> StoredObject | None:
         with self._lock:
@@ -58,47 +155,70 @@ class Store:
     def mark_freed(self, obj_id: str) -> None:
         """Remember that `obj_id` was freed, so later fetches here fail at once."""
         with self._lock:
-            self._freed[obj_id] = None
-            while len(self._freed) > 100_000:
-                self._freed.popitem(last=False)
+            self._remember_freed(obj_id)
+
+    def _remember_freed(self, obj_id: str) -> None:
+        self._freed[obj_id] = None
+        while len(self._freed) > 100_000:
+            self._freed.popitem(last=False)
 
     def free(self, obj_id: str) -> bool:
         """Drop an object and release what its transports prepared; False if absent.
 
         Runs on: producer.
         """
-        ready: list[asyncio.Future[None]] = []
         with self._lock:
             stored = self._objects.pop(obj_id, None)
-            self._freed[obj_id] = None
+            self._remember_freed(obj_id)
             if stored is None:
                 return False
-            for t in stored.tensors:
-                holders = self._holders.get(id(t))
-                if holders is None:
-                    continue
-                holders.discard(obj_id)
-                if not holders:
-                    del self._holders[id(t)]
-                    ready.extend(self._waiters.pop(id(t), ()))
         for transport, meta in stored.prepared.items():
             try:
                 transport.garbage_collect(obj_id, meta)
             except Exception:  # never let one transport keep the others' resources
                 log.exception("rdt_async: %s could not release object %s", transport.name, obj_id)
-        for fut in ready:
-            fut.get_loop().call_soon_threadsafe(_set_done, fut)
+        with self._lock:  # after the transports let go: a waiter may write the tensors next
+            ready = self._release(obj_id, _spans_of(stored))
+        _wake(ready)
         return True
 
-    def tensor_freed_future(self, tensor: torch.Tensor) -> asyncio.Future[None]:
-        """Return a future on the running loop, done when no object holds `tensor`."""
+    # -- wait_tensor_freed ---------------------------------------------------------------
+
+    async def wait_freed(self, tensor: torch.Tensor) -> None:
+        """Return once nothing holds any byte of `tensor`."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        loop = fut.get_loop()
+        wake = functools.partial(loop.call_soon_threadsafe, _set_done, fut)
+        if self._wait(tensor, wake):
+            return
+        try:
+            await fut
+        finally:
+            self._forget(wake)
+
+    def wait_freed_blocking(self, tensor: torch.Tensor, timeout: float | None) -> bool:
+        """Block until nothing holds any byte of `tensor`; False if `timeout` passed first."""
+        event = threading.Event()
+        wake = event.set
+        if self._wait(tensor, wake):
+            return True
+        try:
+            return event.wait(timeout)
+        finally:
+            self._forget(wake)
+
+    def _wait(self, tensor: torch.Tensor, wake: Callable[[], None]) -> bool:
+        """Register `wake` for when `tensor` is free; True (not registered) if it is free now."""
+        spans = _spans([tensor])
         with self._lock:
-            if id(tensor) in self._holders:
-                self._waiters.setdefault(id(tensor), []).append(fut)
-                return fut
-        fut.set_result(None)
-        return fut
+            if not self._overlaps(spans):
+                return True
+            self._waiters.append((spans, wake))
+            return False
+
+    def _forget(self, wake: Callable[[], None]) -> None:
+        with self._lock:
+            self._waiters = [w for w in self._waiters if w[1] is not wake]
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -110,6 +230,20 @@ class Store:
             "tensors": sum(len(o.tensors) for o in objects),
             "fetches": fetches,
         }
+
+
+def _spans_of(stored: StoredObject) -> list[_Span]:
+    if stored.spans is None:
+        stored.spans = _spans(stored.tensors)
+    return stored.spans
+
+
+def _wake(ready: list[Callable[[], None]]) -> None:
+    for wake in ready:
+        try:
+            wake()
+        except RuntimeError:  # the waiter's loop is closed: nobody is waiting any more
+            pass
 
 
 def _set_done(fut: asyncio.Future[None]) -> None:

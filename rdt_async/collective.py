@@ -32,12 +32,13 @@ order).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import math
 import secrets
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -761,10 +762,10 @@ def _serve_part(part: _Part) -> RDTObject | None:
             f"not rank {part.rank} of {part.size} (was the group recreated?)"
         )
     device = torch.device("cuda" if group.backend == "nccl" else "cpu")
-    inputs, freed = _inputs(part, device)
     buffers = _buffers_of(part.group)
     try:
-        value = _KINDS[part.kind](group, part, inputs, buffers, device)
+        with _reading_inputs(part, device) as (inputs, freed):  # held: wait_tensor_freed waits
+            value = _KINDS[part.kind](group, part, inputs, buffers, device)
     except BaseException as exc:
         groups.mark_broken(part.group, f"rdt.{part.kind} failed in rank {group.rank}: {type(exc).__name__}")
         raise _collective_error(exc, part) from exc
@@ -779,13 +780,17 @@ def _serve_part(part: _Part) -> RDTObject | None:
     return _object.produce(value, part.transport, owner=_object.here())
 
 
-def _inputs(part: _Part, device: torch.device) -> tuple[list[torch.Tensor] | None, bool]:
+@contextlib.contextmanager
+def _reading_inputs(part: _Part, device: torch.device) -> Iterator[tuple[list[torch.Tensor] | None, bool]]:
+    """Yield this member's inputs (zeros if they were freed) and whether they were freed."""
     if part.obj_id is None:
-        return None, False
-    stored = store.get(part.obj_id)
-    if stored is None:
-        return [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in part.specs], True
-    return stored.tensors, False
+        yield None, False
+        return
+    with store.reading(part.obj_id) as stored:
+        if stored is None:
+            yield [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in part.specs], True
+        else:
+            yield stored.tensors, False
 
 
 def _collective_error(exc: BaseException, part: _Part) -> BaseException:
