@@ -223,6 +223,9 @@ def _control_methods(is_async: bool) -> dict[str, Any]:
         async def rdt__anchors(self: Any, n: int) -> tuple[None, ...]:
             return (None,) * n  # its returns are this actor's anchors (_object._Anchors)
 
+        async def rdt__ping(self: Any) -> None:
+            return None  # a failed fetch asks whether the producer is alive
+
         async def rdt__group(self: Any, op: str, *args: Any) -> Any:
             # Group operations block for a whole collective: their own threads, so
             # that they never starve the copies of the shared pool.
@@ -240,6 +243,9 @@ def _control_methods(is_async: bool) -> dict[str, Any]:
         def rdt__anchors(self: Any, n: int) -> tuple[None, ...]:  # type: ignore[misc]
             return (None,) * n
 
+        def rdt__ping(self: Any) -> None:  # type: ignore[misc]
+            return None
+
         def rdt__group(self: Any, op: str, *args: Any) -> Any:  # type: ignore[misc]
             return collective.serve(op, *args)
 
@@ -248,4 +254,5 @@ def _control_methods(is_async: bool) -> dict[str, Any]:
         "rdt__free": group(rdt__free),
         "rdt__group": group(rdt__group),
         "rdt__anchors": group(rdt__anchors),
+        "rdt__ping": group(rdt__ping),
     }

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import functools
 import time
 import warnings
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -14,7 +13,7 @@ from typing import Any
 import torch
 
 from . import _cuda, _io, _object, _tree
-from ._errors import ObjectFreedError, translating
+from ._errors import ObjectFreedError, PeerDiedError, RDTError, TransferError, translating
 from ._object import RDTObject
 from ._store import log, store
 from .transports import _registry
@@ -223,8 +222,12 @@ async def _fetch_object(obj: RDTObject, *, device: Any, into: Any, start: _Start
         name = transport.name
         await _cuda.wait(ready)  # the caller's queued work on the destinations has run
         request = transport.fetch_multiple_tensors(info, buffers=buffers, channel=_object.RayChannel(obj, name))
-        with translating(f"{name} fetch of {obj.obj_id}", obj.obj_id):
-            tensors = await transport.wait_fetch_complete(request)
+        try:
+            with translating(f"{name} fetch of {obj.obj_id}", obj.obj_id):
+                tensors = await transport.wait_fetch_complete(request)
+        except (TransferError, ObjectFreedError) as exc:
+            await _raise_if_producer_died(obj, name, exc)
+            raise
         buffers = None  # written by the transport
     _record(obj, name)
     if buffers:
@@ -232,6 +235,25 @@ async def _fetch_object(obj: RDTObject, *, device: Any, into: Any, start: _Start
     elif device is not None:
         tensors = await _move(tensors, torch.device(device), obj.nbytes)
     return _tree.unflatten(obj.skeleton, tensors)
+
+
+async def _raise_if_producer_died(obj: RDTObject, name: str, exc: RDTError) -> None:
+    """A fetch failed: if its producer is dead, that is what the caller needs to know.
+
+    Transports see a death in their own terms (Gloo: "Connection closed by peer", the
+    object store: the object lost); callers branch on PeerDiedError (retry elsewhere)
+    versus the rest, so every transport's failure is checked against the producer's life.
+    """
+    if isinstance(exc, PeerDiedError) or not await _object.producer_died(obj.producer):
+        return
+    raise _died(obj, name, exc) from exc
+
+
+def _died(obj: RDTObject, name: str, exc: RDTError) -> PeerDiedError:
+    return PeerDiedError(
+        f"{name} fetch of {obj.obj_id}: the producer ({obj.producer.label}) died ({type(exc).__name__}: {exc})",
+        obj_id=obj.obj_id,
+    )
 
 
 def _fetch_now(obj: RDTObject, *, device: Any, into: Any) -> tuple[bool, Any]:
@@ -282,8 +304,13 @@ def _start(obj: RDTObject, into: Any, device: Any = None) -> _Start:
     info = TransferInfo(obj.obj_id, obj.specs, meta)
     ready = _cuda.record(buffers or ())
     if not ready:  # device buffers wait for the caller's streams first: never now
-        with translating(f"{name} fetch of {obj.obj_id}", obj.obj_id):
-            now = transport.receive_nowait(info, buffers)
+        try:
+            with translating(f"{name} fetch of {obj.obj_id}", obj.obj_id):
+                now = transport.receive_nowait(info, buffers)
+        except (TransferError, ObjectFreedError) as exc:
+            if not isinstance(exc, PeerDiedError) and _object.died_on_this_node(obj.producer):
+                raise _died(obj, name, exc) from exc  # one-sided reads on this node (shm)
+            raise
         if now is not None:
             return _Done(now, None, name)
     return transport, info, buffers, ready
@@ -353,7 +380,6 @@ async def _off_caller_streams(fn: Any, *args: Any, nbytes: int) -> list[torch.Te
     return out
 
 
-@functools.lru_cache(maxsize=1)
 def _node_id() -> str:
     return _object.node_id()
 

@@ -23,6 +23,7 @@ then shm or cuda_ipc on the producer's node, then nixl if it can load nixl, then
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import functools
 import os
@@ -42,7 +43,7 @@ from . import _cuda, _io, _tree
 from ._errors import ObjectFreedError, RDTError, TransportUnavailableError, translating
 from ._store import StoredObject, log, store
 from .transports import _registry
-from .transports._base import TensorSpec, Transport
+from .transports._base import TensorSpec, Transport, pid_alive
 from .transports.inline import AUTO_MAX_BYTES as INLINE_AUTO_MAX_BYTES
 
 if not hasattr(ray._raylet.CoreWorker, "add_object_out_of_scope_callback"):
@@ -154,35 +155,63 @@ class _Anchors:
         self._pool: list[Any] = []
         self._lock = threading.Lock()
         self._refilling = False
+        self._session = 0  # which `ray.init` of this process the pool's refs belong to
+        # Refs of ended sessions, kept for good: a new session reuses object ids, and
+        # dropping an old ref would release the new object of the same id.
+        self._ended: list[Any] = []
+        self._closed = False  # the interpreter is exiting: make no more
+
+    def new_session(self) -> None:
+        """A `ray.init` in this process: anchors made for the last session are void."""
+        with self._lock:
+            self._ended.extend(self._pool)
+            self._pool = []
+            self._session += 1
+
+    def close(self) -> None:
+        """At exit, before Ray's own shutdown: no refill may start Ray again."""
+        with self._lock:
+            self._closed = True
 
     def take(self, obj_id: str) -> Any:
         with self._lock:
             anchor = self._pool.pop() if self._pool else None
-            refill = len(self._pool) < self.LOW and not self._refilling
+            refill = len(self._pool) < self.LOW and not self._refilling and not self._closed
             self._refilling = self._refilling or refill
+            session = self._session
         if anchor is None:
             anchor = ray.put(None)
         if refill:
-            _io.pool().submit(self._refill)
+            _io.pool().submit(self._refill, session)
         cw = ray._private.worker.global_worker.core_worker
         if not cw.add_object_out_of_scope_callback(anchor, functools.partial(_on_anchor_gone, obj_id)):
             _on_anchor_gone(obj_id, b"")
         return anchor
 
-    def _refill(self) -> None:
+    def _refill(self, session: int) -> None:
         try:
-            fresh = self._make(self.BATCH)
+            fresh = self._make(self.BATCH, session)
             with self._lock:
-                self._pool.extend(fresh)
-        except Exception:  # Ray shutting down: the pool stays small, take() still works
+                (self._pool if session == self._session else self._ended).extend(fresh)
+        except Exception:  # Ray shut down meanwhile: the pool stays small, take() still works
             pass
         finally:
             self._refilling = False
 
-    def _make(self, n: int) -> list[Any]:
+    def _live(self, session: int) -> bool:
+        return session == self._session and not self._closed and ray.is_initialized()
+
+    def _make(self, n: int, session: int) -> list[Any]:
         actor = _anchor_source()
         if actor is None:
-            return [ray.put(None) for _ in range(n)]
+            out = []
+            for _ in range(n):
+                if not self._live(session):
+                    break  # never start Ray (ray.put would), never put into the next session
+                out.append(ray._private.worker.put(None))  # the put that does not start Ray
+            return out
+        if not self._live(session):
+            return []
         refs = actor.rdt__anchors.options(num_returns=n).remote(n)
         ready, _ = ray.wait(refs, num_returns=n, timeout=self.WAIT_S, fetch_local=False)
         return refs if len(ready) == n else []
@@ -196,6 +225,32 @@ def _anchor_source() -> Any:
 
 
 _anchors = _Anchors()
+
+
+def _on_ray_init() -> None:
+    """Ray's post-init hook: each `ray.init` of this process (a driver) starts a session.
+
+    What the last session left is void: its objects can no longer be fetched (their refs
+    and anchors died with it, their out-of-scope callbacks will never run), so they are
+    freed; cached identities (node, actor handles) are forgotten.
+    """
+    _anchors.new_session()
+    for obj_id in store.object_ids():
+        store.free(obj_id)
+    _anchor_source.cache_clear()
+    node_id.cache_clear()
+    _handles.clear()
+    global _nodes_seen
+    _nodes_seen = (0.0, False)
+
+
+def _at_exit() -> None:
+    _anchors.close()
+
+
+if _on_ray_init not in ray._private.worker._post_init_hooks:
+    ray._private.worker._post_init_hooks.append(_on_ray_init)
+atexit.register(_at_exit)  # atexit runs last-registered first: before Ray's shutdown
 
 
 def _on_anchor_gone(obj_id: str, _oid: bytes) -> None:
@@ -404,6 +459,36 @@ async def await_ref(ref: Any) -> Any:
     return await asyncio.wrap_future(ref.future())
 
 
+PING_S = 5.0  # how long a failed fetch waits for the producer's answer before trusting the error
+
+
+def died_on_this_node(p: Process) -> bool:
+    """Say whether the producer ran on this node and its process is gone (at once, no Ray)."""
+    return p.node_id == node_id() and not pid_alive(int(p.token.split(":")[0]))
+
+
+async def producer_died(p: Process, *, timeout: float = PING_S) -> bool:
+    """Say whether the producer is known dead, after a fetch from it failed.
+
+    On its node the process id answers at once; else Ray does, for an `rdt.remote`
+    actor, through a ping to its `rdt` group (a dead actor fails it in well under a
+    second). A producer that answers, or cannot be asked, counts as alive.
+    """
+    if died_on_this_node(p):
+        return True
+    actor = p.actor
+    if actor is None or not hasattr(actor, "rdt__ping"):
+        return False
+    try:
+        async with asyncio.timeout(timeout):
+            await await_ref(actor.rdt__ping.remote())
+    except ray.exceptions.RayActorError:
+        return True
+    except TimeoutError:
+        return False
+    return False
+
+
 class RayChannel:
     """The consumer's line to a producer: an actor call to its `rdt` concurrency group."""
 
@@ -498,7 +583,9 @@ def is_ref(x: Any) -> bool:
     return isinstance(x, ray.ObjectRef)
 
 
+@functools.lru_cache(maxsize=1)
 def node_id() -> str:
+    """This process's node (cached; a new session clears it)."""
     return ray.get_runtime_context().get_node_id()
 
 

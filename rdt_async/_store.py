@@ -34,8 +34,8 @@ _Span = tuple[tuple[str, int], int, int]
 def _spans(tensors: Sequence[torch.Tensor]) -> list[_Span]:
     out = []
     for t in tensors:
-        if t.numel() == 0 or t.device.type == "meta":
-            continue
+        if t.numel() == 0 or t.device.type == "meta" or t.layout != torch.strided:
+            continue  # no bytes, or no storage (sparse): nothing to hold (refused at return anyway)
         storage = t.untyped_storage()
         start = t.storage_offset() * t.element_size()
         # The furthest element a strided view reaches: a safe (over-)estimate of its bytes.
@@ -143,6 +143,10 @@ class Store:
         with self._lock:
             self._objects[obj_id] = stored
             self._hold(obj_id, _spans_of(stored))
+
+    def object_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._objects)
 
     def get(self, obj_id: str) -> StoredObject | None:
         with self._lock:

@@ -194,7 +194,13 @@ def test_publish_then_train_in_place_never_tears_a_read(transport, kind):
         ray.kill(loader)
     torn = [(v, lo, hi) for v, (lo, hi) in enumerate(seen) if lo != hi]
     assert not torn, f"torn reads over {transport} (version, min, max): {torn}"
-    assert [lo for lo, _ in seen] == [float(v) for v in range(VERSIONS)]  # each load: the version published
+    versions = [int(lo) for lo, _ in seen]
+    if kind == "async":
+        # Ray may start train(v + 1) before publish(v) on an async actor (no order among its
+        # calls): then v + 1 is what was published. Never later: train(v + 2) waits for this load.
+        assert all(s in (v, v + 1) for v, s in enumerate(versions)), versions
+    else:
+        assert versions == list(range(VERSIONS))  # each load: the version published
 
 
 def test_the_sync_twin_refuses_a_loop_thread_a_non_tensor_and_times_out():

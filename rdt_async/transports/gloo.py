@@ -210,17 +210,20 @@ class GlooTransport(Transport[GlooMeta]):
         base = group.tags(len(dsts) + 1)
         status = torch.zeros(1, dtype=torch.int64, device=_device(self))
         src = info.meta.src
-        works = [group.pg.recv([status], src, base)]
-        works += [group.pg.recv([d], src, base + 1 + i) for i, d in enumerate(dsts) if d.numel()]
         request = {
             "group": group.name,
             "dst": group.rank,
             "tag": base,
             "specs": [(tuple(s.shape), s.dtype) for s in info.specs],
         }
-        reply = asyncio.ensure_future(channel.request_send(request))
-        waiting = asyncio.ensure_future(self.wait_works(works))
+        reply: asyncio.Future[Any] | None = None
+        waiting: asyncio.Future[None] | None = None
         try:
+            # Posting raises at once where the pair is already closed (a dead producer).
+            works = [group.pg.recv([status], src, base)]
+            works += [group.pg.recv([d], src, base + 1 + i) for i, d in enumerate(dsts) if d.numel()]
+            reply = asyncio.ensure_future(channel.request_send(request))
+            waiting = asyncio.ensure_future(self.wait_works(works))
             await asyncio.wait([reply, waiting], return_when=asyncio.FIRST_COMPLETED)
             if reply.done() and reply.exception() is not None:
                 reply.result()  # the producer said why first: freed, died, not in the group
@@ -236,7 +239,7 @@ class GlooTransport(Transport[GlooMeta]):
                 await reply  # raises ObjectFreedError
                 raise ObjectFreedError(f"object {info.obj_id} was freed before it was fetched", obj_id=info.obj_id)
         except asyncio.CancelledError:
-            if buffers is not None and any(d is b for d, b in zip(dsts, buffers)):
+            if waiting is not None and buffers is not None and any(d is b for d, b in zip(dsts, buffers)):
                 await _drain(group, waiting)  # they write the caller's memory: not after we return
             raise
         except BaseException as exc:
@@ -244,7 +247,7 @@ class GlooTransport(Transport[GlooMeta]):
                 groups.mark_broken(group.name, f"a transfer failed: {type(exc).__name__}")
             raise
         finally:
-            if not reply.done():
+            if reply is not None and not reply.done():
                 reply.add_done_callback(_consume)  # the bytes are here; the reply is news to nobody
         out = delivered(buffers, dsts)
         await _cuda.wait(_cuda.record(out))  # NCCL: copies into strided buffers ran on this thread's stream

@@ -1,0 +1,110 @@
+"""One promise over every transport: a producer that dies gives PeerDiedError within seconds.
+
+Never a hang, never BackendError or ObjectFreedError for a death, and the consumer keeps
+serving. The producer dies before the fetch (killed, then given time for its connections
+to close: Gloo then fails at once with "Connection closed by peer") or as the fetch
+starts, on its node and from another node.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+
+import pytest
+import ray
+import torch
+from conftest import ON_NODE2
+
+import rdt_async as rdt
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+N = 1 << 18  # 1 MiB of float32: over auto's inline limit
+
+
+def _optional(name: str, module: str):
+    if importlib.util.find_spec(module):
+        return name
+    return pytest.param(name, marks=pytest.mark.skip(f"{module} not installed"))
+
+
+TRANSPORTS = ["auto", "shm", "object_store", "gloo", _optional("nixl", "nixl"), _optional("ucxx", "ucxx")]
+
+
+def _producer(transport: str):
+    @rdt.remote
+    class Producer:
+        @rdt.method(tensor_transport=transport)
+        def make(self):
+            return {"w": torch.full((N,), 2.0)}
+
+        def ping(self) -> str:
+            return "pong"
+
+    return Producer
+
+
+@rdt.remote
+class Consumer:
+    async def total(self, value) -> float:  # the ref is fetched before the method runs
+        return float(value["w"].sum())
+
+    async def fetch_total(self, refs) -> float:
+        return float((await rdt.fetch(refs[0]))["w"].sum())
+
+    async def ping(self) -> str:
+        return "pong"
+
+
+@pytest.mark.parametrize("where", ["same node", "other node"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_producer_killed_before_the_fetch_gives_peer_died_error(transport, where):
+    if transport == "shm" and where == "other node":
+        pytest.skip("shm serves its own node only")
+    producer = _producer(transport).remote()
+    consumer = (Consumer.options(**ON_NODE2) if where == "other node" else Consumer).remote()
+    group = rdt.create_collective_group([producer, consumer], backend="gloo") if transport == "gloo" else None
+    try:
+        ref = producer.make.remote()
+        assert ray.get(consumer.fetch_total.remote([ref]), timeout=60) == 2.0 * N  # it works while alive
+        ref = producer.make.remote()
+        ray.wait([ref], timeout=60)
+        ray.kill(producer)
+        time.sleep(1.0)  # its sockets and endpoints close: the fetch meets a dead peer, not a dying one
+        started = time.monotonic()
+        with pytest.raises(rdt.PeerDiedError, match="died|disconnected"):
+            ray.get(consumer.total.remote(ref), timeout=60)
+        assert time.monotonic() - started < 15
+        assert ray.get(consumer.ping.remote(), timeout=30) == "pong"  # the consumer serves on
+    finally:
+        if group is not None:
+            rdt.destroy_collective_group(group)
+        ray.kill(producer)
+        ray.kill(consumer)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_producer_killed_as_the_fetch_starts_gives_peer_died_error(transport):
+    producer = _producer(transport).remote()
+    consumer = Consumer.remote()
+    group = rdt.create_collective_group([producer, consumer], backend="gloo") if transport == "gloo" else None
+    try:
+        ref = producer.make.remote()
+        ray.wait([ref], timeout=60)
+        pending = consumer.fetch_total.remote([ref])
+        ray.kill(producer)
+        started = time.monotonic()
+        try:
+            got = ray.get(pending, timeout=60)
+        except rdt.PeerDiedError:
+            pass
+        else:  # the fetch won the race: then it must be whole
+            assert got == 2.0 * N
+        assert time.monotonic() - started < 15
+        assert ray.get(consumer.ping.remote(), timeout=30) == "pong"
+    finally:
+        if group is not None:
+            rdt.destroy_collective_group(group)
+        ray.kill(producer)
+        ray.kill(consumer)
