@@ -26,7 +26,7 @@ from .transports import _registry
 RDT_GROUP = "rdt"
 RDT_GROUP_CONCURRENCY = 8  # transfers served at once; also bounds group operations in sync actors
 GROUP_THREADS = 8
-CONTROL_METHODS = ("rdt__send", "rdt__free", "rdt__group", "rdt__anchors")
+CONTROL_METHODS = ("rdt__send", "rdt__free", "rdt__group", "rdt__anchors", "rdt__ping")
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -56,9 +56,39 @@ def method(fn: F | None = None, /, *, tensor_transport: str = "auto", **ray_meth
             # under the wrappers (`inspect.unwrap`), not from the wrapper it calls.
             ray.method(**ray_method_opts)(f)
         f.__rdt_transport__ = tensor_transport  # type: ignore[attr-defined]
-        return f
+        return _guard(f)
 
     return mark(fn) if fn is not None else mark
+
+
+def _guard(f: F) -> F:
+    """What `@rdt.method` leaves in the class: `@rdt.remote` swaps in `f`, wrapped.
+
+    Called itself, the class was decorated with `@ray.remote`, which knows nothing of
+    producers: the tensors would silently go through Ray's object store. Same kind
+    (async or not) as `f`, so that Ray still tells an async actor from a sync one.
+    """
+    def refuse(self: Any) -> TypeError:
+        return TypeError(
+            f"@rdt.method {f.__qualname__} runs in a class decorated with @ray.remote, which "
+            f"ignores it (its tensors would go through Ray's object store): decorate "
+            f"{type(self).__name__} with @rdt.remote instead"
+        )
+
+    if inspect.iscoroutinefunction(f):
+
+        @functools.wraps(f)
+        async def guard(self: Any, *args: Any, **kwargs: Any) -> Any:
+            raise refuse(self)
+
+    else:
+
+        @functools.wraps(f)
+        def guard(self: Any, *args: Any, **kwargs: Any) -> Any:
+            raise refuse(self)
+
+    guard.__rdt_method__ = f  # type: ignore[attr-defined]
+    return guard  # type: ignore[return-value]
 
 
 def remote(cls: type | None = None, /, **options: Any) -> Any:
@@ -109,7 +139,7 @@ def _user_methods(cls: type) -> dict[str, Callable[..., Any]]:
                 continue  # staticmethod, classmethod, properties, attributes
             if name.startswith("__") and name not in ("__init__", "__call__"):
                 continue
-            out[name] = attr
+            out[name] = getattr(attr, "__rdt_method__", attr)  # under an @rdt.method guard
     return out
 
 

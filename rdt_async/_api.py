@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import os
+import sys
 import time
 import warnings
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -384,16 +386,26 @@ def _node_id() -> str:
     return _object.node_id()
 
 
-_warned_local: set[str] = set()
-
-
 def _warn_local(obj_id: str) -> None:
-    if obj_id in _warned_local:
+    """Warn, once per object, where a local fetch meets a send to another process (as Ray does).
+
+    Only two-sided sends are known here; one-sided readers (nixl) are not seen.
+    """
+    stored = store.get(obj_id)
+    if stored is None:
         return
-    _warned_local.add(obj_id)
-    warnings.warn(
-        f"RDT object {obj_id} is fetched by the process that produced it: you get the stored "
-        "tensors themselves, not copies. Writes to them show in later fetches here but not "
-        "in copies other processes already fetched.",
-        stacklevel=3,
-    )
+    stored.fetched_here = True
+    if stored.served and not stored.warned:
+        stored.warned = True
+        warnings.warn(_object.shared_with_producer(obj_id), UserWarning, stacklevel=_caller_level())
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _caller_level() -> int:
+    """The stacklevel of the first frame outside rdt_async: the user's call."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -268,6 +268,13 @@ def _prepared_transports(name: str, tensors: Sequence[torch.Tensor]) -> list[Tra
     if name != _registry.AUTO:
         transport = _registry.get(name)
         transport.check_tensors(tensors)
+        if name in ("gloo", "nccl") and not any(b == name for b, _ in _memberships().values()):
+            raise unavailable(
+                name,
+                f"this process is in no {name} group, so every fetch would go through the object "
+                f"store: create one first, rdt.create_collective_group(actors, backend={name!r}), "
+                "or return with tensor_transport='auto'",
+            )
         return [transport]
     _registry.get("object_store").check_tensors(tensors)  # what auto falls back to
     if all(t.device.type == "cpu" for t in tensors):
@@ -427,7 +434,19 @@ async def serve_send(obj_id: str, transport: str, request: Any) -> Any:
             await t.refuse(obj_id, request)
             raise ObjectFreedError(f"object {obj_id} was freed before it was fetched", obj_id=obj_id)
         meta = next((m for tr, m in stored.prepared.items() if tr.name == transport), None)
+        stored.served = True
+        if stored.fetched_here and not stored.warned:
+            stored.warned = True
+            log.warning("rdt_async: %s", shared_with_producer(obj_id))
         return await t.send_multiple_tensors(obj_id, stored.tensors, meta, request)
+
+
+def shared_with_producer(obj_id: str) -> str:
+    return (
+        f"RDT object {obj_id} was fetched both by the process that produced it, which gets "
+        "the stored tensors themselves, and by another process: writing to them in the "
+        "producer changes what later fetches elsewhere receive. Clone before writing."
+    )
 
 
 def serve_free(obj_id: str) -> None:

@@ -53,6 +53,11 @@ class StoredObject:
     # transport -> the metadata it prepared for this object (registrations, segments).
     prepared: dict[Transport[Any], Any] = field(default_factory=dict)
     spans: list[_Span] | None = None  # the bytes it holds (computed once)
+    # Sent to another process from these very tensors (two-sided transports), fetched
+    # here (the tensors themselves): both together is the case to warn about, once.
+    served: bool = False
+    fetched_here: bool = False
+    warned: bool = False
 
     @property
     def nbytes(self) -> int:

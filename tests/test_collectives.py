@@ -54,6 +54,10 @@ class SyncWorker(Member):
     def full(self, n: int, fill: float):
         return torch.full((n,), fill)
 
+    @rdt.method  # a worker in no group can still make objects (gloo ones it cannot)
+    def grads_auto(self, n: int = 6):
+        return grads(self.rank, n)
+
     def ping(self) -> str:
         return "pong"
 
@@ -249,9 +253,9 @@ def test_errors_name_the_holder_and_leave_the_group_usable(four):
     outsider = SyncWorker.remote(9)
     refs = [w.grads.remote() for w in workers]
     with pytest.raises(rdt.CollectiveGroupError, match=rf"ref 3 is held by actor {short(outsider)}, which shares no"):
-        rdt.allreduce([*refs[:3], outsider.grads.remote()])
+        rdt.allreduce([*refs[:3], outsider.grads_auto.remote()])
     with pytest.raises(rdt.CollectiveGroupError, match=rf"ref 3 is held by actor {short(outsider)}, which is not in"):
-        rdt.allreduce([*refs[:3], outsider.grads.remote()], group="coll-four")
+        rdt.allreduce([*refs[:3], outsider.grads_auto.remote()], group="coll-four")
     with pytest.raises(rdt.CollectiveGroupError, match=rf"refs\[0\] and refs\[2\] are both held by actor {short(workers[0])}"):
         rdt.allreduce([refs[0], refs[1], workers[0].grads.remote(), refs[3]])
     with pytest.raises(rdt.CollectiveGroupError, match=rf"refs\[1\] and refs\[2\] are both held by actor {short(workers[1])}"):

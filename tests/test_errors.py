@@ -144,3 +144,40 @@ def test_generator_methods_are_refused_at_decoration():
         @rdt.method
         async def agen(self):
             yield torch.ones(1)
+
+
+def test_rdt_method_in_a_plain_ray_class_refuses_at_the_call():
+    @ray.remote
+    class Plain:
+        @rdt.method
+        def make(self):
+            return torch.ones(2)
+
+        @rdt.method(tensor_transport="shm")
+        async def make_async(self):
+            return torch.ones(2)
+
+        def ping(self):
+            return "pong"
+
+    p = Plain.remote()
+    for call in (p.make, p.make_async):
+        with pytest.raises(TypeError, match=r"runs in a class decorated with @ray.remote.*decorate Plain with @rdt.remote"):
+            ray.get(call.remote())
+    assert ray.get(p.ping.remote()) == "pong"
+    ray.kill(p)
+
+
+def test_a_two_sided_transport_without_a_group_refuses_at_return():
+    @rdt.remote
+    class Lonely:
+        @rdt.method(tensor_transport="gloo")
+        def make(self):
+            return torch.ones(2)
+
+    a = Lonely.remote()
+    with pytest.raises(rdt.TransportUnavailableError, match=r"in no gloo group.*create_collective_group\(actors, backend='gloo'\)"):
+        ray.get(a.make.remote())
+    with pytest.raises(rdt.TransportUnavailableError, match="in no gloo group"):
+        rdt.put(torch.ones(2), tensor_transport="gloo")  # the driver is in none either
+    ray.kill(a)

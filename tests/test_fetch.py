@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import warnings
 
 import pytest
 import ray
@@ -172,7 +173,8 @@ def test_consumers_never_see_each_others_writes(producer):
 def test_same_process_fetch_returns_the_stored_tensors():
     t = torch.arange(6.0)
     ref = rdt.put({"t": t})
-    with pytest.warns(UserWarning, match="the process that produced it"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # fetched here only: nothing to warn about
         out = rdt.get(ref)
     assert out["t"] is t
     into = torch.empty(6)
@@ -201,3 +203,35 @@ def test_into_large_objects_contiguous_and_strided_buffers(producer):
     out = rdt.get(ref, into=into, timeout=60)
     assert out["a"].data_ptr() == into["a"].data_ptr() and out["b"] is strided
     assert torch.equal(into["a"], src["a"]) and torch.equal(strided, src["b"])
+
+
+@rdt.remote
+class SelfFetcher:
+    @rdt.method(tensor_transport="object_store")  # sent from these tensors when another process fetches
+    def make(self):
+        self.t = torch.arange(4.0)
+        return self.t
+
+    def fetch_back(self, refs):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            same = rdt.get(refs[0]) is self.t
+        return same, [(str(w.message), w.filename) for w in caught]
+
+
+def test_the_producer_fetching_back_what_another_process_fetched_warns_once_at_the_caller():
+    # (In the other order, the send finds the local fetch and logs the same warning.)
+    p, c = SelfFetcher.remote(), AsyncConsumer.remote()
+    alone = p.make.remote()
+    same, caught = ray.get(p.fetch_back.remote([alone]))
+    assert same and caught == []  # only fetched back: no other reader, no warning (as in Ray)
+    ref = p.make.remote()
+    assert ray.get(c.checksums.remote(ref)) == [6.0]  # another process fetches it
+    same, caught = ray.get(p.fetch_back.remote([ref]))
+    assert same and len(caught) == 1, caught
+    message, filename = caught[0]
+    assert "fetched both by the process that produced it" in message and "Clone before writing" in message
+    assert filename == __file__  # points at the caller's line, not at rdt_async
+    assert ray.get(p.fetch_back.remote([ref]))[1] == []  # once per object
+    ray.kill(p)
+    ray.kill(c)
