@@ -1,0 +1,132 @@
+"""Under load: hundreds of objects in flight, tens of fetches at once in one actor, fan-out.
+
+Every value is checked element by element (each object is its own arithmetic sequence),
+the consumers' loops are probed while the bytes arrive, and once the refs are gone the
+producer holds nothing and the threads of both sides are back to a bounded number.
+Time is bounded only to catch a hang; speed is the benchmark's business.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+
+import pytest
+import ray
+import torch
+from helpers import LagProbe
+
+import rdt_async as rdt
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+SIZES = [1 << 10, 1 << 14, 1 << 18, 1 << 20]  # elements of float32: 4 KiB to 4 MiB
+TRANSPORTS = ["auto", "shm", "object_store", "nixl"]
+
+
+def expected(i: int, n: int) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.float32) * 0.5 + i
+
+
+class Producer:
+    async def held(self) -> int:
+        return rdt.store_stats()["objects"]
+
+    async def threads(self) -> int:
+        return threading.active_count()
+
+
+def _producer(transport: str):
+    @rdt.remote
+    class One(Producer):
+        @rdt.method(tensor_transport=transport)
+        async def make(self, i: int, n: int):
+            return {"i": i, "w": expected(i, n)}
+
+    return One
+
+
+@rdt.remote
+class Consumer:
+    def __init__(self) -> None:
+        self.probe = LagProbe()
+
+    async def check_all(self, refs, at_once: int) -> dict:
+        """Fetch `refs` with `at_once` fetches in flight; every element compared."""
+        self.probe.start()
+        started = time.monotonic()
+        bad, sem = [], asyncio.Semaphore(at_once)
+
+        async def one(ref):
+            async with sem:
+                value = await rdt.fetch(ref)
+            w = value["w"]  # checked off the loop: the probe measures the library's stalls only
+            if not await asyncio.to_thread(lambda: torch.equal(w, expected(value["i"], w.numel()))):
+                bad.append(value["i"])
+
+        await asyncio.gather(*(one(r) for r in refs))
+        return {
+            "bad": bad,
+            "seconds": time.monotonic() - started,
+            "max_lag": await self.probe.stop(),
+            "threads": threading.active_count(),
+            "rss_mib": _rss_mib(),
+        }
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _transports():
+    import importlib.util
+
+    return [
+        t if t != "nixl" or importlib.util.find_spec("nixl") else pytest.param(t, marks=pytest.mark.skip("no nixl"))
+        for t in TRANSPORTS
+    ]
+
+
+@pytest.mark.parametrize("transport", _transports())
+def test_hundreds_in_flight_tens_at_once_exact_and_then_nothing_held(transport):
+    producer, consumer = _producer(transport).remote(), Consumer.remote()
+    try:
+        refs = [producer.make.remote(i, SIZES[i % len(SIZES)]) for i in range(240)]  # ~160 MiB in all
+        ray.wait(refs, num_returns=len(refs), timeout=120)
+        assert ray.get(producer.held.remote()) == 240
+        report = ray.get(consumer.check_all.remote(refs, 32), timeout=300)
+        assert report["bad"] == []
+        assert report["max_lag"] < 0.25, report  # a loop stalled by a transfer, not a slow one
+        assert report["threads"] < 40, report
+        del refs
+        deadline = time.monotonic() + 30
+        while ray.get(producer.held.remote()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ray.get(producer.held.remote()) == 0  # every object freed with its last ref
+        assert ray.get(producer.threads.remote()) < 40
+        print(f"\n{transport}: 240 objects, 32 at once: {report}")
+    finally:
+        ray.kill(producer)
+        ray.kill(consumer)
+
+
+def test_fan_out_to_many_async_consumers_exact():
+    producer = _producer("auto").remote()
+    consumers = [Consumer.remote() for _ in range(6)]
+    try:
+        refs = [producer.make.remote(i, 1 << 22) for i in range(2)]  # 16 MiB each
+        reports = ray.get([c.check_all.remote(refs, 2) for c in consumers], timeout=300)
+        assert [r["bad"] for r in reports] == [[]] * 6
+        assert max(r["max_lag"] for r in reports) < 0.25, reports
+        del refs
+        deadline = time.monotonic() + 30
+        while ray.get(producer.held.remote()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ray.get(producer.held.remote()) == 0
+        print("\nfan-out 2 x 16 MiB to 6:", [(round(r["seconds"], 2), round(r["max_lag"] * 1e3, 1)) for r in reports])
+    finally:
+        for a in (producer, *consumers):
+            ray.kill(a)
