@@ -134,6 +134,9 @@ def free(x: Any, /) -> None:
     obj = x if isinstance(x, RDTObject) else _object.get_ref(x, None) if _object.is_ref(x) else x
     if not isinstance(obj, RDTObject):
         raise TypeError(f"rdt.free() takes an RDT object or a ref to one, not {type(obj).__name__}")
+    if obj.anchor is None:  # nothing is kept for it anywhere (inline, or no tensors)
+        _object.forget(obj)
+        return
     if _object.is_local(obj):
         store.free(obj.obj_id)
         return

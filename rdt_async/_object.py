@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import collections
 import contextlib
 import functools
 import os
@@ -32,6 +33,7 @@ import secrets
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -372,6 +374,14 @@ def _finish(
     if not tensors:
         return RDTObject(secrets.token_hex(12), owner, transport, specs, skeleton, {}, {}, None)
     obj_id = secrets.token_hex(12)
+    if plan and all(t.name == "inline" for t in plan):
+        # The bytes ride in the ref, a snapshot: nothing to keep here, no anchor to make.
+        meta = {"inline": plan[0].prepare(obj_id, tensors)}
+        _recent.add(obj_id, tensors)
+        groups = _memberships()
+        if groups:
+            meta["groups"] = groups
+        return RDTObject(obj_id, owner, transport, specs, skeleton, meta, {}, None)
     prepared: dict[Transport[Any], Any] = {}
     try:
         for t in plan:
@@ -455,18 +465,65 @@ def serve_free(obj_id: str) -> None:
 
 
 def resolve_local(obj: RDTObject) -> list[torch.Tensor]:
-    """Return the stored tensors of an object this process produced.
+    """Return the tensors themselves of an object this process produced.
 
     Raises: ObjectFreedError.
     """
     stored = store.get(obj.obj_id)
-    if stored is None:
+    if stored is not None:
+        return stored.tensors
+    tensors = _recent.get(obj.obj_id) if obj.anchor is None else None
+    if tensors is None:
         raise ObjectFreedError(f"object {obj.obj_id} was freed", obj_id=obj.obj_id)
-    return stored.tensors
+    return tensors
 
 
 def is_local(obj: RDTObject) -> bool:
-    return obj.producer.token == _token_for(os.getpid())
+    """Whether this process produced `obj` and has its tensors (inline ones: while they live)."""
+    if obj.producer.token != _token_for(os.getpid()):
+        return False
+    return obj.anchor is not None or _recent.get(obj.obj_id) is not None
+
+
+def forget(obj: RDTObject) -> None:
+    """`rdt.free` of an object nothing keeps (inline): this process's fetches say freed."""
+    _recent.drop(obj.obj_id)
+    store.mark_freed(obj.obj_id)
+
+
+class _Recent:
+    """Inline objects made in this process, weakly: its own fetches get its tensors.
+
+    The last LIMIT objects only: a kept tensor returned a million times must not grow
+    this. Past that, or once its tensors died, a fetch here decodes the ref's bytes:
+    the snapshot every other process sees.
+    """
+
+    LIMIT = 4096
+
+    def __init__(self) -> None:
+        self._refs: collections.OrderedDict[str, tuple[weakref.ref[torch.Tensor], ...]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(self, obj_id: str, tensors: Sequence[torch.Tensor]) -> None:
+        refs = tuple(weakref.ref(t) for t in tensors)
+        with self._lock:
+            self._refs[obj_id] = refs
+            if len(self._refs) > self.LIMIT:
+                self._refs.popitem(last=False)
+
+    def get(self, obj_id: str) -> list[torch.Tensor] | None:
+        with self._lock:
+            refs = self._refs.get(obj_id)
+        tensors = [r() for r in refs] if refs is not None else None
+        return None if tensors is None or any(t is None for t in tensors) else tensors  # type: ignore[misc]
+
+    def drop(self, obj_id: str) -> None:
+        with self._lock:
+            self._refs.pop(obj_id, None)
+
+
+_recent = _Recent()
 
 
 def unavailable(name: str, why: str) -> TransportUnavailableError:

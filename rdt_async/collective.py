@@ -50,6 +50,7 @@ from . import _io, _object, _tree
 from ._errors import CollectiveGroupError, ObjectFreedError, PeerDiedError, RDTError, translate
 from ._object import RDTObject
 from ._store import store
+from .transports import inline
 
 KV_NAMESPACE = "rdt_async"
 BACKENDS = ("gloo", "nccl")
@@ -390,6 +391,7 @@ class _Part:
     inplace: bool = False
     keep: bool = True  # produce a result here (broadcast bystanders do not)
     transport: str = "auto"
+    inline: tuple[bytes, ...] | None = None  # the input's bytes, where its ref carries them
 
 
 @dataclass(frozen=True)
@@ -428,7 +430,7 @@ async def _over_refs(
     for o, h, r in zip(objs, holders, ranks):
         skeletons = tuple(x.skeleton for x in objs) if kind == "allgather" else (o.skeleton,)
         part = _Part(kind, name, r, len(ranks), specs, o.obj_id, skeletons, order, op,
-                     inplace=inplace, transport=transport or o.transport)  # fmt: skip
+                     inplace=inplace, transport=transport or o.transport, inline=_inline(o))  # fmt: skip
         calls.append((h, part))
     return await _launch(kind, name, calls)
 
@@ -463,7 +465,8 @@ async def _broadcast_call(ref: Any, to: tuple[Any, ...], group: Any, transport: 
     calls = []
     for rank, aid in enumerate(members):
         part = _Part("broadcast", name, rank, len(members), specs, obj.obj_id if aid == src.id else None,
-                     (obj.skeleton,), root=root, keep=aid in keep, transport=transport or obj.transport)  # fmt: skip
+                     (obj.skeleton,), root=root, keep=aid in keep, transport=transport or obj.transport,
+                     inline=_inline(obj) if aid == src.id else None)  # fmt: skip
         calls.append((everyone[aid], part))
     refs = await _launch("broadcast", name, calls)
     by_id = {h.id: r for (h, _), r in zip(calls, refs)}
@@ -786,11 +789,19 @@ def _reading_inputs(part: _Part, device: torch.device) -> Iterator[tuple[list[to
     if part.obj_id is None:
         yield None, False
         return
+    if part.inline is not None:  # nothing kept here: the ref's bytes are the input
+        yield [t.to(device) for t in inline.decode(part.inline, part.specs)], False
+        return
     with store.reading(part.obj_id) as stored:
         if stored is None:
             yield [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in part.specs], True
         else:
             yield stored.tensors, False
+
+
+def _inline(obj: RDTObject) -> tuple[bytes, ...] | None:
+    """The bytes of an object its producer keeps nothing for (see transports/inline.py)."""
+    return obj.meta.get("inline") if obj.anchor is None else None
 
 
 def _collective_error(exc: BaseException, part: _Part) -> BaseException:

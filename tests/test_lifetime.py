@@ -49,12 +49,15 @@ def test_ref_passed_as_argument_and_dropped_at_once(producer):
     wait_until(lambda: objects_of(producer) == 0, 10)
 
 
+KEPT = 1 << 15  # 128 KiB of float32: over what auto inlines (an inline object keeps nothing)
+
+
 def test_deserialized_copy_keeps_the_object_alive(producer):
-    ref = producer.value.remote(torch.ones(10))
+    ref = producer.value.remote(torch.ones(KEPT))
     obj = ray.get(ref)
     del ref
     assert objects_of(producer) == 1
-    assert rdt.get(obj).sum().item() == 10.0
+    assert rdt.get(obj).sum().item() == KEPT
     del obj
     wait_until(lambda: objects_of(producer) == 0, 10)
 
@@ -66,7 +69,7 @@ def test_objects_held_by_a_killed_actor_are_freed(producer):
             self.refs = refs
 
     holder = Holder.remote()
-    ray.get(holder.hold.remote([producer.value.remote(torch.ones(10))]))
+    ray.get(holder.hold.remote([producer.value.remote(torch.ones(KEPT))]))
     assert objects_of(producer) == 1
     ray.kill(holder)
     wait_until(lambda: objects_of(producer) == 0, 20)
@@ -88,7 +91,7 @@ def test_free_on_the_producer_and_wait_tensor_freed():
     @rdt.remote
     class Keeper:
         def __init__(self):
-            self.t = torch.ones(8)
+            self.t = torch.ones(KEPT)
 
         def share(self):
             return [rdt.put({"t": self.t})]
@@ -107,6 +110,34 @@ def test_free_on_the_producer_and_wait_tensor_freed():
     waiting = k.wait_freed.remote(30)
     del ref
     assert ray.get(waiting) == "freed"
+
+
+def test_small_objects_keep_nothing_in_the_producer():
+    # Their bytes ride in the ref, a snapshot taken at return: no store entry, no anchor,
+    # nothing for wait_tensor_freed to wait for; the producer's own fetch still gets its tensor.
+    @rdt.remote
+    class Small:
+        def __init__(self):
+            self.t = torch.zeros(16)
+
+        @rdt.method
+        def publish(self):
+            return self.t
+
+        def write_then_fetch_back(self, refs):
+            rdt.wait_tensor_freed_sync(self.t, timeout=5)  # at once, though the ref lives
+            self.t.fill_(7.0)
+            return rdt.get(refs[0]) is self.t, rdt.store_stats()["objects"]
+
+    s = Small.remote()
+    ref = s.publish.remote()
+    same, held = ray.get(s.write_then_fetch_back.remote([ref]))
+    assert same and held == 0
+    assert rdt.get(ref).sum().item() == 0.0  # elsewhere: the snapshot, not the later write
+    rdt.free(ref)
+    with pytest.raises(rdt.ObjectFreedError):
+        rdt.get(ref)
+    ray.kill(s)
 
 
 def test_shared_memory_of_a_killed_producer_is_unlinked():
@@ -135,7 +166,7 @@ def test_segments_are_private_and_unguessable(producer):
 class ManyObjects:
     """An async producer of many tiny objects; reports where its anchors came from."""
 
-    @rdt.method(tensor_transport="inline")
+    @rdt.method(tensor_transport="object_store")  # kept here until fetched (inline keeps nothing)
     async def tiny(self, i: int):
         return torch.full((4,), float(i))
 

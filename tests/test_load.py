@@ -96,7 +96,8 @@ def test_hundreds_in_flight_tens_at_once_exact_and_then_nothing_held(transport):
     try:
         refs = [producer.make.remote(i, SIZES[i % len(SIZES)]) for i in range(240)]  # ~160 MiB in all
         ray.wait(refs, num_returns=len(refs), timeout=120)
-        assert ray.get(producer.held.remote()) == 240
+        kept = sum(transport != "auto" or SIZES[i % len(SIZES)] * 4 > 64 << 10 for i in range(240))
+        assert ray.get(producer.held.remote()) == kept  # auto's small objects ride in their refs
         report = ray.get(consumer.check_all.remote(refs, 32), timeout=300)
         assert report["bad"] == []
         assert report["max_lag"] < 0.25, report  # a loop stalled by a transfer, not a slow one

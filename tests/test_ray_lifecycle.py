@@ -24,7 +24,7 @@ RESTARTS = textwrap.dedent(
     for session in range(2):
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
         fill = float(session + 1)
-        refs = [rdt.put({"w": torch.full((1000,), fill)}) for _ in range(40)]  # past the anchor pool
+        refs = [rdt.put({"w": torch.full((1 << 15,), fill)}) for _ in range(40)]  # kept: past the anchor pool
         big = rdt.put({"w": torch.full((1 << 19,), fill)})  # 2 MiB: over shm
         c = Consumer.remote()
         remote = ray.get([c.total.remote(refs[0]), c.total.remote(big)], timeout=60)
@@ -36,7 +36,7 @@ RESTARTS = textwrap.dedent(
         while rdt.store_stats()["objects"] and time.monotonic() < deadline:
             time.sleep(0.05)  # freed by Ray's out-of-scope callbacks of this session
         print("session", session, remote, here, held, rdt.store_stats()["objects"], flush=True)
-        leftover = rdt.put({"w": torch.ones(10)})  # left in the store when Ray goes away
+        leftover = rdt.put({"w": torch.ones(1 << 15)})  # kept (not inline), left when Ray goes away
         ray.shutdown()
     print("after", rdt.store_stats()["objects"], ray.is_initialized(), flush=True)
     """
@@ -64,8 +64,8 @@ def test_put_get_fetch_and_actors_work_after_shutdown_and_init():
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith(("session", "after"))]
     assert out.returncode == 0, out.stderr[-3000:]
     assert lines == [
-        "session 0 [1000.0, 524288.0] 1.0 41 0",  # the leftover of no session yet
-        "session 1 [2000.0, 1048576.0] 2.0 41 0",  # session 0's leftover was freed at this init
+        "session 0 [32768.0, 524288.0] 1.0 41 0",  # the leftover of no session yet
+        "session 1 [65536.0, 1048576.0] 2.0 41 0",  # session 0's leftover was freed at this init
         "after 1 False",  # Ray tells no one of a shutdown: the last leftover goes at exit
     ], out.stdout
     assert out.stderr.count("Started a local Ray instance") == 2, out.stderr[-3000:]

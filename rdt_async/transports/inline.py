@@ -1,8 +1,11 @@
 """`inline`: small objects travel inside the RDTObject itself, as Ray inlines small values.
 
 `auto` picks it for CPU objects of at most `AUTO_MAX_BYTES`: a fetch then needs no
-segment, no round trip and no hop to the I/O loop, on any node. The producer still
-keeps the tensors (same-process fetches, `free`, `wait_tensor_freed` work as usual).
+segment, no round trip and no hop to the I/O loop, on any node. The bytes are a snapshot
+taken at return, so the producer keeps nothing for such an object: no store entry, no
+anchor (Ray's bookkeeping of a ref inside the returned value was most of a small pass's
+cost), and `wait_tensor_freed` does not wait for it. The producer's own fetches still
+return its tensors while they live (see `_object._Recent`).
 """
 
 from __future__ import annotations
@@ -40,20 +43,21 @@ class InlineTransport(Transport[tuple[bytes, ...]]):
     def receive_nowait(
         self, info: TransferInfo[tuple[bytes, ...]], buffers: list[torch.Tensor] | None
     ) -> list[torch.Tensor]:
-        out = []
-        for i, (data, spec) in enumerate(zip(info.meta, info.specs)):
-            t = (
-                torch.frombuffer(bytearray(data), dtype=spec.dtype).view(spec.shape)
-                if data
-                else torch.empty(spec.shape, dtype=spec.dtype)
-            )
-            out.append(t if buffers is None else buffers[i].copy_(t))
-        return out
+        out = decode(info.meta, [(s.shape, s.dtype) for s in info.specs])
+        return out if buffers is None else [b.copy_(t) for b, t in zip(buffers, out)]
 
     async def receive(
         self, info: TransferInfo[tuple[bytes, ...]], buffers: list[torch.Tensor] | None, channel: Channel
     ) -> list[torch.Tensor]:
         return self.receive_nowait(info, buffers)
+
+
+def decode(meta: Sequence[bytes], specs: Sequence[tuple[Sequence[int], torch.dtype]]) -> list[torch.Tensor]:
+    """The tensors of an inline object, new and writable, from its bytes."""
+    return [
+        torch.frombuffer(bytearray(data), dtype=dtype).view(tuple(shape)) if data else torch.empty(tuple(shape), dtype=dtype)
+        for data, (shape, dtype) in zip(meta, specs)
+    ]
 
 
 def _bytes_of(t: torch.Tensor) -> bytes:
