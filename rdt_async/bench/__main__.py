@@ -1,10 +1,17 @@
-"""python -m rdt_async.bench [--sizes 4K,1M,64M,256M,512M] [--repeat 3] [--json out.json]"""
+"""python -m rdt_async.bench [--sizes 4K,1M,64M,256M,512M] [--repeat 3] [--json out.json] [--only e2e,...]
+
+The headline is `e2e`: from the producing call until the consumer has read every byte,
+every rdt path against Ray's (object store default and zero-copy, Ray's own RDT), as
+ratios to the best Ray path of the same run. The other benches time pieces (a fetch of
+a ref in hand, a transport against its raw library).
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import platform
+import sys
 import time
 from typing import Any
 
@@ -19,7 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="4K,1M,64M,256M,512M")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", default="-", help="file for the JSON results ('-': stdout)")
-    ap.add_argument("--only", default="", help="comma-separated: memcpy,fetch,pass,responsiveness,gloo,collectives,nixl,ucxx")
+    ap.add_argument(
+        "--only", default="", help="comma-separated: e2e,memcpy,fetch,pass,responsiveness,gloo,collectives,nixl,ucxx"
+    )
+    ap.add_argument("--e2e-sizes", default="4K,1M,64M,256M", help="sizes of the end-to-end passes")
     args = ap.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     only = set(filter(None, args.only.split(",")))
@@ -32,6 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
     rows: list[dict[str, Any]] = []
     try:
+        if want("e2e"):
+            from . import _e2e
+
+            e2e_sizes = [parse_size(s) for s in args.e2e_sizes.split(",")]
+            rows += _e2e.run(e2e_sizes, args.repeat, progress=lambda m: print(m, file=sys.stderr, flush=True))
         if want("memcpy"):
             for size in sizes:
                 if size >= 1 << 20:
@@ -71,8 +86,34 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "checks": checks(rows),
     }
-    print_table(rows, result["checks"], file=write_json(result, args.json))
+    out = write_json(result, args.json)
+    print_table([r for r in rows if r["bench"] != "e2e"], result["checks"], file=out)
+    print_e2e(rows, file=out)
     return 0
+
+
+def print_e2e(rows: list[dict[str, Any]], file: Any) -> None:
+    """The end-to-end rows as a Markdown table: warm median (ratio to the best Ray path), cold."""
+    e2e = [r for r in rows if r["bench"] == "e2e"]
+    if not e2e:
+        return
+    cols = sorted({(r["shape"], r["consumers"], r["size"]) for r in e2e}, key=lambda c: (c[0], c[1], c[2]))
+    print("\n| path | " + " | ".join(f"{s} x{k} {human(z)}" for s, k, z in cols) + " |", file=file)
+    print("| --- |" + " --- |" * len(cols), file=file)
+    for case in dict.fromkeys(r["case"] for r in e2e):
+        cells = []
+        for shape, k, size in cols:
+            r = next((r for r in e2e if (r["case"], r["shape"], r["consumers"], r["size"]) == (case, shape, k, size)), None)
+            if r is None:
+                cells.append("")
+                continue
+            cell = f"{r['seconds'] * 1e3:.3g} ms"
+            if "vs_best_ray" in r:
+                cell += f" ({r['vs_best_ray']:.2f}x)"
+            if "cold_s" in r:
+                cell += f", cold {r['cold_s'] * 1e3:.3g}"
+            cells.append(cell)
+        print(f"| {case} | " + " | ".join(cells) + " |", file=file)
 
 
 def checks(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -94,6 +135,10 @@ def checks(rows: list[dict[str, Any]]) -> dict[str, Any]:
     p_ours, p_ray = by.get(("pass", "rdt auto", 4096)), by.get(("pass", "ray object store", 4096))
     if p_ours and p_ray:
         out["pass_4K_vs_object_store"] = round(p_ours["seconds"] / p_ray["seconds"], 3)
+    for r in rows:
+        if r["bench"] == "e2e" and r["case"] == "rdt auto" and "vs_best_ray" in r:
+            key = f"e2e_auto_{r['shape']}_{human(r['size']).replace(' ', '')}_x{r['consumers']}_vs_best_ray"
+            out[key] = round(r["vs_best_ray"], 3)
     resp = [r for r in rows if r["bench"] == "responsiveness"]
     if resp:
         out["worst_ping_ms_while_arriving"] = round(max(r["worst_ping_ms"] for r in resp), 1)

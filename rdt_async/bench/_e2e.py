@@ -1,0 +1,206 @@
+"""End to end, as a user feels it: from the producing call until the consumer has read every byte.
+
+The clock starts at the driver's `producer.make.remote(n)` and stops when the
+consumer's method, which receives the ref as its argument, has summed every element:
+the producer's export, the transfer, the consumer's read and Ray's calls all count.
+Two producer shapes: a tensor it keeps and returns each step (a trainer publishing its
+weights) and a fresh tensor each call. The first pass of each (path, shape, size) is
+reported apart (cold: first touch of fresh memory, first use of a transport); the rest
+give the warm median. Every row carries its ratio to the best Ray path of the same run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+import torch
+
+import rdt_async as rdt
+
+ZERO_COPY_ENV = {"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}}
+RAY_PATHS = ("ray object store", "ray object store zero-copy", "ray rdt nixl", "ray rdt gloo")
+
+
+def _value(kept: dict[int, torch.Tensor], n: int, shape: str) -> torch.Tensor:
+    if shape == "fresh":
+        return torch.full((n,), 1.0)
+    if n not in kept:
+        kept[n] = torch.full((n,), 1.0)
+    return kept[n]
+
+
+def _rdt_producer(transport: str) -> Any:
+    @rdt.remote
+    class Producer:
+        def __init__(self) -> None:
+            self.kept: dict[int, torch.Tensor] = {}
+
+        @rdt.method(tensor_transport=transport)
+        def make(self, n: int, shape: str):
+            return _value(self.kept, n, shape)
+
+        def ready(self) -> bool:
+            return True
+
+    return Producer
+
+
+@rdt.remote
+class Consumer:
+    """An async actor that reads every element of what it is given (rdt fetches it first)."""
+
+    async def read(self, value: torch.Tensor) -> float:
+        return float(value.sum())
+
+    def ready(self) -> bool:
+        return True
+
+
+@ray.remote
+class RayProducer:
+    def __init__(self) -> None:
+        self.kept: dict[int, torch.Tensor] = {}
+
+    def make(self, n: int, shape: str) -> torch.Tensor:
+        return _value(self.kept, n, shape)
+
+    def ready(self) -> bool:
+        return True
+
+
+@ray.remote
+class RayConsumer:
+    async def read(self, value: torch.Tensor) -> float:
+        return float(value.sum())
+
+    def ready(self) -> bool:
+        return True
+
+
+def _ray_rdt_classes(transport: str) -> tuple[Any, Any]:
+    @ray.remote(enable_tensor_transport=True)
+    class RdtProducer:
+        def __init__(self) -> None:
+            self.kept: dict[int, torch.Tensor] = {}
+
+        @ray.method(tensor_transport=transport)
+        def make(self, n: int, shape: str) -> torch.Tensor:
+            return _value(self.kept, n, shape)
+
+        def ready(self) -> bool:
+            return True
+
+    @ray.remote(enable_tensor_transport=True)
+    class RdtConsumer:  # sync: on Ray 2.60 an async actor cannot await an RDT ref
+        def read(self, value: torch.Tensor) -> float:
+            return float(value.sum())
+
+        def ready(self) -> bool:
+            return True
+
+    return RdtProducer, RdtConsumer
+
+
+class _Path:
+    """A producer and `fanout` consumers of one kind, and how to tear them down."""
+
+    def __init__(self, name: str, producer: Any, consumers: list[Any], close: Callable[[], None] = lambda: None):
+        self.name, self.producer, self.consumers, self._close = name, producer, consumers, close
+        ray.get([producer.ready.remote(), *(c.ready.remote() for c in consumers)], timeout=120)
+
+    def one_pass(self, n: int, shape: str, k: int = 1) -> float:
+        t0 = time.perf_counter()
+        ref = self.producer.make.remote(n, shape)
+        sums = ray.get([c.read.remote(ref) for c in self.consumers[:k]], timeout=600)
+        took = time.perf_counter() - t0
+        if any(s != float(n) for s in sums):
+            raise AssertionError(f"{self.name}: read {sums}, expected {float(n)} each")
+        return took
+
+    def close(self) -> None:
+        self._close()
+        for a in (self.producer, *self.consumers):
+            ray.kill(a)
+
+
+def _make_path(name: str, fanout: int) -> _Path | None:
+    if name.startswith("rdt "):
+        transport = name[4:]
+        if transport == "nixl" and importlib.util.find_spec("nixl") is None:
+            return None
+        producer = _rdt_producer(transport).remote()
+        consumers = [Consumer.remote() for _ in range(fanout if transport != "gloo" else 1)]
+        if transport == "gloo":
+            group = rdt.create_collective_group([producer, *consumers], backend="gloo")
+            return _Path(name, producer, consumers, lambda: rdt.destroy_collective_group(group))
+        return _Path(name, producer, consumers)
+    if name == "ray object store":
+        return _Path(name, RayProducer.remote(), [RayConsumer.remote() for _ in range(fanout)])
+    if name == "ray object store zero-copy":
+        opts = {"runtime_env": ZERO_COPY_ENV}
+        return _Path(name, RayProducer.options(**opts).remote(), [RayConsumer.options(**opts).remote() for _ in range(fanout)])
+    transport = name.rsplit(" ", 1)[1]
+    if transport == "nixl" and importlib.util.find_spec("nixl") is None:
+        return None
+    producer_cls, consumer_cls = _ray_rdt_classes(transport)
+    producer = producer_cls.remote()
+    consumers = [consumer_cls.remote() for _ in range(fanout if transport != "gloo" else 1)]
+    if transport == "gloo":
+        from ray.experimental.collective import create_collective_group, destroy_collective_group
+
+        group = create_collective_group([producer, *consumers], backend="torch_gloo")
+        return _Path(name, producer, consumers, lambda: destroy_collective_group(group))
+    return _Path(name, producer, consumers)
+
+
+def _ours() -> list[str]:
+    return ["rdt auto", "rdt shm", "rdt nixl", "rdt object_store", "rdt gloo"]
+
+
+def run(sizes: list[int], repeat: int, fanouts: tuple[int, ...] = (4, 8), progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """All paths, both shapes, every size (bytes), one consumer; then fan-out of the largest."""
+    rows: list[dict[str, Any]] = []
+    width = max(fanouts, default=1)
+    for name in _ours() + list(RAY_PATHS):
+        path = _make_path(name, width)
+        if path is None:
+            continue
+        try:
+            for shape in ("kept", "fresh"):
+                for size in sizes:
+                    n = max(1, size // 4)  # float32 elements
+                    progress(f"e2e {name} {shape} {size}")
+                    cold = path.one_pass(n, shape)
+                    warm = [path.one_pass(n, shape) for _ in range(repeat)]
+                    rows.append({"bench": "e2e", "case": name, "shape": shape, "size": size, "consumers": 1,
+                                 "cold_s": cold, "seconds": statistics.median(warm)})
+            if len(path.consumers) > 1:
+                size = max(sizes)
+                for k in fanouts:
+                    progress(f"e2e {name} fan-out {k} {size}")
+                    path.one_pass(size // 4, "kept", k)
+                    warm = [path.one_pass(size // 4, "kept", k) for _ in range(repeat)]
+                    rows.append({"bench": "e2e", "case": name, "shape": "kept", "size": size, "consumers": k,
+                                 "seconds": statistics.median(warm)})
+        finally:
+            path.close()
+    _ratios(rows)
+    return rows
+
+
+def _ratios(rows: list[dict[str, Any]]) -> None:
+    """Each row's time over the best Ray path's time for the same shape, size and consumers."""
+    best: dict[tuple[Any, ...], float] = {}
+    for r in rows:
+        if r["case"] in RAY_PATHS:
+            key = (r["shape"], r["size"], r["consumers"])
+            best[key] = min(best.get(key, float("inf")), r["seconds"])
+    for r in rows:
+        base = best.get((r["shape"], r["size"], r["consumers"]))
+        if base:
+            r["vs_best_ray"] = r["seconds"] / base
