@@ -306,7 +306,7 @@ def _start(obj: RDTObject, into: Any, device: Any = None) -> _Start:
     transport = _registry.get(name)
     if buffers is None and device is not None:
         buffers = _device_buffers(obj, transport, torch.device(device))
-    info = TransferInfo(obj.obj_id, obj.specs, meta)
+    info = TransferInfo(obj.obj_id, obj.specs, meta, hold=obj)
     ready = _cuda.record(buffers or ())
     if not ready:  # device buffers wait for the caller's streams first: never now
         try:

@@ -44,7 +44,7 @@ import torch
 from . import _cuda, _io, _tree
 from ._errors import ObjectFreedError, RDTError, TransportUnavailableError, translating
 from ._store import StoredObject, log, store
-from .transports import _registry
+from .transports import _registry, shm
 from .transports._base import TensorSpec, Transport, pid_alive
 from .transports.inline import AUTO_MAX_BYTES as INLINE_AUTO_MAX_BYTES
 
@@ -324,16 +324,16 @@ def produce(value: Any, transport: str, *, owner: Process | None = None) -> RDTO
     Runs on: producer. Blocking (copies into shared memory): call `produce_async` on a loop.
     """
     skeleton, tensors = _tree.flatten(value)
-    with store.holding(tensors):  # wait_tensor_freed waits from now on
+    with store.holding(tensors) as making:  # wait_tensor_freed waits from now on
         _cuda.settle(tensors)  # transports read outside this thread's streams: let them finish
         plan = _plan(transport, tensors)
-        return _finish(skeleton, tensors, transport, plan, owner)
+        return _finish(skeleton, tensors, transport, plan, owner, making)
 
 
 async def produce_async(value: Any, transport: str, *, owner: Process | None = None) -> RDTObject:
     """`produce`, with large exports, and a transport's first use, done off the running loop."""
     skeleton, tensors = _tree.flatten(value)
-    with store.holding(tensors):  # before the first await: wait_tensor_freed waits from now on
+    with store.holding(tensors) as making:  # before the first await: wait_tensor_freed waits from now on
         await _cuda.wait(_cuda.record(tensors))  # as in `produce`, with the loop free meanwhile
         plan = _plan(transport, tensors)
         for t in plan:
@@ -342,8 +342,8 @@ async def produce_async(value: Any, transport: str, *, owner: Process | None = N
                 _warm.add((os.getpid(), t.name))
         limit = min((t.inline_prepare_bytes for t in plan), default=Transport.inline_prepare_bytes)
         if sum(t.numel() * t.element_size() for t in tensors) > limit:
-            return await _io.to_thread(_finish, skeleton, tensors, transport, plan, owner)
-        return _finish(skeleton, tensors, transport, plan, owner)
+            return await _io.to_thread(_finish, skeleton, tensors, transport, plan, owner, making)
+        return _finish(skeleton, tensors, transport, plan, owner, making)
 
 
 @contextlib.contextmanager
@@ -368,7 +368,9 @@ def _finish(
     transport: str,
     plan: list[Transport[Any]],
     owner: Process | None,
+    making: int | None = None,
 ) -> RDTObject:
+    """Prepare the planned transports and record the object (`making`: its hold in the store)."""
     owner = owner or here()
     specs = tuple(TensorSpec.of(t) for t in tensors)
     if not tensors:
@@ -382,6 +384,10 @@ def _finish(
         if groups:
             meta["groups"] = groups
         return RDTObject(obj_id, owner, transport, specs, skeleton, meta, {}, None)
+    if making is not None and any(t.name == "shm" for t in plan):
+        # Storages returned again and again (a trainer's weights) go to shared memory
+        # once; every later export shares them without a copy (see transports/shm.py).
+        shm.share_storages(tensors, lambda t: store.held_only_by(t, making))
     prepared: dict[Transport[Any], Any] = {}
     try:
         for t in plan:

@@ -27,7 +27,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("rdt_async")
 
 
-# The bytes a tensor covers: (device, storage address) and a byte range in that storage.
+# The bytes a tensor covers: its storage and a byte range in it. A storage is named twice:
+# by its address (two storages over the same memory) and by the storage itself (its
+# memory may move: shm moves a returned storage into shared memory, once).
 _Span = tuple[tuple[str, int], int, int]
 
 
@@ -42,6 +44,7 @@ def _spans(tensors: Sequence[torch.Tensor]) -> list[_Span]:
         last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0)
         end = start + (last + 1) * t.element_size()
         out.append(((str(t.device), storage.data_ptr()), start, end))
+        out.append((("storage", storage._cdata), start, end))
     return out
 
 
@@ -113,14 +116,14 @@ class Store:
         return False
 
     @contextlib.contextmanager
-    def holding(self, tensors: Sequence[torch.Tensor]) -> Iterator[list[_Span]]:
-        """Hold `tensors` for the block (an object being made); yield their spans."""
+    def holding(self, tensors: Sequence[torch.Tensor]) -> Iterator[int]:
+        """Hold `tensors` for the block (an object being made); yield the hold's key."""
         spans = _spans(tensors)
         with self._lock:
             key = next(self._keys)
             self._hold(key, spans)
         try:
-            yield spans
+            yield key
         finally:
             with self._lock:
                 ready = self._release(key, spans)
@@ -190,6 +193,17 @@ class Store:
             ready = self._release(obj_id, _spans_of(stored))
         _wake(ready)
         return True
+
+    def held_only_by(self, tensor: torch.Tensor, key: int) -> bool:
+        """Whether hold `key` is the only one on any byte of `tensor`'s storage.
+
+        The one safe moment to move a storage: no object, send or other call uses its
+        memory (their registrations and reads would be left on the old address).
+        """
+        storage = tensor.untyped_storage()
+        names = ((str(tensor.device), storage.data_ptr()), ("storage", storage._cdata))
+        with self._lock:
+            return all(set(self._held.get(name, {})) <= {key} for name in names)
 
     # -- wait_tensor_freed ---------------------------------------------------------------
 

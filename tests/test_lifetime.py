@@ -143,7 +143,7 @@ def test_small_objects_keep_nothing_in_the_producer():
 def test_shared_memory_of_a_killed_producer_is_unlinked():
     p = SyncProducer.remote()
     pid = ray.get(p.pid.remote())
-    ref = p.value.remote(torch.ones(1 << 20))
+    ref = p.value.remote(torch.ones(1 << 17))  # 512 KiB: copied into a segment (not a shared storage)
     ray.wait([ref])
     assert len(segments_of(pid)) == 1
     ray.kill(p)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Coroutine, Generator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
@@ -41,6 +41,9 @@ class TransferInfo(Generic[M]):
     obj_id: str
     specs: tuple[TensorSpec, ...]
     meta: M
+    # The RDTObject itself, for transports that hand out views of the producer's memory:
+    # a view keeps it (so its producer keeps the bytes and wait_tensor_freed waits).
+    hold: Any = field(default=None, compare=False, repr=False)
 
 
 class Channel(Protocol):

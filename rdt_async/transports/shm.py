@@ -1,30 +1,47 @@
 """`shm`: one-sided transfers through POSIX shared memory on one node.
 
-The producer copies an object's tensors once into a fresh segment under /dev/shm
-(mode 0600, a 96-bit random name). A consumer maps the segment copy-on-write
-(MAP_PRIVATE): no copy at fetch time, pages are read straight from the segment, and a
-consumer's writes stay its own. The producer unlinks the segment when the object is
-freed; consumers' mappings outlive the name. A guardian process per producer unlinks
-what is left if the producer is killed.
+Two ways a tensor's bytes reach a consumer of the same node, both mapped copy-on-write
+(MAP_PRIVATE: no copy at fetch time, a consumer's writes stay its own):
+
+- Shared storages. A storage of at least SHARE_MIN_BYTES is moved into shared memory
+  the first time it is returned (as `tensor.share_memory_()` does: one copy, its
+  address changes, every view of it follows), when nothing else holds it. From then on
+  every export of it copies nothing: the metadata names the producer's descriptor of
+  it, and a consumer maps it through /proc/<pid>/fd (checking the inode). Such a view
+  shows the producer's memory, so it keeps its object (the RDTObject rides on the
+  mapping): while any consumer holds one, the producer holds the tensor and
+  `wait_tensor_freed` waits. A trainer that waits before each in-place update never
+  changes what a consumer reads; a consumer that keeps a fetched tensor keeps that
+  version and holds up the update until it drops it.
+- A segment for the rest (smaller storages, storages in use elsewhere): the producer
+  copies them once into a fresh file under /dev/shm (mode 0600, a 96-bit random name),
+  a snapshot. It unlinks the segment when the object is freed; consumers' mappings
+  outlive the name. A guardian process per producer unlinks what is left if the
+  producer is killed.
 """
 
 from __future__ import annotations
 
 import atexit
+import dataclasses
+import logging
 import mmap
 import os
 import secrets
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .. import _io
-from .._errors import PeerDiedError
+from .._errors import ObjectFreedError, PeerDiedError, TransportUnavailableError
 from ._base import Channel, TransferInfo, Transport, copy_into, pid_alive
+
+log = logging.getLogger("rdt_async")
 
 SHM_DIR = "/dev/shm"
 PREFIX = "rdt-"
@@ -59,13 +76,35 @@ sweep(me)
 """
 
 
+# Storages from this size on are moved into shared memory and exported without a copy.
+SHARE_MIN_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Shared:
+    """A tensor in a shared storage of the producer: how a consumer finds and views it."""
+
+    pid: int
+    fd: int
+    inode: tuple[int, int]  # (st_dev, st_ino) of the storage's file: the fd is still it
+    nbytes: int  # the storage's
+    offset: int  # the tensor's, in elements
+    stride: tuple[int, ...]
+
+
 @dataclass(frozen=True)
 class ShmMeta:
-    """Where an object's tensors lie: segment name, its size, each tensor's offset."""
+    """Where an object's tensors lie: segment name, its size, each tensor's offset in it,
+    or (for tensors in shared storages) where that storage is."""
 
     segment: str | None
     size: int
     offsets: tuple[int, ...]
+    shared: tuple[Shared | None, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return self.size + sum(s.nbytes for s in dict.fromkeys(x for x in self.shared if x is not None))
 
 
 class ShmTransport(Transport[ShmMeta]):
@@ -82,6 +121,15 @@ class ShmTransport(Transport[ShmMeta]):
         return None
 
     def prepare(self, obj_id: str, tensors: Sequence[torch.Tensor]) -> ShmMeta:
+        shared = tuple(_shared(t) for t in tensors)
+        copied = [t for t, sh in zip(tensors, shared) if sh is None]
+        meta = self._segment(copied)
+        it = iter(meta.offsets)
+        offsets = tuple(next(it) if sh is None else 0 for sh in shared)
+        return ShmMeta(meta.segment, meta.size, offsets, shared if any(shared) else ())
+
+    def _segment(self, tensors: Sequence[torch.Tensor]) -> ShmMeta:
+        """Copy `tensors` into a fresh segment."""
         offsets, size = [], 0
         for t in tensors:
             offsets.append(size)
@@ -110,8 +158,8 @@ class ShmTransport(Transport[ShmMeta]):
     def receive_nowait(
         self, info: TransferInfo[ShmMeta], buffers: list[torch.Tensor] | None
     ) -> list[torch.Tensor] | None:
-        if info.meta.size > NOWAIT_BYTES:
-            return None  # the copy into buffers would block: take the I/O loop path
+        if info.meta.size > NOWAIT_BYTES or (buffers is not None and info.meta.nbytes > NOWAIT_BYTES):
+            return None  # a copy would block: take the I/O loop path
         views = _map(info)
         return views if buffers is None else copy_into(buffers, views)
 
@@ -123,6 +171,7 @@ class ShmTransport(Transport[ShmMeta]):
         return await _io.to_thread_finished(_read_into, info, buffers)
 
     def garbage_collect(self, obj_id: str, meta: ShmMeta) -> None:
+        # Shared storages belong to their tensors: nothing to release here.
         if meta.segment is not None:
             try:
                 os.unlink(os.path.join(SHM_DIR, meta.segment))
@@ -175,7 +224,7 @@ def _open(info: TransferInfo[ShmMeta]) -> int:
 
 
 def _map(info: TransferInfo[ShmMeta]) -> list[torch.Tensor]:
-    """Map the segment copy-on-write and return a view per tensor (no copy)."""
+    """Map the segment and shared storages copy-on-write; return a view per tensor (no copy)."""
     meta = info.meta
     mm: mmap.mmap | None = None
     if meta.segment is not None:
@@ -184,7 +233,111 @@ def _map(info: TransferInfo[ShmMeta]) -> list[torch.Tensor]:
             mm = mmap.mmap(fd, meta.size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-    return [_view(mm, spec, off) for spec, off in zip(info.specs, meta.offsets)]
+    storages: dict[Shared, torch.Tensor] = {}  # one mapping per storage, whatever its views
+    out = []
+    for i, (spec, off) in enumerate(zip(info.specs, meta.offsets)):
+        sh = meta.shared[i] if meta.shared else None
+        if sh is None:
+            out.append(_view(mm, spec, off))
+            continue
+        key = dataclasses.replace(sh, offset=0, stride=())
+        if key not in storages:
+            storages[key] = _map_shared(info, sh)
+        base = storages[key]
+        if spec.nbytes == 0:
+            out.append(torch.empty(spec.shape, dtype=spec.dtype))
+        else:
+            out.append(base.view(spec.dtype).as_strided(spec.shape, sh.stride, sh.offset))
+    return out
+
+
+class _Mapping(mmap.mmap):
+    """A mapping of a producer's shared storage; `hold` keeps its object while a view lives."""
+
+    hold: Any = None
+
+
+def _open_shared(info: TransferInfo[ShmMeta], sh: Shared) -> int:
+    """Open the producer's shared storage read-only, checking it is still the one meant.
+
+    Raises: PeerDiedError if the producer is gone; ObjectFreedError if the descriptor no
+    longer names that storage (the object was freed and its storage released).
+    """
+    try:
+        fd = os.open(f"/proc/{sh.pid}/fd/{sh.fd}", os.O_RDONLY)
+    except FileNotFoundError:
+        if not pid_alive(sh.pid):
+            raise PeerDiedError(f"fetch over shm: the producer of {info.obj_id} died", obj_id=info.obj_id) from None
+        raise ObjectFreedError(f"object {info.obj_id} was freed (its storage is gone)", obj_id=info.obj_id) from None
+    except PermissionError as exc:
+        os_error = f"{type(exc).__name__}: {exc}"
+        raise TransportUnavailableError(
+            f"transport 'shm' cannot open the producer's shared storage ({os_error}): the producer "
+            "runs as another user or /proc is restricted; use tensor_transport='object_store'"
+        ) from exc
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino) != sh.inode or not pid_alive(sh.pid):
+        os.close(fd)
+        if not pid_alive(sh.pid):
+            raise PeerDiedError(f"fetch over shm: the producer of {info.obj_id} died", obj_id=info.obj_id)
+        raise ObjectFreedError(f"object {info.obj_id} was freed (its storage is gone)", obj_id=info.obj_id)
+    return fd
+
+
+def _map_shared(info: TransferInfo[ShmMeta], sh: Shared) -> torch.Tensor:
+    """The whole shared storage, mapped copy-on-write, as bytes; the mapping holds the object."""
+    fd = _open_shared(info, sh)
+    try:
+        mm = _Mapping(fd, sh.nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    mm.hold = info.hold  # views keep the mapping, the mapping keeps the object
+    return torch.frombuffer(mm, dtype=torch.uint8)
+
+
+def share_storages(tensors: Sequence[torch.Tensor], exclusive: Callable[[torch.Tensor], bool]) -> None:
+    """Move the storages of `tensors` worth sharing into shared memory, where `exclusive`.
+
+    Runs on: producer, inside the hold of the object being made. A storage goes once
+    (one copy; later calls find it shared); one in use elsewhere (another object, a
+    send, a registration of its address) is left where it is and copied instead.
+    """
+    for t in tensors:
+        storage = t.untyped_storage()
+        if not _worth_sharing(t, storage) or storage.is_shared() or not exclusive(t):
+            continue
+        with _share_lock:
+            if storage.is_shared():
+                continue
+            try:
+                storage._share_fd_cpu_()  # moves it: fresh shared pages, one copy, same storage
+            except Exception as exc:  # e.g. a storage torch cannot move: copied instead
+                log.debug("rdt_async: shm: storage not moved to shared memory: %s", exc)
+
+
+_share_lock = threading.Lock()
+
+
+def _worth_sharing(t: torch.Tensor, storage: torch.UntypedStorage) -> bool:
+    return (
+        t.device.type == "cpu"
+        and t.layout == torch.strided
+        and storage.nbytes() >= SHARE_MIN_BYTES
+        and not t.is_pinned()  # pinned memory would lose its pinning
+    )
+
+
+def _shared(t: torch.Tensor) -> Shared | None:
+    """Where `t` lies if its storage is shared by descriptor; None if it must be copied."""
+    storage = t.untyped_storage()
+    if not _worth_sharing(t, storage) or not storage.is_shared():
+        return None
+    try:
+        fd, nbytes = storage._share_fd_cpu_()  # already shared: its descriptor, no copy
+    except Exception:  # shared some other way (file_system strategy): copy it
+        return None
+    st = os.fstat(fd)
+    return Shared(os.getpid(), fd, (st.st_dev, st.st_ino), nbytes, t.storage_offset(), tuple(t.stride()))
 
 
 def _read_into(info: TransferInfo[ShmMeta], buffers: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -195,22 +348,36 @@ def _read_into(info: TransferInfo[ShmMeta], buffers: list[torch.Tensor]) -> list
     mapping and `copy_`.
     """
     meta = info.meta
-    if meta.segment is None:
-        return buffers
-    direct = [b.device.type == "cpu" and b.is_contiguous() for b in buffers]
-    fd = _open(info)
-    try:
-        for b, spec, off, ok in zip(buffers, info.specs, meta.offsets, direct):
-            if ok and spec.nbytes:
-                _pread_exact(fd, b, off, spec.nbytes)
-    finally:
-        os.close(fd)
-    if not all(direct):
+    shared = meta.shared or (None,) * len(buffers)
+    direct = [
+        b.device.type == "cpu" and b.is_contiguous() and (sh is None or _contiguous(spec, sh))
+        for b, spec, sh in zip(buffers, info.specs, shared)
+    ]
+    if meta.segment is not None:
+        fd = _open(info)
+        try:
+            for b, spec, off, ok, sh in zip(buffers, info.specs, meta.offsets, direct, shared):
+                if ok and spec.nbytes and sh is None:
+                    _pread_exact(fd, b, off, spec.nbytes)
+        finally:
+            os.close(fd)
+    for b, spec, ok, sh in zip(buffers, info.specs, direct, shared):
+        if ok and spec.nbytes and sh is not None:
+            fd = _open_shared(info, sh)
+            try:
+                _pread_exact(fd, b, sh.offset * spec.dtype.itemsize, spec.nbytes)
+            finally:
+                os.close(fd)
+    if not all(d or not spec.nbytes for d, spec in zip(direct, info.specs)):
         views = _map(info)
         for b, v, ok in zip(buffers, views, direct):
             if not ok:
                 b.copy_(v)
     return buffers
+
+
+def _contiguous(spec: Any, sh: Shared) -> bool:
+    return tuple(sh.stride) == tuple(torch.empty(spec.shape, device="meta").stride()) or spec.nbytes == 0
 
 
 def _pread_exact(fd: int, t: torch.Tensor, offset: int, nbytes: int) -> None:

@@ -1,0 +1,145 @@
+"""shm's shared storages: a tensor returned again and again is exported without a copy.
+
+Its storage moves into shared memory once; consumers map the producer's memory
+copy-on-write; a consumer's view holds the object, so `wait_tensor_freed` in the
+producer waits until every consumer has dropped what it fetched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import ray
+import torch
+
+import rdt_async as rdt
+from rdt_async.transports._base import TensorSpec, TransferInfo
+from rdt_async.transports.shm import SHARE_MIN_BYTES, Shared, ShmMeta, _map_shared, share_storages
+
+N = 1 << 20  # float32 elements: 4 MiB, over SHARE_MIN_BYTES
+
+
+@rdt.remote
+class Trainer:
+    def __init__(self) -> None:
+        self.w = torch.arange(N, dtype=torch.float32)
+
+    @rdt.method(tensor_transport="shm")
+    def publish(self):
+        return {"w": self.w, "slice": self.w[100:200], "col": self.w.view(1024, 1024)[:, 3]}
+
+    def where(self) -> tuple[int, bool]:
+        return self.w.untyped_storage().data_ptr(), self.w.untyped_storage().is_shared()
+
+    async def wait_freed(self, seconds: float) -> str:
+        try:
+            async with asyncio.timeout(seconds):
+                await rdt.wait_tensor_freed(self.w)
+        except TimeoutError:
+            return "held"
+        return "free"
+
+    async def step(self, v: float) -> None:
+        await rdt.wait_tensor_freed(self.w)
+        self.w.fill_(v)
+
+    def total(self) -> float:
+        return float(self.w.double().sum())
+
+
+@rdt.remote
+class Reader:
+    async def keep(self, value) -> float:
+        self.kept = value  # views of the trainer's memory
+        return float(value["w"].double().sum())
+
+    async def kept_total(self) -> float:
+        return float(self.kept["w"].double().sum())
+
+    async def drop(self) -> None:
+        del self.kept
+
+    async def scribble(self, value) -> float:
+        value["w"].fill_(-1.0)  # its own copy-on-write pages
+        return float(value["w"][0])
+
+    async def check(self, value) -> dict:
+        return {
+            "w": float(value["w"].double().sum()),
+            "slice": value["slice"].tolist() == list(range(100, 200)) or value["slice"].tolist(),
+            "col": value["col"].tolist() == [float(3 + 1024 * i) for i in range(1024)] or "wrong",
+        }
+
+    async def into(self, refs) -> bool:
+        obj = await refs[0]
+        w, col = torch.empty(N), torch.empty(1024 * 2)[::2]  # contiguous, and strided
+        out = await rdt.fetch(obj, into={"w": w, "slice": torch.empty(100), "col": col})
+        return torch.equal(out["w"], torch.arange(N, dtype=torch.float32)) and torch.equal(
+            col, torch.arange(3, N, 1024, dtype=torch.float32)
+        )
+
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+def test_a_kept_tensor_moves_once_then_exports_without_a_copy_and_arrives_exact():
+    t, r = Trainer.remote(), Reader.remote()
+    try:
+        first = t.publish.remote()
+        assert ray.get(r.check.remote(first)) == {"w": float(N * (N - 1) // 2), "slice": True, "col": True}
+        ptr, shared = ray.get(t.where.remote())
+        assert shared  # moved into shared memory at the first export
+        for _ in range(3):
+            ref = t.publish.remote()
+            assert ray.get(r.check.remote(ref))["w"] == float(N * (N - 1) // 2)
+            assert ray.get(t.where.remote()) == (ptr, True)  # the same memory: nothing copied
+        assert ray.get(r.into.remote([t.publish.remote()]))  # into=: read, not mapped
+    finally:
+        ray.kill(t)
+        ray.kill(r)
+
+
+def test_wait_tensor_freed_waits_for_every_consumer_view_and_writes_reach_only_new_fetches():
+    t, r = Trainer.remote(), Reader.remote()
+    try:
+        ref = t.publish.remote()
+        assert ray.get(r.keep.remote(ref)) == float(N * (N - 1) // 2)
+        del ref
+        assert ray.get(t.wait_freed.remote(0.5)) == "held"  # the reader still views version 0
+        stepping = t.step.remote(1.0)
+        assert ray.get(r.kept_total.remote()) == float(N * (N - 1) // 2)  # unchanged meanwhile
+        ray.get(r.drop.remote())
+        ray.get(stepping, timeout=60)  # the step ran once the view was gone
+        assert ray.get(r.check.remote(t.publish.remote()))["w"] == float(N)  # the new version
+        assert ray.get(t.wait_freed.remote(10)) == "free"
+    finally:
+        ray.kill(t)
+        ray.kill(r)
+
+
+def test_a_consumer_writing_its_view_changes_nothing_for_the_producer_or_others():
+    t, r1, r2 = Trainer.remote(), Reader.remote(), Reader.remote()
+    try:
+        ref = t.publish.remote()
+        assert ray.get(r1.scribble.remote(ref)) == -1.0
+        assert ray.get(r2.check.remote(ref))["w"] == float(N * (N - 1) // 2)
+        assert ray.get(t.total.remote()) == float(N * (N - 1) // 2)
+    finally:
+        for a in (t, r1, r2):
+            ray.kill(a)
+
+
+def test_a_descriptor_that_names_another_file_now_is_refused():
+    # The producer's fd number is checked against the storage's inode: a stale one
+    # (the object freed, the number reused) must never map someone else's bytes.
+    w = torch.ones(SHARE_MIN_BYTES // 4)
+    share_storages([w], lambda _: True)
+    fd, nbytes = w.untyped_storage()._share_fd_cpu_()
+    st = os.fstat(fd)
+    info = TransferInfo("x", (TensorSpec.of(w),), ShmMeta(None, 0, (0,)))
+    good = Shared(os.getpid(), fd, (st.st_dev, st.st_ino), nbytes, 0, (1,))
+    assert float(_map_shared(info, good).view(torch.float32).sum()) == w.numel()
+    with pytest.raises(rdt.ObjectFreedError, match="freed"):
+        _map_shared(info, Shared(os.getpid(), fd, (st.st_dev, st.st_ino + 1), nbytes, 0, (1,)))
