@@ -13,7 +13,7 @@ copy once, device to device) where this process's memory can be exported, and pr
 for nixl (other nodes) whenever this process can load it; else it goes through the
 object store. A CPU object stays inline when small, and
 is exported to shm for same-node consumers; from AUTO_NIXL_MIN_BYTES on, and only
-where nixl loads, it is registered with NIXL as well, so that consumers on other
+where nixl loads and the cluster has more than one node, it is registered with NIXL as well, so that consumers on other
 nodes read it one-sidedly instead of through the object store. Below that size
 NIXL's costs (one agent per process, a registration per storage, ~0.6 KB of
 metadata in every ref) buy nothing worth the hot path. The consumer picks: inline,
@@ -261,7 +261,7 @@ def _on_anchor_gone(obj_id: str, _oid: bytes) -> None:
 
 
 def _free_quietly(obj_id: str) -> None:
-    if store.free(obj_id):
+    if store.free(obj_id, last_ref=True):
         log.debug("rdt_async: freed %s (last ref gone)", obj_id)
 
 
@@ -284,8 +284,8 @@ def _prepared_transports(name: str, tensors: Sequence[torch.Tensor]) -> list[Tra
         if nbytes <= INLINE_AUTO_MAX_BYTES:
             return [_registry.get("inline")]  # small: the bytes ride in the ref
         plan = [_registry.get("shm")]  # same node, CPU: the likely consumer
-        if nbytes >= AUTO_NIXL_MIN_BYTES and _loads_here("nixl"):
-            plan.append(_registry.get("nixl"))  # for consumers on other nodes
+        if nbytes >= AUTO_NIXL_MIN_BYTES and _loads_here("nixl") and _several_nodes():
+            plan.append(_registry.get("nixl"))  # for consumers on other nodes (UCX listens then)
         return plan
     plan = [_registry.get("cuda_ipc")] if _cuda_ipc_here() else []  # GPU, same node: mapped, one copy
     if _loads_here("nixl"):
@@ -387,7 +387,7 @@ def _finish(
     if making is not None and any(t.name == "shm" for t in plan):
         # Storages returned again and again (a trainer's weights) go to shared memory
         # once; every later export shares them without a copy (see transports/shm.py).
-        shm.share_storages(tensors, lambda t: store.held_only_by(t, making))
+        shm.share_storages(tensors, lambda t: store.can_move(t, making))
     prepared: dict[Transport[Any], Any] = {}
     try:
         for t in plan:

@@ -174,10 +174,11 @@ class Store:
         while len(self._freed) > 100_000:
             self._freed.popitem(last=False)
 
-    def free(self, obj_id: str) -> bool:
+    def free(self, obj_id: str, *, last_ref: bool = False) -> bool:
         """Drop an object and release what its transports prepared; False if absent.
 
-        Runs on: producer.
+        `last_ref`: every ref (so every consumer's view) is gone, not an explicit free:
+        transports may reuse what they prepared. Runs on: producer.
         """
         with self._lock:
             stored = self._objects.pop(obj_id, None)
@@ -186,7 +187,7 @@ class Store:
                 return False
         for transport, meta in stored.prepared.items():
             try:
-                transport.garbage_collect(obj_id, meta)
+                (transport.recycle if last_ref else transport.garbage_collect)(obj_id, meta)
             except Exception:  # never let one transport keep the others' resources
                 log.exception("rdt_async: %s could not release object %s", transport.name, obj_id)
         with self._lock:  # after the transports let go: a waiter may write the tensors next
@@ -194,16 +195,24 @@ class Store:
         _wake(ready)
         return True
 
-    def held_only_by(self, tensor: torch.Tensor, key: int) -> bool:
-        """Whether hold `key` is the only one on any byte of `tensor`'s storage.
+    def can_move(self, tensor: torch.Tensor, key: int) -> bool:
+        """Whether `tensor`'s storage may move now, for the object being made under hold `key`.
 
-        The one safe moment to move a storage: no object, send or other call uses its
-        memory (their registrations and reads would be left on the old address).
+        Only where nothing reads its memory by address: besides `key`, the holds on it are
+        objects whose transports copied or read it through the store (none pins memory);
+        no send or collective reads it, no other call is making an object of it.
         """
         storage = tensor.untyped_storage()
         names = ((str(tensor.device), storage.data_ptr()), ("storage", storage._cdata))
         with self._lock:
-            return all(set(self._held.get(name, {})) <= {key} for name in names)
+            for name in names:
+                for k in self._held.get(name, {}):
+                    if k == key:
+                        continue
+                    obj = self._objects.get(k) if isinstance(k, str) else None
+                    if obj is None or any(t.pins_memory for t in obj.prepared):
+                        return False
+            return True
 
     # -- wait_tensor_freed ---------------------------------------------------------------
 

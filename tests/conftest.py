@@ -27,7 +27,9 @@ def cluster():
     c.wait_for_nodes()
     here = os.path.dirname(os.path.abspath(__file__))
     path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
-    ray.init(address=c.address, runtime_env={"env_vars": {"PYTHONPATH": path}})
+    # Idle warm segments go after 1 s (not 10): the leak check below waits for them.
+    os.environ["RDT_SHM_IDLE_S"] = "1"
+    ray.init(address=c.address, runtime_env={"env_vars": {"PYTHONPATH": path, "RDT_SHM_IDLE_S": "1"}})
     try:
         yield c
     finally:

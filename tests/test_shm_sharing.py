@@ -55,6 +55,9 @@ class Reader:
         self.kept = value  # views of the trainer's memory
         return float(value["w"].double().sum())
 
+    async def total(self, value) -> float:
+        return float(value["w"].double().sum())
+
     async def kept_total(self) -> float:
         return float(self.kept["w"].double().sum())
 
@@ -143,3 +146,32 @@ def test_a_descriptor_that_names_another_file_now_is_refused():
     assert float(_map_shared(info, good).view(torch.float32).sum()) == w.numel()
     with pytest.raises(rdt.ObjectFreedError, match="freed"):
         _map_shared(info, Shared(os.getpid(), fd, (st.st_dev, st.st_ino + 1), nbytes, 0, (1,)))
+
+
+@rdt.remote
+class FreshProducer:
+    @rdt.method(tensor_transport="shm")
+    def make(self, v: float):
+        return {"w": torch.full((N // 2,), v)}  # 2 MiB, fresh each call: copied into a warm segment
+
+    def segments_made(self) -> int:
+        from rdt_async.transports import _segments
+
+        return _segments.pool.stats()["created"]
+
+
+def test_fresh_tensors_reuse_warm_segments_never_under_a_view():
+    p, keeper, reader = FreshProducer.remote(), Reader.remote(), Reader.remote()
+    try:
+        assert ray.get(keeper.keep.remote(p.make.remote(7.0))) == 7.0 * N // 2  # a view kept
+        explicit = p.make.remote(9.0)
+        assert ray.get(reader.keep.remote(explicit)) == 9.0 * N // 2
+        rdt.free(explicit)  # freed under the reader's view: that segment is never reused
+        for v in range(1, 9):
+            assert ray.get(reader.total.remote(p.make.remote(float(v)))) == v * N // 2
+        assert ray.get(p.segments_made.remote()) <= 4  # 10 objects: warm segments recycled
+        assert ray.get(keeper.kept_total.remote()) == 7.0 * N // 2  # never overwritten
+        assert ray.get(reader.kept_total.remote()) == 9.0 * N // 2
+    finally:
+        for a in (p, keeper, reader):
+            ray.kill(a)

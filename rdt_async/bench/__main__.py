@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         "--only", default="", help="comma-separated: e2e,memcpy,fetch,pass,responsiveness,gloo,collectives,nixl,ucxx"
     )
     ap.add_argument("--e2e-sizes", default="4K,1M,64M,256M", help="sizes of the end-to-end passes")
+    ap.add_argument("--e2e-paths", default="", help="comma-separated, e.g. 'rdt auto,ray object store zero-copy'")
     args = ap.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     only = set(filter(None, args.only.split(",")))
@@ -46,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
             from . import _e2e
 
             e2e_sizes = [parse_size(s) for s in args.e2e_sizes.split(",")]
-            rows += _e2e.run(e2e_sizes, args.repeat, progress=lambda m: print(m, file=sys.stderr, flush=True))
+            paths = [p.strip() for p in args.e2e_paths.split(",") if p.strip()] or None
+            rows += _e2e.run(e2e_sizes, args.repeat, progress=lambda m: print(m, file=sys.stderr, flush=True), paths=paths)
         if want("memcpy"):
             for size in sizes:
                 if size >= 1 << 20:

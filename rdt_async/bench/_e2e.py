@@ -162,11 +162,17 @@ def _ours() -> list[str]:
     return ["rdt auto", "rdt shm", "rdt nixl", "rdt object_store", "rdt gloo"]
 
 
-def run(sizes: list[int], repeat: int, fanouts: tuple[int, ...] = (4, 8), progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """All paths, both shapes, every size (bytes), one consumer; then fan-out of the largest."""
+def run(
+    sizes: list[int],
+    repeat: int,
+    fanouts: tuple[int, ...] = (4, 8),
+    progress: Callable[[str], None] = print,
+    paths: list[str] | None = None,
+) -> list[dict[str, Any]]:
+    """All paths (or `paths`), both shapes, every size (bytes), one consumer; then fan-out of the largest."""
     rows: list[dict[str, Any]] = []
     width = max(fanouts, default=1)
-    for name in _ours() + list(RAY_PATHS):
+    for name in paths or _ours() + list(RAY_PATHS):
         path = _make_path(name, width)
         if path is None:
             continue

@@ -128,6 +128,10 @@ class Transport(Generic[M]):
     devices: ClassVar[tuple[str, ...]] = ("cpu",)
     one_sided: ClassVar[bool] = True
     can_abort: ClassVar[bool] = True
+    # True if what `prepare` made reads the tensors' memory by address later, outside a
+    # send the store sees (NIXL registrations, a listener of its own): their storages
+    # then must not move while the object lives (shm moves storages into shared memory).
+    pins_memory: ClassVar[bool] = True
     # Bytes above which the producer prepares off the caller's loop.
     inline_prepare_bytes: ClassVar[int] = 1 << 20
     # True if `receive` writes into caller buffers on any of `devices`, whatever device
@@ -242,6 +246,14 @@ class Transport(Generic[M]):
 
         Runs on: producer. Must be quick and must not raise for a second call.
         """
+
+    def recycle(self, obj_id: str, meta: M) -> None:
+        """Release what `prepare` made, once the object's last ref (and any view) is gone.
+
+        Unlike after `garbage_collect` (an explicit free), nothing anywhere can still read
+        what was prepared: a transport may reuse it. Runs on: producer. Default: garbage_collect.
+        """
+        self.garbage_collect(obj_id, meta)
 
     def abort_transport(self, request: FetchRequest) -> None:
         """Abort an in-flight fetch.

@@ -200,6 +200,7 @@ class GlooTransport(Transport[GlooMeta]):
     backend = "gloo"
     devices: tuple[str, ...] = ("cpu",)
     one_sided = False
+    pins_memory = False
     can_abort = False
 
     async def receive(

@@ -13,11 +13,11 @@ Two ways a tensor's bytes reach a consumer of the same node, both mapped copy-on
   `wait_tensor_freed` waits. A trainer that waits before each in-place update never
   changes what a consumer reads; a consumer that keeps a fetched tensor keeps that
   version and holds up the update until it drops it.
-- A segment for the rest (smaller storages, storages in use elsewhere): the producer
-  copies them once into a fresh file under /dev/shm (mode 0600, a 96-bit random name),
-  a snapshot. It unlinks the segment when the object is freed; consumers' mappings
-  outlive the name. A guardian process per producer unlinks what is left if the
-  producer is killed.
+- A segment for the rest (smaller storages, a storage's first return, storages in use
+  elsewhere): the producer copies them once into a warm, recycled file under /dev/shm
+  (mode 0600, a 96-bit random name; see _segments.py), a snapshot. Views of it hold the
+  object too, so it is reused only once no view is left. A guardian process per
+  producer unlinks what is left if the producer is killed.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ import dataclasses
 import logging
 import mmap
 import os
-import secrets
 import subprocess
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +39,7 @@ import torch
 
 from .. import _io
 from .._errors import ObjectFreedError, PeerDiedError, TransportUnavailableError
+from . import _segments
 from ._base import Channel, TransferInfo, Transport, copy_into, pid_alive
 
 log = logging.getLogger("rdt_async")
@@ -113,6 +114,7 @@ class ShmTransport(Transport[ShmMeta]):
     name = "shm"
     devices = ("cpu",)
     one_sided = True
+    pins_memory = False
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -129,7 +131,7 @@ class ShmTransport(Transport[ShmMeta]):
         return ShmMeta(meta.segment, meta.size, offsets, shared if any(shared) else ())
 
     def _segment(self, tensors: Sequence[torch.Tensor]) -> ShmMeta:
-        """Copy `tensors` into a fresh segment."""
+        """Copy `tensors` into a warm segment of the pool (see _segments.py)."""
         offsets, size = [], 0
         for t in tensors:
             offsets.append(size)
@@ -137,23 +139,17 @@ class ShmTransport(Transport[ShmMeta]):
         if size == 0:
             return ShmMeta(None, 0, tuple(offsets))
         ensure_guardian()
-        name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(12)}"
-        path = os.path.join(SHM_DIR, name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        seg = _segments.pool.take(size)
         try:
-            os.ftruncate(fd, size)
-            with mmap.mmap(fd, size, flags=mmap.MAP_SHARED) as mm:
-                for t, off in zip(tensors, offsets):
-                    if t.numel():
-                        dst = torch.frombuffer(mm, dtype=t.dtype, count=t.numel(), offset=off)
-                        dst.view(t.shape).copy_(t)
-                        del dst
+            for t, off in zip(tensors, offsets):
+                if t.numel():
+                    dst = torch.frombuffer(seg.mm, dtype=t.dtype, count=t.numel(), offset=off)
+                    dst.view(t.shape).copy_(t)
+                    del dst
         except BaseException:
-            os.unlink(path)
+            _segments.pool.discard(seg.name)
             raise
-        finally:
-            os.close(fd)
-        return ShmMeta(name, size, tuple(offsets))
+        return ShmMeta(seg.name, size, tuple(offsets))
 
     def receive_nowait(
         self, info: TransferInfo[ShmMeta], buffers: list[torch.Tensor] | None
@@ -171,12 +167,14 @@ class ShmTransport(Transport[ShmMeta]):
         return await _io.to_thread_finished(_read_into, info, buffers)
 
     def garbage_collect(self, obj_id: str, meta: ShmMeta) -> None:
-        # Shared storages belong to their tensors: nothing to release here.
+        # Shared storages belong to their tensors: nothing to release here. A segment
+        # freed explicitly may still be viewed somewhere: unlinked, never reused.
         if meta.segment is not None:
-            try:
-                os.unlink(os.path.join(SHM_DIR, meta.segment))
-            except FileNotFoundError:
-                pass
+            _segments.pool.discard(meta.segment)
+
+    def recycle(self, obj_id: str, meta: ShmMeta) -> None:
+        if meta.segment is not None:
+            _segments.pool.recycle(meta.segment)  # no view of it is left anywhere
 
 
 _guardian: tuple[subprocess.Popen[bytes], int] | None = None  # and the pid it guards
@@ -230,9 +228,10 @@ def _map(info: TransferInfo[ShmMeta]) -> list[torch.Tensor]:
     if meta.segment is not None:
         fd = _open(info)
         try:
-            mm = mmap.mmap(fd, meta.size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            mm = _Mapping(fd, meta.size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
+        mm.hold = info.hold  # a segment is reused once no view of it is left
     storages: dict[Shared, torch.Tensor] = {}  # one mapping per storage, whatever its views
     out = []
     for i, (spec, off) in enumerate(zip(info.specs, meta.offsets)):
@@ -298,13 +297,16 @@ def _map_shared(info: TransferInfo[ShmMeta], sh: Shared) -> torch.Tensor:
 def share_storages(tensors: Sequence[torch.Tensor], exclusive: Callable[[torch.Tensor], bool]) -> None:
     """Move the storages of `tensors` worth sharing into shared memory, where `exclusive`.
 
-    Runs on: producer, inside the hold of the object being made. A storage goes once
-    (one copy; later calls find it shared); one in use elsewhere (another object, a
-    send, a registration of its address) is left where it is and copied instead.
+    Runs on: producer, inside the hold of the object being made. A storage goes on its
+    second return (one copy; later calls find it shared); one whose memory something
+    reads by address (a send, a registration) is left where it is and copied instead.
     """
     for t in tensors:
         storage = t.untyped_storage()
         if not _worth_sharing(t, storage) or storage.is_shared() or not exclusive(t):
+            continue
+        if storage not in _returned_once:  # maybe a fresh tensor: a copy into a warm segment
+            _returned_once.add(storage)
             continue
         with _share_lock:
             if storage.is_shared():
@@ -316,6 +318,9 @@ def share_storages(tensors: Sequence[torch.Tensor], exclusive: Callable[[torch.T
 
 
 _share_lock = threading.Lock()
+# Storages returned once and not moved: the second return moves them (a tensor returned
+# again and again), while a fresh tensor each call is copied into a warm segment instead.
+_returned_once: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
 
 
 def _worth_sharing(t: torch.Tensor, storage: torch.UntypedStorage) -> bool:
