@@ -44,7 +44,7 @@ import torch
 from . import _cuda, _io, _tree
 from ._errors import ObjectFreedError, RDTError, TransportUnavailableError, translating
 from ._store import StoredObject, log, store
-from .transports import _registry, shm
+from .transports import _registry
 from .transports._base import TensorSpec, Transport, pid_alive
 from .transports.inline import AUTO_MAX_BYTES as INLINE_AUTO_MAX_BYTES
 
@@ -385,6 +385,8 @@ def _finish(
             meta["groups"] = groups
         return RDTObject(obj_id, owner, transport, specs, skeleton, meta, {}, None)
     if making is not None and any(t.name == "shm" for t in plan):
+        from .transports import shm
+
         # Storages returned again and again (a trainer's weights) go to shared memory
         # once; every later export shares them without a copy (see transports/shm.py).
         shm.share_storages(tensors, lambda t: store.can_move(t, making))

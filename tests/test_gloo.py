@@ -338,3 +338,50 @@ async def test_create_from_a_loop_needs_the_async_twin():
     g = await rdt.create_collective_group_async([a, b])
     await rdt.destroy_collective_group_async(g)
     assert isinstance(asyncio.get_running_loop(), asyncio.AbstractEventLoop)
+
+
+@rdt.remote
+class Listening:
+    @rdt.method(tensor_transport="gloo")
+    async def make(self, n: int, fill: float):
+        return {"w": torch.full((n,), fill)}
+
+    async def sums(self, refs):
+        return await sums_and_transports(refs)
+
+    async def listening(self) -> list[str]:
+        """The IPv4 addresses this process listens on (from /proc: its own sockets only)."""
+        import os
+
+        inodes = set()
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                link = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+        out = set()
+        with open("/proc/self/net/tcp") as f:
+            for row in f.readlines()[1:]:
+                cols = row.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                    h = cols[1].split(":")[0]
+                    out.add(".".join(str(int(h[i : i + 2], 16)) for i in (6, 4, 2, 0)))
+        return sorted(out)
+
+
+def test_gloo_listens_on_the_interface_gloo_socket_ifname_names():
+    env = {"runtime_env": {"env_vars": {"GLOO_SOCKET_IFNAME": "lo"}}}
+    a, b = Listening.options(**env).remote(), Listening.options(**env).remote()
+    g = rdt.create_collective_group([a, b])
+    try:
+        assert ray.get(b.sums.remote([a.make.remote(1000, 2.0)])) == ([2000.0], {"gloo": 1})
+        node_ip = ray.util.get_node_ip_address()
+        for member in (a, b):
+            addresses = ray.get(member.listening.remote())
+            assert "127.0.0.1" in addresses and node_ip not in addresses, addresses
+    finally:
+        rdt.destroy_collective_group(g)
+        ray.kill(a)
+        ray.kill(b)

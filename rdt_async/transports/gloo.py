@@ -22,6 +22,7 @@ one landing in buffers of its own returns at once.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -99,7 +100,7 @@ class Groups:
         if backend == "gloo":
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = timedelta(seconds=timeout_s)
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host if rank == 0 else _my_host(host))]
+            opts._devices = [_listener_device(host, rank)]
             pg = dist.ProcessGroupGloo(prefixed, rank, size, opts)
         elif backend == "nccl":
             if not torch.cuda.is_available():
@@ -161,6 +162,14 @@ class Groups:
 
 
 groups = Groups()
+
+
+def _listener_device(host: str, rank: int) -> Any:
+    """Gloo's listener: on GLOO_SOCKET_IFNAME's interface where set, else where `host` routes."""
+    iface = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
+    if iface:
+        return dist.ProcessGroupGloo.create_device(interface=iface)
+    return dist.ProcessGroupGloo.create_device(hostname=host if rank == 0 else _my_host(host))
 
 
 def _my_host(hint: str) -> str:

@@ -39,8 +39,8 @@ import asyncio
 import functools
 import importlib
 import importlib.util
-import itertools
 import os
+import secrets
 import socket
 import threading
 from collections.abc import Sequence
@@ -141,7 +141,6 @@ class _Worker:
         self.peers: dict[tuple[str, int], _Peer] = {}
         self.served: set[Any] = set()  # endpoints accepted by the listener
         self.sending: set[asyncio.Future[Any]] = set()  # answers in flight (the loop keeps tasks weakly)
-        self.tags = itertools.count(1)
         self.progress()
 
     # -- progress -------------------------------------------------------------
@@ -446,7 +445,9 @@ async def _transfer(w: _Worker, info: TransferInfo[UcxxMeta], dsts: list[torch.T
     """
     meta = info.meta
     peer = w.peer(meta)
-    base = next(w.tags) * TAG_STRIDE
+    # Random: replies are matched by tag, not by sender, so a tag nobody can guess is
+    # what keeps another process from answering in the producer's place.
+    base = (secrets.randbits(43) | 1) * TAG_STRIDE
     raws = [_raw(d) for d in dsts]
     nbytes = sum(raw.nbytes for raw in raws)
     packed = nbytes <= PACKED_BYTES
