@@ -108,3 +108,49 @@ def test_a_producer_killed_as_the_fetch_starts_gives_peer_died_error(transport):
             rdt.destroy_collective_group(group)
         ray.kill(producer)
         ray.kill(consumer)
+
+
+@rdt.remote
+class SlowConsumer:
+    async def fetch_forever(self, refs) -> None:
+        while True:  # fetch again and again until killed: the kill lands mid-fetch
+            value = await rdt.fetch(refs[0])
+            del value
+
+    async def ping(self) -> str:
+        return "pong"
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_consumer_killed_mid_fetch_leaves_the_producer_clean(transport):
+    @rdt.remote
+    class Producer:
+        @rdt.method(tensor_transport=transport)
+        def make(self):
+            return {"w": torch.full((1 << 23,), 2.0)}  # 32 MiB: a fetch takes a while
+
+        def held(self) -> int:
+            return rdt.store_stats()["objects"]
+
+        def ping(self) -> str:
+            return "pong"
+
+    producer, consumer = Producer.remote(), SlowConsumer.remote()
+    group = rdt.create_collective_group([producer, consumer], backend="gloo") if transport == "gloo" else None
+    try:
+        ref = producer.make.remote()
+        ray.wait([ref], timeout=60)
+        consumer.fetch_forever.remote([ref])
+        time.sleep(1.0)
+        ray.kill(consumer)
+        del ref
+        deadline = time.monotonic() + 20
+        while ray.get(producer.held.remote(), timeout=30) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ray.get(producer.held.remote(), timeout=30) == 0  # nothing kept for the dead consumer
+        assert ray.get(producer.ping.remote(), timeout=30) == "pong"
+    finally:
+        if group is not None:
+            rdt.destroy_collective_group(group)
+        ray.kill(producer)
+        ray.kill(consumer)
