@@ -591,13 +591,12 @@ class RayChannel:
                     f"the object was put by {obj.producer.label}, which serves no transfers; "
                     "put it with tensor_transport='object_store' or fetch it on its node",
                 )
+            # A cancelled fetch leaves the producer's send to finish and its reply unread:
+            # `ray.cancel` of an actor call still queued in this process leaves a hole in
+            # the actor's sequence numbers, and an in-order (sync) producer then waits 30 s
+            # for it and fails every call queued meanwhile (seen on Ray 2.60 in our tests).
             ref = obj.producer.actor.rdt__send.remote(obj.obj_id, self._transport, request)
-            try:
-                return await await_ref(ref)
-            except asyncio.CancelledError:
-                if _registry.get(self._transport).can_abort:
-                    ray.cancel(ref)  # stop the producer's side too
-                raise
+            return await await_ref(ref)
 
 
 def choose_transport(obj: RDTObject, node_id: str) -> tuple[str, Any]:
