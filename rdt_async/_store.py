@@ -80,6 +80,8 @@ class Store:
         self._keys = itertools.count()
         self._freed: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.fetches: collections.Counter[str] = collections.Counter()
+        # The last choices `auto` made for fetches here, and why (transports/_auto.py).
+        self.choices: collections.deque[dict[str, Any]] = collections.deque(maxlen=32)
 
     # -- holds -------------------------------------------------------------------------
 
@@ -252,15 +254,23 @@ class Store:
         with self._lock:
             self._waiters = [w for w in self._waiters if w[1] is not wake]
 
+    def record_choice(self, obj_id: str, choice: Any) -> None:
+        """Keep what `auto` picked for a fetch of `obj_id` (an `_auto.Choice`), and why."""
+        with self._lock:
+            self.choices.append({"obj_id": obj_id, **choice.as_dict()})
+        log.debug("rdt_async: auto picked %s for %s: %s", choice.transport, obj_id, choice.why)
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             objects = list(self._objects.values())
             fetches = dict(self.fetches)
+            choices = list(self.choices)
         return {
             "objects": len(objects),
             "bytes": sum(o.nbytes for o in objects),
             "tensors": sum(len(o.tensors) for o in objects),
             "fetches": fetches,
+            "auto": choices,
         }
 
 

@@ -128,28 +128,35 @@ class _Path:
             ray.kill(a)
 
 
-def _make_path(name: str, fanout: int) -> _Path | None:
+REMOTE = {"num_cpus": 0, "resources": {"remote": 1}}  # the second host of `--hosts 2`
+
+
+def _make_path(name: str, fanout: int, hosts: int = 1) -> _Path | None:
+    where = REMOTE if hosts == 2 else {}
     if name.startswith("rdt "):
         transport = name[4:]
-        if transport == "nixl" and importlib.util.find_spec("nixl") is None:
+        if transport in ("nixl", "ucxx") and importlib.util.find_spec(transport) is None:
             return None
+        if transport == "shm" and hosts == 2:
+            return None  # one host only
         producer = _rdt_producer(transport).remote()
-        consumers = [Consumer.remote() for _ in range(fanout if transport != "gloo" else 1)]
+        consumers = [Consumer.options(**where).remote() for _ in range(fanout if transport != "gloo" else 1)]
         if transport == "gloo":
             group = rdt.create_collective_group([producer, *consumers], backend="gloo")
             return _Path(name, producer, consumers, lambda: rdt.destroy_collective_group(group))
         return _Path(name, producer, consumers)
     if name == "ray object store":
-        return _Path(name, RayProducer.remote(), [RayConsumer.remote() for _ in range(fanout)])
+        return _Path(name, RayProducer.remote(), [RayConsumer.options(**where).remote() for _ in range(fanout)])
     if name == "ray object store zero-copy":
         opts = {"runtime_env": ZERO_COPY_ENV}
-        return _Path(name, RayProducer.options(**opts).remote(), [RayConsumer.options(**opts).remote() for _ in range(fanout)])
+        consumers = [RayConsumer.options(**opts, **where).remote() for _ in range(fanout)]
+        return _Path(name, RayProducer.options(**opts).remote(), consumers)
     transport = name.rsplit(" ", 1)[1]
     if transport == "nixl" and importlib.util.find_spec("nixl") is None:
         return None
     producer_cls, consumer_cls = _ray_rdt_classes(transport)
     producer = producer_cls.remote()
-    consumers = [consumer_cls.remote() for _ in range(fanout if transport != "gloo" else 1)]
+    consumers = [consumer_cls.options(**where).remote() for _ in range(fanout if transport != "gloo" else 1)]
     if transport == "gloo":
         from ray.experimental.collective import create_collective_group, destroy_collective_group
 
@@ -159,7 +166,7 @@ def _make_path(name: str, fanout: int) -> _Path | None:
 
 
 def _ours() -> list[str]:
-    return ["rdt auto", "rdt shm", "rdt nixl", "rdt object_store", "rdt gloo"]
+    return ["rdt auto", "rdt shm", "rdt nixl", "rdt ucxx", "rdt object_store", "rdt gloo"]
 
 
 def run(
@@ -168,12 +175,21 @@ def run(
     fanouts: tuple[int, ...] = (4, 8),
     progress: Callable[[str], None] = print,
     paths: list[str] | None = None,
+    hosts: int = 1,
 ) -> list[dict[str, Any]]:
-    """All paths (or `paths`), both shapes, every size (bytes), one consumer; then fan-out of the largest."""
+    """All paths (or `paths`), both shapes, every size (bytes), one consumer; then fan-out of the largest.
+
+    `hosts=2`: the consumers run on the second host (see _hosts.ray_cluster).
+    """
     rows: list[dict[str, Any]] = []
     width = max(fanouts, default=1)
     for name in paths or _ours() + list(RAY_PATHS):
-        path = _make_path(name, width)
+        try:
+            path = _make_path(name, width, hosts)
+        except Exception as e:  # a path that cannot run here (Ray's RDT gloo across hosts) is a result too
+            progress(f"e2e {name}: failed to set up: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            rows.append({"bench": "e2e", "case": name, "hosts": hosts, "error": f"{type(e).__name__}: {str(e)[:500]}"})
+            continue
         if path is None:
             continue
         try:
@@ -183,7 +199,7 @@ def run(
                     progress(f"e2e {name} {shape} {size}")
                     cold = path.one_pass(n, shape)
                     warm = [path.one_pass(n, shape) for _ in range(repeat)]
-                    rows.append({"bench": "e2e", "case": name, "shape": shape, "size": size, "consumers": 1,
+                    rows.append({"bench": "e2e", "case": name, "shape": shape, "size": size, "consumers": 1, "hosts": hosts,
                                  "cold_s": cold, "seconds": statistics.median(warm)})
             if len(path.consumers) > 1:
                 size = max(sizes)
@@ -191,7 +207,7 @@ def run(
                     progress(f"e2e {name} fan-out {k} {size}")
                     path.one_pass(size // 4, "kept", k)
                     warm = [path.one_pass(size // 4, "kept", k) for _ in range(repeat)]
-                    rows.append({"bench": "e2e", "case": name, "shape": "kept", "size": size, "consumers": k,
+                    rows.append({"bench": "e2e", "case": name, "shape": "kept", "size": size, "consumers": k, "hosts": hosts,
                                  "seconds": statistics.median(warm)})
         finally:
             path.close()
@@ -202,6 +218,7 @@ def run(
 def _ratios(rows: list[dict[str, Any]]) -> None:
     """Each row's time over the best Ray path's time for the same shape, size and consumers."""
     best: dict[tuple[Any, ...], float] = {}
+    rows = [r for r in rows if "seconds" in r]
     for r in rows:
         if r["case"] in RAY_PATHS:
             key = (r["shape"], r["size"], r["consumers"])
@@ -210,3 +227,35 @@ def _ratios(rows: list[dict[str, Any]]) -> None:
         base = best.get((r["shape"], r["size"], r["consumers"]))
         if base:
             r["vs_best_ray"] = r["seconds"] / base
+
+
+def write_costs(rows: list[dict[str, Any]], path: str) -> dict[str, list[float]]:
+    """Fit `latency + bytes / bandwidth` per rdt transport to the passes; merge into `path` (JSON).
+
+    The file is what RDT_AUTO_COSTS names for `auto` (transports/_auto.py). Passes on one
+    host give "<transport>/node", on two hosts "<transport>/hosts".
+    """
+    import json
+    import os
+
+    from ..transports._auto import fit
+
+    fitted: dict[str, list[float]] = {}
+    for case in {r["case"] for r in rows if r["bench"] == "e2e" and r["case"].startswith("rdt ")}:
+        transport = case[4:]
+        if transport == "auto":
+            continue
+        for hosts in {r.get("hosts", 1) for r in rows}:
+            points = [(r["size"], r["seconds"]) for r in rows
+                      if r["bench"] == "e2e" and "seconds" in r and r["case"] == case and r["consumers"] == 1 and r.get("hosts", 1) == hosts]
+            cost = fit(points)
+            if cost is not None:
+                fitted[f"{transport}/{'node' if hosts == 1 else 'hosts'}"] = [round(cost.latency_s, 6), round(cost.gib_s, 4)]
+    data: dict[str, Any] = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            data = json.load(f)
+    data.setdefault("cpu", {}).update(fitted)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    return fitted

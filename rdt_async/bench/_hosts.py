@@ -1,0 +1,254 @@
+"""Hosts on one machine: Ray nodes in network namespaces, each joined to this one by a veth pair.
+
+A node started here is another host as far as Ray, rdt_async and UCX can tell: its own
+network stack (one veth link to the head, which a test can take down), hostname, boot id
+(UCX decides "same machine" by it, and would otherwise read over shared memory), its own
+/dev/shm and its own Ray temp dir. It shares the process table, the file system and the
+CPU with this host, so timings are a LAN with no wire limit, not a real network.
+
+Needs root (namespaces, veth, mounts). `Hosts.unavailable()` says why not, for a skip.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+
+_PREFIX = "rdt"
+
+
+def _sh(*args: str) -> None:
+    subprocess.run(args, check=True, capture_output=True, text=True)
+
+
+class Hosts:
+    """This namespace is the head host (`head_ip`); `add` starts a Ray node on a new host."""
+
+    def __init__(self) -> None:
+        self._key = os.getpid() % 200 + 20  # 10.<key>.<n>.0/24 per host: concurrent sessions differ
+        self._nodes: dict[str, _Node] = {}
+        self._first = self._link(1)
+        self.head_ip = self._first.root_ip  # the first link's near end: every host routes to it
+
+    @staticmethod
+    def unavailable() -> str | None:
+        """Why hosts cannot be made here, or None."""
+        if not sys.platform.startswith("linux"):
+            return "network namespaces are Linux only"
+        if os.geteuid() != 0:
+            return "making network namespaces needs root"
+        for tool in ("ip", "unshare", "mount"):
+            if shutil.which(tool) is None:
+                return f"`{tool}` is not installed"
+        name = f"{_PREFIX}probe{os.getpid()}"
+        try:
+            _sh("ip", "netns", "add", name)
+            _sh("ip", "netns", "del", name)
+        except subprocess.CalledProcessError as e:
+            return f"`ip netns add` failed: {e.stderr.strip()}"
+        return None
+
+    def _link(self, n: int) -> _Link:
+        link = _Link(f"{_PREFIX}{self._key}h{n}", f"10.{self._key}.{n}")
+        link.create()
+        return link
+
+    def add(self, name: str, gcs_address: str, resources: dict[str, float], env: dict[str, str] | None = None,
+            timeout: float = 60.0) -> _Node:
+        """Start a Ray node (no CPUs, `resources`) on a new host and wait until it has joined."""
+        import ray
+
+        used = {n.link for n in self._nodes.values()}
+        link = self._first if self._first not in used else self._link(max(int(k.name.rsplit("h", 1)[1]) for k in used) + 1)
+        node = _Node(name, link, gcs_address, resources, env or {})
+        self._nodes[name] = node
+        deadline = time.monotonic() + timeout
+        while not any(n["Alive"] and n["NodeManagerAddress"] == link.ns_ip for n in ray.nodes()):
+            if node.proc.poll() is not None or time.monotonic() > deadline:
+                out = node.output()
+                self.remove(name)
+                raise RuntimeError(f"the Ray node on host {name} ({link.ns_ip}) did not join: {out}")
+            time.sleep(0.2)
+        return node
+
+    def node(self, name: str) -> _Node:
+        return self._nodes[name]
+
+    def nodes(self) -> list[_Node]:
+        return list(self._nodes.values())
+
+    def remove(self, name: str) -> None:
+        node = self._nodes.pop(name)
+        node.stop()
+        if node.link is not self._first:
+            node.link.delete()
+
+    def close(self) -> None:
+        for name in list(self._nodes):
+            self.remove(name)
+        self._first.delete()
+
+
+class _Link:
+    """Namespace `name` and a veth pair: `root_ip` here, `ns_ip` there, default route through it."""
+
+    def __init__(self, name: str, net: str) -> None:
+        self.name, self.root_ip, self.ns_ip = name, f"{net}.1", f"{net}.2"
+        self.root_dev, self.ns_dev = f"{name}a", f"{name}b"
+
+    def create(self) -> None:
+        self.delete()  # left over by a killed session with the same key
+        _sh("ip", "netns", "add", self.name)
+        _sh("ip", "link", "add", self.root_dev, "type", "veth", "peer", "name", self.ns_dev)
+        _sh("ip", "link", "set", self.ns_dev, "netns", self.name)
+        _sh("ip", "addr", "add", f"{self.root_ip}/24", "dev", self.root_dev)
+        _sh("ip", "link", "set", self.root_dev, "up")
+        ns = ("ip", "netns", "exec", self.name)
+        _sh(*ns, "ip", "addr", "add", f"{self.ns_ip}/24", "dev", self.ns_dev)
+        _sh(*ns, "ip", "link", "set", self.ns_dev, "up")
+        _sh(*ns, "ip", "link", "set", "lo", "up")
+        _sh(*ns, "ip", "route", "add", "default", "via", self.root_ip)
+
+    def set_up(self, up: bool) -> None:
+        """Take the link down (a partition) or bring it back."""
+        _sh("ip", "link", "set", self.root_dev, "up" if up else "down")
+
+    def pids(self) -> list[int]:
+        """Processes in this namespace: all of them were started here, by `_Node`."""
+        try:
+            target = os.stat(f"/run/netns/{self.name}").st_ino
+        except FileNotFoundError:
+            return []
+        pids = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    if os.stat(f"/proc/{entry}/ns/net").st_ino == target:
+                        pids.append(int(entry))
+                except (FileNotFoundError, ProcessLookupError, PermissionError):
+                    pass
+        return pids
+
+    def delete(self) -> None:
+        for pid in self.pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        subprocess.run(["ip", "link", "del", self.root_dev], capture_output=True)
+        subprocess.run(["ip", "netns", "del", self.name], capture_output=True)
+
+
+_IN_HOST = """
+set -e
+mount -t tmpfs -o mode=1777 tmpfs /dev/shm
+mkdir -p /tmp/ray && mount -t tmpfs tmpfs /tmp/ray
+echo {boot_id} > /dev/shm/.boot_id && mount --bind /dev/shm/.boot_id /proc/sys/kernel/random/boot_id
+hostname {hostname}
+exec "$@"
+"""
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
+
+
+class _Node:
+    """`ray start --block` on the far end of `link`, in its own mount and UTS namespaces."""
+
+    def __init__(self, name: str, link: _Link, gcs_address: str, resources: dict[str, float], env: dict[str, str]):
+        self.name, self.link = name, link
+        ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+        script = _IN_HOST.format(boot_id=uuid.uuid4(), hostname=f"{_PREFIX}-{name}")
+        self._log = open(f"/tmp/{link.name}-{name}.log", "w+")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            ["ip", "netns", "exec", link.name, "unshare", "--mount", "--uts", "--propagation", "private",
+             "sh", "-c", script, "sh", ray_cli, "start", f"--address={gcs_address}",
+             f"--node-ip-address={link.ns_ip}", "--num-cpus=0", f"--resources={json.dumps(resources)}",
+             "--disable-usage-stats", "--block"],
+            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True,
+        )
+
+    @property
+    def ip(self) -> str:
+        return self.link.ns_ip
+
+    def raylet_pids(self) -> set[int]:
+        return {pid for pid in self.link.pids() if _comm(pid) == "raylet"}
+
+    def shm_dir(self) -> str:
+        """This host's /dev/shm, seen from here (through a process in its mount namespace)."""
+        return f"/proc/{self.proc.pid}/root/dev/shm"
+
+    def output(self) -> str:
+        self._log.flush()
+        self._log.seek(0)
+        return self._log.read()[-4000:]
+
+    def stop(self) -> None:
+        """End every process of this host (all started here): SIGTERM, then SIGKILL after 3 s."""
+        for sig, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
+            pids = self.link.pids() + ([self.proc.pid] if self.proc.poll() is None else [])
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and (self.proc.poll() is None or self.link.pids()):
+                time.sleep(0.05)
+            if self.proc.poll() is not None and not self.link.pids():
+                break
+        self.proc.wait(5)
+        self._log.close()
+        try:
+            os.unlink(self._log.name)
+        except FileNotFoundError:
+            pass
+
+
+@contextlib.contextmanager
+def ray_cluster(hosts: int, remote_resource: str = "remote") -> Iterator[Hosts | None]:
+    """A Ray cluster for the bench: this host alone, or with a second one across a veth link.
+
+    With two hosts, actors asking for `remote_resource` run on the second host.
+    """
+    import ray
+
+    if hosts == 1:
+        ray.init(address="local", include_dashboard=False, log_to_driver=False)
+        try:
+            yield None
+        finally:
+            ray.shutdown()
+        return
+    why = Hosts.unavailable()
+    if why:
+        raise SystemExit(f"--hosts 2 needs network namespaces: {why}")
+    from ray.cluster_utils import Cluster
+
+    made = Hosts()
+    cluster = None
+    try:
+        cluster = Cluster(initialize_head=True, head_node_args={"node_ip_address": made.head_ip,
+                                                                "include_dashboard": False})
+        ray.init(address=cluster.address, log_to_driver=False)
+        made.add("remote", cluster.address, {remote_resource: 1000})
+        yield made
+    finally:
+        ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+        made.close()

@@ -1,0 +1,166 @@
+"""`auto`: the transport a fetch takes, by what both ends can use and what each path costs.
+
+Ray-free: the caller states the facts (size, devices, same node or not, what the producer
+prepared, what loads here, a group both ends share) and gets a `Choice` that says what
+was picked, why, and what every candidate was expected to cost.
+
+The cost of a path is `latency + bytes / bandwidth`, fitted to end-to-end passes (clock
+from the producing call until the consumer has read every byte) by
+`python -m rdt_async.bench --only e2e [--hosts 2] --write-costs FILE`. The defaults below
+were measured so on a 2-core VM; `RDT_AUTO_COSTS=FILE` makes every process use the costs
+measured on your machines instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import statistics
+from collections.abc import Iterable, Mapping
+
+GiB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """One fetch over a path: a fixed latency, then bytes at a bandwidth."""
+
+    latency_s: float
+    gib_s: float
+
+    def seconds(self, nbytes: int) -> float:
+        return self.latency_s + nbytes / (self.gib_s * GiB)
+
+
+# "<transport>/node" (same node) or "<transport>/hosts" (another node) -> Cost, CPU tensors.
+# Fitted to `--only e2e --e2e-sizes 4K,1M,16M,64M` (kept and fresh tensors, one consumer),
+# one run each, 2-core VM, 2026-11-23; "hosts" over a veth link between network namespaces.
+CPU_COSTS: dict[str, Cost] = {
+    "shm/node": Cost(0.0039, 2.30),
+    "nixl/node": Cost(0.0043, 1.98),
+    "gloo/node": Cost(0.0055, 1.33),
+    "object_store/node": Cost(0.0055, 0.81),
+    "nixl/hosts": Cost(0.0072, 0.86),
+    "gloo/hosts": Cost(0.0062, 1.03),
+    "object_store/hosts": Cost(0.0064, 0.30),
+}
+# GPU tensors: not measured yet (no GPU here); the order by design: mapped IPC, then one-sided
+# NIXL, then a group's NCCL, then the object store (through host memory).
+GPU_COSTS: dict[str, Cost] = {
+    "cuda_ipc/node": Cost(0.001, 100.0),
+    "nixl/node": Cost(0.002, 50.0),
+    "nixl/hosts": Cost(0.004, 10.0),
+    "nccl/node": Cost(0.004, 40.0),
+    "nccl/hosts": Cost(0.006, 8.0),
+    "object_store/node": Cost(0.010, 1.0),
+    "object_store/hosts": Cost(0.012, 0.5),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Facts:
+    """What a fetch's choice depends on."""
+
+    nbytes: int
+    gpu: bool  # any tensor on a GPU
+    same_node: bool
+    prepared: frozenset[str]  # transports the producer prepared the object for
+    loads_here: frozenset[str]  # of those, the ones this process can use
+    group: str | None = None  # backend of a usable group both ends are in
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    transport: str
+    why: str
+    estimates: Mapping[str, float] = dataclasses.field(default_factory=dict)  # seconds, candidates only
+
+    def as_dict(self) -> dict[str, object]:
+        return {"transport": self.transport, "why": self.why,
+                "estimates_ms": {k: round(v * 1e3, 3) for k, v in self.estimates.items()}}
+
+
+def candidates(f: Facts) -> list[str]:
+    """Every transport both ends can use for this object (object_store always can)."""
+    out = []
+    if "shm" in f.prepared and f.same_node and not f.gpu:
+        out.append("shm")
+    if "cuda_ipc" in f.prepared and f.same_node and "cuda_ipc" in f.loads_here:
+        out.append("cuda_ipc")
+    if "nixl" in f.prepared and "nixl" in f.loads_here:
+        out.append("nixl")
+    if f.group is not None:
+        out.append(f.group)
+    out.append("object_store")
+    return out
+
+
+def choose(f: Facts, costs: Mapping[str, Cost] | None = None) -> Choice:
+    """The candidate expected to finish first; ties go to the earlier one in `candidates`."""
+    if "inline" in f.prepared:
+        return Choice("inline", "small: the bytes came with the ref")
+    table = costs if costs is not None else cost_table(f.gpu)
+    where = "node" if f.same_node else "hosts"
+    estimates = {}
+    for name in candidates(f):
+        cost = table.get(f"{name}/{where}")
+        if cost is not None:
+            estimates[name] = cost.seconds(f.nbytes)
+    if not estimates:
+        return Choice("object_store", f"no cost known for {candidates(f)} ({where}): the object store always works")
+    best = min(estimates, key=lambda n: estimates[n])
+    ranked = " < ".join(f"{n} {estimates[n] * 1e3:.3g} ms" for n in sorted(estimates, key=lambda n: estimates[n]))
+    place = "this node" if f.same_node else "another node"
+    return Choice(best, f"{_size(f.nbytes)} {'GPU' if f.gpu else 'CPU'} from {place}: {ranked}", estimates)
+
+
+def cost_table(gpu: bool) -> dict[str, Cost]:
+    """The defaults, with what the file RDT_AUTO_COSTS names laid over them."""
+    return {**(GPU_COSTS if gpu else CPU_COSTS), **_overrides(os.environ.get("RDT_AUTO_COSTS", ""), gpu)}
+
+
+@functools.cache
+def _overrides(path: str, gpu: bool) -> dict[str, Cost]:
+    if not path:
+        return {}
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+        return {k: Cost(float(v[0]), float(v[1])) for k, v in data.get("gpu" if gpu else "cpu", {}).items()}
+    except (OSError, ValueError, TypeError, IndexError, AttributeError) as e:
+        raise ValueError(
+            f"RDT_AUTO_COSTS={path!r}: cannot read costs ({type(e).__name__}: {e}); write the file with "
+            "`python -m rdt_async.bench --only e2e --write-costs FILE`, or unset RDT_AUTO_COSTS"
+        ) from e
+
+
+def fit(points: Iterable[tuple[int, float]]) -> Cost | None:
+    """`latency + bytes / bandwidth` through (nbytes, seconds) points, by relative error.
+
+    The median time of each size is fitted, each weighted by 1/t^2, so that a 4 KiB pass
+    counts as much as a 256 MiB one and one slow pass does not move the line.
+    """
+    by_size: dict[int, list[float]] = {}
+    for n, t in points:
+        by_size.setdefault(n, []).append(t)
+    if len(by_size) < 2:
+        return None
+    pts = [(n, statistics.median(ts)) for n, ts in by_size.items()]
+    w = [1.0 / (t * t) for _, t in pts]
+    sw = sum(w)
+    mean_n = sum(wi * n for wi, (n, _) in zip(w, pts)) / sw
+    mean_t = sum(wi * t for wi, (_, t) in zip(w, pts)) / sw
+    var = sum(wi * (n - mean_n) ** 2 for wi, (n, _) in zip(w, pts))
+    slope = sum(wi * (n - mean_n) * (t - mean_t) for wi, (n, t) in zip(w, pts)) / var
+    if slope <= 0:
+        return None
+    return Cost(max(0.0, mean_t - slope * mean_n), 1.0 / (slope * GiB))
+
+
+def _size(nbytes: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.3g} {unit}"
+    return f"{nbytes} B"

@@ -1,0 +1,74 @@
+"""`auto`'s cost model (transports/_auto.py): candidates, choices, their reasons, overrides."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rdt_async.transports import _auto
+from rdt_async.transports._auto import Cost, Facts
+
+MiB = 1 << 20
+
+
+def facts(nbytes=64 * MiB, *, same_node=False, gpu=False, prepared=("shm", "nixl"), loads=("nixl",), group=None):
+    return Facts(nbytes, gpu, same_node, frozenset(prepared), frozenset(loads), group)
+
+
+def test_small_objects_take_the_bytes_that_came_with_the_ref():
+    choice = _auto.choose(facts(4096, prepared=("inline",)))
+    assert (choice.transport, choice.why, dict(choice.estimates)) == ("inline", "small: the bytes came with the ref", {})
+
+
+def test_candidates_are_only_what_both_ends_can_use():
+    assert _auto.candidates(facts(same_node=True)) == ["shm", "nixl", "object_store"]
+    assert _auto.candidates(facts(same_node=False)) == ["nixl", "object_store"]  # shm is one host only
+    assert _auto.candidates(facts(loads=())) == ["object_store"]  # nixl prepared, not loadable here
+    assert _auto.candidates(facts(prepared=("shm",), group="gloo")) == ["gloo", "object_store"]
+    assert _auto.candidates(facts(gpu=True, same_node=True, prepared=("cuda_ipc",), loads=())) == ["object_store"]
+
+
+def test_the_cheapest_candidate_wins_and_the_reason_ranks_them():
+    costs = {"nixl/hosts": Cost(0.001, 0.5), "gloo/hosts": Cost(0.005, 2.0), "object_store/hosts": Cost(0.002, 0.25)}
+    big = _auto.choose(facts(256 * MiB, group="gloo"), costs)
+    assert big.transport == "gloo"
+    assert big.estimates == pytest.approx({"nixl": 0.501, "gloo": 0.13, "object_store": 1.002})
+    assert big.why == "256 MiB CPU from another node: gloo 130 ms < nixl 501 ms < object_store 1e+03 ms"
+    small = _auto.choose(facts(64 << 10, group="gloo"), costs)  # latency decides
+    assert small.transport == "nixl"
+    assert small.as_dict()["estimates_ms"] == {"nixl": 1.122, "gloo": 5.031, "object_store": 2.244}
+
+
+def test_a_path_with_no_known_cost_is_not_guessed():
+    choice = _auto.choose(facts(), {"object_store/hosts": Cost(0.01, 1.0)})
+    assert choice.transport == "object_store" and set(choice.estimates) == {"object_store"}
+    assert _auto.choose(facts(), {}).transport == "object_store"
+
+
+def test_measured_costs_from_a_file_replace_the_defaults(tmp_path, monkeypatch):
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"cpu": {"object_store/hosts": [0.0, 100.0]}}))
+    monkeypatch.setenv("RDT_AUTO_COSTS", str(path))
+    table = _auto.cost_table(gpu=False)
+    assert table["object_store/hosts"] == Cost(0.0, 100.0)
+    assert table["nixl/hosts"] == _auto.CPU_COSTS["nixl/hosts"]  # the rest stay
+    assert _auto.choose(facts()).transport == "object_store"
+    assert _auto.cost_table(gpu=True) == _auto.GPU_COSTS  # the file has no "gpu" part
+
+
+def test_an_unreadable_cost_file_names_the_fix(tmp_path, monkeypatch):
+    path = tmp_path / "bad.json"
+    path.write_text("{not json")
+    monkeypatch.setenv("RDT_AUTO_COSTS", str(path))
+    with pytest.raises(ValueError, match=r"RDT_AUTO_COSTS=.*bad\.json.*--write-costs FILE"):
+        _auto.choose(facts())
+
+
+def test_fit_recovers_latency_and_bandwidth():
+    points = [(n, 0.003 + n / (2.0 * _auto.GiB)) for n in (4096, MiB, 64 * MiB, 256 * MiB)]
+    cost = _auto.fit(points)
+    assert cost is not None
+    assert cost.latency_s == pytest.approx(0.003, abs=1e-9) and cost.gib_s == pytest.approx(2.0)
+    assert _auto.fit([(MiB, 0.1), (MiB, 0.2)]) is None  # one size: no slope
+    assert _auto.fit([(MiB, 0.2), (2 * MiB, 0.1)]) is None  # faster when bigger: no model
