@@ -1,13 +1,15 @@
 """`nixl`: one-sided READs with NVIDIA NIXL (UCX), CPU and CUDA tensors, any node.
 
-One agent per process, created on first use, without NIXL's progress thread (it spins
-a core forever): the consumer drives its transfers from the I/O loop, and a producer
-polls `get_new_notifs()` there with backoff (the passive side must progress or wire-up
-hangs): up to every 20 ms while it has registered objects, every 0.25 s once it has
-none (a consumer may still first reach it to learn an object was freed). The agent is created with
-NIXL_THREAD_SYNC_STRICT, and our own lock sits on top of it so the I/O loop only ever
-*tries* to take the agent: under CMA `transfer()` does the whole copy while holding
-NIXL's lock, and a loop waiting on it would stall for the copy.
+One agent per process, created on first use. Its progress thread waits for UCX events
+up to `PROGRESS_US` between rounds (NIXL's Python API asks for 0, which spins a core):
+over TCP or RDMA a READ moves only while the producer's worker progresses, and the
+thread does that at once, at ~0.4% of a core when idle. The consumer drives its own
+transfers from the I/O loop, and a producer also polls `get_new_notifs()` there with
+backoff: up to every 20 ms while it has registered objects, every 0.25 s once it has
+none (with RDT_NIXL_PROGRESS_US=0, no thread, that poll is all that progresses it). The
+agent is created with NIXL_THREAD_SYNC_STRICT, and our own lock sits on top of it so the
+I/O loop only ever *tries* to take the agent: under CMA `transfer()` does the whole copy
+while holding NIXL's lock, and a loop waiting on it would stall for the copy.
 
 Producer: `prepare` registers each tensor's *storage* once (refcounted, so views and
 objects sharing a storage share a registration; non-contiguous tensors are copied
@@ -82,6 +84,11 @@ ALIGN = 64  # offsets of tensors that share a fetched block
 LINGER_S, LINGER_MAX_S, LINGER_BYTES_PER_S = 0.05, 10.0, float(1 << 30)
 POLL_MIN_S, POLL_MAX_S = 0.001, 0.02
 POLL_IDLE_S = 0.25  # the producer's pace once it holds nothing (consumers may still wire up)
+# NIXL's progress thread waits for UCX events up to this long between rounds (RDT_NIXL_PROGRESS_US).
+# Over TCP a READ moves only while the producer's worker progresses: without the thread, a
+# producer polling every 20 ms held cross-host reads to 40 ms at 4 KiB and 0.2 GiB/s. With
+# it, 6.6 ms and ~1 GiB/s; idle, the thread costs ~0.4% of a core (1 ms: ~4%; 0: a core).
+PROGRESS_US = 10_000
 # How long a transfer may stay in progress after a cancel before its handle is dropped.
 ABORT_GRACE_S = 5.0
 # How long a fetch that lost its connection to a live producer may take to ask it anew
@@ -150,6 +157,41 @@ class _Object:
     contiguous: list[torch.Tensor]  # copies made for non-contiguous tensors
 
 
+def _progress_delay_us() -> int:
+    raw = os.environ.get("RDT_NIXL_PROGRESS_US", str(PROGRESS_US))
+    try:
+        delay = int(raw)
+    except ValueError:
+        raise ValueError(f"RDT_NIXL_PROGRESS_US={raw!r}: give microseconds as an integer (0: no progress thread)") from None
+    if delay < 0:
+        raise ValueError(f"RDT_NIXL_PROGRESS_US={raw!r}: give microseconds >= 0 (0: no progress thread)")
+    return delay
+
+
+def _new_agent(nixl_agent: Any, name: str, cfg: Any, delay_us: int) -> Any:
+    """A NIXL agent whose progress thread waits up to `delay_us` for UCX events between rounds.
+
+    NIXL's Python API always asks for a delay of 0 (the thread spins a core); its C++ config
+    takes any delay, so the config class is swapped for one that keeps ours while the agent
+    is made (callers hold `_agent_lock`).
+    """
+    if delay_us <= 0:
+        return nixl_agent(name, cfg)
+    import nixl._api as api
+
+    base = api.nixlBind.nixlAgentConfig
+
+    class _Config(base):  # type: ignore[misc, valid-type]
+        def __setattr__(self, key: str, value: Any) -> None:
+            super().__setattr__(key, delay_us if key == "pthrDelay" else value)
+
+    api.nixlBind.nixlAgentConfig = _Config
+    try:
+        return nixl_agent(name, cfg)
+    finally:
+        api.nixlBind.nixlAgentConfig = base
+
+
 class _Agent:
     """This process's NIXL agent, and the lock that lets the I/O loop only try it."""
 
@@ -157,12 +199,13 @@ class _Agent:
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         self.name = f"rdt-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+        delay = _progress_delay_us()
         cfg = nixl_agent_config(
-            enable_prog_thread=False,
+            enable_prog_thread=delay > 0,
             backends=["UCX"],
             sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
         )
-        self.nixl = nixl_agent(self.name, cfg)
+        self.nixl = _new_agent(nixl_agent, self.name, cfg, delay)
         if "UCX" not in self.nixl.backends:
             raise TransportUnavailableError(
                 f"transport 'nixl' is unavailable: NIXL's UCX backend did not load; reinstall with {INSTALL_HINT}"
