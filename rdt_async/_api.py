@@ -229,7 +229,7 @@ async def _fetch_object(obj: RDTObject, *, device: Any, into: Any, start: _Start
         request = transport.fetch_multiple_tensors(info, buffers=buffers, channel=_object.RayChannel(obj, name))
         try:
             with translating(f"{name} fetch of {obj.obj_id}", obj.obj_id):
-                tensors = await transport.wait_fetch_complete(request)
+                tensors = await _watched(transport.wait_fetch_complete(request), obj, name)
         except (TransferError, ObjectFreedError) as exc:
             await _raise_if_producer_died(obj, name, exc)
             raise
@@ -240,6 +240,37 @@ async def _fetch_object(obj: RDTObject, *, device: Any, into: Any, start: _Start
     elif device is not None:
         tensors = await _move(tensors, torch.device(device), obj.nbytes)
     return _tree.unflatten(obj.skeleton, tensors)
+
+
+async def _watched(fetching: Any, obj: RDTObject, name: str) -> list[torch.Tensor]:
+    """Await a transfer while watching its producer: one Ray declares dead ends it (PeerDiedError).
+
+    A transport may wait on a peer cut off by a partition far longer than Ray takes to
+    declare its host dead (a UCX read over TCP, for one): the watch starts once the
+    transfer has run `_object.WATCH_AFTER_S`, and cancels it when the producer is dead.
+    """
+    if obj.producer.actor is None or not hasattr(obj.producer.actor, "rdt__ping"):
+        return await fetching
+    task = asyncio.ensure_future(fetching)
+    watch = asyncio.ensure_future(_object.watch_producer(obj.producer))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        watch.cancel()
+        task.cancel()
+        await asyncio.wait({task})  # the transport lets go of the caller's buffers first
+        raise
+    if not task.done():
+        task.cancel()
+        await asyncio.wait({task})
+    watch.cancel()
+    if not task.cancelled():
+        return task.result()  # done (or failed) before the watch could end it
+    raise PeerDiedError(
+        f"{name} fetch of {obj.obj_id}: the producer ({obj.producer.label}) died or its host was cut "
+        "off during the transfer (Ray declared it dead)",
+        obj_id=obj.obj_id,
+    )
 
 
 async def _raise_if_producer_died(obj: RDTObject, name: str, exc: RDTError) -> None:

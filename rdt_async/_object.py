@@ -44,7 +44,7 @@ import torch
 from . import _cuda, _io, _tree
 from ._errors import ObjectFreedError, RDTError, TransportUnavailableError, translating
 from ._store import StoredObject, log, store
-from .transports import _registry
+from .transports import _auto, _registry
 from .transports._base import TensorSpec, Transport, pid_alive
 from .transports.inline import AUTO_MAX_BYTES as INLINE_AUTO_MAX_BYTES
 
@@ -543,7 +543,10 @@ async def await_ref(ref: Any) -> Any:
     return await asyncio.wrap_future(ref.future())
 
 
-PING_S = 5.0  # how long a failed fetch waits for the producer's answer before trusting the error
+PING_S = 5.0  # how long a failed fetch waits for a producer that answers at once
+# How long it then waits for Ray's verdict on a producer that does not answer (its host
+# cut off): Ray declares a node dead after its health checks fail, ~10-60 s by its settings.
+VERDICT_S = float(os.environ.get("RDT_PEER_VERDICT_S", "90"))
 
 
 def died_on_this_node(p: Process) -> bool:
@@ -556,21 +559,60 @@ async def producer_died(p: Process, *, timeout: float = PING_S) -> bool:
 
     On its node the process id answers at once; else Ray does, for an `rdt.remote`
     actor, through a ping to its `rdt` group (a dead actor fails it in well under a
-    second). A producer that answers, or cannot be asked, counts as alive.
+    second). A producer that does not answer within `timeout` is cut off, or its host
+    is: the ping then waits up to VERDICT_S for Ray to declare it dead (its node's
+    health checks) or for the answer of a host back on the network. A producer that
+    answers, or cannot be asked, counts as alive.
     """
     if died_on_this_node(p):
         return True
     actor = p.actor
     if actor is None or not hasattr(actor, "rdt__ping"):
         return False
-    try:
-        async with asyncio.timeout(timeout):
-            await await_ref(actor.rdt__ping.remote())
-    except ray.exceptions.RayActorError:
-        return True
-    except TimeoutError:
-        return False
-    return False
+    # A live producer answers within `timeout`; a cut-off one is declared dead by Ray
+    # within VERDICT_S (its pings fail with ActorUnavailableError meanwhile).
+    verdict_by = time.monotonic() + timeout + VERDICT_S
+    while True:
+        ping = asyncio.ensure_future(await_ref(actor.rdt__ping.remote()))
+        try:
+            await asyncio.wait({ping}, timeout=max(0.0, verdict_by - time.monotonic()))
+            if not ping.done():
+                return False
+            ping.result()
+            return False  # it answered: alive
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() > verdict_by:
+                return False
+            await asyncio.sleep(0.5)  # unreachable for now (a partition, a restart): ask again
+        except ray.exceptions.RayActorError:
+            return True
+        finally:
+            if not ping.done():
+                ping.cancel()
+
+
+WATCH_AFTER_S, WATCH_EVERY_S = 2.0, 1.0  # when a transfer's producer starts being watched, how often
+
+
+async def watch_producer(p: Process) -> None:
+    """Return once the producer is known dead; never while it lives (cancel it when done).
+
+    Runs on: consumer, beside a transfer that has run WATCH_AFTER_S: a ping a second to
+    its `rdt` group, which Ray fails with ActorDiedError once the actor (or its host) is
+    declared dead; an unreachable host's pings fail with ActorUnavailableError until then.
+    """
+    await asyncio.sleep(WATCH_AFTER_S)
+    actor = p.actor
+    while True:
+        if died_on_this_node(p):
+            return
+        try:
+            await asyncio.wait_for(await_ref(actor.rdt__ping.remote()), timeout=10 * WATCH_EVERY_S)
+        except (ray.exceptions.ActorUnavailableError, TimeoutError):
+            pass
+        except ray.exceptions.RayActorError:
+            return
+        await asyncio.sleep(WATCH_EVERY_S)
 
 
 class RayChannel:
@@ -602,29 +644,30 @@ class RayChannel:
 def choose_transport(obj: RDTObject, node_id: str) -> tuple[str, Any]:
     """Pick the transport for a fetch of `obj` by a process on `node_id`.
 
-    `auto`: small CPU objects -> inline (prepared by the producer); same node and
-    CPU -> shm; same node and GPU -> cuda_ipc where both ends have CUDA; GPU, or
-    another node -> nixl when the producer prepared it and this process can load
-    nixl; otherwise object_store. A one-sided transport that cannot
-    reach this node falls back to object_store. Gloo/NCCL objects go over a group
-    both ends share (auto picks one when nothing better applies), else object_store.
+    `auto`: small CPU objects -> inline (the bytes came with the ref); otherwise the
+    candidate both ends can use (shm and cuda_ipc on one node, nixl where prepared and
+    loadable here, a group both ends are in, the object store) that the cost model of
+    transports/_auto.py expects to finish first; the choice and its reasons are kept
+    in `rdt.store_stats()["auto"]`. A one-sided transport that cannot reach this node
+    falls back to object_store. Gloo/NCCL objects go over a group both ends share,
+    else object_store.
     Returns the transport's name and the metadata its fetch needs.
     """
     name = obj.transport
     shared = _shared_group(obj)
     if name == _registry.AUTO:
-        if "inline" in obj.meta:
-            name = "inline"
-        elif "shm" in obj.meta and obj.producer.node_id == node_id:
-            name = "shm"
-        elif "cuda_ipc" in obj.meta and obj.producer.node_id == node_id and _loads_here("cuda_ipc"):
-            name = "cuda_ipc"
-        elif "nixl" in obj.meta and _loads_here("nixl"):
-            name = "nixl"
-        elif shared is not None:
-            name = shared[0]
-        else:
-            name = "object_store"
+        prepared = frozenset(obj.meta) - {"groups"}
+        facts = _auto.Facts(
+            nbytes=obj.nbytes,
+            gpu=any(not s.device.startswith("cpu") for s in obj.specs),
+            same_node=obj.producer.node_id == node_id,
+            prepared=prepared,
+            loads_here=frozenset(n for n in prepared if n in ("nixl", "cuda_ipc") and _loads_here(n)),
+            group=shared[0] if shared is not None else None,
+        )
+        choice = _auto.choose(facts)
+        store.record_choice(obj.obj_id, choice)
+        name = choice.transport
     if name == "shm" and obj.producer.node_id != node_id:
         name = "object_store"
     if name in ("gloo", "nccl"):

@@ -268,7 +268,7 @@ def test_producer_killed_mid_transfer_breaks_the_group_not_the_survivors():
     ray.wait([ref])
     ray.kill(p)  # dies with the object unfetched: the consumer's receive is posted first
     t0 = time.monotonic()
-    with pytest.raises(rdt.PeerDiedError, match="producer died"):
+    with pytest.raises(rdt.PeerDiedError, match=r"producer\b.*\bdied"):
         ray.get(c.sums.remote([ref]), timeout=60)
     assert time.monotonic() - t0 < 30
     with pytest.raises(rdt.CollectiveGroupError, match="is broken"):
@@ -288,7 +288,7 @@ def test_producer_dying_between_the_tensors_of_one_transfer():
     ref = p.make.remote((1 << 22) + 5)  # 16 MiB "w", then a 5-element "b"
     ray.get(p.die_after_first_tensor.remote())
     t0 = time.monotonic()
-    with pytest.raises(rdt.PeerDiedError, match="producer died"):
+    with pytest.raises(rdt.PeerDiedError, match=r"producer\b.*\bdied"):
         ray.get(c.sums.remote([ref]), timeout=60)
     assert time.monotonic() - t0 < 30
     with pytest.raises(rdt.CollectiveGroupError, match="is broken"):
