@@ -662,10 +662,10 @@ def choose_transport(obj: RDTObject, node_id: str) -> tuple[str, Any]:
             gpu=any(not s.device.startswith("cpu") for s in obj.specs),
             same_node=obj.producer.node_id == node_id,
             prepared=prepared,
-            loads_here=frozenset(n for n in prepared if n in ("nixl", "cuda_ipc") and _loads_here(n)),
+            loads_here=prepared & {"nixl", "cuda_ipc"},  # checked only if one wins: a check may import
             group=shared[0] if shared is not None else None,
         )
-        choice = _auto.choose(facts)
+        choice = _auto.choose_checked(facts, _loads_here)
         store.record_choice(obj.obj_id, choice)
         name = choice.transport
     if name == "shm" and obj.producer.node_id != node_id:

@@ -1,7 +1,7 @@
 """One two-host Ray cluster on this machine, shared by the whole session.
 
 The second node runs on its own host: a network namespace joined to this one by a veth
-pair, with its own hostname, boot id, /dev/shm and Ray temp dir (rdt_async.bench._hosts).
+pair, with its own hostname, boot id, /dev/shm and Ray temp dir (rdt_async._hosts).
 Where namespaces cannot be made (not root, not Linux), it is a second Ray node on this
 host, and the session says so; RDT_TEST_ONE_HOST=1 asks for that.
 
@@ -27,7 +27,7 @@ def cluster():
     import ray
     from ray.cluster_utils import Cluster
 
-    from rdt_async.bench._hosts import Hosts
+    from rdt_async._hosts import Hosts
 
     why = "RDT_TEST_ONE_HOST=1" if os.environ.get("RDT_TEST_ONE_HOST") == "1" else Hosts.unavailable()
     hosts = None if why else Hosts()

@@ -72,3 +72,17 @@ def test_fit_recovers_latency_and_bandwidth():
     assert cost.latency_s == pytest.approx(0.003, abs=1e-9) and cost.gib_s == pytest.approx(2.0)
     assert _auto.fit([(MiB, 0.1), (MiB, 0.2)]) is None  # one size: no slope
     assert _auto.fit([(MiB, 0.2), (2 * MiB, 0.1)]) is None  # faster when bigger: no model
+
+
+def test_loadability_is_asked_only_of_a_winner_that_needs_it():
+    asked = []
+
+    def loads(name):
+        asked.append(name)
+        return name != "nixl"  # prepared by the producer, but this process cannot load it
+
+    same_node = facts(same_node=True)
+    assert _auto.choose_checked(same_node, loads).transport == "shm" and asked == []  # no import for shm
+    other = _auto.choose_checked(facts(), loads)
+    assert (other.transport, asked) == ("object_store", ["nixl"])
+    assert set(other.estimates) == {"object_store"}

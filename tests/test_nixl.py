@@ -308,7 +308,11 @@ def test_auto_reads_big_cpu_objects_across_nodes_over_nixl(producer):
     reader = NixlConsumer.options(**ON_NODE2).remote()
     before = ray.get(reader.stats.remote())["fetches"].get("nixl", 0)
     assert ray.get(reader.checksums.remote(producer.auto.remote(1 << 19))) == [2.0 * (1 << 19)]
-    assert ray.get(reader.stats.remote())["fetches"]["nixl"] == before + 1
+    stats = ray.get(reader.stats.remote())
+    assert stats["fetches"]["nixl"] == before + 1
+    choice = stats["auto"][-1]  # and why: the cost model ranked what both ends can use
+    assert choice["transport"] == "nixl" and set(choice["estimates_ms"]) == {"nixl", "object_store"}
+    assert choice["why"].startswith("2 MiB CPU from another node: nixl "), choice["why"]
     ray.kill(reader)
 
 

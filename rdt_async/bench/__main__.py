@@ -43,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     def want(name: str) -> bool:
         return not only or name in only
 
+    from .._hosts import ray_cluster
     from . import _core
-    from ._hosts import ray_cluster
 
     rows: list[dict[str, Any]] = []
     with ray_cluster(args.hosts):

@@ -18,7 +18,7 @@ import functools
 import json
 import os
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 GiB = 1 << 30
 
@@ -67,7 +67,7 @@ class Facts:
     gpu: bool  # any tensor on a GPU
     same_node: bool
     prepared: frozenset[str]  # transports the producer prepared the object for
-    loads_here: frozenset[str]  # of those, the ones this process can use
+    loads_here: frozenset[str]  # of those, the ones this process can use (see choose_checked)
     group: str | None = None  # backend of a usable group both ends are in
 
 
@@ -114,6 +114,20 @@ def choose(f: Facts, costs: Mapping[str, Cost] | None = None) -> Choice:
     ranked = " < ".join(f"{n} {estimates[n] * 1e3:.3g} ms" for n in sorted(estimates, key=lambda n: estimates[n]))
     place = "this node" if f.same_node else "another node"
     return Choice(best, f"{_size(f.nbytes)} {'GPU' if f.gpu else 'CPU'} from {place}: {ranked}", estimates)
+
+
+def choose_checked(f: Facts, loads: Callable[[str], bool], costs: Mapping[str, Cost] | None = None) -> Choice:
+    """`choose`, taking `f.loads_here` as a guess and asking `loads(name)` only of a winner in it.
+
+    Whether a transport loads here can cost an import (NIXL: ~0.5 s with the GIL held,
+    and its UCX build): a fetch that shared memory wins never asks.
+    """
+    maybe = set(f.loads_here)
+    while True:
+        choice = choose(dataclasses.replace(f, loads_here=frozenset(maybe)), costs)
+        if choice.transport not in maybe or loads(choice.transport):
+            return choice
+        maybe.discard(choice.transport)
 
 
 def cost_table(gpu: bool) -> dict[str, Cost]:
