@@ -101,6 +101,7 @@ def test_a_fetch_across_a_partition_ends_at_its_deadline_and_succeeds_once_the_l
             assert not isinstance(raised.value, ray.exceptions.GetTimeoutError)  # the fetch's own deadline
             took = time.monotonic() - started
             assert 2.5 < took < 15, took
+            print(f"\n{transport}: link down, a 3 s deadline ended the fetch after {took:.2f} s")
         finally:
             far.link.set_up(True)
         assert ray.get(consumer.fetch_total.remote([ref], 60), timeout=90) == 2.0 * N
@@ -130,6 +131,7 @@ def test_a_link_that_stays_down_ends_every_fetch_with_peer_died_error(cluster):
                 assert "died" in str(e) or "disconnected" in str(e), str(e)
             except Exception as e:
                 outcomes[t] = f"{type(e).__name__} after {time.monotonic() - started:.0f} s: {str(e)[-300:]}"
+        print(f"\nlink down for good: {outcomes}")
         assert {t: o.split(" after")[0] for t, o in outcomes.items()} == dict.fromkeys(refs, "PeerDiedError"), outcomes
         assert time.monotonic() - started < 90
         assert {ray.get(c.ping.remote(), timeout=10) for _, c, _ in pairs.values()} == {"pong"}
