@@ -257,8 +257,8 @@ class GlooTransport(Transport[GlooMeta]):
                 groups.mark_broken(group.name, f"a transfer failed: {type(exc).__name__}")
             raise
         finally:
-            if reply is not None and not reply.done():
-                reply.add_done_callback(_consume)  # the bytes are here; the reply is news to nobody
+            if reply is not None:  # the bytes are here (or the fetch ended): its reply is news to nobody
+                reply.add_done_callback(_consume)  # runs soon if it is done already
         out = delivered(buffers, dsts)
         await _cuda.wait(_cuda.record(out))  # NCCL: copies into strided buffers ran on this thread's stream
         return out
@@ -298,6 +298,7 @@ async def _drain(group: Group, waiting: asyncio.Future[None]) -> None:
 def _consume(fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled():
         fut.exception()  # retrieved: no "exception was never retrieved" at exit
+
 
 def _group(name: str) -> Group:
     group = groups.get(name)
