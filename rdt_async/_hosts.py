@@ -33,7 +33,7 @@ class Hosts:
     """This namespace is the head host (`head_ip`); `add` starts a Ray node on a new host."""
 
     def __init__(self) -> None:
-        self._key = os.getpid() % 200 + 20  # 10.<key>.<n>.0/24 per host: concurrent sessions differ
+        self._key = _free_key()  # 10.<key>.<n>.0/24 per host: concurrent sessions differ
         self._nodes: dict[str, _Node] = {}
         self._first = self._link(1)
         self.head_ip = self._first.root_ip  # the first link's near end: every host routes to it
@@ -97,6 +97,16 @@ class Hosts:
         self._first.delete()
 
 
+def _free_key() -> int:
+    """A key no namespace of ours uses (another session's, or one a killed session left)."""
+    used = set(os.listdir("/run/netns")) if os.path.isdir("/run/netns") else set()
+    for i in range(200):
+        key = (os.getpid() + i) % 200 + 20
+        if not any(name.startswith(f"{_PREFIX}{key}h") for name in used):
+            return key
+    raise RuntimeError("no free network-namespace key: remove stale /run/netns/rdt* namespaces (`ip netns del`)")
+
+
 class _Link:
     """Namespace `name` and a veth pair: `root_ip` here, `ns_ip` there, default route through it."""
 
@@ -105,7 +115,6 @@ class _Link:
         self.root_dev, self.ns_dev = f"{name}a", f"{name}b"
 
     def create(self) -> None:
-        self.delete()  # left over by a killed session with the same key
         _sh("ip", "netns", "add", self.name)
         _sh("ip", "link", "add", self.root_dev, "type", "veth", "peer", "name", self.ns_dev)
         _sh("ip", "link", "set", self.ns_dev, "netns", self.name)
