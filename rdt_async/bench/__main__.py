@@ -1,4 +1,4 @@
-"""python -m rdt_async.bench [--sizes 4K,1M,64M,256M,512M] [--repeat 3] [--json out.json] [--only e2e,...]
+"""python -m rdt_async.bench [--quick] [--hosts 2] [--sizes ...] [--repeat 3] [--json out.json] [--only e2e,...]
 
 The headline is `e2e`: from the producing call until the consumer has read every byte,
 every rdt path against Ray's (object store default and zero-copy, Ray's own RDT), as
@@ -36,7 +36,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="2: e2e consumers on a second host (a network namespace and veth link; needs root)")
     ap.add_argument("--write-costs", default="", metavar="FILE",
                     help="fit auto's cost model to the e2e passes and merge it into FILE (for RDT_AUTO_COSTS)")
+    ap.add_argument("--quick", action="store_true",
+                    help="the end-to-end headline only, fewer sizes and paths: a few minutes on 2 cores")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.only = args.only or "e2e"
+        args.repeat = min(args.repeat, 2)
+        args.e2e_sizes = "4K,1M,64M"
+        args.e2e_fanouts = "4"
+        args.e2e_paths = args.e2e_paths or "rdt auto,rdt nixl,ray object store,ray object store zero-copy,ray rdt nixl"
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     only = set(filter(None, args.only.split(",")))
 
