@@ -37,3 +37,22 @@ def test_weight_sync_publishes_every_version_exactly_while_servers_answer(capsys
     assert sum(int(rounds) for _, _, rounds, _, _ in lines) >= 1, out  # requests were answered during loads
     assert all(float(slowest) < 1000 for *_, slowest, _ in lines), out  # no request waited for a whole load
     assert f"served versions: [{example.VERSIONS - 1}]" in out
+
+
+def test_kv_handoff_lands_every_cache_exactly_in_the_decode_actors_reused_slots(capsys):
+    example = _load("kv_handoff")
+    example.main()
+    out = capsys.readouterr().out
+    lines = re.findall(
+        r"request (\d+): 16 MiB of KV cache into slot (\d) ([\d.]+) ms after decode asked, exact, no allocation; "
+        r"a status call meanwhile took ([\d.]+) ms",
+        out,
+    )
+    assert [(int(r), int(s)) for r, s, _, _ in lines] == [(r, r % example.SLOTS) for r in range(example.REQUESTS)], out
+
+
+def test_pipeline_matches_a_local_forward_pass(capsys):
+    example = _load("pipeline")
+    example.main()
+    out = capsys.readouterr().out
+    assert re.search(r"^8 micro-batches of 256x1024 through 3 stages in \d+ ms, all match a local forward pass$", out, re.M), out
