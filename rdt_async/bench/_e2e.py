@@ -57,6 +57,13 @@ class Consumer:
     async def read(self, value: torch.Tensor) -> float:
         return float(value.sum())
 
+    async def read_parts(self, refs: list[Any]) -> tuple[float, float, float]:
+        """The same pass with the ref nested: (sum, seconds to fetch, seconds to read)."""
+        t0 = time.perf_counter()
+        value = await rdt.fetch(refs[0])
+        t1 = time.perf_counter()
+        return float(value.sum()), t1 - t0, time.perf_counter() - t1
+
     def ready(self) -> bool:
         return True
 
@@ -77,6 +84,12 @@ class RayProducer:
 class RayConsumer:
     async def read(self, value: torch.Tensor) -> float:
         return float(value.sum())
+
+    async def read_parts(self, refs: list[Any]) -> tuple[float, float, float]:
+        t0 = time.perf_counter()
+        value = await refs[0]
+        t1 = time.perf_counter()
+        return float(value.sum()), t1 - t0, time.perf_counter() - t1
 
     def ready(self) -> bool:
         return True
@@ -100,6 +113,12 @@ def _ray_rdt_classes(transport: str) -> tuple[Any, Any]:
         def read(self, value: torch.Tensor) -> float:
             return float(value.sum())
 
+        def read_parts(self, refs: list[Any]) -> tuple[float, float, float]:
+            t0 = time.perf_counter()
+            value = ray.get(refs[0])
+            t1 = time.perf_counter()
+            return float(value.sum()), t1 - t0, time.perf_counter() - t1
+
         def ready(self) -> bool:
             return True
 
@@ -121,6 +140,20 @@ class _Path:
         if any(s != float(n) for s in sums):
             raise AssertionError(f"{self.name}: read {sums}, expected {float(n)} each")
         return took
+
+    def parts(self, n: int, shape: str) -> dict[str, float] | None:
+        """One pass with the ref nested, split: the calls (producing call and export, the
+        consumer's call), the fetch (resolving the ref and moving the bytes), the read."""
+        t0 = time.perf_counter()
+        ref = self.producer.make.remote(n, shape)
+        try:
+            total, fetch, read = ray.get(self.consumers[0].read_parts.remote([ref]), timeout=600)
+        except Exception:  # a path that cannot take a nested ref: no breakdown
+            return None
+        took = time.perf_counter() - t0
+        if total != float(n):
+            raise AssertionError(f"{self.name}: read {total}, expected {float(n)}")
+        return {"calls_s": max(0.0, took - fetch - read), "fetch_s": fetch, "read_s": read}
 
     def close(self) -> None:
         self._close()
@@ -200,7 +233,7 @@ def run(
                     cold = path.one_pass(n, shape)
                     warm = [path.one_pass(n, shape) for _ in range(repeat)]
                     rows.append({"bench": "e2e", "case": name, "shape": shape, "size": size, "consumers": 1, "hosts": hosts,
-                                 "cold_s": cold, "seconds": statistics.median(warm)})
+                                 "cold_s": cold, "seconds": statistics.median(warm), "breakdown": path.parts(n, shape)})
             if len(path.consumers) > 1:
                 size = max(sizes)
                 for k in fanouts:
