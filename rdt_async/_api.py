@@ -252,18 +252,23 @@ async def _watched(fetching: Any, obj: RDTObject, name: str) -> list[torch.Tenso
     if obj.producer.actor is None or not hasattr(obj.producer.actor, "rdt__ping"):
         return await fetching
     task = asyncio.ensure_future(fetching)
-    watch = asyncio.ensure_future(_object.watch_producer(obj.producer))
+    watch = None
     try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task}, timeout=_object.WATCH_AFTER_S)  # most end here: no watch made
+        if not task.done():
+            watch = asyncio.ensure_future(_object.watch_producer(obj.producer))
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
-        watch.cancel()
+        if watch is not None:
+            watch.cancel()
         task.cancel()
         await asyncio.wait({task})  # the transport lets go of the caller's buffers first
         raise
     if not task.done():
         task.cancel()
         await asyncio.wait({task})
-    watch.cancel()
+    if watch is not None:
+        watch.cancel()
     if not task.cancelled():
         return task.result()  # done (or failed) before the watch could end it
     raise PeerDiedError(

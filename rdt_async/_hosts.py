@@ -147,11 +147,7 @@ class _Link:
         return pids
 
     def delete(self) -> None:
-        for pid in self.pids():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _signal(self.pids(), signal.SIGKILL)
         subprocess.run(["ip", "link", "del", self.root_dev], capture_output=True)
         subprocess.run(["ip", "netns", "del", self.name], capture_output=True)
 
@@ -164,6 +160,14 @@ echo {boot_id} > /dev/shm/.boot_id && mount --bind /dev/shm/.boot_id /proc/sys/k
 hostname {hostname}
 exec "$@"
 """
+
+
+def _signal(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 def _comm(pid: int) -> str:
@@ -209,12 +213,7 @@ class _Node:
     def stop(self) -> None:
         """End every process of this host (all started here): SIGTERM, then SIGKILL after 3 s."""
         for sig, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
-            pids = self.link.pids() + ([self.proc.pid] if self.proc.poll() is None else [])
-            for pid in pids:
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
+            _signal(self.link.pids() + ([self.proc.pid] if self.proc.poll() is None else []), sig)
             deadline = time.monotonic() + wait
             while time.monotonic() < deadline and (self.proc.poll() is None or self.link.pids()):
                 time.sleep(0.05)

@@ -572,23 +572,31 @@ async def producer_died(p: Process, *, timeout: float = PING_S) -> bool:
     # A live producer answers within `timeout`; a cut-off one is declared dead by Ray
     # within VERDICT_S (its pings fail with ActorUnavailableError meanwhile).
     verdict_by = time.monotonic() + timeout + VERDICT_S
-    while True:
-        ping = asyncio.ensure_future(await_ref(actor.rdt__ping.remote()))
-        try:
-            await asyncio.wait({ping}, timeout=max(0.0, verdict_by - time.monotonic()))
-            if not ping.done():
-                return False
-            ping.result()
-            return False  # it answered: alive
-        except ray.exceptions.ActorUnavailableError:
-            if time.monotonic() > verdict_by:
-                return False
-            await asyncio.sleep(0.5)  # unreachable for now (a partition, a restart): ask again
-        except ray.exceptions.RayActorError:
-            return True
-        finally:
-            if not ping.done():
-                ping.cancel()
+    while (left := verdict_by - time.monotonic()) > 0:
+        alive = await _ping(actor, left)
+        if alive is not None:
+            return not alive
+        await asyncio.sleep(min(0.5, max(0.0, verdict_by - time.monotonic())))  # unreachable for now: ask again
+    return False
+
+
+async def _ping(actor: Any, timeout: float) -> bool | None:
+    """Ping a producer's `rdt` group: True if it answered, False if Ray says it is dead, None
+    if neither within `timeout` or it is unreachable for now (ActorUnavailableError)."""
+    ping = asyncio.ensure_future(await_ref(actor.rdt__ping.remote()))
+    try:
+        await asyncio.wait({ping}, timeout=timeout)
+        if not ping.done():
+            return None
+        ping.result()
+        return True
+    except ray.exceptions.ActorUnavailableError:
+        return None
+    except ray.exceptions.RayActorError:
+        return False
+    finally:
+        if not ping.done():
+            ping.cancel()
 
 
 WATCH_AFTER_S, WATCH_EVERY_S = 2.0, 1.0  # when a transfer's producer starts being watched, how often
@@ -597,21 +605,12 @@ WATCH_AFTER_S, WATCH_EVERY_S = 2.0, 1.0  # when a transfer's producer starts bei
 async def watch_producer(p: Process) -> None:
     """Return once the producer is known dead; never while it lives (cancel it when done).
 
-    Runs on: consumer, beside a transfer that has run WATCH_AFTER_S: a ping a second to
-    its `rdt` group, which Ray fails with ActorDiedError once the actor (or its host) is
-    declared dead; an unreachable host's pings fail with ActorUnavailableError until then.
+    Runs on: consumer, beside a transfer that has run WATCH_AFTER_S (`_api._watched`): a
+    ping a second to its `rdt` group, which Ray fails with ActorDiedError once the actor
+    (or its host) is declared dead; an unreachable host's pings fail with
+    ActorUnavailableError until then.
     """
-    await asyncio.sleep(WATCH_AFTER_S)
-    actor = p.actor
-    while True:
-        if died_on_this_node(p):
-            return
-        try:
-            await asyncio.wait_for(await_ref(actor.rdt__ping.remote()), timeout=10 * WATCH_EVERY_S)
-        except (ray.exceptions.ActorUnavailableError, TimeoutError):
-            pass
-        except ray.exceptions.RayActorError:
-            return
+    while not died_on_this_node(p) and await _ping(p.actor, 10 * WATCH_EVERY_S) is not False:
         await asyncio.sleep(WATCH_EVERY_S)
 
 

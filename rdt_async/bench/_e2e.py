@@ -50,6 +50,12 @@ def _rdt_producer(transport: str) -> Any:
     return Producer
 
 
+def _read_parts(t0: float, value: torch.Tensor) -> tuple[float, float, float]:
+    """(sum, seconds from `t0` until `value` was had, seconds to read it), for `read_parts`."""
+    t1 = time.perf_counter()
+    return float(value.sum()), t1 - t0, time.perf_counter() - t1
+
+
 @rdt.remote
 class Consumer:
     """An async actor that reads every element of what it is given (rdt fetches it first)."""
@@ -60,9 +66,7 @@ class Consumer:
     async def read_parts(self, refs: list[Any]) -> tuple[float, float, float]:
         """The same pass with the ref nested: (sum, seconds to fetch, seconds to read)."""
         t0 = time.perf_counter()
-        value = await rdt.fetch(refs[0])
-        t1 = time.perf_counter()
-        return float(value.sum()), t1 - t0, time.perf_counter() - t1
+        return _read_parts(t0, await rdt.fetch(refs[0]))
 
     def ready(self) -> bool:
         return True
@@ -87,9 +91,7 @@ class RayConsumer:
 
     async def read_parts(self, refs: list[Any]) -> tuple[float, float, float]:
         t0 = time.perf_counter()
-        value = await refs[0]
-        t1 = time.perf_counter()
-        return float(value.sum()), t1 - t0, time.perf_counter() - t1
+        return _read_parts(t0, await refs[0])
 
     def ready(self) -> bool:
         return True
@@ -115,9 +117,7 @@ def _ray_rdt_classes(transport: str) -> tuple[Any, Any]:
 
         def read_parts(self, refs: list[Any]) -> tuple[float, float, float]:
             t0 = time.perf_counter()
-            value = ray.get(refs[0])
-            t1 = time.perf_counter()
-            return float(value.sum()), t1 - t0, time.perf_counter() - t1
+            return _read_parts(t0, ray.get(refs[0]))
 
         def ready(self) -> bool:
             return True
