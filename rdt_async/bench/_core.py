@@ -16,6 +16,8 @@ import torch
 
 import rdt_async as rdt
 
+from ._loop import LoopStall
+
 ZERO_COPY_ENV = {"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}}
 
 
@@ -55,7 +57,7 @@ class Consumer:
             if into is None:
                 into = self.buffers[n] = torch.empty(n, dtype=torch.uint8)
                 into.fill_(1)  # fault the pages in: warm
-        lag = _LagProbe()
+        lag = LoopStall()
         t0 = time.perf_counter()
         if mode == "ray":
             value = await ref
@@ -65,7 +67,7 @@ class Consumer:
         await asyncio.sleep(0)
         await asyncio.to_thread(_touch, value)  # read every byte once
         total = time.perf_counter() - t0
-        return {"fetch": fetched, "fetch_read": total, "max_lag": await lag.stop()}
+        return {"fetch": fetched, "fetch_read": total, "max_lag": lag.stop()}
 
     async def take(self, value: Any) -> int:
         return int(value.numel())
@@ -77,27 +79,10 @@ class Consumer:
         return int(value.numel())
 
     async def start_probe(self) -> None:
-        self.probe = _LagProbe()
+        self.probe = LoopStall()
 
     async def stop_probe(self) -> float:
-        return await self.probe.stop()
-
-
-class _LagProbe:
-    def __init__(self) -> None:
-        self.max = 0.0
-        self.task = asyncio.get_running_loop().create_task(self._run())
-
-    async def _run(self) -> None:
-        while True:
-            t = time.perf_counter()
-            await asyncio.sleep(0.002)
-            self.max = max(self.max, time.perf_counter() - t - 0.002)
-
-    async def stop(self) -> float:
-        self.task.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
-        return self.max
+        return self.probe.stop()
 
 
 def _tensor(nbytes: int) -> torch.Tensor:
