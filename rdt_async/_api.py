@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from . import _cuda, _io, _object, _tree
+from . import _cuda, _io, _metrics, _object, _tree
 from ._errors import ObjectFreedError, PeerDiedError, RDTError, TransferError, translating
 from ._object import RDTObject
 from ._store import log, store
@@ -219,26 +219,32 @@ def _not_rdt(x: Any, verb: str) -> TypeError:
 
 
 async def _fetch_object(obj: RDTObject, *, device: Any, into: Any, start: _Start | None = None) -> Any:
-    start = start or _start(obj, into, device)
-    if isinstance(start, _Done):
-        tensors, buffers, name = start.tensors, start.buffers, start.transport
-    else:
-        transport, info, buffers, ready = start
-        name = transport.name
-        await _cuda.wait(ready)  # the caller's queued work on the destinations has run
-        request = transport.fetch_multiple_tensors(info, buffers=buffers, channel=_object.RayChannel(obj, name))
-        try:
-            with translating(f"{name} fetch of {obj.obj_id}", obj.obj_id):
-                tensors = await _watched(transport.wait_fetch_complete(request), obj, name)
-        except (TransferError, ObjectFreedError) as exc:
-            await _raise_if_producer_died(obj, name, exc)
-            raise
-        buffers = None  # written by the transport
-    _record(obj, name)
-    if buffers:
-        tensors = await _copy(buffers, tensors, obj.nbytes)
-    elif device is not None:
-        tensors = await _move(tensors, torch.device(device), obj.nbytes)
+    began = time.perf_counter()
+    name = obj.transport  # until one is chosen
+    try:
+        start = start or _start(obj, into, device)
+        if isinstance(start, _Done):
+            tensors, buffers, name = start.tensors, start.buffers, start.transport
+        else:
+            transport, info, buffers, ready = start
+            name = transport.name
+            await _cuda.wait(ready)  # the caller's queued work on the destinations has run
+            request = transport.fetch_multiple_tensors(info, buffers=buffers, channel=_object.RayChannel(obj, name))
+            try:
+                with translating(f"{name} fetch of {obj.obj_id}", obj.obj_id):
+                    tensors = await _watched(transport.wait_fetch_complete(request), obj, name)
+            except (TransferError, ObjectFreedError) as exc:
+                await _raise_if_producer_died(obj, name, exc)
+                raise
+            buffers = None  # written by the transport
+        if buffers:
+            tensors = await _copy(buffers, tensors, obj.nbytes)
+        elif device is not None:
+            tensors = await _move(tensors, torch.device(device), obj.nbytes)
+    except BaseException as exc:
+        _metrics.failed(name, exc)
+        raise
+    _record(obj, name, began)
     return _tree.unflatten(obj.skeleton, tensors)
 
 
@@ -299,15 +305,20 @@ def _died(obj: RDTObject, name: str, exc: RDTError) -> PeerDiedError:
 
 def _fetch_now(obj: RDTObject, *, device: Any, into: Any) -> tuple[bool, Any]:
     """Fetch on the caller's thread if nothing can block: (True, value), else (False, start)."""
-    start = _start(obj, into, device)
+    began = time.perf_counter()
+    try:
+        start = _start(obj, into, device)
+    except BaseException as exc:
+        _metrics.failed(obj.transport, exc)
+        raise
     if not isinstance(start, _Done) or obj.nbytes > INLINE_COPY_BYTES:
         return False, start  # the transfer (or a large copy) belongs to the I/O loop
     tensors, buffers = start.tensors, start.buffers
-    _record(obj, start.transport)
     if buffers:
         tensors = copy_into(buffers, tensors)
     elif device is not None:
         tensors = [t.to(device) for t in tensors]
+    _record(obj, start.transport, began)
     return True, _tree.unflatten(obj.skeleton, tensors)
 
 
@@ -374,9 +385,10 @@ def _device_buffers(obj: RDTObject, transport: Transport[Any], device: torch.dev
     return [torch.empty(s.shape, dtype=s.dtype, device=device) for s in obj.specs]
 
 
-def _record(obj: RDTObject, transport: str) -> None:
+def _record(obj: RDTObject, transport: str, began: float) -> None:
     if obj.specs:
         store.fetches[transport] += 1
+        _metrics.fetched(transport, obj.nbytes, time.perf_counter() - began)
         log.debug("rdt_async: fetched %s over %s (%d bytes)", obj.obj_id, transport, obj.nbytes)
 
 

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import _metrics
+
 if TYPE_CHECKING:
     from .transports._base import Transport
 
@@ -73,6 +75,7 @@ class Store:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._objects: dict[str, StoredObject] = {}
+        self._bytes = 0  # theirs, in all
         # storage -> hold key -> byte ranges that hold keeps. A hold key is an object id,
         # or an int for a hold without one (an object being made, a read in progress).
         self._held: dict[tuple[str, int], dict[str | int, list[tuple[int, int]]]] = {}
@@ -153,6 +156,9 @@ class Store:
         with self._lock:
             self._objects[obj_id] = stored
             self._hold(obj_id, _spans_of(stored))
+            self._bytes += stored.nbytes
+            held = len(self._objects), self._bytes
+        _metrics.held(*held)
 
     def object_ids(self) -> list[str]:
         with self._lock:
@@ -187,6 +193,9 @@ class Store:
             self._remember_freed(obj_id)
             if stored is None:
                 return False
+            self._bytes -= stored.nbytes
+            held = len(self._objects), self._bytes
+        _metrics.held(*held)
         for transport, meta in stored.prepared.items():
             try:
                 (transport.recycle if last_ref else transport.garbage_collect)(obj_id, meta)
@@ -263,11 +272,12 @@ class Store:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             objects = list(self._objects.values())
+            nbytes = self._bytes
             fetches = dict(self.fetches)
             choices = list(self.choices)
         return {
             "objects": len(objects),
-            "bytes": sum(o.nbytes for o in objects),
+            "bytes": nbytes,
             "tensors": sum(len(o.tensors) for o in objects),
             "fetches": fetches,
             "auto": choices,

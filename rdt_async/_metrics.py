@@ -1,0 +1,92 @@
+"""Transfers in Ray's metrics: what this process holds and fetches, through `ray.util.metrics`.
+
+They appear in Ray's Prometheus endpoint and dashboard next to Ray's own (Prometheus
+names carry Ray's `ray_` prefix, and Ray tags each series with the worker and node):
+
+| name | kind | tags | what |
+| --- | --- | --- | --- |
+| `rdt_objects_held` | gauge | | objects this process's store keeps for consumers |
+| `rdt_bytes_held` | gauge | | their bytes |
+| `rdt_fetches_total` | counter | transport | fetches that returned tensors |
+| `rdt_fetch_bytes_total` | counter | transport | bytes those fetches moved |
+| `rdt_fetch_seconds` | histogram | transport | from the fetch's start to its tensors in hand |
+| `rdt_fetch_errors_total` | counter | transport, error | fetches that raised (or were cancelled), by type |
+
+Recording costs a few microseconds per fetch (`python -m rdt_async.bench --only metrics`).
+Metrics are made on first use in a process connected to Ray; elsewhere (a plain process,
+as in the transport contract suite) nothing is recorded. `RDT_METRICS=0` turns them off.
+Exporting needs Ray's metrics agent (`pip install "ray[default]"`); without it Ray drops them.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+FETCH_SECONDS_BOUNDARIES = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0
+]
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        from ray.util.metrics import Counter, Gauge, Histogram
+
+        self.objects_held = Gauge("rdt_objects_held", "rdt_async objects this process keeps for consumers")
+        self.bytes_held = Gauge("rdt_bytes_held", "bytes of the rdt_async objects this process keeps")
+        self.fetches = Counter("rdt_fetches_total", "rdt_async fetches that returned tensors",
+                               tag_keys=("transport",))
+        self.fetch_bytes = Counter("rdt_fetch_bytes_total", "bytes moved by rdt_async fetches",
+                                   tag_keys=("transport",))
+        self.fetch_seconds = Histogram("rdt_fetch_seconds", "rdt_async fetch latency, start to tensors in hand",
+                                       boundaries=FETCH_SECONDS_BOUNDARIES, tag_keys=("transport",))
+        self.errors = Counter("rdt_fetch_errors_total", "rdt_async fetches that raised, by error type",
+                              tag_keys=("transport", "error"))
+
+
+_lock = threading.Lock()
+_made: _Metrics | None = None
+
+
+def _get() -> _Metrics | None:
+    """This process's metrics, made on first use; None when off or not connected to Ray."""
+    global _made
+    if _made is not None:
+        return _made
+    if os.environ.get("RDT_METRICS", "1") == "0":
+        return None
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    with _lock:
+        if _made is None:
+            _made = _Metrics()
+    return _made
+
+
+def fetched(transport: str, nbytes: int, seconds: float) -> None:
+    """Count a fetch that returned tensors. Runs on: consumer."""
+    m = _get()
+    if m is None:
+        return
+    tags = {"transport": transport}
+    m.fetches.inc(1, tags=tags)
+    m.fetch_bytes.inc(nbytes, tags=tags)
+    m.fetch_seconds.observe(seconds, tags=tags)
+
+
+def failed(transport: str, exc: BaseException) -> None:
+    """Count a fetch that raised `exc` (cancellation included). Runs on: consumer."""
+    m = _get()
+    if m is not None:
+        m.errors.inc(1, tags={"transport": transport, "error": type(exc).__name__})
+
+
+def held(objects: int, nbytes: int) -> None:
+    """Set what this process's store keeps. Runs on: producer."""
+    m = _get()
+    if m is not None:
+        m.objects_held.set(objects)
+        m.bytes_held.set(nbytes)
+
