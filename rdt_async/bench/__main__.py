@@ -1,4 +1,4 @@
-"""python -m rdt_async.bench [--quick] [--hosts 2] [--sizes ...] [--repeat 3] [--json out.json] [--only e2e,...]
+"""python -m rdt_async.bench [--quick] [--out DIR] [--hosts 2] [--sizes ...] [--repeat 3] [--json out.json] [--only e2e,...]
 
 The headline is `e2e`: from the producing call until the consumer has read every byte,
 every rdt path against Ray's (object store default and zero-copy, Ray's own RDT), as
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import platform
+import shlex
 import sys
 import time
 from typing import Any
@@ -18,14 +19,16 @@ from typing import Any
 import ray
 import torch
 
-from ._report import human, parse_size, write_json
+from ._progress import Progress
+from ._report import human, markdown, parse_size, write_json, write_out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m rdt_async.bench", description=__doc__)
     ap.add_argument("--sizes", default="4K,1M,64M,256M,512M")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--json", default="-", help="file for the JSON results ('-': stdout)")
+    ap.add_argument("--json", default="",
+                    help="file for the JSON results ('-': stdout, the default without --out)")
     ap.add_argument(
         "--only", default="", help="comma-separated: e2e,memcpy,fetch,pass,responsiveness,gloo,collectives,nixl,ucxx"
     )
@@ -38,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="fit auto's cost model to the e2e passes and merge it into FILE (for RDT_AUTO_COSTS)")
     ap.add_argument("--quick", action="store_true",
                     help="the end-to-end headline only, fewer sizes and paths: a few minutes on 2 cores")
+    ap.add_argument("--out", default="", metavar="DIR",
+                    help="write DIR/results.json, DIR/results.md and plots of the end-to-end passes (PNG)")
+    ap.add_argument("--no-progress", action="store_true",
+                    help="no progress bar (there is none anyway where stderr is not a terminal)")
     args = ap.parse_args(argv)
     if args.quick:
         args.only = args.only or "e2e"
@@ -52,89 +59,77 @@ def main(argv: list[str] | None = None) -> int:
         return not only or name in only
 
     from .._hosts import ray_cluster
-    from . import _core
 
     rows: list[dict[str, Any]] = []
-    with ray_cluster(args.hosts):
+    others = [b for b in OTHERS if want(b)]
+    with ray_cluster(args.hosts), Progress(False if args.no_progress else None) as progress:
+        progress.add(len(others))
         if want("e2e"):
             from . import _e2e
 
             e2e_sizes = [parse_size(s) for s in args.e2e_sizes.split(",")]
             paths = [p.strip() for p in args.e2e_paths.split(",") if p.strip()] or None
-            rows += _e2e.run(e2e_sizes, args.repeat, progress=lambda m: print(m, file=sys.stderr, flush=True),
-                             paths=paths, hosts=args.hosts,
+            rows += _e2e.run(e2e_sizes, args.repeat, progress=progress, paths=paths, hosts=args.hosts,
                              fanouts=tuple(int(k) for k in args.e2e_fanouts.split(",") if k.strip()))
             if args.write_costs:
                 fitted = _e2e.write_costs(rows, args.write_costs)
-                print(f"auto's costs ({len(fitted)} paths) merged into {args.write_costs}", file=sys.stderr)
-        if want("memcpy"):
-            for size in sizes:
-                if size >= 1 << 20:
-                    rows.append({"bench": "memcpy", "case": "torch copy_, 1 thread, warm", "size": size,
-                                 "gib_s": _core.memcpy_gib_s(size, args.repeat)})
-        if want("fetch"):
-            rows += _core.fetch_rows(sizes, args.repeat)
-        if want("pass"):
-            rows += _core.pass_rows(4 << 10, args.repeat)
-        if want("responsiveness"):
-            rows += _core.responsiveness_rows(max(sizes))
-        if want("gloo"):
-            from . import _gloo
-
-            rows += _gloo.run(sizes, args.repeat)
-        if want("collectives"):
-            from . import _collectives
-
-            rows += _collectives.run(sizes, args.repeat)
-        if want("nixl"):
-            try:
-                from . import _nixl
-            except ImportError:
-                pass
-            else:
-                rows += _nixl.run(sizes, args.repeat)
-        if want("ucxx") and importlib.util.find_spec("ucxx") is not None:
-            from . import _ucxx
-
-            rows += _ucxx.run(sizes, args.repeat)
+                progress.note(f"auto's costs ({len(fitted)} paths) merged into {args.write_costs}")
+        for bench in others:
+            with progress.step(bench):
+                rows += _other(bench, sizes, args.repeat)
 
     result = {
         "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "command": "python -m rdt_async.bench " + shlex.join(sys.argv[1:] if argv is None else argv),
         "machine": {"python": platform.python_version(), "torch": torch.__version__, "ray": ray.__version__},
         "rows": rows,
         "checks": checks(rows),
     }
-    out = write_json(result, args.json)
-    print_table([r for r in rows if r["bench"] != "e2e"], result["checks"], file=out)
-    print_e2e(rows, file=out)
+    out = sys.stdout
+    if args.json or not args.out:
+        out = write_json(result, args.json or "-")
+    if args.out:
+        for path in write_out(result, args.out):
+            print(f"wrote {path}", file=sys.stderr)
+    print(markdown(result), file=out)
     return 0
 
 
-def print_e2e(rows: list[dict[str, Any]], file: Any) -> None:
-    """The end-to-end rows as a Markdown table: warm median (ratio to the best Ray path), cold."""
-    e2e = [r for r in rows if r["bench"] == "e2e" and "seconds" in r]
-    failed = [r for r in rows if r["bench"] == "e2e" and "error" in r]
-    if not e2e:
-        return
-    cols = sorted({(r["shape"], r["consumers"], r["size"]) for r in e2e}, key=lambda c: (c[0], c[1], c[2]))
-    print("\n| path | " + " | ".join(f"{s} x{k} {human(z)}" for s, k, z in cols) + " |", file=file)
-    print("| --- |" + " --- |" * len(cols), file=file)
-    for case in dict.fromkeys(r["case"] for r in e2e):
-        cells = []
-        for shape, k, size in cols:
-            r = next((r for r in e2e if (r["case"], r["shape"], r["consumers"], r["size"]) == (case, shape, k, size)), None)
-            if r is None:
-                cells.append("")
-                continue
-            cell = f"{r['seconds'] * 1e3:.3g} ms"
-            if "vs_best_ray" in r:
-                cell += f" ({r['vs_best_ray']:.2f}x)"
-            if "cold_s" in r:
-                cell += f", cold {r['cold_s'] * 1e3:.3g}"
-            cells.append(cell)
-        print(f"| {case} | " + " | ".join(cells) + " |", file=file)
-    for r in failed:
-        print(f"| {r['case']} | failed: {r['error'].splitlines()[0][:160]} |", file=file)
+OTHERS = ("memcpy", "fetch", "pass", "responsiveness", "gloo", "collectives", "nixl", "ucxx")
+
+
+def _other(bench: str, sizes: list[int], repeat: int) -> list[dict[str, Any]]:
+    """The rows of one of the benches besides e2e (none where its library is not installed)."""
+    from . import _core
+
+    if bench == "memcpy":
+        return [{"bench": "memcpy", "case": "torch copy_, 1 thread, warm", "size": size,
+                 "gib_s": _core.memcpy_gib_s(size, repeat)} for size in sizes if size >= 1 << 20]
+    if bench == "fetch":
+        return _core.fetch_rows(sizes, repeat)
+    if bench == "pass":
+        return _core.pass_rows(4 << 10, repeat)
+    if bench == "responsiveness":
+        return _core.responsiveness_rows(max(sizes))
+    if bench == "gloo":
+        from . import _gloo
+
+        return _gloo.run(sizes, repeat)
+    if bench == "collectives":
+        from . import _collectives
+
+        return _collectives.run(sizes, repeat)
+    if bench == "nixl":
+        try:
+            from . import _nixl
+        except ImportError:
+            return []
+        return _nixl.run(sizes, repeat)
+    if bench == "ucxx" and importlib.util.find_spec("ucxx") is not None:
+        from . import _ucxx
+
+        return _ucxx.run(sizes, repeat)
+    return []
 
 
 AUTO_CAN = ("rdt shm", "rdt nixl", "rdt object_store")
@@ -174,18 +169,6 @@ def checks(rows: list[dict[str, Any]]) -> dict[str, Any]:
     if resp:
         out["worst_ping_ms_while_arriving"] = round(max(r["worst_ping_ms"] for r in resp), 1)
     return out
-
-
-def print_table(rows: list[dict[str, Any]], checks_: dict[str, Any], file: Any) -> None:
-    for r in rows:
-        extra = ", ".join(
-            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-            for k, v in r.items()
-            if k not in ("bench", "case", "size")
-        )
-        print(f"{r['bench']:<15} {r['case']:<36} {human(r['size']):>10}  {extra}", file=file)
-    for k, v in checks_.items():
-        print(f"check: {k} = {v}", file=file)
 
 
 if __name__ == "__main__":

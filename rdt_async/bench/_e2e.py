@@ -6,7 +6,11 @@ the producer's export, the transfer, the consumer's read and Ray's calls all cou
 Two producer shapes: a tensor it keeps and returns each step (a trainer publishing its
 weights) and a fresh tensor each call. The first pass of each (path, shape, size) is
 reported apart (cold: first touch of fresh memory, first use of a transport); the rest
-give the warm median. Every row carries its ratio to the best Ray path of the same run.
+give the warm median. Every row carries its ratio to the best Ray path of the same run,
+and `loop_stall_ms`: the longest the consumer's event loop was held while the value
+arrived (Ray resolving the argument, or rdt fetching it), worst of the warm passes, as
+an async actor's other calls feel it; None for Ray's RDT paths, whose consumer is a
+sync actor (no loop: its other calls wait until the value is in).
 """
 
 from __future__ import annotations
@@ -21,6 +25,10 @@ import ray
 import torch
 
 import rdt_async as rdt
+
+from ._loop import LoopStall
+from ._progress import Progress
+from ._report import human
 
 ZERO_COPY_ENV = {"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}}
 RAY_PATHS = ("ray object store", "ray object store zero-copy", "ray rdt nixl", "ray rdt gloo")
@@ -56,20 +64,37 @@ def _read_parts(t0: float, value: torch.Tensor) -> tuple[float, float, float]:
     return float(value.sum()), t1 - t0, time.perf_counter() - t1
 
 
-@rdt.remote
-class Consumer:
-    """An async actor that reads every element of what it is given (rdt fetches it first)."""
+class _Reader:
+    """An async consumer's side of a pass: it reads every element of what it is given.
 
-    async def read(self, value: torch.Tensor) -> float:
-        return float(value.sum())
+    `watch()` before a pass starts timing the consumer's loop (`LoopStall`); `read`
+    stops it as the value arrives, so the stall it returns is the arrival's (Ray's
+    argument resolution, rdt's fetch), not the read's own sum (that is `read_s` of the
+    breakdown, the same in every path).
+    """
+
+    stall: LoopStall | None = None
+
+    async def watch(self) -> None:
+        self.stall = LoopStall()
+
+    async def read(self, value: torch.Tensor) -> tuple[float, float | None]:
+        stall, self.stall = self.stall, None
+        stalled = stall.stop() if stall is not None else None
+        return float(value.sum()), stalled
+
+    def ready(self) -> bool:
+        return True
+
+
+@rdt.remote
+class Consumer(_Reader):
+    """An async actor; rdt fetches its top-level refs on its loop before `read` runs."""
 
     async def read_parts(self, refs: list[Any]) -> tuple[float, float, float]:
         """The same pass with the ref nested: (sum, seconds to fetch, seconds to read)."""
         t0 = time.perf_counter()
         return _read_parts(t0, await rdt.fetch(refs[0]))
-
-    def ready(self) -> bool:
-        return True
 
 
 @ray.remote
@@ -85,16 +110,12 @@ class RayProducer:
 
 
 @ray.remote
-class RayConsumer:
-    async def read(self, value: torch.Tensor) -> float:
-        return float(value.sum())
+class RayConsumer(_Reader):
+    """An async actor; Ray resolves its top-level refs before `read` runs."""
 
     async def read_parts(self, refs: list[Any]) -> tuple[float, float, float]:
         t0 = time.perf_counter()
         return _read_parts(t0, await refs[0])
-
-    def ready(self) -> bool:
-        return True
 
 
 def _ray_rdt_classes(transport: str) -> tuple[Any, Any]:
@@ -112,8 +133,8 @@ def _ray_rdt_classes(transport: str) -> tuple[Any, Any]:
 
     @ray.remote(enable_tensor_transport=True)
     class RdtConsumer:  # sync: on Ray 2.60 an async actor cannot await an RDT ref
-        def read(self, value: torch.Tensor) -> float:
-            return float(value.sum())
+        def read(self, value: torch.Tensor) -> tuple[float, None]:
+            return float(value.sum()), None  # no loop to stall: the actor waits out the arrival
 
         def read_parts(self, refs: list[Any]) -> tuple[float, float, float]:
             t0 = time.perf_counter()
@@ -126,20 +147,30 @@ def _ray_rdt_classes(transport: str) -> tuple[Any, Any]:
 
 
 class _Path:
-    """A producer and `fanout` consumers of one kind, and how to tear them down."""
+    """A producer and `fanout` consumers of one kind, and how to tear them down.
 
-    def __init__(self, name: str, producer: Any, consumers: list[Any], close: Callable[[], None] = lambda: None):
-        self.name, self.producer, self.consumers, self._close = name, producer, consumers, close
+    `loop`: the consumers are async actors, whose loop each pass watches (`_Reader`).
+    """
+
+    def __init__(self, name: str, producer: Any, consumers: list[Any], close: Callable[[], None] = lambda: None,
+                 *, loop: bool = True):
+        self.name, self.producer, self.consumers, self._close, self.loop = name, producer, consumers, close, loop
         ray.get([producer.ready.remote(), *(c.ready.remote() for c in consumers)], timeout=120)
 
-    def one_pass(self, n: int, shape: str, k: int = 1) -> float:
+    def one_pass(self, n: int, shape: str, k: int = 1) -> tuple[float, float | None]:
+        """(seconds from the producing call until `k` consumers have read it all, the worst
+        stall of their loops while it arrived: None for sync consumers)."""
+        consumers = self.consumers[:k]
+        if self.loop:
+            ray.get([c.watch.remote() for c in consumers], timeout=60)
         t0 = time.perf_counter()
         ref = self.producer.make.remote(n, shape)
-        sums = ray.get([c.read.remote(ref) for c in self.consumers[:k]], timeout=600)
+        read = ray.get([c.read.remote(ref) for c in consumers], timeout=600)
         took = time.perf_counter() - t0
-        if any(s != float(n) for s in sums):
-            raise AssertionError(f"{self.name}: read {sums}, expected {float(n)} each")
-        return took
+        if any(s != float(n) for s, _ in read):
+            raise AssertionError(f"{self.name}: read {[s for s, _ in read]}, expected {float(n)} each")
+        stalls = [st for _, st in read if st is not None]
+        return took, max(stalls) if stalls else None
 
     def parts(self, n: int, shape: str) -> dict[str, float] | None:
         """One pass with the ref nested, split: the calls (producing call and export, the
@@ -194,8 +225,8 @@ def _make_path(name: str, fanout: int, hosts: int = 1) -> _Path | None:
         from ray.experimental.collective import create_collective_group, destroy_collective_group
 
         group = create_collective_group([producer, *consumers], backend="torch_gloo")
-        return _Path(name, producer, consumers, lambda: destroy_collective_group(group))
-    return _Path(name, producer, consumers)
+        return _Path(name, producer, consumers, lambda: destroy_collective_group(group), loop=False)
+    return _Path(name, producer, consumers, loop=False)
 
 
 def _ours() -> list[str]:
@@ -206,46 +237,62 @@ def run(
     sizes: list[int],
     repeat: int,
     fanouts: tuple[int, ...] = (4, 8),
-    progress: Callable[[str], None] = print,
+    progress: Progress | None = None,
     paths: list[str] | None = None,
     hosts: int = 1,
 ) -> list[dict[str, Any]]:
     """All paths (or `paths`), both shapes, every size (bytes), one consumer; then fan-out of the largest.
 
-    `hosts=2`: the consumers run on the second host (see _hosts.ray_cluster).
+    `hosts=2`: the consumers run on the second host (see _hosts.ray_cluster). Each row's
+    `loop_stall_ms` is the worst stall of the consumers' loops while the warm passes'
+    values arrived (None where the consumer is a sync actor: Ray's RDT paths).
     """
+    progress = progress or Progress(False)
     rows: list[dict[str, Any]] = []
     width = max(fanouts, default=1)
-    for name in paths or _ours() + list(RAY_PATHS):
+    names = paths or _ours() + list(RAY_PATHS)
+    planned = 2 * len(sizes) + len(fanouts)  # a path's steps at most (gloo paths have no fan-out)
+    progress.add(planned * len(names))
+    for name in names:
+        done = 0
         try:
             path = _make_path(name, width, hosts)
         except Exception as e:  # a path that cannot run here (Ray's RDT gloo across hosts) is a result too
-            progress(f"e2e {name}: failed to set up: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            progress.note(f"e2e {name}: failed to set up: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
             rows.append({"bench": "e2e", "case": name, "hosts": hosts, "error": f"{type(e).__name__}: {str(e)[:500]}"})
-            continue
-        if path is None:
-            continue
+            path = None
         try:
-            for shape in ("kept", "fresh"):
+            for shape in ("kept", "fresh") if path is not None else ():
                 for size in sizes:
                     n = max(1, size // 4)  # float32 elements
-                    progress(f"e2e {name} {shape} {size}")
-                    cold = path.one_pass(n, shape)
-                    warm = [path.one_pass(n, shape) for _ in range(repeat)]
-                    rows.append({"bench": "e2e", "case": name, "shape": shape, "size": size, "consumers": 1, "hosts": hosts,
-                                 "cold_s": cold, "seconds": statistics.median(warm), "breakdown": path.parts(n, shape)})
-            if len(path.consumers) > 1:
+                    with progress.step(f"e2e {name} {shape} {human(size)}"):
+                        cold, _ = path.one_pass(n, shape)
+                        warm = [path.one_pass(n, shape) for _ in range(repeat)]
+                        rows.append({"bench": "e2e", "case": name, "shape": shape, "size": size, "consumers": 1,
+                                     "hosts": hosts, "cold_s": cold, "seconds": statistics.median(t for t, _ in warm),
+                                     "loop_stall_ms": _worst_ms(warm), "breakdown": path.parts(n, shape)})
+                    done += 1
+            if path is not None and len(path.consumers) > 1:
                 size = max(sizes)
                 for k in fanouts:
-                    progress(f"e2e {name} fan-out {k} {size}")
-                    path.one_pass(size // 4, "kept", k)
-                    warm = [path.one_pass(size // 4, "kept", k) for _ in range(repeat)]
-                    rows.append({"bench": "e2e", "case": name, "shape": "kept", "size": size, "consumers": k, "hosts": hosts,
-                                 "seconds": statistics.median(warm)})
+                    with progress.step(f"e2e {name} kept {human(size)} to {k}"):
+                        path.one_pass(size // 4, "kept", k)
+                        warm = [path.one_pass(size // 4, "kept", k) for _ in range(repeat)]
+                        rows.append({"bench": "e2e", "case": name, "shape": "kept", "size": size, "consumers": k,
+                                     "hosts": hosts, "seconds": statistics.median(t for t, _ in warm),
+                                     "loop_stall_ms": _worst_ms(warm)})
+                    done += 1
         finally:
-            path.close()
+            progress.skip(planned - done)
+            if path is not None:
+                path.close()
     _ratios(rows)
     return rows
+
+
+def _worst_ms(passes: list[tuple[float, float | None]]) -> float | None:
+    stalls = [st for _, st in passes if st is not None]
+    return round(max(stalls) * 1e3, 3) if stalls else None
 
 
 def _ratios(rows: list[dict[str, Any]]) -> None:

@@ -1,9 +1,11 @@
-"""Sizes as people write them (4K, 64M, 1G) and as they read them; the JSON result."""
+"""Sizes as people write them (4K, 64M, 1G) and as they read them; the results as JSON and Markdown."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+from collections.abc import Callable
 from typing import IO, Any
 
 
@@ -30,3 +32,101 @@ def human(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.4g} {unit}"
         n /= 1024
     return str(n)
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The run as Markdown: the end-to-end tables, then every other bench's rows, then the checks."""
+    rows = result["rows"]
+    machine = ", ".join(f"{k} {v}" for k, v in result.get("machine", {}).items())
+    out = [f"# rdt_async bench, {result.get('when', '')}", "", machine]
+    if result.get("command"):
+        out[-1] += f"; `{result['command']}`"
+    e2e = [r for r in rows if r["bench"] == "e2e"]
+    if e2e:
+        across = " Consumers on a second host." if any(r.get("hosts", 1) == 2 for r in e2e) else ""
+        out += ["", "## End to end", "",
+                "From the producing call until the consumer has read every element: warm median "
+                f"(ratio to the best Ray path of this run), then the first pass (cold).{across}", "",
+                e2e_table(e2e, _time_cell)]
+        if any(r.get("loop_stall_ms") is not None for r in e2e):
+            out += ["", "The consumer's event-loop stall while the value arrived, worst warm pass, ms "
+                    "(—: a sync actor, Ray 2.60's RDT consumer: no loop; its other calls wait until the value is in):", "",
+                    e2e_table(e2e, _stall_cell)]
+    for bench in dict.fromkeys(r["bench"] for r in rows if r["bench"] != "e2e"):
+        out += ["", f"## {bench}", "", rows_table([r for r in rows if r["bench"] == bench])]
+    if result.get("checks"):
+        out += ["", "## Checks", "", "| check | value |", "| --- | --- |"]
+        out += [f"| {k} | {v} |" for k, v in result["checks"].items()]
+    return "\n".join(out) + "\n"
+
+
+def e2e_table(rows: list[dict[str, Any]], cell: Callable[[dict[str, Any]], str]) -> str:
+    """One row per path, one column per (shape, consumers, size); failed paths say why."""
+    done = [r for r in rows if "seconds" in r]
+    shapes = list(dict.fromkeys(r["shape"] for r in done))  # as run: kept, then fresh
+    cols = sorted({(r["shape"], r["consumers"], r["size"]) for r in done}, key=lambda c: (shapes.index(c[0]), *c[1:]))
+    head = [f"{s} {human(z)}" + (f" to {k}" if k > 1 else "") for s, k, z in cols]
+    out = ["| path | " + " | ".join(head) + " |", "| --- |" + " --- |" * len(cols)]
+    by = {(r["case"], r["shape"], r["consumers"], r["size"]): r for r in done}
+    for case in dict.fromkeys(r["case"] for r in done):
+        cells = [cell(by[(case, *c)]) if (case, *c) in by else "" for c in cols]
+        out.append(f"| {case} | " + " | ".join(cells) + " |")
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['case']} | failed: {r['error'].splitlines()[0][:160]} |")
+    return "\n".join(out)
+
+
+def _time_cell(r: dict[str, Any]) -> str:
+    cell = f"{r['seconds'] * 1e3:.3g} ms"
+    if "vs_best_ray" in r:
+        cell += f" ({r['vs_best_ray']:.2f}x)"
+    if "cold_s" in r:
+        cell += f", cold {r['cold_s'] * 1e3:.3g}"
+    return cell
+
+
+def _stall_cell(r: dict[str, Any]) -> str:
+    stall = r.get("loop_stall_ms")
+    return "—" if stall is None else f"{stall:.3g}"
+
+
+def rows_table(rows: list[dict[str, Any]]) -> str:
+    """Rows of one bench as a Markdown table: case, size, then every other field."""
+    keys = [k for k in dict.fromkeys(k for r in rows for k in r) if k not in ("bench", "case", "size")]
+    out = ["| case | size | " + " | ".join(keys) + " |", "| --- | --- |" + " --- |" * len(keys)]
+    for r in rows:
+        cells = [_value(r.get(k)) for k in keys]
+        out.append(f"| {r['case']} | {human(r['size']) if 'size' in r else ''} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def _value(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, dict):
+        return ", ".join(f"{k}={_value(x)}" for k, x in v.items())
+    return str(v).replace("|", "\\|").replace("\n", " ")
+
+
+def write_out(result: dict[str, Any], out_dir: str) -> list[str]:
+    """Write results.json, results.md and the plots under `out_dir`; return the paths written.
+
+    Without matplotlib the plots are left out, and stderr says what adds them.
+    """
+    os.makedirs(out_dir, exist_ok=True)
+    written = [os.path.join(out_dir, "results.json"), os.path.join(out_dir, "results.md")]
+    write_json(result, written[0])
+    with open(written[1], "w") as f:
+        f.write(markdown(result))
+    try:
+        from ._plots import plot_e2e
+
+        written += plot_e2e(result["rows"], out_dir)
+    except ImportError as e:
+        if (e.name or "").partition(".")[0] != "matplotlib":
+            raise
+        print("no plots: matplotlib is not installed (`pip install rdt_async[bench]` adds plots)", file=sys.stderr)
+    return written
