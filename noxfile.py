@@ -67,7 +67,8 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Run the benchmarks; JSON to bench.json, table on stdout."""
+    """Run the benchmarks; tables, JSON and plots to bench-results/, JSON also to bench.json."""
     _install_torch(session)
-    session.install(".[nixl,ucxx]" if sys.platform == "linux" else ".")  # their baselines too
-    session.run("python", "-m", "rdt_async.bench", "--json", "bench.json", *session.posargs)
+    # nixl and ucxx for their baselines too (Linux wheels only); `bench`: progress bar, plots.
+    session.install(".[bench,nixl,ucxx]" if sys.platform == "linux" else ".[bench]")
+    session.run("python", "-m", "rdt_async.bench", "--out", "bench-results", "--json", "bench.json", *session.posargs)
