@@ -1,0 +1,155 @@
+"""The bench's report: results.json, results.md and the plots from e2e rows, and its loop-stall probe.
+
+No Ray cluster: the rows are copied from a `python -m rdt_async.bench --quick` run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import struct
+import sys
+import time
+
+import pytest
+
+from rdt_async.bench._loop import LoopStall
+from rdt_async.bench._progress import Progress
+from rdt_async.bench._report import markdown, write_out
+
+MIB = 1 << 20
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+PLOTS = ("e2e_throughput.png", "e2e_latency.png", "loop_stall.png")
+
+
+def _row(case: str, shape: str, size: int, seconds: float, stall: float | None, consumers: int = 1) -> dict:
+    """An e2e row as the bench writes it (this one from its --quick run, values changed)."""
+    row = {"bench": "e2e", "case": "rdt auto", "shape": "kept", "size": 67108864, "consumers": 1, "hosts": 1,
+           "cold_s": 0.08787276200018823, "seconds": 0.01458551600080682, "loop_stall_ms": 0.533,
+           "breakdown": {"calls_s": 0.007937865004350897, "fetch_s": 0.0012847419966419693,
+                         "read_s": 0.006779413000913337},
+           "vs_best_ray": 0.19616996173618356}
+    row.update(case=case, shape=shape, size=size, seconds=seconds, loop_stall_ms=stall, consumers=consumers)
+    if consumers > 1:  # fan-out rows have no cold pass and no breakdown
+        del row["cold_s"], row["breakdown"]
+    return row
+
+
+def _result() -> dict:
+    rows = []
+    for case, scale, stall in (("rdt auto", 1.0, 0.5), ("ray object store", 3.0, 85.5), ("ray rdt nixl", 2.0, None)):
+        for shape in ("kept", "fresh"):
+            for size in (4 << 10, MIB, 64 * MIB):
+                rows.append(_row(case, shape, size, scale * (0.003 + size / 5e9), stall))
+        rows.append(_row(case, "kept", 64 * MIB, scale * 0.036, stall, consumers=4))
+    best = {}
+    for r in rows:
+        if r["case"].startswith("ray "):
+            key = (r["shape"], r["size"], r["consumers"])
+            best[key] = min(best.get(key, 1e9), r["seconds"])
+    for r in rows:
+        r["vs_best_ray"] = r["seconds"] / best[(r["shape"], r["size"], r["consumers"])]
+    rows.append({"bench": "e2e", "case": "ray rdt gloo", "hosts": 1, "error": "RuntimeError: no group\nmore"})
+    rows.append({"bench": "pass", "case": "rdt auto", "size": 4096, "seconds": 0.002442})
+    return {"when": "2026-11-23T13:47:02", "command": "python -m rdt_async.bench --quick",
+            "machine": {"python": "3.11.7", "torch": "2.13.0+cpu", "ray": "2.60.0"},
+            "rows": rows, "checks": {"e2e_auto_kept_64MiB_x1_vs_best_ray": 0.333}}
+
+
+def _png_size(path) -> tuple[int, int]:
+    """(width, height) from the PNG's IHDR chunk, after checking its signature."""
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_markdown_holds_the_e2e_tables_the_other_rows_and_the_checks():
+    md = markdown(_result())
+    lines = md.splitlines()
+    assert "| path | kept 4 KiB | kept 1 MiB | kept 64 MiB | kept 64 MiB to 4 | fresh 4 KiB | fresh 1 MiB | fresh 64 MiB |" in lines
+    auto = next(line for line in lines if line.startswith("| rdt auto | ") and " ms" in line)
+    cells = [c.strip() for c in auto.strip("|").split("|")]
+    assert cells[3] == "16.4 ms (0.50x), cold 87.9"  # kept 64 MiB: 3 ms + 64 MiB / 5 GB/s, Ray twice that
+    assert cells[4] == "36 ms (0.50x)"  # fan-out: no cold pass
+    stalls = [line for line in lines if line.startswith("| ray object store | ") and " ms" not in line]
+    assert stalls == ["| ray object store | 85.5 | 85.5 | 85.5 | 85.5 | 85.5 | 85.5 | 85.5 |"]
+    assert "| ray rdt nixl | — | — | — | — | — | — | — |" in lines  # a sync consumer: no loop
+    assert "| ray rdt gloo | failed: RuntimeError: no group |" in lines
+    assert "## pass" in lines and "| rdt auto | 4 KiB | 0.002442 |" in lines
+    assert "| e2e_auto_kept_64MiB_x1_vs_best_ray | 0.333 |" in lines
+
+
+def test_out_dir_holds_json_markdown_and_plots(tmp_path):
+    pytest.importorskip("matplotlib")
+    result = _result()
+    written = write_out(copy.deepcopy(result), str(tmp_path / "out"))
+    out = tmp_path / "out"
+    assert sorted(written) == sorted(str(out / n) for n in ("results.json", "results.md", *PLOTS))
+    assert json.loads((out / "results.json").read_text()) == result
+    assert (out / "results.md").read_text() == markdown(result)
+    for name in PLOTS:
+        width, height = _png_size(out / name)
+        assert width > 600 and height > 300, name
+        try:
+            from PIL import Image
+        except ImportError:
+            from matplotlib.image import imread
+
+            assert imread(out / name).shape[:2] == (height, width)
+        else:
+            with Image.open(out / name) as image:
+                image.verify()
+                assert image.size == (width, height)
+
+
+def test_out_dir_without_matplotlib_writes_the_rest_and_says_what_adds_plots(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    written = write_out(_result(), str(tmp_path))
+    assert sorted(written) == sorted(str(tmp_path / n) for n in ("results.json", "results.md"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json", "results.md"]
+    assert "pip install rdt_async[bench]" in capsys.readouterr().err
+
+
+async def test_loop_stall_reports_a_blocked_loop():
+    stall = LoopStall()
+    await asyncio.sleep(0.01)
+    time.sleep(0.05)  # what a blocking fetch does to the loop
+    await asyncio.sleep(0.01)
+    assert stall.stop() >= 0.04
+
+
+async def test_loop_stall_counts_a_stall_still_under_way():
+    stall = LoopStall()
+    await asyncio.sleep(0.01)
+    time.sleep(0.05)  # the probe has not run since: `stop` sees the stall all the same
+    assert stall.stop() >= 0.04
+
+
+async def test_loop_stall_is_near_zero_on_a_free_loop():
+    stall = LoopStall()
+    for _ in range(20):
+        await asyncio.sleep(0.005)
+    assert stall.stop() < 0.025  # timer slack and a busy 2-core machine, not a stall
+
+
+def test_progress_is_silent_off_a_terminal_but_notes_show(capsys):
+    with Progress() as progress:  # stderr is captured here: not a terminal
+        progress.add(2)
+        with progress.step("e2e rdt auto kept 4 KiB"):
+            pass
+        progress.skip(1)
+        progress.note("e2e ray rdt gloo: failed to set up")
+    assert capsys.readouterr().err == "e2e ray rdt gloo: failed to set up\n"
+
+
+def test_progress_bar_shows_the_step_under_way(capsys):
+    pytest.importorskip("tqdm")
+    with Progress(True) as progress:
+        progress.add(3)
+        with progress.step("e2e rdt auto kept 4 KiB"):
+            pass
+        progress.add(1)
+        progress.skip(3)
+    err = capsys.readouterr().err
+    assert "e2e rdt auto kept 4 KiB" in err and "4/4" in err
