@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default="",
                     help="file for the JSON results ('-': stdout, the default without --out)")
     ap.add_argument(
-        "--only", default="", help="comma-separated: e2e,memcpy,fetch,pass,responsiveness,gloo,collectives,nixl,ucxx"
+        "--only", default="", help="comma-separated: e2e," + ",".join(OTHERS)
     )
     ap.add_argument("--e2e-sizes", default="4K,1M,64M,256M", help="sizes of the end-to-end passes")
     ap.add_argument("--e2e-paths", default="", help="comma-separated, e.g. 'rdt auto,ray object store zero-copy'")
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-OTHERS = ("memcpy", "fetch", "pass", "responsiveness", "gloo", "collectives", "nixl", "ucxx")
+OTHERS = ("memcpy", "fetch", "pass", "metrics", "responsiveness", "gloo", "collectives", "nixl", "ucxx")
 
 
 def _other(bench: str, sizes: list[int], repeat: int) -> list[dict[str, Any]]:
@@ -109,6 +109,8 @@ def _other(bench: str, sizes: list[int], repeat: int) -> list[dict[str, Any]]:
         return _core.fetch_rows(sizes, repeat)
     if bench == "pass":
         return _core.pass_rows(4 << 10, repeat)
+    if bench == "metrics":
+        return _core.metrics_rows(repeat)
     if bench == "responsiveness":
         return _core.responsiveness_rows(max(sizes))
     if bench == "gloo":
@@ -155,6 +157,9 @@ def checks(rows: list[dict[str, Any]]) -> dict[str, Any]:
     p_ours, p_ray = by.get(("pass", "rdt auto", 4096)), by.get(("pass", "ray object store", 4096))
     if p_ours and p_ray:
         out["pass_4K_vs_object_store"] = round(p_ours["seconds"] / p_ray["seconds"], 3)
+    m_on, m_off = by.get(("metrics", "rdt auto, metrics on", 4096)), by.get(("metrics", "rdt auto, RDT_METRICS=0", 4096))
+    if m_on and m_off:
+        out["pass_4K_metrics_on_vs_off"] = round(m_on["seconds"] / m_off["seconds"], 3)
     for r in rows:
         if r["bench"] == "e2e" and r["case"] == "rdt auto" and "vs_best_ray" in r:
             key = f"e2e_auto_{r['shape']}_{human(r['size']).replace(' ', '')}_x{r['consumers']}"

@@ -72,6 +72,15 @@ class Consumer:
     async def take(self, value: Any) -> int:
         return int(value.numel())
 
+    def record_fetch_us(self, n: int = 20_000) -> float:
+        """Microseconds that recording one fetch in Ray's metrics takes here."""
+        from rdt_async import _metrics
+
+        t0 = time.perf_counter()
+        for _ in range(n):
+            _metrics.fetched("shm", 4096, 0.001)
+        return (time.perf_counter() - t0) / n * 1e6
+
     async def ping(self) -> float:
         return time.perf_counter()
 
@@ -155,17 +164,39 @@ def pass_rows(size: int, repeat: int) -> list[dict[str, Any]]:
     """Driver-submitted actor -> actor pass of one object, end to end (4 KB: overheads)."""
     prod, cons = Producer.remote(), Consumer.remote()
     ray.get([prod.ready.remote(), cons.ping.remote()])
-    rows = []
-    for name, method in (("rdt auto", "rdt_auto"), ("ray object store", "plain")):
-        ray.get(cons.take.remote(getattr(prod, method).remote(size)))
-        times = []
-        for _ in range(max(repeat * 10, 20)):
-            t0 = time.perf_counter()
-            ray.get(cons.take.remote(getattr(prod, method).remote(size)))
-            times.append(time.perf_counter() - t0)
-        rows.append({"bench": "pass", "case": name, "size": size, "seconds": statistics.median(times)})
+    rows = [
+        {"bench": "pass", "case": name, "size": size, "seconds": _pass_s(prod, cons, method, size, repeat)}
+        for name, method in (("rdt auto", "rdt_auto"), ("ray object store", "plain"))
+    ]
     ray.kill(prod)
     ray.kill(cons)
+    return rows
+
+
+def _pass_s(prod: Any, cons: Any, method: str, size: int, repeat: int) -> float:
+    """Median seconds of a pass: `prod.method(size)` handed to `cons`, which touches its bytes."""
+    ray.get(cons.take.remote(getattr(prod, method).remote(size)))
+    times = []
+    for _ in range(max(repeat * 10, 20)):
+        t0 = time.perf_counter()
+        ray.get(cons.take.remote(getattr(prod, method).remote(size)))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def metrics_rows(repeat: int, size: int = 4 << 10) -> list[dict[str, Any]]:
+    """What Ray metrics cost: a 4 KiB pass with them on and off, and one fetch's recording alone."""
+    rows = []
+    for case, env in (("rdt auto, metrics on", {}), ("rdt auto, RDT_METRICS=0", {"RDT_METRICS": "0"})):
+        opts = {"runtime_env": {"env_vars": env}} if env else {}
+        prod, cons = Producer.options(**opts).remote(), Consumer.options(**opts).remote()
+        ray.get([prod.ready.remote(), cons.ping.remote()])
+        row = {"bench": "metrics", "case": case, "size": size, "seconds": _pass_s(prod, cons, "rdt_auto", size, repeat)}
+        if not env:
+            row["record_fetch_us"] = ray.get(cons.record_fetch_us.remote())
+        rows.append(row)
+        ray.kill(prod)
+        ray.kill(cons)
     return rows
 
 
