@@ -72,3 +72,22 @@ def bench(session: nox.Session) -> None:
     # nixl and ucxx for their baselines too (Linux wheels only); `bench`: progress bar, plots.
     session.install(".[bench,nixl,ucxx]" if sys.platform == "linux" else ".[bench]")
     session.run("python", "-m", "rdt_async.bench", "--out", "bench-results", "--json", "bench.json", *session.posargs)
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the docs site strictly (a warning fails it) into a temporary directory.
+
+    Installs the `docs` extra's requirements only, not rdt_async: mkdocstrings reads the
+    sources statically, so neither torch nor Ray is needed. `nox -s docs -- DIR` builds
+    into DIR instead (keep it outside the repository).
+    """
+    import tomllib
+
+    with open("pyproject.toml", "rb") as f:
+        requirements = tomllib.load(f)["project"]["optional-dependencies"]["docs"]
+    session.install(*requirements)
+    site = session.posargs[0] if session.posargs else tempfile.mkdtemp(prefix="rdt_async-site-")
+    session.env["NO_MKDOCS_2_WARNING"] = "1"  # mkdocs-material's banner about MkDocs 2.0
+    session.run("python", "-m", "mkdocs", "build", "--strict", "-f", "docs/mkdocs.yml", "-d", site)
+    session.log(f"built into {site}")
