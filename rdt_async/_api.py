@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import os
 import sys
 import time
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 
-from . import _cuda, _io, _metrics, _object, _tree
+from . import _cuda, _io, _metrics, _object, _relay, _tree
 from ._errors import ObjectFreedError, PeerDiedError, RDTError, TransferError, translating
 from ._object import RDTObject
 from ._store import log, store
@@ -229,13 +230,12 @@ async def _fetch_object(obj: RDTObject, *, device: Any, into: Any, start: _Start
             transport, info, buffers, ready = start
             name = transport.name
             await _cuda.wait(ready)  # the caller's queued work on the destinations has run
-            request = transport.fetch_multiple_tensors(info, buffers=buffers, channel=_object.RayChannel(obj, name))
-            try:
-                with translating(f"{name} fetch of {obj.obj_id}", obj.obj_id):
-                    tensors = await _watched(transport.wait_fetch_complete(request), obj, name)
-            except (TransferError, ObjectFreedError) as exc:
-                await _raise_if_producer_died(obj, name, exc)
-                raise
+            transfer = functools.partial(_transfer, obj, transport, info)
+            if buffers is None and device is None and _relay.eligible(obj.specs, name, obj.producer.node_id, _node_id()):
+                tensors, relayed = await _relay.fetch(obj.obj_id, obj.specs, transfer)
+                name = "relay" if relayed else name
+            else:
+                tensors = await transfer(buffers)
             buffers = None  # written by the transport
         if buffers:
             tensors = await _copy(buffers, tensors, obj.nbytes)
@@ -246,6 +246,20 @@ async def _fetch_object(obj: RDTObject, *, device: Any, into: Any, start: _Start
         raise
     _record(obj, name, began)
     return _tree.unflatten(obj.skeleton, tensors)
+
+
+async def _transfer(
+    obj: RDTObject, transport: Transport[Any], info: TransferInfo[Any], buffers: list[torch.Tensor] | None
+) -> list[torch.Tensor]:
+    """Move the object's bytes over `transport` (into `buffers` when given)."""
+    name = transport.name
+    request = transport.fetch_multiple_tensors(info, buffers=buffers, channel=_object.RayChannel(obj, name))
+    try:
+        with translating(f"{name} fetch of {obj.obj_id}", obj.obj_id):
+            return await _watched(transport.wait_fetch_complete(request), obj, name)
+    except (TransferError, ObjectFreedError) as exc:
+        await _raise_if_producer_died(obj, name, exc)
+        raise
 
 
 async def _watched(fetching: Any, obj: RDTObject, name: str) -> list[torch.Tensor]:

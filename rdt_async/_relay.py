@@ -1,0 +1,226 @@
+"""Node relay: the consumers of one node share one transfer of an object from another node.
+
+A weight sync to eight inference actors on a node would otherwise move the object over
+the link eight times (Ray's object store pulls an object to a node once). The first
+consumer on a node to fetch a remote CPU object claims it by binding an abstract unix
+socket named after the object -- one process of the node (of its network namespace)
+can hold the name, and it goes away with that process -- reads the object once into a
+memfd, and hands the memfd (SCM_RIGHTS) to every consumer of the node that asks while
+the claim lasts (RDT_RELAY_KEEP_S after the read, default 2 s). Every consumer, the
+first included, maps it copy-on-write: no copy, and a consumer's writes stay its own.
+
+The memfd is written once and never reused: no consumer can see another object's bytes,
+and its memory goes with the last mapping. When the first consumer's read fails, is
+cancelled or its process dies, the others read for themselves. A relayed fetch sees the
+bytes as the first consumer read them (a producer writing a kept tensor in place while
+refs exist gives no other guarantee; see `wait_tensor_freed`).
+
+Runs on: consumer. Off with RDT_RELAY=0; objects under RELAY_MIN_BYTES are not relayed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import mmap
+import os
+import socket
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import torch
+
+from . import _io
+from .transports._base import TensorSpec
+
+RELAY_MIN_BYTES = 1 << 20
+ALIGN = 64
+# Transports that never cross nodes, or whose bytes are already in hand.
+LOCAL = frozenset({"shm", "local", "inline", "none", "cuda_ipc"})
+
+
+def _keep_s() -> float:
+    return float(os.environ.get("RDT_RELAY_KEEP_S", "2"))
+
+
+def eligible(specs: Sequence[TensorSpec], transport: str, producer_node: str, node: str) -> bool:
+    """Whether a fetch of these tensors over `transport` may go through the node relay."""
+    return (
+        producer_node != node
+        and transport not in LOCAL
+        and sys.platform == "linux"
+        and os.environ.get("RDT_RELAY", "1") != "0"
+        and sum(s.nbytes for s in specs) >= RELAY_MIN_BYTES
+        and all(torch.device(s.device).type == "cpu" for s in specs)
+    )
+
+
+def _layout(specs: Sequence[TensorSpec]) -> tuple[list[int], int]:
+    offsets, end = [], 0
+    for s in specs:
+        offsets.append(end)
+        end += -(-s.nbytes // ALIGN) * ALIGN
+    return offsets, max(end, ALIGN)
+
+
+def _views(mm: mmap.mmap, specs: Sequence[TensorSpec], offsets: list[int]) -> list[torch.Tensor]:
+    out = []
+    for s, off in zip(specs, offsets):
+        numel = math.prod(s.shape)
+        if numel == 0:
+            out.append(torch.empty(s.shape, dtype=s.dtype))
+        else:
+            out.append(torch.frombuffer(mm, dtype=s.dtype, count=numel, offset=off).view(s.shape))
+    return out
+
+
+def _private(fd: int, specs: Sequence[TensorSpec], offsets: list[int], size: int) -> list[torch.Tensor]:
+    """Map the memfd copy-on-write: views that read its bytes and keep their own writes."""
+    mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return _views(mm, specs, offsets)
+
+
+def _address(obj_id: str) -> bytes:
+    return b"\0rdt-relay-" + obj_id.encode()
+
+
+async def fetch(
+    obj_id: str,
+    specs: Sequence[TensorSpec],
+    transfer: Callable[[list[torch.Tensor] | None], Awaitable[list[torch.Tensor]]],
+) -> tuple[list[torch.Tensor], bool]:
+    """Fetch through the node's relay: `(tensors, True)` when another consumer read them.
+
+    `transfer(buffers)` reads the object over the network (into `buffers` when given).
+    """
+    claim = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        claim.bind(_address(obj_id))
+    except OSError:
+        claim.close()  # another consumer of this node holds the object, or is reading it
+        got = await _ask(obj_id, specs)
+        if got is not None:
+            return got, True
+        return await transfer(None), False
+    return await _serve(claim, obj_id, specs, transfer), False
+
+
+async def _serve(
+    claim: socket.socket,
+    obj_id: str,
+    specs: Sequence[TensorSpec],
+    transfer: Callable[[list[torch.Tensor] | None], Awaitable[list[torch.Tensor]]],
+) -> list[torch.Tensor]:
+    claim.listen(128)
+    claim.setblocking(False)
+    server = _Server(claim, obj_id)
+    _io.call_soon(server.start)
+    fd = -1
+    try:
+        offsets, size = _layout(specs)
+        fd = os.memfd_create(f"rdt-relay-{obj_id}", os.MFD_CLOEXEC)
+        os.ftruncate(fd, size)
+        shared = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        await transfer(_views(shared, specs, offsets))
+        mine = _private(fd, specs, offsets, size)
+    except BaseException:
+        _io.call_soon(server.fail)
+        if fd >= 0:
+            os.close(fd)
+        raise
+    _io.call_soon(server.ready, fd, size)  # it closes fd when the claim ends
+    return mine
+
+
+class _Server:
+    """Answers the node's other consumers of one object, on the I/O loop."""
+
+    def __init__(self, claim: socket.socket, obj_id: str) -> None:
+        self.claim, self.obj_id = claim, obj_id
+        self.waiting: list[socket.socket] = []
+        self.fd, self.size = -1, 0
+        self.done = False
+
+    def start(self) -> None:
+        asyncio.get_running_loop().add_reader(self.claim.fileno(), self._accept)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.claim.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            if self.fd >= 0:
+                self._answer(conn)
+            else:
+                self.waiting.append(conn)
+
+    def _answer(self, conn: socket.socket) -> None:
+        with contextlib.closing(conn):
+            msg = json.dumps({"obj_id": self.obj_id, "size": self.size}).encode()
+            with contextlib.suppress(OSError):  # the asker gave up: nothing to answer
+                socket.send_fds(conn, [msg], [self.fd])
+
+    def ready(self, fd: int, size: int) -> None:
+        self.fd, self.size = fd, size
+        for conn in self.waiting:
+            self._answer(conn)
+        self.waiting.clear()
+        asyncio.get_running_loop().call_later(_keep_s(), self.close)
+
+    def fail(self) -> None:
+        for conn in self.waiting:
+            conn.close()  # EOF: they read for themselves
+        self.waiting.clear()
+        self.close()
+
+    def close(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        asyncio.get_running_loop().remove_reader(self.claim.fileno())
+        self._accept()  # who connected last still gets the answer (or EOF)
+        for conn in self.waiting:
+            conn.close()
+        self.claim.close()
+        if self.fd >= 0:
+            os.close(self.fd)
+
+
+async def _ask(obj_id: str, specs: Sequence[TensorSpec]) -> list[torch.Tensor] | None:
+    """The object from the consumer of this node that holds it; None if it cannot give it."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    fds: list[int] = []
+    try:
+        try:
+            await loop.sock_connect(sock, _address(obj_id))
+        except OSError:
+            return None  # the claim ended between our bind and connect
+        readable = loop.create_future()
+        loop.add_reader(sock.fileno(), lambda: readable.done() or readable.set_result(None))
+        try:
+            await readable
+        finally:
+            loop.remove_reader(sock.fileno())
+        try:
+            msg, fds, _, _ = socket.recv_fds(sock, 1024, 1)
+        except OSError:
+            return None
+        if not msg or len(fds) != 1:
+            return None  # its read failed, was cancelled, or its process died
+        answer: dict[str, Any] = json.loads(msg)
+        offsets, size = _layout(specs)
+        if answer.get("obj_id") != obj_id or answer.get("size") != size:
+            return None
+        return _private(fds[0], specs, offsets, size)
+    finally:
+        sock.close()
+        for fd in fds:
+            os.close(fd)

@@ -1,0 +1,215 @@
+"""The node relay: consumers of one node share one transfer of a remote object.
+
+The first half runs `_relay.fetch` with a stand-in for the network read (a unit test of
+the core: the claim, the memfd handed over a real unix socket, fallbacks), in one
+process and across two; the second runs real consumers on the other host of the
+session's cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import secrets
+import time
+
+import pytest
+import torch
+
+from rdt_async import _io, _relay
+from rdt_async.transports._base import TensorSpec
+
+SPECS = [TensorSpec((1 << 18,), torch.float32, "cpu", 1 << 20), TensorSpec((3, 5), torch.int64, "cpu", 120)]
+
+
+def _values(seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1 << 18, generator=g), torch.arange(15).view(3, 5) * (seed + 1)]
+
+
+class Network:
+    """Stands in for a transport: counts reads, may fail or stall."""
+
+    def __init__(self, fail: bool = False, stall: float = 0.0) -> None:
+        self.reads: list[bool] = []  # into buffers?
+        self.fail, self.stall = fail, stall
+
+    async def __call__(self, buffers):
+        self.reads.append(buffers is not None)
+        await asyncio.sleep(self.stall)
+        if self.fail:
+            raise OSError("the link broke")
+        src = _values()
+        if buffers is None:
+            return src
+        for b, s in zip(buffers, src):
+            b.copy_(s)
+        return buffers
+
+
+def _fds() -> set[str]:
+    _io.io_loop()  # its own descriptors (selector, wake-up pipe) are there for good
+    return {f"{fd} -> {os.readlink(f'/proc/self/fd/{fd}')}" for fd in os.listdir("/proc/self/fd") if _alive(fd)}
+
+
+def _alive(fd: str) -> bool:
+    try:
+        os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return False  # the listing's own descriptor, closed by now
+    return True
+
+
+def _obj_id() -> str:
+    return secrets.token_hex(8)
+
+
+async def test_two_consumers_share_one_read_and_keep_their_writes_to_themselves():
+    before = _fds()
+    net, obj = Network(stall=0.05), _obj_id()
+    (a, a_relayed), (b, b_relayed) = await asyncio.gather(
+        _relay.fetch(obj, SPECS, net), _relay.fetch(obj, SPECS, net)
+    )
+    assert net.reads == [True]  # one read, into the memfd
+    assert (a_relayed, b_relayed) == (False, True)
+    want = _values()
+    for got in (a, b):
+        assert [t.shape for t in got] == [torch.Size([1 << 18]), torch.Size([3, 5])]
+        assert [t.dtype for t in got] == [torch.float32, torch.int64]
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+    a[0].fill_(7.0)
+    b[1].zero_()
+    assert torch.equal(b[0], want[0]) and torch.equal(a[1], want[1])  # copy-on-write
+    assert float(a[0].sum()) == 7.0 * (1 << 18)
+    del a, b, got  # each mapping keeps a descriptor of the memfd (Python's mmap)
+    await asyncio.sleep(float(os.environ.get("RDT_RELAY_KEEP_S", "2")) + 0.3)
+    assert _fds() <= before, _fds() - before  # the claim, the memfd and every socket are closed
+
+
+async def test_a_consumer_arriving_after_the_claim_ended_reads_again(monkeypatch):
+    monkeypatch.setenv("RDT_RELAY_KEEP_S", "0.1")
+    net, obj = Network(), _obj_id()
+    first, _ = await _relay.fetch(obj, SPECS, net)
+    await asyncio.sleep(0.3)
+    second, relayed = await _relay.fetch(obj, SPECS, net)
+    assert (net.reads, relayed) == ([True, True], False)
+    assert torch.equal(first[0], second[0])
+
+
+async def test_when_the_first_read_fails_the_others_read_for_themselves():
+    broken, fine, obj = Network(fail=True, stall=0.05), Network(), _obj_id()
+    first, second = await asyncio.gather(
+        _relay.fetch(obj, SPECS, broken), _relay.fetch(obj, SPECS, fine), return_exceptions=True
+    )
+    assert isinstance(first, OSError) and "the link broke" in str(first)
+    tensors, relayed = second
+    assert (broken.reads, fine.reads, relayed) == ([True], [False], False)
+    assert torch.equal(tensors[0], _values()[0])
+
+
+async def test_when_the_first_read_is_cancelled_the_others_read_for_themselves():
+    slow, fine, obj = Network(stall=10), Network(), _obj_id()
+    first = asyncio.ensure_future(_relay.fetch(obj, SPECS, slow))
+    await asyncio.sleep(0.05)
+    second = asyncio.ensure_future(_relay.fetch(obj, SPECS, fine))
+    await asyncio.sleep(0.05)
+    first.cancel()
+    tensors, relayed = await asyncio.wait_for(second, 5)
+    assert first.cancelled() and (fine.reads, relayed) == ([False], False)
+    assert torch.equal(tensors[1], _values()[1])
+
+
+def _hold_claim_then_die(obj: str, claimed) -> None:
+    async def main():
+        async def stuck(buffers):
+            claimed.set()
+            await asyncio.sleep(60)
+
+        await _relay.fetch(obj, SPECS, stuck)
+
+    asyncio.run(main())
+
+
+async def test_when_the_first_consumers_process_dies_the_others_read_for_themselves():
+    ctx = multiprocessing.get_context("spawn")
+    obj, claimed = _obj_id(), ctx.Event()
+    holder = ctx.Process(target=_hold_claim_then_die, args=(obj, claimed), daemon=True)
+    holder.start()
+    try:
+        assert await asyncio.to_thread(claimed.wait, 60)
+        net = Network()
+        asking = asyncio.ensure_future(_relay.fetch(obj, SPECS, net))
+        await asyncio.sleep(0.2)
+        assert not asking.done() and net.reads == []  # it waits for the holder's read
+        t0 = time.monotonic()
+        holder.kill()
+        tensors, relayed = await asyncio.wait_for(asking, 10)
+        assert time.monotonic() - t0 < 5
+        assert (net.reads, relayed) == ([False], False)
+        assert torch.equal(tensors[0], _values()[0])
+    finally:
+        holder.kill()
+        holder.join(10)
+
+
+def test_only_remote_cpu_objects_of_a_mib_or_more_go_through_the_relay(monkeypatch):
+    big, small = SPECS, [TensorSpec((16,), torch.float32, "cpu", 64)]
+    cuda = [TensorSpec((1 << 18,), torch.float32, "cuda:0", 1 << 20)]
+    assert _relay.eligible(big, "nixl", "node-a", "node-b")
+    assert not _relay.eligible(big, "nixl", "node-a", "node-a")  # same node: shm maps it already
+    assert not _relay.eligible(small, "nixl", "node-a", "node-b")
+    assert not _relay.eligible(cuda, "nixl", "node-a", "node-b")
+    assert not _relay.eligible(big, "inline", "node-a", "node-b")
+    monkeypatch.setenv("RDT_RELAY", "0")
+    assert not _relay.eligible(big, "nixl", "node-a", "node-b")
+
+
+# -- real consumers on the other host ------------------------------------------------------
+
+
+@pytest.fixture
+def fan_out(ray_session):
+    import ray
+    from conftest import ON_NODE2
+    from helpers import SyncProducer
+
+    import rdt_async as rdt
+
+    @rdt.remote
+    class Server:
+        async def load(self, refs):
+            self.w = (await rdt.fetch(refs[0]))["w"]
+            return float(self.w.double().sum()), rdt.store_stats()["fetches"]
+
+        async def scribble(self) -> None:
+            self.w.fill_(-1.0)
+
+        async def kept_sum(self) -> float:
+            return float(self.w.double().sum())
+
+    producer = SyncProducer.remote()
+    servers = [Server.options(**ON_NODE2).remote() for _ in range(4)]
+    yield producer, servers
+    for actor in (producer, *servers):
+        ray.kill(actor)
+
+
+@pytest.mark.parametrize("transport", ["auto", "object_store"])
+def test_consumers_on_another_host_share_one_transfer_and_own_their_copies(fan_out, transport, cluster):
+    import ray
+
+    if cluster.hosts is None:
+        pytest.skip("node2 runs on this host (no namespaces here): nothing crosses hosts")
+    producer, servers = fan_out
+    n = 1 << 20  # 4 MiB of float32
+    want = float(torch.randn(n, generator=torch.Generator().manual_seed(3)).double().sum())
+    w = {"w": torch.randn(n, generator=torch.Generator().manual_seed(3))}
+    ref = (producer.value if transport == "auto" else producer.value_os).remote(w)
+    loaded = ray.get([s.load.remote([ref]) for s in servers], timeout=60)
+    assert [round(total, 3) for total, _ in loaded] == [round(want, 3)] * 4
+    used = [next(iter(fetches)) for _, fetches in loaded]
+    assert sorted(used).count("relay") == 3, used  # one read crossed the link, three mapped it
+    assert len({u for u in used if u != "relay"}) == 1
+    ray.get(servers[0].scribble.remote())
+    assert ray.get([s.kept_sum.remote() for s in servers]) == pytest.approx([-n] + [want] * 3)
