@@ -7,6 +7,7 @@ pip pick the default build. Set RDT_TORCH_SPEC (e.g. "torch==2.13.0") to choose 
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import sys
@@ -16,6 +17,8 @@ import nox
 
 nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = False
+# nox looks for uv, an optional installer these sessions do not use, and says so on every run.
+logging.getLogger("nox").addFilter(lambda record: record.getMessage() != "uv binary not found.")
 
 TORCH_VERSION = os.environ.get("RDT_TORCH_VERSION", "2.13.0")
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
@@ -53,7 +56,9 @@ def quickstart(session: nox.Session) -> None:
     """Install rdt_async on a fresh venv and run examples/quickstart.py."""
     _install_torch(session)
     session.install(".")
-    session.run("python", "examples/quickstart.py")
+    # Token auth, Ray's default for a new local cluster, chosen explicitly: Ray then starts
+    # without warning that it picked it (set RAY_AUTH_MODE yourself to choose otherwise).
+    session.run("python", "examples/quickstart.py", env={"RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")})
 
 
 @nox.session

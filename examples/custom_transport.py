@@ -7,7 +7,7 @@ writes an object's tensors to one file when the value is returned (`prepare`); a
 consumer reads that file with no help from the producer (`receive`, on rdt_async's I/O
 loop, the read itself in a worker thread); the producer deletes the file when the last
 ref to the object is gone (`garbage_collect`). A consumer that finds the producer's
-process dead raises `rdt.PeerDiedError` and sweeps what it left. docs/transports.md
+process dead raises `rdt.PeerDiedError` and sweeps what it left. docs/src/custom-transport.md
 walks through it.
 """
 

@@ -104,7 +104,7 @@ class FetchRequest:
 class Transport(Generic[M]):
     """A way to move an object's tensors from the producer's process to a consumer's.
 
-    The lifecycle of one transfer, and the side that runs each step::
+    The lifecycle of one transfer, and the side that runs each step:
 
         producer                                   consumer
         --------                                   --------

@@ -4,7 +4,7 @@ Two ways a tensor's bytes reach a consumer of the same node, both mapped copy-on
 (MAP_PRIVATE: no copy at fetch time, a consumer's writes stay its own):
 
 - Shared storages. A storage of at least SHARE_MIN_BYTES is moved into shared memory
-  the first time it is returned (as `tensor.share_memory_()` does: one copy, its
+  the second time it is returned (as `tensor.share_memory_()` does: one copy, its
   address changes, every view of it follows), when nothing else holds it. From then on
   every export of it copies nothing: the metadata names the producer's descriptor of
   it, and a consumer maps it through /proc/<pid>/fd (checking the inode). Such a view
