@@ -27,6 +27,7 @@ import math
 import mmap
 import os
 import socket
+import struct
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -83,6 +84,13 @@ def _private(fd: int, specs: Sequence[TensorSpec], offsets: list[int], size: int
     return _views(mm, specs, offsets)
 
 
+def _same_user(sock: socket.socket) -> bool:
+    """Whether the process at the other end of `sock` runs as our user (SO_PEERCRED)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return uid == os.getuid()
+
+
 def _address(obj_id: str) -> bytes:
     return b"\0rdt-relay-" + obj_id.encode()
 
@@ -124,7 +132,12 @@ async def _serve(
         fd = os.memfd_create(f"rdt-relay-{obj_id}", os.MFD_CLOEXEC)
         os.ftruncate(fd, size)
         shared = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        await transfer(_views(shared, specs, offsets))
+        buffers = _views(shared, specs, offsets)
+        got = await transfer(buffers)
+        for b, t in zip(buffers, got):
+            if t.data_ptr() != b.data_ptr():  # a transport that landed them elsewhere
+                b.copy_(t)
+        del buffers, got, shared
         mine = _private(fd, specs, offsets, size)
     except BaseException:
         _io.call_soon(server.fail)
@@ -155,7 +168,9 @@ class _Server:
                 return
             except OSError:
                 return
-            if self.fd >= 0:
+            if not _same_user(conn):
+                conn.close()  # another user of this host: the bytes are not theirs to map
+            elif self.fd >= 0:
                 self._answer(conn)
             else:
                 self.waiting.append(conn)
@@ -203,6 +218,8 @@ async def _ask(obj_id: str, specs: Sequence[TensorSpec]) -> list[torch.Tensor] |
             await loop.sock_connect(sock, _address(obj_id))
         except OSError:
             return None  # the claim ended between our bind and connect
+        if not _same_user(sock):
+            return None  # the name is held by another user of this host: read for ourselves
         readable = loop.create_future()
         loop.add_reader(sock.fileno(), lambda: readable.done() or readable.set_result(None))
         try:

@@ -153,6 +153,41 @@ async def test_when_the_first_consumers_process_dies_the_others_read_for_themsel
         holder.join(10)
 
 
+def _squat_as_nobody(obj: str, bound) -> None:
+    """Hold the object's claim as another user, handing out a forged memfd."""
+    import socket
+
+    os.setuid(65534)
+    claim = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    claim.bind(_relay._address(obj))
+    claim.listen(8)
+    bound.set()
+    size = _relay._layout(SPECS)[1]
+    forged = os.memfd_create("forged")  # zeros, the size the asker expects
+    os.ftruncate(forged, size)
+    while True:
+        conn, _ = claim.accept()
+        socket.send_fds(conn, [b'{"obj_id": "%s", "size": %d}' % (obj.encode(), size)], [forged])
+        conn.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process as another user")
+async def test_a_claim_held_by_another_user_is_not_trusted():
+    ctx = multiprocessing.get_context("spawn")
+    obj, bound = _obj_id(), ctx.Event()
+    squatter = ctx.Process(target=_squat_as_nobody, args=(obj, bound), daemon=True)
+    squatter.start()
+    try:
+        assert await asyncio.to_thread(bound.wait, 60)
+        net = Network()
+        tensors, relayed = await asyncio.wait_for(_relay.fetch(obj, SPECS, net), 10)
+        assert (net.reads, relayed) == ([False], False)  # read for itself
+        assert torch.equal(tensors[0], _values()[0])
+    finally:
+        squatter.kill()
+        squatter.join(10)
+
+
 def test_only_remote_cpu_objects_of_a_mib_or_more_go_through_the_relay(monkeypatch):
     big, small = SPECS, [TensorSpec((16,), torch.float32, "cpu", 64)]
     cuda = [TensorSpec((1 << 18,), torch.float32, "cuda:0", 1 << 20)]
