@@ -4,8 +4,8 @@ A group is made from the driver or any actor: its name is claimed in Ray's GCS (
 name is unique in the cluster, and any process can read who holds which rank), rank 0
 hosts the rendezvous store on its node's address, and every member joins concurrently
 through its `rdt` concurrency group, so members busy in user methods still join.
-Members keep their process group in `transports.gloo.groups`; transfers between
-members then go over it.
+Members keep their process group in the membership registry (`_membership.groups`);
+transfers between members then go over it.
 
 Declarative collectives (`allreduce`, `broadcast`, `allgather`, `reduce_scatter`) run
 over RDT objects held by the members:
@@ -48,6 +48,7 @@ from ray.experimental import internal_kv
 
 from . import _io, _object, _tree
 from ._errors import CollectiveGroupError, ObjectFreedError, PeerDiedError, RDTError, translate
+from ._membership import groups
 from ._object import RDTObject
 from ._store import store
 from .transports import inline
@@ -126,19 +127,19 @@ async def destroy_collective_group_async(group: CollectiveGroup | str, /) -> Non
 
 def serve(op: str, *args: Any) -> Any:
     """Run a group operation in a member (its `rdt` group calls this). Runs on: member."""
-    from .transports.gloo import groups
+    from .transports import gloo
 
     if op == "ping":
         return True
     if op == "host":
         host = ray.util.get_node_ip_address()
-        return host, groups.host_store(args[0], host)
+        return host, gloo.host_store(args[0], host)
     if op == "join":
-        groups.join(*args)
+        gloo.join(*args)
         return True
     if op == "leave":
         _buffers.pop(args[0], None)
-        return groups.leave(args[0])
+        return gloo.leave(args[0])
     if op == "collective":
         return _serve_part(args[0])
     if op == "break":
@@ -742,8 +743,6 @@ def _break_here(name: str, why: str) -> bool:
 
     Runs on: member.
     """
-    from .transports.gloo import groups
-
     return groups.abort(name, why)
 
 
@@ -756,9 +755,7 @@ def _serve_part(part: _Part) -> RDTObject | None:
     was freed (so that the others do not wait); PeerDiedError or BackendError if the
     collective fails, which also marks the group broken here.
     """
-    from .transports.gloo import _group, groups
-
-    group = _group(part.group)
+    group = groups.require(part.group)
     if (group.rank, group.size) != (part.rank, part.size):
         raise CollectiveGroupError(
             f"rdt.{part.kind}: this member is rank {group.rank} of {group.size} in group {part.group!r}, "

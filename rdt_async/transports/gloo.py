@@ -1,7 +1,9 @@
 """`gloo`: two-sided, receiver-driven transfers over standalone Gloo process groups.
 
 Groups are standalone `ProcessGroupGloo`s over a `PrefixStore` (no global default
-group), so a process may be in any number of groups at once. A transfer:
+group), so a process may be in any number of groups at once: `host_store` and `join`
+make a member's process group (NCCL's too), and record it in the membership registry
+(`rdt_async._membership.groups`, also `groups` here). A transfer:
 
     consumer                                    producer (its `rdt` group)
     --------                                    --------
@@ -25,7 +27,7 @@ import asyncio
 import os
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -34,134 +36,62 @@ import torch.distributed as dist
 
 from .. import _cuda, _io
 from .._errors import CollectiveGroupError, ObjectFreedError
+from .._membership import TAG_LIMIT as TAG_LIMIT
+from .._membership import Group as Group
+from .._membership import groups as groups
 from ._base import Channel, TransferInfo, Transport, delivered, landing_buffers
 
 WAITERS = 16  # Gloo waits in flight per process; more queue
-TAG_LIMIT = 1 << 30  # Gloo tags are int32: a group's tags wrap here (bench's raw tags lie above)
 HELD, FREED = 1, 2  # the status message that comes before an object's tensors
 REPLY_AFTER_FAILURE_S = 10.0  # how long a failed receive waits for Ray's word on the producer
 DRAIN_S = 30.0  # how long a cancelled fetch waits for receives that write caller buffers
 
-
-@dataclass
-class Group:
-    """This process's membership of one collective group."""
-
-    name: str
-    backend: str
-    rank: int
-    size: int
-    pg: Any
-    store: Any = None  # the TCPStore: rank 0 hosts it and must keep it alive
-    broken: str | None = None
-    _next_tag: int = 1
-    _tag_lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def tags(self, n: int) -> int:
-        """Reserve `n` consecutive tags for one transfer and return the first."""
-        with self._tag_lock:
-            if self._next_tag + n > TAG_LIMIT:
-                self._next_tag = 1
-            base, self._next_tag = self._next_tag, self._next_tag + n
-        return base
-
-    def check(self) -> None:
-        if self.broken:
-            raise CollectiveGroupError(
-                f"collective group {self.name!r} is broken ({self.broken}); destroy it with "
-                "rdt.destroy_collective_group and create a new one on the survivors"
-            )
+_hosted: dict[str, Any] = {}  # rank 0's rendezvous stores, from host_store until join
+_hosted_lock = threading.Lock()
 
 
-class Groups:
-    """The groups this process belongs to, by name. Thread-safe."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._groups: dict[str, Group] = {}
-        self._stores: dict[str, Any] = {}
-
-    def host_store(self, name: str, host: str) -> int:
-        """Start the rendezvous store of a new group here (rank 0); return its port."""
-        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-        with self._lock:
-            self._stores[name] = store
-        return int(store.port)
-
-    def join(self, name: str, backend: str, rank: int, size: int, host: str, port: int, timeout_s: float) -> None:
-        """Join a group (blocks until every member joined: call it off the loop)."""
-        with self._lock:
-            if name in self._groups:
-                raise CollectiveGroupError(f"this process is already in a group named {name!r}")
-            store = self._stores.pop(name, None)
-        if store is None:
-            store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
-        prefixed = dist.PrefixStore(f"rdt/{name}", store)
-        if backend == "gloo":
-            opts = dist.ProcessGroupGloo._Options()
-            opts._timeout = timedelta(seconds=timeout_s)
-            opts._devices = [_listener_device(host, rank)]
-            pg = dist.ProcessGroupGloo(prefixed, rank, size, opts)
-        elif backend == "nccl":
-            if not torch.cuda.is_available():
-                raise CollectiveGroupError("backend 'nccl' needs a CUDA GPU in every member; use backend='gloo'")
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timedelta(seconds=timeout_s)
-            pg = dist.ProcessGroupNCCL(prefixed, rank, size, opts)
-        else:
-            raise CollectiveGroupError(f"unknown backend {backend!r}; use 'gloo' or 'nccl'")
-        with self._lock:
-            self._groups[name] = Group(name, backend, rank, size, pg, store)
-
-    def leave(self, name: str) -> bool:
-        with self._lock:
-            group = self._groups.pop(name, None)
-            self._stores.pop(name, None)
-        if group is None:
-            return False
-        try:
-            if group.broken:
-                group.pg.abort()
-            else:
-                group.pg.shutdown()
-        except Exception:
-            pass
-        return True
-
-    def get(self, name: str) -> Group | None:
-        with self._lock:
-            return self._groups.get(name)
-
-    def abort(self, name: str, why: str) -> bool:
-        """Mark group `name` broken and abort its process group: its pending work ends now."""
-        group = self.get(name)
-        if group is None:
-            return False
-        self.mark_broken(name, why)
-        try:
-            group.pg.abort()
-        except Exception:
-            pass
-        return True
-
-    def memberships(self) -> dict[str, tuple[str, int]]:
-        """Return name -> (backend, rank) of the groups this process is in and can use."""
-        with self._lock:
-            return {g.name: (g.backend, g.rank) for g in self._groups.values() if not g.broken}
-
-    def broken(self) -> list[Group]:
-        """Return the groups of this process that are marked broken."""
-        with self._lock:
-            return [g for g in self._groups.values() if g.broken]
-
-    def mark_broken(self, name: str, why: str) -> None:
-        with self._lock:
-            group = self._groups.get(name)
-            if group is not None and not group.broken:
-                group.broken = why
+def host_store(name: str, host: str) -> int:
+    """Start the rendezvous store of a new group here (rank 0); return its port."""
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    with _hosted_lock:
+        _hosted[name] = store
+    return int(store.port)
 
 
-groups = Groups()
+def join(name: str, backend: str, rank: int, size: int, host: str, port: int, timeout_s: float) -> None:
+    """Make this process's process group of a collective group and record it in `groups`.
+
+    Blocks until every member joined: call it off the loop.
+    Raises: CollectiveGroupError (already in a group of that name, a bad backend, no GPU).
+    """
+    if groups.get(name) is not None:
+        raise CollectiveGroupError(f"this process is already in a group named {name!r}")
+    with _hosted_lock:
+        store = _hosted.pop(name, None)
+    if store is None:
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    prefixed = dist.PrefixStore(f"rdt/{name}", store)
+    if backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timedelta(seconds=timeout_s)
+        opts._devices = [_listener_device(host, rank)]
+        pg = dist.ProcessGroupGloo(prefixed, rank, size, opts)
+    elif backend == "nccl":
+        if not torch.cuda.is_available():
+            raise CollectiveGroupError("backend 'nccl' needs a CUDA GPU in every member; use backend='gloo'")
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timedelta(seconds=timeout_s)
+        pg = dist.ProcessGroupNCCL(prefixed, rank, size, opts)
+    else:
+        raise CollectiveGroupError(f"unknown backend {backend!r}; use 'gloo' or 'nccl'")
+    groups.add(Group(name, backend, rank, size, pg, store))
+
+
+def leave(name: str) -> bool:
+    """Leave group `name` (a store hosted for it included); False if this process was not in it."""
+    with _hosted_lock:
+        _hosted.pop(name, None)
+    return groups.leave(name)
 
 
 def _listener_device(host: str, rank: int) -> Any:
@@ -215,7 +145,7 @@ class GlooTransport(Transport[GlooMeta]):
     async def receive(
         self, info: TransferInfo[GlooMeta], buffers: list[torch.Tensor] | None, channel: Channel
     ) -> list[torch.Tensor]:
-        group = _group(info.meta.group)
+        group = groups.require(info.meta.group)
         dsts = landing_buffers(info.specs, buffers, _device(self))
         base = group.tags(len(dsts) + 1)
         status = torch.zeros(1, dtype=torch.int64, device=_device(self))
@@ -269,7 +199,7 @@ class GlooTransport(Transport[GlooMeta]):
         await self._send(request, tensors, HELD)
 
     async def _send(self, request: dict[str, Any], tensors: Sequence[torch.Tensor], state: int) -> None:
-        group = _group(request["group"])
+        group = groups.require(request["group"])
         dst, base = request["dst"], request["tag"]
         srcs = [t.contiguous() for t in tensors]
         works = [group.pg.send([torch.full((1,), state, dtype=torch.int64, device=_device(self))], dst, base)]
@@ -298,14 +228,6 @@ async def _drain(group: Group, waiting: asyncio.Future[None]) -> None:
 def _consume(fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled():
         fut.exception()  # retrieved: no "exception was never retrieved" at exit
-
-
-def _group(name: str) -> Group:
-    group = groups.get(name)
-    if group is None:
-        raise CollectiveGroupError(f"this process is not in collective group {name!r} (destroyed?)")
-    group.check()
-    return group
 
 
 def _device(transport: Transport[Any]) -> str:

@@ -1,0 +1,130 @@
+"""Which collective groups this process is in: name, backend, rank, size, broken or not.
+
+The registry is written by the member side of collective groups (joining, leaving,
+breaking) and read by whoever needs to know what this process shares with another:
+the `gloo`/`nccl` transports (the group's process group and its point-to-point tags),
+a producer (which groups its objects can go over) and a consumer (is there a usable
+group in common). It imports neither Ray nor torch: a process group is held, never
+made, here (the `gloo` transport makes them).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._errors import CollectiveGroupError
+
+TAG_LIMIT = 1 << 30  # Gloo tags are int32: a group's tags wrap here (bench's raw tags lie above)
+
+
+@dataclass
+class Group:
+    """This process's membership of one collective group."""
+
+    name: str
+    backend: str
+    rank: int
+    size: int
+    pg: Any
+    store: Any = None  # the TCPStore: rank 0 hosts it and must keep it alive
+    broken: str | None = None
+    _next_tag: int = 1
+    _tag_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def tags(self, n: int) -> int:
+        """Reserve `n` consecutive tags for one transfer and return the first."""
+        with self._tag_lock:
+            if self._next_tag + n > TAG_LIMIT:
+                self._next_tag = 1
+            base, self._next_tag = self._next_tag, self._next_tag + n
+        return base
+
+    def check(self) -> None:
+        """Raise CollectiveGroupError if the group is broken."""
+        if self.broken:
+            raise CollectiveGroupError(
+                f"collective group {self.name!r} is broken ({self.broken}); destroy it with "
+                "rdt.destroy_collective_group and create a new one on the survivors"
+            )
+
+
+class Groups:
+    """The groups this process belongs to, by name. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._groups: dict[str, Group] = {}
+
+    def add(self, group: Group) -> None:
+        """Record a group this process has joined.
+
+        Raises: CollectiveGroupError if it is in a group of that name already.
+        """
+        with self._lock:
+            if group.name in self._groups:
+                raise CollectiveGroupError(f"this process is already in a group named {group.name!r}")
+            self._groups[group.name] = group
+
+    def leave(self, name: str) -> bool:
+        """Forget group `name` and end its process group; False if this process was not in it."""
+        with self._lock:
+            group = self._groups.pop(name, None)
+        if group is None:
+            return False
+        try:
+            if group.broken:
+                group.pg.abort()
+            else:
+                group.pg.shutdown()
+        except Exception:
+            pass
+        return True
+
+    def get(self, name: str) -> Group | None:
+        with self._lock:
+            return self._groups.get(name)
+
+    def require(self, name: str) -> Group:
+        """Return group `name`, usable.
+
+        Raises: CollectiveGroupError if this process is not in it, or it is broken.
+        """
+        group = self.get(name)
+        if group is None:
+            raise CollectiveGroupError(f"this process is not in collective group {name!r} (destroyed?)")
+        group.check()
+        return group
+
+    def abort(self, name: str, why: str) -> bool:
+        """Mark group `name` broken and abort its process group: its pending work ends now."""
+        group = self.get(name)
+        if group is None:
+            return False
+        self.mark_broken(name, why)
+        try:
+            group.pg.abort()
+        except Exception:
+            pass
+        return True
+
+    def mark_broken(self, name: str, why: str) -> None:
+        """Mark group `name` broken (the first reason stays)."""
+        with self._lock:
+            group = self._groups.get(name)
+            if group is not None and not group.broken:
+                group.broken = why
+
+    def memberships(self) -> dict[str, tuple[str, int]]:
+        """Return name -> (backend, rank) of the groups this process is in and can use."""
+        with self._lock:
+            return {g.name: (g.backend, g.rank) for g in self._groups.values() if not g.broken}
+
+    def broken(self) -> list[Group]:
+        """Return the groups of this process that are marked broken."""
+        with self._lock:
+            return [g for g in self._groups.values() if g.broken]
+
+
+groups = Groups()
