@@ -1,0 +1,140 @@
+"""Creating and destroying collective groups. Runs on: the caller (driver or any actor).
+
+The group's name is claimed in Ray's GCS (`_records`), rank 0 hosts the rendezvous
+store on its node's address, and every member joins concurrently through its `rdt`
+concurrency group, so members busy in user methods still join.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from .. import _io
+from .._errors import CollectiveGroupError
+from . import _records
+from ._messages import HostStore, Join, Leave, Ping, call
+from ._twins import blocking_twin
+
+BACKENDS = ("gloo", "nccl")
+PING_TIMEOUT_S = 60.0  # actors still starting answer late; dead ones fail at once
+
+
+@dataclass(frozen=True)
+class CollectiveGroup:
+    """A collective group: its name, backend and member actors (rank = position)."""
+
+    name: str
+    backend: str
+    actors: tuple[Any, ...]
+
+    def __repr__(self) -> str:
+        return f"CollectiveGroup({self.name!r}, backend={self.backend!r}, {len(self.actors)} members)"
+
+
+async def create_collective_group_async(
+    actors: Sequence[Any], /, *, backend: str = "gloo", name: str | None = None, timeout_s: float = 30.0
+) -> CollectiveGroup:
+    """Async twin of `create_collective_group`; never blocks the loop."""
+    actors = tuple(actors)
+    _validate(actors, backend)
+    name = name or f"{backend}-{secrets.token_hex(6)}"
+    record = {"backend": backend, "actors": [a._actor_id.hex() for a in actors]}
+    if await _io.to_thread(_records.claim, name, record):
+        raise CollectiveGroupError(f"a collective group named {name!r} exists; destroy it or pick another name")
+    try:
+        await _ping_all(actors, name)
+        host, port = await call(actors[0], HostStore(name))
+        await asyncio.gather(
+            *(call(a, Join(name, backend, rank, len(actors), host, port, timeout_s)) for rank, a in enumerate(actors))
+        )
+    except BaseException as exc:
+        await _leave_all(actors, name)
+        await _io.to_thread(_records.release, name)
+        if isinstance(exc, CollectiveGroupError):
+            raise
+        raise CollectiveGroupError(f"creating collective group {name!r} failed: {cause(exc)}") from exc
+    return CollectiveGroup(name, backend, actors)
+
+
+@blocking_twin(create_collective_group_async)
+def create_collective_group(
+    actors: Sequence[Any], /, *, backend: str = "gloo", name: str | None = None, timeout_s: float = 30.0
+) -> CollectiveGroup:
+    """Make a collective group of `rdt.remote` actors; rank i is `actors[i]`.
+
+    Callable from the driver or any actor (blocking; use `create_collective_group_async`
+    on an event loop). `timeout_s` bounds the group's operations.
+    Raises: CollectiveGroupError (a dead member, a name in use, a bad backend).
+    """
+    raise NotImplementedError  # never runs: blocking_twin replaces it
+
+
+async def destroy_collective_group_async(group: CollectiveGroup | str, /) -> None:
+    """Async twin of `destroy_collective_group`."""
+    if isinstance(group, str):
+        raise TypeError("pass the CollectiveGroup that create_collective_group returned")
+    await _leave_all(group.actors, group.name)
+    await _io.to_thread(_records.release, group.name)
+
+
+@blocking_twin(destroy_collective_group_async)
+def destroy_collective_group(group: CollectiveGroup | str, /) -> None:
+    """Tear a group down on every live member and free its name (dead members are skipped)."""
+    raise NotImplementedError  # never runs: blocking_twin replaces it
+
+
+def _validate(actors: tuple[Any, ...], backend: str) -> None:
+    if backend not in BACKENDS:
+        raise CollectiveGroupError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
+    if len(actors) < 2:
+        raise CollectiveGroupError(f"a collective group needs at least 2 actors, got {len(actors)}")
+    ids = []
+    for i, a in enumerate(actors):
+        if not isinstance(a, ray.actor.ActorHandle):
+            raise CollectiveGroupError(f"member {i} is a {type(a).__name__}, not an actor handle")
+        try:
+            a.rdt__group
+        except AttributeError:
+            raise CollectiveGroupError(
+                f"member {i} is not an rdt.remote actor: decorate its class with @rdt.remote"
+            ) from None
+        ids.append(a._actor_id)
+    if len(set(ids)) != len(ids):
+        raise CollectiveGroupError("an actor appears twice in the group")
+
+
+async def _ping_all(actors: tuple[Any, ...], name: str) -> None:
+    async def ping(i: int, a: Any) -> None:
+        try:
+            async with asyncio.timeout(PING_TIMEOUT_S):
+                await call(a, Ping())
+        except BaseException as exc:
+            raise CollectiveGroupError(
+                f"cannot create group {name!r}: member {i} ({a._actor_id.hex()[:8]}) is dead or "
+                f"unreachable ({cause(exc)})"
+            ) from exc
+
+    await asyncio.gather(*(ping(i, a) for i, a in enumerate(actors)))
+
+
+async def _leave_all(actors: Sequence[Any], name: str) -> None:
+    async def leave(a: Any) -> None:
+        try:
+            async with asyncio.timeout(PING_TIMEOUT_S):
+                await call(a, Leave(name))
+        except BaseException:
+            pass  # dead or unreachable: nothing left to tear down there
+
+    await asyncio.gather(*(leave(a) for a in actors))
+
+
+def cause(exc: BaseException) -> str:
+    """Say what went wrong in a member call: the remote error where Ray wrapped one."""
+    inner = getattr(exc, "cause", None) or exc
+    return f"{type(inner).__name__}: {inner}"
