@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import ray
 
-from . import _api, _io, _object, collective
+from . import _api, _io, _object, _produce, collective
 from .transports import _registry
 
 RDT_GROUP = "rdt"
@@ -165,17 +165,17 @@ def _wrap_method(f: Callable[..., Any]) -> Callable[..., Any]:
         if transport is None:
             return value
         if split:
-            with _object.holding(value):  # every part waits for wait_tensor_freed, not only the first
-                return tuple(_object.produce(v, transport) for v in parts(value))
-        return _object.produce(value, transport)
+            with _produce.holding(value):  # every part waits for wait_tensor_freed, not only the first
+                return tuple(_produce.produce(v, transport) for v in parts(value))
+        return _produce.produce(value, transport)
 
     async def produce_async(value: Any) -> Any:
         if transport is None:
             return value
         if split:
-            with _object.holding(value):
-                return tuple([await _object.produce_async(v, transport) for v in parts(value)])
-        return await _object.produce_async(value, transport)
+            with _produce.holding(value):
+                return tuple([await _produce.produce_async(v, transport) for v in parts(value)])
+        return await _produce.produce_async(value, transport)
 
     if inspect.iscoroutinefunction(f):
 
@@ -245,10 +245,10 @@ def _control_methods(is_async: bool) -> dict[str, Any]:
     if is_async:
 
         async def rdt__send(self: Any, obj_id: str, transport: str, request: Any) -> Any:
-            return await _io.run_io(_object.serve_send(obj_id, transport, request))
+            return await _io.run_io(_produce.serve_send(obj_id, transport, request))
 
         async def rdt__free(self: Any, obj_id: str) -> None:
-            _object.serve_free(obj_id)
+            _produce.serve_free(obj_id)
 
         async def rdt__anchors(self: Any, n: int) -> tuple[None, ...]:
             return (None,) * n  # its returns are this actor's anchors (_object._Anchors)
@@ -265,10 +265,10 @@ def _control_methods(is_async: bool) -> dict[str, Any]:
     else:
 
         def rdt__send(self: Any, obj_id: str, transport: str, request: Any) -> Any:  # type: ignore[misc]
-            return _io.submit(_object.serve_send(obj_id, transport, request)).result()
+            return _io.submit(_produce.serve_send(obj_id, transport, request)).result()
 
         def rdt__free(self: Any, obj_id: str) -> None:  # type: ignore[misc]
-            _object.serve_free(obj_id)
+            _produce.serve_free(obj_id)
 
         def rdt__anchors(self: Any, n: int) -> tuple[None, ...]:  # type: ignore[misc]
             return (None,) * n

@@ -99,3 +99,7 @@ def translating(what: str, obj_id: str | None = None, *, user_code: bool = False
         if err is exc:
             raise
         raise err from exc
+
+
+def unavailable(name: str, why: str) -> TransportUnavailableError:
+    return TransportUnavailableError(f"transport {name!r} cannot serve this fetch: {why}")

@@ -16,7 +16,7 @@ from typing import Any
 import ray
 import torch
 
-from .. import _object
+from .. import _object, _produce
 from .._errors import CollectiveGroupError, ObjectFreedError, PeerDiedError, RDTError, translate
 from .._membership import groups
 from .._object import RDTObject
@@ -78,7 +78,7 @@ def _take_part(part: Part) -> RDTObject | None:
         )
     if value is None:  # a broadcast bystander keeps nothing
         return None
-    return _object.produce(value, part.transport, owner=_object.here())
+    return _produce.produce(value, part.transport, owner=_object.here())
 
 
 @contextlib.contextmanager

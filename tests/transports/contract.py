@@ -65,7 +65,7 @@ def _make_late(obj_no: int, sizes: tuple[int, ...]) -> list[torch.Tensor]:
         torch.cuda._sleep(200_000_000)
         for o, w in zip(out, want):
             o.copy_(w)
-        _cuda.settle(out)  # as `_object.produce` does, on the producing thread
+        _cuda.settle(out)  # as `_produce.produce` does, on the producing thread
     return out
 
 

@@ -1,0 +1,352 @@
+"""The fetch pipeline: check, choose the transport, transfer (through the node relay where it
+pays), watch the producer, land the tensors where the caller asked.
+
+Runs on: consumer. The verbs in `_api.py` call `fetch_object` (a loop) and `fetch_now`
+(a thread that may not block: what needs no waiting).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import os
+import sys
+import time
+import warnings
+from typing import Any
+
+import torch
+
+from . import _cuda, _io, _metrics, _object, _ray, _relay, _tree
+from ._errors import ObjectFreedError, PeerDiedError, RDTError, TransferError, translating
+from ._membership import groups
+from ._object import RDTObject
+from ._produce import loads_here, shared_with_producer
+from ._store import log, store
+from .transports import _auto, _registry
+from .transports._base import TensorSpec, TransferInfo, Transport, copy_into
+
+
+def choose_transport(obj: RDTObject, node_id: str) -> tuple[str, Any]:
+    """Pick the transport for a fetch of `obj` by a process on `node_id`.
+
+    `auto`: small CPU objects -> inline (the bytes came with the ref); otherwise the
+    candidate both ends can use (shm and cuda_ipc on one node, nixl where prepared and
+    loadable here, a group both ends are in, the object store) that the cost model of
+    transports/_auto.py expects to finish first; the choice and its reasons are kept
+    in `rdt.store_stats()["auto"]`. A one-sided transport that cannot reach this node
+    falls back to object_store. Gloo/NCCL objects go over a group both ends share,
+    else object_store.
+    Returns the transport's name and the metadata its fetch needs.
+    """
+    name = obj.transport
+    shared = _shared_group(obj)
+    if name == _registry.AUTO:
+        prepared = frozenset(obj.meta) - {"groups"}
+        facts = _auto.Facts(
+            nbytes=obj.nbytes,
+            gpu=any(not s.device.startswith("cpu") for s in obj.specs),
+            same_node=obj.producer.node_id == node_id,
+            prepared=prepared,
+            loads_here=prepared & {"nixl", "cuda_ipc"},  # checked only if one wins: a check may import
+            group=shared[0] if shared is not None else None,
+        )
+        choice = _auto.choose_checked(facts, loads_here)
+        store.record_choice(obj.obj_id, choice)
+        name = choice.transport
+    if name == "shm" and obj.producer.node_id != node_id:
+        name = "object_store"
+    if name in ("gloo", "nccl"):
+        if shared is None or shared[0] != name:
+            _raise_if_broken(obj)  # a group we share is broken: say so, do not fall back
+            return "object_store", None  # the consumer is outside the producer's groups
+        return name, shared[1]
+    return name, obj.meta.get(name)
+
+
+def _shared_group(obj: RDTObject) -> tuple[str, Any] | None:
+    """Return (backend, GlooMeta) of a usable group both ends are in, or None."""
+    theirs = obj.meta.get("groups")
+    if not theirs:
+        return None
+    ours = groups.memberships()
+    devices = {s.device.split(":")[0] for s in obj.specs}
+    for name, (backend, rank) in theirs.items():
+        if name in ours and ours[name][0] == backend and devices <= {"cpu" if backend == "gloo" else "cuda"}:
+            from .transports.gloo import GlooMeta  # loaded already: this process is in a group
+
+            return backend, GlooMeta(name, rank)
+    return None
+
+
+def _raise_if_broken(obj: RDTObject) -> None:
+    theirs = obj.meta.get("groups") or {}
+    for group in groups.broken():
+        if group.name in theirs:
+            group.check()
+
+
+# Copies at most this large are done inline rather than in the pool.
+INLINE_COPY_BYTES = 1 << 20
+
+
+async def fetch_object(obj: RDTObject, *, device: Any, into: Any, start: _Start | None = None) -> Any:
+    """Return `obj`'s value with its tensors here (`start`: what `fetch_now` left to do).
+
+    Records the fetch (store stats, Ray metrics) and what failed it.
+    """
+    began = time.perf_counter()
+    name = obj.transport  # until one is chosen
+    try:
+        start = start or _start(obj, into, device)
+        if isinstance(start, _Done):
+            tensors, buffers, name = start.tensors, start.buffers, start.transport
+        else:
+            transport, info, buffers, ready = start
+            name = transport.name
+            await _cuda.wait(ready)  # the caller's queued work on the destinations has run
+            transfer = functools.partial(_transfer, obj, transport, info)
+            if buffers is None and device is None and _relay.eligible(obj.specs, name, obj.producer.node_id, _node_id()):
+                tensors, relayed = await _relay.fetch(obj.obj_id, obj.specs, transfer)
+                name = "relay" if relayed else name
+            else:
+                tensors = await transfer(buffers)
+            buffers = None  # written by the transport
+        if buffers:
+            tensors = await _copy(buffers, tensors, obj.nbytes)
+        elif device is not None:
+            tensors = await _move(tensors, torch.device(device), obj.nbytes)
+    except BaseException as exc:
+        _metrics.failed(name, exc)
+        raise
+    _record(obj, name, began)
+    return _tree.unflatten(obj.skeleton, tensors)
+
+
+async def _transfer(
+    obj: RDTObject, transport: Transport[Any], info: TransferInfo[Any], buffers: list[torch.Tensor] | None
+) -> list[torch.Tensor]:
+    """Move the object's bytes over `transport` (into `buffers` when given)."""
+    name = transport.name
+    request = transport.fetch_multiple_tensors(info, buffers=buffers, channel=_ray.RayChannel(obj, name))
+    try:
+        with translating(f"{name} fetch of {obj.obj_id}", obj.obj_id):
+            return await _watched(transport.wait_fetch_complete(request), obj, name)
+    except (TransferError, ObjectFreedError) as exc:
+        await _raise_if_producer_died(obj, name, exc)
+        raise
+
+
+async def _watched(fetching: Any, obj: RDTObject, name: str) -> list[torch.Tensor]:
+    """Await a transfer while watching its producer: one Ray declares dead ends it (PeerDiedError).
+
+    A transport may wait on a peer cut off by a partition far longer than Ray takes to
+    declare its host dead (a UCX read over TCP, for one): the watch starts once the
+    transfer has run `_ray.WATCH_AFTER_S`, and cancels it when the producer is dead.
+    """
+    if obj.producer.actor is None or not hasattr(obj.producer.actor, "rdt__ping"):
+        return await fetching
+    task = asyncio.ensure_future(fetching)
+    watch = None
+    try:
+        await asyncio.wait({task}, timeout=_ray.WATCH_AFTER_S)  # most end here: no watch made
+        if not task.done():
+            watch = asyncio.ensure_future(_ray.watch_producer(obj.producer))
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        if watch is not None:
+            watch.cancel()
+        task.cancel()
+        await asyncio.wait({task})  # the transport lets go of the caller's buffers first
+        raise
+    if not task.done():
+        task.cancel()
+        await asyncio.wait({task})
+    if watch is not None:
+        watch.cancel()
+    if not task.cancelled():
+        return task.result()  # done (or failed) before the watch could end it
+    raise PeerDiedError(
+        f"{name} fetch of {obj.obj_id}: the producer ({obj.producer.label}) died or its host was cut "
+        "off during the transfer (Ray declared it dead)",
+        obj_id=obj.obj_id,
+    )
+
+
+async def _raise_if_producer_died(obj: RDTObject, name: str, exc: RDTError) -> None:
+    """A fetch failed: if its producer is dead, that is what the caller needs to know.
+
+    Transports see a death in their own terms (Gloo: "Connection closed by peer", the
+    object store: the object lost); callers branch on PeerDiedError (retry elsewhere)
+    versus the rest, so every transport's failure is checked against the producer's life.
+    """
+    if isinstance(exc, PeerDiedError) or not await _ray.producer_died(obj.producer):
+        return
+    raise _died(obj, name, exc) from exc
+
+
+def _died(obj: RDTObject, name: str, exc: RDTError) -> PeerDiedError:
+    return PeerDiedError(
+        f"{name} fetch of {obj.obj_id}: the producer ({obj.producer.label}) died ({type(exc).__name__}: {exc})",
+        obj_id=obj.obj_id,
+    )
+
+
+def fetch_now(obj: RDTObject, *, device: Any, into: Any) -> tuple[bool, Any]:
+    """Fetch on the caller's thread if nothing can block: (True, value), else (False, start)."""
+    began = time.perf_counter()
+    try:
+        start = _start(obj, into, device)
+    except BaseException as exc:
+        _metrics.failed(obj.transport, exc)
+        raise
+    if not isinstance(start, _Done) or obj.nbytes > INLINE_COPY_BYTES:
+        return False, start  # the transfer (or a large copy) belongs to the I/O loop
+    tensors, buffers = start.tensors, start.buffers
+    if buffers:
+        tensors = copy_into(buffers, tensors)
+    elif device is not None:
+        tensors = [t.to(device) for t in tensors]
+    _record(obj, start.transport, began)
+    return True, _tree.unflatten(obj.skeleton, tensors)
+
+
+@dataclasses.dataclass
+class _Done:
+    """A fetch whose tensors were had at once: `buffers` are still to be filled."""
+
+    tensors: list[torch.Tensor]
+    buffers: list[torch.Tensor] | None
+    transport: str
+
+
+# What `_start` leaves: tensors had at once, or the transport, info and buffers to transfer
+# with, and events on the caller's streams that the transfer waits for before it writes.
+_Start = _Done | tuple[Transport[Any], TransferInfo[Any], list[torch.Tensor] | None, list[Any]]
+
+
+def _start(obj: RDTObject, into: Any, device: Any = None) -> _Start:
+    """Check the fetch and do what needs no waiting; else return what to transfer with."""
+    if store.was_freed(obj.obj_id):
+        raise ObjectFreedError(f"object {obj.obj_id} was freed", obj_id=obj.obj_id)
+    buffers = _buffers(obj, into)
+    if device is not None:
+        _check_device(torch.device(device))
+    if not obj.specs:
+        return _Done([], None, "none")
+    if _object.is_local(obj):
+        tensors = _object.resolve_local(obj)
+        _warn_local(obj.obj_id)
+        return _Done(tensors, buffers, "local")
+    name, meta = choose_transport(obj, _node_id())
+    transport = _registry.get(name)
+    if buffers is None and device is not None:
+        buffers = _device_buffers(obj, transport, torch.device(device))
+    info = TransferInfo(obj.obj_id, obj.specs, meta, hold=obj)
+    ready = _cuda.record(buffers or ())
+    if not ready:  # device buffers wait for the caller's streams first: never now
+        try:
+            with translating(f"{name} fetch of {obj.obj_id}", obj.obj_id):
+                now = transport.receive_nowait(info, buffers)
+        except (TransferError, ObjectFreedError) as exc:
+            if not isinstance(exc, PeerDiedError) and _ray.died_on_this_node(obj.producer):
+                raise _died(obj, name, exc) from exc  # one-sided reads on this node (shm)
+            raise
+        if now is not None:
+            return _Done(now, None, name)
+    return transport, info, buffers, ready
+
+
+def _check_device(device: torch.device) -> None:
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"device={str(device)!r}, but this process has no usable CUDA device "
+            "(torch.cuda.is_available() is False): fetch to 'cpu', or fetch in a process with a GPU"
+        )
+
+
+def _device_buffers(obj: RDTObject, transport: Transport[Any], device: torch.device) -> list[torch.Tensor] | None:
+    """Buffers on `device` for a transport that reads straight into them, else None (move after)."""
+    if not transport.cross_device_buffers or device.type not in transport.devices:
+        return None
+    if all(torch.device(s.device) == device for s in obj.specs):
+        return None  # already there: the transport's own landing is as good
+    return [torch.empty(s.shape, dtype=s.dtype, device=device) for s in obj.specs]
+
+
+def _record(obj: RDTObject, transport: str, began: float) -> None:
+    if obj.specs:
+        store.fetches[transport] += 1
+        _metrics.fetched(transport, obj.nbytes, time.perf_counter() - began)
+        log.debug("rdt_async: fetched %s over %s (%d bytes)", obj.obj_id, transport, obj.nbytes)
+
+
+def _buffers(obj: RDTObject, into: Any) -> list[torch.Tensor] | None:
+    if into is None:
+        return None
+    skeleton, bufs = _tree.flatten(into)
+    if not bufs and obj.specs:
+        raise TypeError(f"into= holds no tensor ({type(into).__name__} {skeleton!r}); pass the tensors to receive into")
+    if len(bufs) != len(obj.specs):
+        raise ValueError(
+            f"into= holds {len(bufs)} tensor(s) but the object has {len(obj.specs)}: "
+            f"{', '.join(map(str, obj.specs))}"
+        )
+    for i, (b, s) in enumerate(zip(bufs, obj.specs)):
+        if tuple(b.shape) != s.shape or b.dtype != s.dtype:
+            raise ValueError(f"into= tensor {i} is {TensorSpec.of(b)}; the object's tensor {i} is {s}")
+    return bufs
+
+
+async def _copy(buffers: list[torch.Tensor], tensors: list[torch.Tensor], nbytes: int) -> list[torch.Tensor]:
+    return await _off_caller_streams(copy_into, buffers, tensors, nbytes=nbytes)
+
+
+async def _move(tensors: list[torch.Tensor], device: torch.device, nbytes: int) -> list[torch.Tensor]:
+    if all(t.device == device for t in tensors):
+        return tensors
+    return await _off_caller_streams(lambda ts: [t.to(device) for t in ts], tensors, nbytes=nbytes)
+
+
+async def _off_caller_streams(fn: Any, *args: Any, nbytes: int) -> list[torch.Tensor]:
+    """Run a copy inline when small, else in the pool; device results are ready on return.
+
+    A copy on the caller's own thread is ordered on its streams. One on the I/O loop
+    (`rdt.get`) or in the pool is not, so it has finished before the caller sees it.
+    """
+    if nbytes > INLINE_COPY_BYTES:
+        return await _io.to_thread_finished(_cuda.settled, fn, *args)
+    out: list[torch.Tensor] = fn(*args)
+    if _io.on_io_thread():
+        await _cuda.wait(_cuda.record(out))
+    return out
+
+
+def _node_id() -> str:
+    return _ray.node_id()
+
+
+def _warn_local(obj_id: str) -> None:
+    """Warn, once per object, where a local fetch meets a send to another process (as Ray does).
+
+    Only two-sided sends are known here; one-sided readers (nixl) are not seen.
+    """
+    stored = store.get(obj_id)
+    if stored is None:
+        return
+    stored.fetched_here = True
+    if stored.served and not stored.warned:
+        stored.warned = True
+        warnings.warn(shared_with_producer(obj_id), UserWarning, stacklevel=_caller_level())
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _caller_level() -> int:
+    """The stacklevel of the first frame outside rdt_async: the user's call."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -1,0 +1,226 @@
+"""The producer's side: keep a returned value's tensors, prepare transports, serve sends and frees.
+
+`auto` and GPUs: a GPU object is exported for cuda_ipc (same-node consumers map it and
+copy once, device to device) where this process's memory can be exported, and prepared
+for nixl (other nodes) whenever this process can load it; else it goes through the
+object store. A CPU object stays inline when small, and is exported to shm for
+same-node consumers; from AUTO_NIXL_MIN_BYTES on, and only where nixl loads and the
+cluster has more than one node, it is registered with NIXL as well, so that consumers
+on other nodes read it one-sidedly instead of through the object store. Below that size
+NIXL's costs (one agent per process, a registration per storage, ~0.6 KB of metadata
+in every ref) buy nothing worth the hot path. The consumer picks (`_fetch.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import secrets
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from . import _cuda, _io, _ray, _tree
+from ._errors import ObjectFreedError, unavailable
+from ._membership import groups
+from ._object import Process, RDTObject, _anchors, _recent, here
+from ._store import StoredObject, log, store
+from .transports import _registry
+from .transports._base import TensorSpec, Transport
+from .transports.inline import AUTO_MAX_BYTES as INLINE_AUTO_MAX_BYTES
+
+
+def _prepared_transports(name: str, tensors: Sequence[torch.Tensor]) -> list[Transport[Any]]:
+    """Transports to prepare at return time for a method asking for `name`."""
+    if name != _registry.AUTO:
+        transport = _registry.get(name)
+        transport.check_tensors(tensors)
+        if name in ("gloo", "nccl") and not any(b == name for b, _ in groups.memberships().values()):
+            raise unavailable(
+                name,
+                f"this process is in no {name} group, so every fetch would go through the object "
+                f"store: create one first, rdt.create_collective_group(actors, backend={name!r}), "
+                "or return with tensor_transport='auto'",
+            )
+        return [transport]
+    _registry.get("object_store").check_tensors(tensors)  # what auto falls back to
+    if all(t.device.type == "cpu" for t in tensors):
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        if nbytes <= INLINE_AUTO_MAX_BYTES:
+            return [_registry.get("inline")]  # small: the bytes ride in the ref
+        plan = [_registry.get("shm")]  # same node, CPU: the likely consumer
+        if nbytes >= AUTO_NIXL_MIN_BYTES and loads_here("nixl") and _ray.several_nodes():
+            plan.append(_registry.get("nixl"))  # for consumers on other nodes (UCX listens then)
+        return plan
+    plan = [_registry.get("cuda_ipc")] if _cuda_ipc_here() else []  # GPU, same node: mapped, one copy
+    if loads_here("nixl"):
+        plan.append(_registry.get("nixl"))  # GPU, other nodes (and the same one without cuda_ipc)
+    return plan  # nothing: object_store
+
+
+# Auto prepares nixl for CPU objects only from this size on: registering costs ~0.1 ms
+# plus ~0.5 s once per process for the agent, and at this size the producer already
+# exports off its loop (Transport.inline_prepare_bytes), so the small-object hot path
+# never touches NIXL. Smaller objects that cross nodes go through the object store.
+AUTO_NIXL_MIN_BYTES = 1 << 20
+
+
+@functools.cache
+def loads_here(name: str) -> bool:
+    """Say whether this process can use transport `name` (checked once)."""
+    try:
+        return _registry.transport_class(name).unavailable_reason() is None
+    except Exception:
+        return False
+
+
+@functools.cache
+def _cuda_ipc_here() -> bool:
+    """Say whether this process can export CUDA tensors over cuda_ipc (checked once)."""
+    try:
+        return _registry.transport_class("cuda_ipc").exports_here()  # type: ignore[attr-defined, no-any-return]
+    except Exception:
+        return False
+
+
+def produce(value: Any, transport: str, *, owner: Process | None = None) -> RDTObject:
+    """Keep the tensors of `value` here and return the RDTObject describing it.
+
+    Runs on: producer. Blocking (copies into shared memory): call `produce_async` on a loop.
+    """
+    skeleton, tensors = _tree.flatten(value)
+    with store.holding(tensors) as making:  # wait_tensor_freed waits from now on
+        _cuda.settle(tensors)  # transports read outside this thread's streams: let them finish
+        plan = _plan(transport, tensors)
+        return _finish(skeleton, tensors, transport, plan, owner, making)
+
+
+async def produce_async(value: Any, transport: str, *, owner: Process | None = None) -> RDTObject:
+    """`produce`, with large exports, and a transport's first use, done off the running loop."""
+    skeleton, tensors = _tree.flatten(value)
+    with store.holding(tensors) as making:  # before the first await: wait_tensor_freed waits from now on
+        await _cuda.wait(_cuda.record(tensors))  # as in `produce`, with the loop free meanwhile
+        plan = _plan(transport, tensors)
+        for t in plan:
+            if (os.getpid(), t.name) not in _warm:  # e.g. NIXL's agent: ~0.45 s, once
+                await _io.to_thread(t.warm_up)
+                _warm.add((os.getpid(), t.name))
+        limit = min((t.inline_prepare_bytes for t in plan), default=Transport.inline_prepare_bytes)
+        if sum(t.numel() * t.element_size() for t in tensors) > limit:
+            return await _io.to_thread(_finish, skeleton, tensors, transport, plan, owner, making)
+        return _finish(skeleton, tensors, transport, plan, owner, making)
+
+
+@contextlib.contextmanager
+def holding(value: Any) -> Iterator[None]:
+    """Hold the tensors of `value` for the block, as a producing call does (see `Store.holding`)."""
+    with store.holding(_tree.flatten(value)[1]):
+        yield
+
+
+_warm: set[tuple[int, str]] = set()  # (pid, transport) whose warm_up ran
+
+
+def _plan(transport: str, tensors: list[torch.Tensor]) -> list[Transport[Any]]:
+    if not tensors:
+        return []
+    return _prepared_transports(transport, tensors)
+
+
+def _finish(
+    skeleton: Any,
+    tensors: list[torch.Tensor],
+    transport: str,
+    plan: list[Transport[Any]],
+    owner: Process | None,
+    making: int | None = None,
+) -> RDTObject:
+    """Prepare the planned transports and record the object (`making`: its hold in the store)."""
+    owner = owner or here()
+    specs = tuple(TensorSpec.of(t) for t in tensors)
+    if not tensors:
+        return RDTObject(secrets.token_hex(12), owner, transport, specs, skeleton, {}, {}, None)
+    obj_id = secrets.token_hex(12)
+    if plan and all(t.name == "inline" for t in plan):
+        # The bytes ride in the ref, a snapshot: nothing to keep here, no anchor to make.
+        meta = {"inline": plan[0].prepare(obj_id, tensors)}
+        _recent.add(obj_id, tensors)
+        shared = groups.memberships()
+        if shared:
+            meta["groups"] = shared
+        return RDTObject(obj_id, owner, transport, specs, skeleton, meta, {}, None)
+    if making is not None and any(t.name == "shm" for t in plan):
+        from .transports import shm
+
+        # Storages returned again and again (a trainer's weights) go to shared memory
+        # once; every later export shares them without a copy (see transports/shm.py).
+        shm.share_storages(tensors, lambda t: store.can_move(t, making))
+    prepared: dict[Transport[Any], Any] = {}
+    try:
+        for t in plan:
+            prepared[t] = t.prepare(obj_id, tensors)
+        eager = _eager_replies(tensors, transport, owner, plan)
+    except BaseException:
+        for t, meta in prepared.items():
+            t.garbage_collect(obj_id, meta)
+        raise
+    store.add(obj_id, StoredObject(list(tensors), prepared))
+    anchor = _anchors.take(obj_id)
+    meta = {t.name: m for t, m in prepared.items()}
+    shared = groups.memberships()
+    if shared:
+        meta["groups"] = shared
+    return RDTObject(obj_id, owner, transport, specs, skeleton, meta, eager, anchor)
+
+
+def _eager_replies(
+    tensors: list[torch.Tensor], transport: str, owner: Process, plan: list[Transport[Any]]
+) -> dict[str, Any]:
+    """For producers with no `rdt` group (the driver), put the object-store reply now.
+
+    Only where a consumer may need it: explicit object_store, or auto on a cluster of
+    several nodes when nothing prepared reaches other nodes (inline, nixl do).
+    """
+    if owner.actor is not None or transport not in ("object_store", _registry.AUTO):
+        return {}
+    if transport == _registry.AUTO and (
+        any(t.name in ("inline", "nixl") for t in plan) or not _ray.several_nodes()
+    ):
+        return {}
+    from .transports.object_store import to_wire
+
+    return {"object_store": _ray.put(to_wire(tensors))}
+
+
+async def serve_send(obj_id: str, transport: str, request: Any) -> Any:
+    """Run the producer's side of a two-sided transfer, asked for by a consumer.
+
+    Runs on: producer (the `rdt` concurrency group, then the I/O loop).
+    Raises: ObjectFreedError if the object is gone.
+    """
+    t = _registry.get(transport)
+    with store.reading(obj_id) as stored:  # a free meanwhile: wait_tensor_freed waits for the send
+        if stored is None:
+            await t.refuse(obj_id, request)
+            raise ObjectFreedError(f"object {obj_id} was freed before it was fetched", obj_id=obj_id)
+        meta = next((m for tr, m in stored.prepared.items() if tr.name == transport), None)
+        stored.served = True
+        if stored.fetched_here and not stored.warned:
+            stored.warned = True
+            log.warning("rdt_async: %s", shared_with_producer(obj_id))
+        return await t.send_multiple_tensors(obj_id, stored.tensors, meta, request)
+
+
+def shared_with_producer(obj_id: str) -> str:
+    return (
+        f"RDT object {obj_id} was fetched both by the process that produced it, which gets "
+        "the stored tensors themselves, and by another process: writing to them in the "
+        "producer changes what later fetches elsewhere receive. Clone before writing."
+    )
+
+
+def serve_free(obj_id: str) -> None:
+    """Free an object on request of another process. Runs on: producer."""
+    store.free(obj_id)

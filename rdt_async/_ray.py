@@ -1,0 +1,259 @@
+"""Every call the core makes into Ray: refs, pings and verdicts, the channel to a producer,
+the node, and transports published through Ray's key-value store.
+
+(The anchors' out-of-scope callbacks stay with the lifetime model, in `_object.py`.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+from ._errors import RDTError, translating, unavailable
+from .transports import _registry
+from .transports._base import pid_alive
+
+if TYPE_CHECKING:
+    from ._object import Process, RDTObject
+
+
+def new_session() -> None:
+    """A `ray.init` in this process: forget what was cached of the last session."""
+    global _nodes_seen
+    node_id.cache_clear()
+    _nodes_seen = (0.0, False)
+
+
+async def await_ref(ref: Any) -> Any:
+    """Await a Ray ObjectRef from any loop."""
+    return await asyncio.wrap_future(ref.future())
+
+
+PING_S = 5.0  # how long a failed fetch waits for a producer that answers at once
+
+
+# How long it then waits for Ray's verdict on a producer that does not answer (its host
+# cut off): Ray declares a node dead after its health checks fail, ~10-60 s by its settings.
+VERDICT_S = float(os.environ.get("RDT_PEER_VERDICT_S", "90"))
+
+
+def died_on_this_node(p: Process) -> bool:
+    """Say whether the producer ran on this node and its process is gone (at once, no Ray)."""
+    return p.node_id == node_id() and not pid_alive(int(p.token.split(":")[0]))
+
+
+async def producer_died(p: Process, *, timeout: float = PING_S) -> bool:
+    """Say whether the producer is known dead, after a fetch from it failed.
+
+    On its node the process id answers at once; else Ray does, for an `rdt.remote`
+    actor, through a ping to its `rdt` group (a dead actor fails it in well under a
+    second). A producer that does not answer within `timeout` is cut off, or its host
+    is: the ping then waits up to VERDICT_S for Ray to declare it dead (its node's
+    health checks) or for the answer of a host back on the network. A producer that
+    answers, or cannot be asked, counts as alive.
+    """
+    if died_on_this_node(p):
+        return True
+    actor = p.actor
+    if actor is None or not hasattr(actor, "rdt__ping"):
+        return False
+    # A live producer answers within `timeout`; a cut-off one is declared dead by Ray
+    # within VERDICT_S (its pings fail with ActorUnavailableError meanwhile).
+    verdict_by = time.monotonic() + timeout + VERDICT_S
+    while (left := verdict_by - time.monotonic()) > 0:
+        alive = await _ping(actor, left)
+        if alive is not None:
+            return not alive
+        await asyncio.sleep(min(0.5, max(0.0, verdict_by - time.monotonic())))  # unreachable for now: ask again
+    return False
+
+
+async def _ping(actor: Any, timeout: float) -> bool | None:
+    """Ping a producer's `rdt` group: True if it answered, False if Ray says it is dead, None
+    if neither within `timeout` or it is unreachable for now (ActorUnavailableError)."""
+    ping = asyncio.ensure_future(await_ref(actor.rdt__ping.remote()))
+    try:
+        await asyncio.wait({ping}, timeout=timeout)
+        if not ping.done():
+            return None
+        ping.result()
+        return True
+    except ray.exceptions.ActorUnavailableError:
+        return None
+    except ray.exceptions.RayActorError:
+        return False
+    finally:
+        if not ping.done():
+            ping.cancel()
+
+
+WATCH_AFTER_S, WATCH_EVERY_S = 2.0, 1.0  # when a transfer's producer starts being watched, how often
+
+
+async def watch_producer(p: Process) -> None:
+    """Return once the producer is known dead; never while it lives (cancel it when done).
+
+    Runs on: consumer, beside a transfer that has run WATCH_AFTER_S (`_fetch._watched`): a
+    ping a second to its `rdt` group, which Ray fails with ActorDiedError once the actor
+    (or its host) is declared dead; an unreachable host's pings fail with
+    ActorUnavailableError until then.
+    """
+    while not died_on_this_node(p) and await _ping(p.actor, 10 * WATCH_EVERY_S) is not False:
+        await asyncio.sleep(WATCH_EVERY_S)
+
+
+class RayChannel:
+    """The consumer's line to a producer: an actor call to its `rdt` concurrency group."""
+
+    def __init__(self, obj: RDTObject, transport: str) -> None:
+        self._obj, self._transport = obj, transport
+
+    async def request_send(self, request: Any) -> Any:
+        obj = self._obj
+        with translating(f"{self._transport} fetch of {obj.obj_id}", obj.obj_id):
+            eager = obj.eager.get(self._transport)
+            if eager is not None:
+                return await await_ref(eager)
+            if obj.producer.actor is None:
+                raise unavailable(
+                    self._transport,
+                    f"the object was put by {obj.producer.label}, which serves no transfers; "
+                    "put it with tensor_transport='object_store' or fetch it on its node",
+                )
+            # A cancelled fetch leaves the producer's send to finish and its reply unread:
+            # `ray.cancel` of an actor call still queued in this process leaves a hole in
+            # the actor's sequence numbers, and an in-order (sync) producer then waits 30 s
+            # for it and fails every call queued meanwhile (seen on Ray 2.60 in our tests).
+            ref = obj.producer.actor.rdt__send.remote(obj.obj_id, self._transport, request)
+            return await await_ref(ref)
+
+
+def is_ref(x: Any) -> bool:
+    return isinstance(x, ray.ObjectRef)
+
+
+@functools.lru_cache(maxsize=1)
+def node_id() -> str:
+    """This process's node (cached; a new session clears it)."""
+    return ray.get_runtime_context().get_node_id()
+
+
+def get_ref(ref: Any, timeout: float | None) -> Any:
+    return ray.get(ref, timeout=timeout)
+
+
+def free_remote(obj: RDTObject) -> None:
+    """Ask the producer to free `obj` now (fire and forget)."""
+    if obj.producer.actor is None:
+        raise RDTError(
+            f"object {obj.obj_id} was put by {obj.producer.label}: call rdt.free() there",
+            obj_id=obj.obj_id,
+        )
+    obj.producer.actor.rdt__free.remote(obj.obj_id)
+
+
+def put(value: Any) -> Any:
+    """Return an ObjectRef to `value`, owned by this process (an RDTObject: with its anchor)."""
+    return ray.put(value)
+
+
+_nodes_seen: tuple[float, bool] = (0.0, False)
+
+
+def several_nodes() -> bool:
+    """Say whether the cluster has more than one alive node (asked of the GCS every 5 s)."""
+    global _nodes_seen
+    checked, several = _nodes_seen
+    if time.monotonic() - checked > 5.0:
+        several = sum(1 for n in ray.nodes() if n.get("Alive")) > 1
+        _nodes_seen = (time.monotonic(), several)
+    return several
+
+
+# Transports registered in one process reach every other one through Ray's GCS key-value
+# store: `rdt.register_transport` publishes (name, devices, class) there, now or at the
+# next `ray.init()`, and a lookup miss in any process reads it back (the registry's
+# cluster hooks). Classes from user code (a script, a test module) travel by value.
+_KV_NAMESPACE = "rdt_async"
+
+
+_published: dict[str, bytes] = {}
+
+
+def _kv_key(name: str) -> bytes:
+    return f"transport:{name}".encode()
+
+
+def _kv_ready() -> bool:
+    from ray.experimental import internal_kv
+
+    return ray.is_initialized() and internal_kv._internal_kv_initialized()
+
+
+def _publish_transport(reg: _registry.Registration) -> None:
+    """Publish a registration for the cluster. Raises: TypeError if it cannot be pickled."""
+    _published[reg.name] = _pickle_transport(reg)
+    hooks = ray._private.worker._post_init_hooks
+    if _publish_all not in hooks:
+        hooks.append(_publish_all)
+    if _kv_ready():
+        _publish_all()
+
+
+def _publish_all() -> None:
+    from ray.experimental import internal_kv
+
+    for name, blob in list(_published.items()):
+        internal_kv._internal_kv_put(_kv_key(name), blob, overwrite=True, namespace=_KV_NAMESPACE)
+
+
+def _pickle_transport(reg: _registry.Registration) -> bytes:
+    import sys
+
+    from ray import cloudpickle
+
+    module = sys.modules.get(reg.cls.__module__)
+    if module is not None and _is_user_code(module) and not cloudpickle.cloudpickle._is_registered_pickle_by_value(module):
+        # For good: the metadata its objects carry comes from the same module.
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        return cloudpickle.dumps((reg.name, reg.devices, reg.cls))
+    except Exception as exc:
+        raise TypeError(
+            f"transport class {reg.cls.__qualname__} cannot be pickled to reach other processes: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _is_user_code(module: Any) -> bool:
+    """Say whether `module` is a file of the user's (not installed, not rdt_async, not __main__)."""
+    path = getattr(module, "__file__", None)
+    if module.__name__ == "__main__" or not path:
+        return False
+    path = os.path.realpath(path)
+    parts = path.split(os.sep)
+    ours = os.path.dirname(os.path.realpath(__file__)) + os.sep  # rdt_async/
+    return "site-packages" not in parts and "dist-packages" not in parts and not path.startswith(ours)
+
+
+def _resolve_transport(name: str) -> tuple[Sequence[str], type] | None:
+    """Return (devices, class) published for `name` by some process, or None."""
+    if not _kv_ready():
+        return None
+    from ray import cloudpickle
+    from ray.experimental import internal_kv
+
+    blob = internal_kv._internal_kv_get(_kv_key(name), namespace=_KV_NAMESPACE)
+    if blob is None:
+        return None
+    _, devices, cls = cloudpickle.loads(blob)
+    return devices, cls
+
+
+_registry.set_cluster_hooks(resolve=_resolve_transport, publish=_publish_transport)
