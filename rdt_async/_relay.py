@@ -4,10 +4,12 @@ A weight sync to eight inference actors on a node would otherwise move the objec
 the link eight times (Ray's object store pulls an object to a node once). The first
 consumer on a node to fetch a remote CPU object claims it by binding an abstract unix
 socket named after the object -- one process of the node (of its network namespace)
-can hold the name, and it goes away with that process -- reads the object once into a
-memfd, and hands the memfd (SCM_RIGHTS) to every consumer of the node that asks while
-the claim lasts (RDT_RELAY_KEEP_S after the read, default 2 s). Every consumer, the
-first included, maps it copy-on-write: no copy, and a consumer's writes stay its own.
+can hold the name, and it goes away with that process -- and reads it as any fetch
+does. If other consumers of the node asked for it meanwhile, it copies it into a memfd
+and hands the memfd (SCM_RIGHTS) to them, and to those who ask while the claim lasts
+(RDT_RELAY_KEEP_S after the read, default 2 s); they map it copy-on-write: no copy, and
+a consumer's writes stay its own. Nobody asking costs the first consumer nothing.
+Both ends check that the other runs as the same user (SO_PEERCRED).
 
 The memfd is written once and never reused: no consumer can see another object's bytes,
 and its memory goes with the last mapping. When the first consumer's read fails, is
@@ -26,9 +28,11 @@ import json
 import math
 import mmap
 import os
+import select
 import socket
 import struct
 import sys
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -122,30 +126,41 @@ async def _serve(
     specs: Sequence[TensorSpec],
     transfer: Callable[[list[torch.Tensor] | None], Awaitable[list[torch.Tensor]]],
 ) -> list[torch.Tensor]:
+    """Read the object for this node; copy it into a memfd for the consumers that asked meanwhile.
+
+    The transfer lands where the transport puts it, as any fetch's (so a cancel ends it as
+    promptly as any); the memfd costs a copy only where another consumer waits for it.
+    """
     claim.listen(128)
     claim.setblocking(False)
     server = _Server(claim, obj_id)
     _io.call_soon(server.start)
-    fd = -1
     try:
-        offsets, size = _layout(specs)
-        fd = os.memfd_create(f"rdt-relay-{obj_id}", os.MFD_CLOEXEC)
-        os.ftruncate(fd, size)
-        shared = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        buffers = _views(shared, specs, offsets)
-        got = await transfer(buffers)
-        for b, t in zip(buffers, got):
-            if t.data_ptr() != b.data_ptr():  # a transport that landed them elsewhere
-                b.copy_(t)
-        del buffers, got, shared
-        mine = _private(fd, specs, offsets, size)
+        mine = await transfer(None)
+        if not server.asked():
+            _io.call_soon(server.end)  # nobody else wants it: later askers read for themselves
+            return mine
+        fd, size = await _io.to_thread_finished(_publish, obj_id, mine, specs, undo=lambda made: os.close(made[0]))
     except BaseException:
-        _io.call_soon(server.fail)
-        if fd >= 0:
-            os.close(fd)
+        _io.call_soon(server.end)
         raise
     _io.call_soon(server.ready, fd, size)  # it closes fd when the claim ends
     return mine
+
+
+def _publish(obj_id: str, tensors: Sequence[torch.Tensor], specs: Sequence[TensorSpec]) -> tuple[int, int]:
+    """A memfd holding a copy of `tensors` at the relay's layout."""
+    offsets, size = _layout(specs)
+    fd = os.memfd_create(f"rdt-relay-{obj_id}", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+        shared = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        for view, t in zip(_views(shared, specs, offsets), tensors):
+            view.copy_(t)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, size
 
 
 class _Server:
@@ -153,9 +168,17 @@ class _Server:
 
     def __init__(self, claim: socket.socket, obj_id: str) -> None:
         self.claim, self.obj_id = claim, obj_id
+        self.lock = threading.Lock()  # `waiting`: filled on the I/O loop, counted by the reader
         self.waiting: list[socket.socket] = []
         self.fd, self.size = -1, 0
         self.done = False
+
+    def asked(self) -> bool:
+        """Whether another consumer waits for the object (accepted, or still in the backlog)."""
+        with self.lock:
+            if self.waiting:
+                return True
+        return bool(select.select([self.claim], [], [], 0)[0])
 
     def start(self) -> None:
         asyncio.get_running_loop().add_reader(self.claim.fileno(), self._accept)
@@ -173,7 +196,8 @@ class _Server:
             elif self.fd >= 0:
                 self._answer(conn)
             else:
-                self.waiting.append(conn)
+                with self.lock:
+                    self.waiting.append(conn)
 
     def _answer(self, conn: socket.socket) -> None:
         with contextlib.closing(conn):
@@ -183,15 +207,14 @@ class _Server:
 
     def ready(self, fd: int, size: int) -> None:
         self.fd, self.size = fd, size
-        for conn in self.waiting:
+        with self.lock:
+            waiting, self.waiting = self.waiting, []
+        for conn in waiting:
             self._answer(conn)
-        self.waiting.clear()
         asyncio.get_running_loop().call_later(_keep_s(), self.close)
 
-    def fail(self) -> None:
-        for conn in self.waiting:
-            conn.close()  # EOF: they read for themselves
-        self.waiting.clear()
+    def end(self) -> None:
+        """End the claim with nothing to give: who asked reads for themselves (EOF)."""
         self.close()
 
     def close(self) -> None:
@@ -200,7 +223,9 @@ class _Server:
         self.done = True
         asyncio.get_running_loop().remove_reader(self.claim.fileno())
         self._accept()  # who connected last still gets the answer (or EOF)
-        for conn in self.waiting:
+        with self.lock:
+            waiting, self.waiting = self.waiting, []
+        for conn in waiting:
             conn.close()
         self.claim.close()
         if self.fd >= 0:

@@ -32,11 +32,12 @@ class Network:
     """Stands in for a transport: counts reads, may fail or stall."""
 
     def __init__(self, fail: bool = False, stall: float = 0.0) -> None:
-        self.reads: list[bool] = []  # into buffers?
+        self.reads = 0
         self.fail, self.stall = fail, stall
 
     async def __call__(self, buffers):
-        self.reads.append(buffers is not None)
+        assert buffers is None  # the relay lets every transport land the bytes its own way
+        self.reads += 1
         await asyncio.sleep(self.stall)
         if self.fail:
             raise OSError("the link broke")
@@ -71,7 +72,7 @@ async def test_two_consumers_share_one_read_and_keep_their_writes_to_themselves(
     (a, a_relayed), (b, b_relayed) = await asyncio.gather(
         _relay.fetch(obj, SPECS, net), _relay.fetch(obj, SPECS, net)
     )
-    assert net.reads == [True]  # one read, into the memfd
+    assert net.reads == 1  # one read, copied into a memfd for the one who asked
     assert (a_relayed, b_relayed) == (False, True)
     want = _values()
     for got in (a, b):
@@ -91,9 +92,10 @@ async def test_a_consumer_arriving_after_the_claim_ended_reads_again(monkeypatch
     monkeypatch.setenv("RDT_RELAY_KEEP_S", "0.1")
     net, obj = Network(), _obj_id()
     first, _ = await _relay.fetch(obj, SPECS, net)
+    assert not [fd for fd in _fds() if "memfd:rdt-relay" in fd]  # nobody asked: no copy made
     await asyncio.sleep(0.3)
     second, relayed = await _relay.fetch(obj, SPECS, net)
-    assert (net.reads, relayed) == ([True, True], False)
+    assert (net.reads, relayed) == (2, False)
     assert torch.equal(first[0], second[0])
 
 
@@ -104,7 +106,7 @@ async def test_when_the_first_read_fails_the_others_read_for_themselves():
     )
     assert isinstance(first, OSError) and "the link broke" in str(first)
     tensors, relayed = second
-    assert (broken.reads, fine.reads, relayed) == ([True], [False], False)
+    assert (broken.reads, fine.reads, relayed) == (1, 1, False)
     assert torch.equal(tensors[0], _values()[0])
 
 
@@ -116,7 +118,7 @@ async def test_when_the_first_read_is_cancelled_the_others_read_for_themselves()
     await asyncio.sleep(0.05)
     first.cancel()
     tensors, relayed = await asyncio.wait_for(second, 5)
-    assert first.cancelled() and (fine.reads, relayed) == ([False], False)
+    assert first.cancelled() and (fine.reads, relayed) == (1, False)
     assert torch.equal(tensors[1], _values()[1])
 
 
@@ -141,12 +143,12 @@ async def test_when_the_first_consumers_process_dies_the_others_read_for_themsel
         net = Network()
         asking = asyncio.ensure_future(_relay.fetch(obj, SPECS, net))
         await asyncio.sleep(0.2)
-        assert not asking.done() and net.reads == []  # it waits for the holder's read
+        assert not asking.done() and net.reads == 0  # it waits for the holder's read
         t0 = time.monotonic()
         holder.kill()
         tensors, relayed = await asyncio.wait_for(asking, 10)
         assert time.monotonic() - t0 < 5
-        assert (net.reads, relayed) == ([False], False)
+        assert (net.reads, relayed) == (1, False)
         assert torch.equal(tensors[0], _values()[0])
     finally:
         holder.kill()
@@ -181,7 +183,7 @@ async def test_a_claim_held_by_another_user_is_not_trusted():
         assert await asyncio.to_thread(bound.wait, 60)
         net = Network()
         tensors, relayed = await asyncio.wait_for(_relay.fetch(obj, SPECS, net), 10)
-        assert (net.reads, relayed) == ([False], False)  # read for itself
+        assert (net.reads, relayed) == (1, False)  # read for itself
         assert torch.equal(tensors[0], _values()[0])
     finally:
         squatter.kill()
@@ -213,9 +215,13 @@ def fan_out(ray_session):
 
     @rdt.remote
     class Server:
-        async def load(self, refs):
-            self.w = (await rdt.fetch(refs[0]))["w"]
-            return float(self.w.double().sum()), rdt.store_stats()["fetches"]
+        async def load(self, refs, at: float):
+            obj = await refs[0]  # the RDTObject in hand; all fetch at once, at `at`
+            await asyncio.sleep(max(0.0, at - time.time()))
+            before = rdt.store_stats()["fetches"]
+            self.w = (await rdt.fetch(obj))["w"]
+            after = rdt.store_stats()["fetches"]
+            return float(self.w.double().sum()), {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}
 
         async def scribble(self) -> None:
             self.w.fill_(-1.0)
@@ -237,14 +243,19 @@ def test_consumers_on_another_host_share_one_transfer_and_own_their_copies(fan_o
     if cluster.hosts is None:
         pytest.skip("node2 runs on this host (no namespaces here): nothing crosses hosts")
     producer, servers = fan_out
-    n = 1 << 20  # 4 MiB of float32
+    n = 8 << 20  # 32 MiB of float32
     want = float(torch.randn(n, generator=torch.Generator().manual_seed(3)).double().sum())
     w = {"w": torch.randn(n, generator=torch.Generator().manual_seed(3))}
     ref = (producer.value if transport == "auto" else producer.value_os).remote(w)
-    loaded = ray.get([s.load.remote([ref]) for s in servers], timeout=60)
-    assert [round(total, 3) for total, _ in loaded] == [round(want, 3)] * 4
+    warm = (producer.value if transport == "auto" else producer.value_os).remote({"w": torch.ones(1 << 20)})
+    ray.get([s.load.remote([warm], 0.0) for s in servers], timeout=60)  # each process's first fetch sets up
+    del warm
+    at = time.time() + 2.0
+    loaded = ray.get([s.load.remote([ref], at) for s in servers], timeout=60)
+    assert [round(total, 1) for total, _ in loaded] == [round(want, 1)] * 4
     used = [next(iter(fetches)) for _, fetches in loaded]
-    assert sorted(used).count("relay") == 3, used  # one read crossed the link, three mapped it
-    assert len({u for u in used if u != "relay"}) == 1
+    # One read crossed the link; who asked while it ran mapped it (all, but for a straggler).
+    assert 2 <= used.count("relay") <= 3, used
+    assert len({u for u in used if u != "relay"}) == 1, used
     ray.get(servers[0].scribble.remote())
     assert ray.get([s.kept_sum.remote() for s in servers]) == pytest.approx([-n] + [want] * 3)
