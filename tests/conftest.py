@@ -34,9 +34,10 @@ def cluster():
     # Ray declares a host that stops answering dead after ~10 s, not its default ~30-60 s
     # (test_partition cuts a host off and waits for that verdict).
     health = {"health_check_period_ms": 1000, "health_check_timeout_ms": 1000, "health_check_failure_threshold": 10}
-    # Metrics reach the Prometheus endpoint within ~1 s (test_metrics reads them back).
-    system = {**health, "metrics_report_interval_ms": 1000}
-    head = {"num_cpus": 16, "resources": {"head": 1000}, "_system_config": system}
+    # Metrics reach the Prometheus endpoint within ~2 s (test_metrics reads them back); no
+    # dashboard (its agents, which export metrics, still run).
+    system = {**health, "metrics_report_interval_ms": 2000}
+    head = {"num_cpus": 16, "resources": {"head": 1000}, "_system_config": system, "include_dashboard": False}
     c = Cluster(initialize_head=True, head_node_args=head if hosts is None else {**head, "node_ip_address": hosts.head_ip})
     here = os.path.dirname(os.path.abspath(__file__))
     path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
