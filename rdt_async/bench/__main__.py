@@ -20,7 +20,8 @@ import ray
 import torch
 
 from ._progress import Progress
-from ._report import human, markdown, parse_size, write_json, write_out
+from ._report import markdown, write_json, write_out
+from ._units import human, parse_size
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,7 +28,7 @@ import rdt_async as rdt
 
 from ._loop import LoopStall
 from ._progress import Progress
-from ._report import human
+from ._units import human
 
 ZERO_COPY_ENV = {"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}}
 RAY_PATHS = ("ray object store", "ray object store zero-copy", "ray rdt nixl", "ray rdt gloo")

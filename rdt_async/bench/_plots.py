@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ._report import human
+from ._units import human
 
 Row = dict[str, Any]
 

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from . import _rawnixl
-from ._report import human, parse_size, write_json
+from ._report import write_json
+from ._units import human, parse_size
 
 GIB = float(1 << 30)
 
