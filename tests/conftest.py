@@ -11,7 +11,9 @@ Ray is imported only when a test asks for the cluster: the transport contract su
 
 from __future__ import annotations
 
+import functools
 import gc
+import inspect
 import os
 import time
 
@@ -108,3 +110,42 @@ def _wait_until(cond, timeout: float, what=lambda: "condition"):
 ON_NODE2 = {"num_cpus": 0, "resources": {"node2": 1}}
 wait_until = _wait_until
 rdt_segments = _rdt_segments
+
+
+# -- every async test: its event loop must stay free -----------------------------------------
+
+# The longest an async test's loop may go without running a 5 ms sleeper on time. Work
+# that blocks it (a copy, a native wait on the loop's thread) shows here on any test;
+# a test that means to block marks itself `@pytest.mark.allow_stall`.
+MAX_STALL_S = float(os.environ.get("RDT_TEST_MAX_STALL_S", "0.1"))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "allow_stall: the test blocks its event loop on purpose")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        fn = getattr(item, "obj", None)
+        if inspect.iscoroutinefunction(fn) and item.get_closest_marker("allow_stall") is None:
+            item.obj = _stall_guarded(fn)
+
+
+def _stall_guarded(fn):
+    @functools.wraps(fn)
+    async def guarded(*args, **kwargs):
+        from probes import LagProbe
+
+        probe = LagProbe()
+        probe.start()
+        try:
+            result = await fn(*args, **kwargs)
+        finally:
+            stall = await probe.stop()
+        assert stall < MAX_STALL_S, (
+            f"the test's event loop stalled {stall * 1000:.0f} ms (limit {MAX_STALL_S * 1000:.0f} ms, "
+            "RDT_TEST_MAX_STALL_S): something blocked it"
+        )
+        return result
+
+    return guarded
