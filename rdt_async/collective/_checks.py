@@ -16,10 +16,10 @@ import ray
 from .. import _io
 from .._errors import CollectiveGroupError, ObjectFreedError, translate
 from .._object import RDTObject
+from .._ray import await_ref
 from .._store import store
 from . import _records
 from ._groups import CollectiveGroup
-from ._messages import await_ref
 
 REDUCE_OPS = ("sum", "prod", "min", "max", "avg")
 

@@ -15,8 +15,9 @@ from typing import Any
 import ray
 
 from .._errors import CollectiveGroupError, ObjectFreedError, PeerDiedError, translate
+from .._ray import await_ref
 from ._checks import Holder
-from ._messages import Break, Part, await_ref, call, send
+from ._messages import Break, Part, call, send
 
 BREAK_GRACE_S = 10.0  # after breaking a group, how long the caller waits for the survivors' answers
 

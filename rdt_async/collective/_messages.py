@@ -9,9 +9,10 @@ which carries only what that collective needs.
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
+
+from .._ray import await_ref
 
 if TYPE_CHECKING:
     import torch
@@ -115,8 +116,3 @@ def send(actor: Any, msg: Message) -> Any:
 async def call(actor: Any, msg: Message) -> Any:
     """Send `msg` to a member and await its answer."""
     return await await_ref(send(actor, msg))
-
-
-async def await_ref(ref: Any) -> Any:
-    """Await a Ray ObjectRef from any loop."""
-    return await asyncio.wrap_future(ref.future())
