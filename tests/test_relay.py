@@ -9,6 +9,7 @@ session's cluster.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import secrets
@@ -133,13 +134,23 @@ def _hold_claim_then_die(obj: str, claimed) -> None:
     asyncio.run(main())
 
 
-async def test_when_the_first_consumers_process_dies_the_others_read_for_themselves():
+@contextlib.asynccontextmanager
+async def _claimed_elsewhere(target):
+    """A process of this node running `target(obj, claimed)`; yield (process, obj) once it claimed obj."""
     ctx = multiprocessing.get_context("spawn")
     obj, claimed = _obj_id(), ctx.Event()
-    holder = ctx.Process(target=_hold_claim_then_die, args=(obj, claimed), daemon=True)
+    holder = ctx.Process(target=target, args=(obj, claimed), daemon=True)
     holder.start()
     try:
         assert await asyncio.to_thread(claimed.wait, 60)
+        yield holder, obj
+    finally:
+        holder.kill()
+        holder.join(10)
+
+
+async def test_when_the_first_consumers_process_dies_the_others_read_for_themselves():
+    async with _claimed_elsewhere(_hold_claim_then_die) as (holder, obj):
         net = Network()
         asking = asyncio.ensure_future(_relay.fetch(obj, SPECS, net))
         await asyncio.sleep(0.2)
@@ -150,9 +161,6 @@ async def test_when_the_first_consumers_process_dies_the_others_read_for_themsel
         assert time.monotonic() - t0 < 5
         assert (net.reads, relayed) == (1, False)
         assert torch.equal(tensors[0], _values()[0])
-    finally:
-        holder.kill()
-        holder.join(10)
 
 
 def _squat_as_nobody(obj: str, bound) -> None:
@@ -175,19 +183,11 @@ def _squat_as_nobody(obj: str, bound) -> None:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process as another user")
 async def test_a_claim_held_by_another_user_is_not_trusted():
-    ctx = multiprocessing.get_context("spawn")
-    obj, bound = _obj_id(), ctx.Event()
-    squatter = ctx.Process(target=_squat_as_nobody, args=(obj, bound), daemon=True)
-    squatter.start()
-    try:
-        assert await asyncio.to_thread(bound.wait, 60)
+    async with _claimed_elsewhere(_squat_as_nobody) as (_, obj):
         net = Network()
         tensors, relayed = await asyncio.wait_for(_relay.fetch(obj, SPECS, net), 10)
         assert (net.reads, relayed) == (1, False)  # read for itself
         assert torch.equal(tensors[0], _values()[0])
-    finally:
-        squatter.kill()
-        squatter.join(10)
 
 
 def test_only_remote_cpu_objects_of_a_mib_or_more_go_through_the_relay(monkeypatch):
