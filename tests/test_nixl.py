@@ -21,7 +21,7 @@ from probes import cancel_after  # noqa: E402
 import rdt_async as rdt  # noqa: E402
 from rdt_async import _io  # noqa: E402
 from rdt_async.transports import _registry  # noqa: E402
-from rdt_async.transports import nixl as nixl_transport  # noqa: E402
+from rdt_async.transports.nixl import _transport as nixl_transport  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

@@ -9,7 +9,7 @@ def agent(name: str) -> Any:
     """A NIXL agent set up as the transport's own (UCX, no progress thread)."""
     from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
-    from rdt_async.transports import nixl as transport
+    from rdt_async.transports.nixl import _transport as transport
 
     transport._import_reason()  # NIXL's INFO lines off stdout, as for the transport's own agents
     cfg = nixl_agent_config(

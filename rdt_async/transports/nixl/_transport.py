@@ -62,10 +62,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from .. import _alloc, _cuda, _io
-from .._errors import ObjectFreedError, PeerDiedError, TransferAbortedError, TransportUnavailableError
-from . import _ucx
-from ._base import Channel, TransferInfo, Transport, copy_into, local_device, pid_alive
+from ... import _alloc, _cuda, _io
+from ..._errors import ObjectFreedError, PeerDiedError, TransferAbortedError, TransportUnavailableError
+from .. import _ucx
+from .._base import Channel, TransferInfo, Transport, copy_into, local_device, pid_alive
 
 T = TypeVar("T")
 
