@@ -9,9 +9,9 @@ def agent(name: str) -> Any:
     """A NIXL agent set up as the transport's own (UCX, no progress thread)."""
     from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
-    from rdt_async.transports.nixl import _transport as transport
+    from rdt_async.transports.nixl._agent import import_reason
 
-    transport._import_reason()  # NIXL's INFO lines off stdout, as for the transport's own agents
+    import_reason()  # NIXL's INFO lines off stdout, as for the transport's own agents
     cfg = nixl_agent_config(
         enable_prog_thread=False, backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
     )

@@ -1,15 +1,10 @@
 """`nixl`: one-sided READs with NVIDIA NIXL (UCX), CPU and CUDA tensors, any node.
 
-One agent per process, created on first use. Its progress thread waits for UCX events
-up to `PROGRESS_US` between rounds (NIXL's Python API asks for 0, which spins a core):
-over TCP or RDMA a READ moves only while the producer's worker progresses, and the
-thread does that at once, at ~0.4% of a core when idle. The consumer drives its own
-transfers from the I/O loop, and a producer also polls `get_new_notifs()` there with
-backoff: up to every 20 ms while it has registered objects, every 0.25 s once it has
-none (with RDT_NIXL_PROGRESS_US=0, no thread, that poll is all that progresses it). The
-agent is created with NIXL_THREAD_SYNC_STRICT, and our own lock sits on top of it so the
-I/O loop only ever *tries* to take the agent: under CMA `transfer()` does the whole copy
-while holding NIXL's lock, and a loop waiting on it would stall for the copy.
+One agent per process, created on first use (`_agent.py`: its progress thread, and the
+lock the I/O loop only tries). The consumer drives its own transfers from the I/O loop
+(`_xfer.py`), and a producer also polls `get_new_notifs()` there with backoff: up to
+every 20 ms while it has registered objects, every 0.25 s once it has none (with
+RDT_NIXL_PROGRESS_US=0, no thread, that poll is all that progresses it).
 
 Producer: `prepare` registers each tensor's *storage* once (refcounted, so views and
 objects sharing a storage share a registration; non-contiguous tensors are copied
@@ -48,49 +43,34 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import functools
-import importlib.util
-import logging
 import os
 import secrets
 import socket
 import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
 from ... import _alloc, _cuda, _io
-from ..._errors import ObjectFreedError, PeerDiedError, TransferAbortedError, TransportUnavailableError
+from ..._errors import ObjectFreedError, PeerDiedError, TransportUnavailableError
 from .. import _ucx
 from .._base import Channel, TransferInfo, Transport, copy_into, local_device, pid_alive
+from ._agent import Agent, import_reason
+from ._xfer import Read, post, post_now
 
-T = TypeVar("T")
-
-INSTALL_HINT = "pip install 'rdt_async[nixl]'"
-# Reads at most this large are posted on the I/O loop; larger ones copy in the pool.
-INLINE_BYTES = 256 << 10
 SLOTS_PER_TABLE = 1024
 # Reads of CPU objects up to BOUNCE_BYTES land in a buffer registered once per process and
 # are copied out (a registration costs more than copying 64 KiB). From the producer's own
 # host, once connected, they are done on the caller's thread when NIXL's agent is free:
 # under CMA the READ completes inside `transfer()` (~0.1 ms, no hop through the I/O loop).
 BOUNCE_BYTES, BOUNCE_CHUNKS = 64 << 10, 16
-SPIN_S = 0.0002  # how long a read done on the caller's thread may poll before handing off
 MD_CACHE = 4096  # partial metadata blobs remembered per producer (loaded once each)
 ALIGN = 64  # offsets of tensors that share a fetched block
 LINGER_S, LINGER_MAX_S, LINGER_BYTES_PER_S = 0.05, 10.0, float(1 << 30)
 POLL_MIN_S, POLL_MAX_S = 0.001, 0.02
 POLL_IDLE_S = 0.25  # the producer's pace once it holds nothing (consumers may still wire up)
-# NIXL's progress thread waits for UCX events up to this long between rounds (RDT_NIXL_PROGRESS_US).
-# Over TCP a READ moves only while the producer's worker progresses: without the thread, a
-# producer polling every 20 ms held cross-host reads to 40 ms at 4 KiB and 0.2 GiB/s. With
-# it, 6.6 ms and ~1 GiB/s; idle, the thread costs ~0.4% of a core (1 ms: ~4%; 0: a core).
-PROGRESS_US = 10_000
-# How long a transfer may stay in progress after a cancel before its handle is dropped.
-ABORT_GRACE_S = 5.0
 # How long a fetch that lost its connection to a live producer may take to ask it anew
 # whether the object was freed.
 RECHECK_S = 5.0
@@ -109,25 +89,6 @@ class NixlMeta:
     token: int
     pid: int
     host: str
-
-
-@functools.cache
-def _import_reason() -> str | None:
-    try:
-        spec = importlib.util.find_spec("nixl")
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None:
-        return f"the nixl package is not installed: {INSTALL_HINT}"
-    try:
-        importlib.import_module("nixl._api")
-    except Exception as exc:  # a broken install is a reason, not a crash
-        return f"nixl is installed but cannot be loaded ({type(exc).__name__}: {exc}); reinstall with {INSTALL_HINT}"
-    if not os.environ.get("NIXL_LOG_LEVEL"):
-        # NIXL logs at INFO to stdout by default (an agent's start prints two lines):
-        # a library's stdout belongs to the program. NIXL_LOG_LEVEL still rules.
-        logging.getLogger("nixl").setLevel(logging.WARNING)
-    return None
 
 
 def _mem_type(t: torch.Tensor) -> str:
@@ -157,82 +118,6 @@ class _Object:
     contiguous: list[torch.Tensor]  # copies made for non-contiguous tensors
 
 
-def _progress_delay_us() -> int:
-    raw = os.environ.get("RDT_NIXL_PROGRESS_US", str(PROGRESS_US))
-    try:
-        delay = int(raw)
-    except ValueError:
-        raise ValueError(f"RDT_NIXL_PROGRESS_US={raw!r}: give microseconds as an integer (0: no progress thread)") from None
-    if delay < 0:
-        raise ValueError(f"RDT_NIXL_PROGRESS_US={raw!r}: give microseconds >= 0 (0: no progress thread)")
-    return delay
-
-
-def _new_agent(nixl_agent: Any, name: str, cfg: Any, delay_us: int) -> Any:
-    """A NIXL agent whose progress thread waits up to `delay_us` for UCX events between rounds.
-
-    NIXL's Python API always asks for a delay of 0 (the thread spins a core); its C++ config
-    takes any delay, so the config class is swapped for one that keeps ours while the agent
-    is made (callers hold `_agent_lock`).
-    """
-    if delay_us <= 0:
-        return nixl_agent(name, cfg)
-    import nixl._api as api
-
-    base = api.nixlBind.nixlAgentConfig
-
-    class _Config(base):  # type: ignore[misc, valid-type]
-        def __setattr__(self, key: str, value: Any) -> None:
-            super().__setattr__(key, delay_us if key == "pthrDelay" else value)
-
-    api.nixlBind.nixlAgentConfig = _Config
-    try:
-        return nixl_agent(name, cfg)
-    finally:
-        api.nixlBind.nixlAgentConfig = base
-
-
-class _Agent:
-    """This process's NIXL agent, and the lock that lets the I/O loop only try it."""
-
-    def __init__(self) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
-
-        self.name = f"rdt-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
-        delay = _progress_delay_us()
-        cfg = nixl_agent_config(
-            enable_prog_thread=delay > 0,
-            backends=["UCX"],
-            sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
-        )
-        self.nixl = _new_agent(nixl_agent, self.name, cfg, delay)
-        if "UCX" not in self.nixl.backends:
-            raise TransportUnavailableError(
-                f"transport 'nixl' is unavailable: NIXL's UCX backend did not load; reinstall with {INSTALL_HINT}"
-            )
-        self.lock = threading.Lock()
-        self.pid = os.getpid()
-
-    def locked(self, fn: Callable[..., T], *args: Any) -> T:
-        """Call `fn` holding the agent (blocking: from the pool or a producer thread)."""
-        with self.lock:
-            return fn(*args)
-
-    async def call(
-        self, fn: Callable[..., T], *args: Any, slow: bool = False, undo: Callable[[T], None] | None = None
-    ) -> T:
-        """Call `fn` holding the agent: inline when free and quick, else in the pool.
-
-        A cancel waits for a call already in the pool (see `_io.to_thread_finished`); `undo` gets what it made.
-        """
-        if not slow and self.lock.acquire(blocking=False):
-            try:
-                return fn(*args)
-            finally:
-                self.lock.release()
-        return await _io.to_thread_finished(self.locked, fn, *args, undo=undo)
-
-
 class NixlTransport(Transport[NixlMeta]):
     """One-sided NIXL READs (CPU and CUDA tensors; same node over CMA/CUDA IPC, or RDMA/TCP)."""
 
@@ -242,7 +127,7 @@ class NixlTransport(Transport[NixlMeta]):
     cross_device_buffers = True
 
     def __init__(self) -> None:
-        self._agent: _Agent | None = None
+        self._agent: Agent | None = None
         self._agent_lock = threading.Lock()
         self._state = threading.Lock()  # guards the dicts below (never held while calling NIXL)
         self._regs: dict[tuple[str, int, int], _Registration] = {}
@@ -267,7 +152,7 @@ class NixlTransport(Transport[NixlMeta]):
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
-        return _import_reason() or _ucx.conflict("nixl")
+        return import_reason() or _ucx.conflict("nixl")
 
     # -- what tests and operators look at --------------------------------------------
 
@@ -284,18 +169,18 @@ class NixlTransport(Transport[NixlMeta]):
 
     # -- the agent -------------------------------------------------------------------
 
-    def agent(self) -> _Agent:
+    def agent(self) -> Agent:
         """Return this process's agent, creating it (~0.5 s) on first use. Blocking."""
         agent = self._agent
         if agent is not None and agent.pid == os.getpid():
             return agent
         with self._agent_lock:
             if self._agent is None or self._agent.pid != os.getpid():
-                reason = _import_reason()
+                reason = import_reason()
                 if reason is not None:
                     raise TransportUnavailableError(f"transport 'nixl' is unavailable: {reason}")
                 _ucx.claim("nixl")
-                agent = _Agent()
+                agent = Agent()
                 table = torch.zeros(SLOTS_PER_TABLE, dtype=torch.int64)
                 dlist = agent.locked(agent.nixl.register_memory, table)
                 conn = agent.locked(agent.nixl.get_partial_agent_metadata, dlist, True)
@@ -317,7 +202,7 @@ class NixlTransport(Transport[NixlMeta]):
     def warm_up(self) -> None:
         self.agent()
 
-    async def _agent_async(self) -> _Agent:
+    async def _agent_async(self) -> Agent:
         agent = self._agent
         if agent is not None and agent.pid == os.getpid():
             return agent
@@ -371,7 +256,7 @@ class NixlTransport(Transport[NixlMeta]):
         if agent is not None and agent.pid == os.getpid():
             _deregister_soon(agent, self._drop(obj.keys, obj.slot))
 
-    def _register(self, agent: _Agent, t: torch.Tensor) -> tuple[str, int, int]:
+    def _register(self, agent: Agent, t: torch.Tensor) -> tuple[str, int, int]:
         """Register the storage under `t` (once; refcounted) and return its key.
 
         Blocking: takes the agent. Runs on: producer (prepare) and consumer (pool).
@@ -382,17 +267,14 @@ class NixlTransport(Transport[NixlMeta]):
             self._add(key, t, agent.locked(agent.nixl.register_memory, [(*region, "")], key[0]), agent)
         return key
 
-    def _register_nowait(self, agent: _Agent, t: torch.Tensor) -> tuple[str, int, int] | None:
+    def _register_nowait(self, agent: Agent, t: torch.Tensor) -> tuple[str, int, int] | None:
         """Register from the loop if that needs no wait (known storage, or a free agent)."""
         key, known = self._use(t)
         if known:
             return key
-        if not agent.lock.acquire(blocking=False):
+        dlist = agent.try_call(agent.nixl.register_memory, [(*self._region(t), "")], key[0], busy=None)
+        if dlist is None:
             return None
-        try:
-            dlist = agent.nixl.register_memory([(*self._region(t), "")], key[0])
-        finally:
-            agent.lock.release()
         self._add(key, t, dlist, agent)
         return key
 
@@ -410,7 +292,7 @@ class NixlTransport(Transport[NixlMeta]):
         storage = t.untyped_storage()
         return (storage.data_ptr(), storage.nbytes(), _dev_index(t))
 
-    def _add(self, key: tuple[str, int, int], t: torch.Tensor, dlist: Any, agent: _Agent) -> None:
+    def _add(self, key: tuple[str, int, int], t: torch.Tensor, dlist: Any, agent: Agent) -> None:
         whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
         with self._state:
             reg = self._regs.get(key)
@@ -435,7 +317,7 @@ class NixlTransport(Transport[NixlMeta]):
                 self._free_slots.append(slot)
         return gone
 
-    def _take_slot(self, agent: _Agent) -> tuple[int, int, int, Any]:
+    def _take_slot(self, agent: Agent) -> tuple[int, int, int, Any]:
         with self._state:
             if not self._free_slots:
                 n = len(self._tables)
@@ -453,7 +335,7 @@ class NixlTransport(Transport[NixlMeta]):
         table[i] = token
         return slot, table.data_ptr() + 8 * i, token, dlist
 
-    def _partial_metadata(self, agent: _Agent, keys: Sequence[tuple[str, int, int]], table_dlist: Any) -> tuple[bytes, ...]:
+    def _partial_metadata(self, agent: Agent, keys: Sequence[tuple[str, int, int]], table_dlist: Any) -> tuple[bytes, ...]:
         by_mem: dict[str, list[tuple[int, int, int, str]]] = {"DRAM": []}
         with self._state:
             for key in dict.fromkeys(keys):
@@ -500,15 +382,12 @@ class NixlTransport(Transport[NixlMeta]):
             agent = self._agent
             if agent is None or agent.pid != os.getpid():
                 return
-            if agent.lock.acquire(blocking=False):
-                try:
-                    notifs = agent.nixl.get_new_notifs()
-                except Exception:
-                    notifs = {}
-                finally:
-                    agent.lock.release()
-                if notifs:
-                    delay = POLL_MIN_S
+            try:
+                notifs = agent.try_call(agent.nixl.get_new_notifs, busy=None)
+            except Exception:
+                notifs = {}
+            if notifs:
+                delay = POLL_MIN_S
             with self._state:
                 self._poll_idle = not self._regs
             self._poll_wake = loop.create_future()
@@ -558,7 +437,7 @@ class NixlTransport(Transport[NixlMeta]):
         return list(buffers)
 
     async def _read_object(
-        self, agent: _Agent, remote: str, info: TransferInfo[NixlMeta], buffers: list[torch.Tensor] | None
+        self, agent: Agent, remote: str, info: TransferInfo[NixlMeta], buffers: list[torch.Tensor] | None
     ) -> list[torch.Tensor]:
         """READ the tensors, then the liveness slot; raise ObjectFreedError if it changed."""
         meta = info.meta
@@ -577,18 +456,17 @@ class NixlTransport(Transport[NixlMeta]):
             error: Exception | None = None
             for group in _by_device([(d, s) for d, (_, s) in zip(lands, pairs)]):
                 try:
-                    await self._read(
-                        agent, remote,
+                    await post(agent, remote, Read(
                         [(d.data_ptr(), s[1], _dev_index(d)) for d, s in group],
                         [s[:3] for _, s in group],
-                        local_mem=_mem_type(group[0][0]), remote_mem=group[0][1][3],
-                    )
+                        _mem_type(group[0][0]), group[0][1][3],
+                    ))
                 except Exception as exc:  # a read of freed memory can fail: ask the slot
                     error = exc
                     break
             lslot.zero_()
             try:
-                await self._read(agent, remote, [(lslot.data_ptr(), 8, 0)], [(meta.slot, 8, 0)], "DRAM", "DRAM")
+                await post(agent, remote, Read([(lslot.data_ptr(), 8, 0)], [(meta.slot, 8, 0)]))
             except Exception:
                 if error is not None:
                     raise error from None
@@ -623,7 +501,7 @@ class NixlTransport(Transport[NixlMeta]):
         dsts = [t.reshape(-1).view(torch.uint8) if t.numel() else t for t in out]
         return out, dsts
 
-    async def _connect(self, agent: _Agent, meta: NixlMeta) -> str:
+    async def _connect(self, agent: Agent, meta: NixlMeta) -> str:
         """Load the producer's metadata: its connection once, the object's regions each time."""
         remote = self._remotes.get(meta.agent)
         if remote is None:
@@ -663,7 +541,7 @@ class NixlTransport(Transport[NixlMeta]):
             while len(known) > MD_CACHE:
                 known.popitem(last=False)  # forgetting only costs a reload
 
-    async def _forget(self, agent: _Agent, producer: str, epoch: int | None) -> None:
+    async def _forget(self, agent: Agent, producer: str, epoch: int | None) -> None:
         """Drop the producer's connection `epoch` (None: whichever) and its metadata.
 
         Reads that broke on one connection each drop it: the first to do so may already
@@ -681,7 +559,7 @@ class NixlTransport(Transport[NixlMeta]):
             except Exception:
                 pass
 
-    async def _still_held(self, agent: _Agent, info: TransferInfo[NixlMeta], cause: BaseException) -> bool:
+    async def _still_held(self, agent: Agent, info: TransferInfo[NixlMeta], cause: BaseException) -> bool:
         """Read the liveness slot over a fresh connection: True if the object is still held.
 
         A READ of memory the producer has unmapped (a `free()` racing the read past the
@@ -701,7 +579,7 @@ class NixlTransport(Transport[NixlMeta]):
                 remote = await self._connect(agent, meta)
                 epoch = self._epochs.get(meta.agent)
                 lslot.zero_()
-                await self._read(agent, remote, [(lslot.data_ptr(), 8, 0)], [(meta.slot, 8, 0)], "DRAM", "DRAM")
+                await post(agent, remote, Read([(lslot.data_ptr(), 8, 0)], [(meta.slot, 8, 0)]))
             _check_slot(lslot, info)
             held = True
         except ObjectFreedError as exc:
@@ -717,7 +595,7 @@ class NixlTransport(Transport[NixlMeta]):
             raise freed from cause
         return held
 
-    async def _register_all(self, agent: _Agent, dsts: list[torch.Tensor]) -> list[tuple[str, int, int]]:
+    async def _register_all(self, agent: Agent, dsts: list[torch.Tensor]) -> list[tuple[str, int, int]]:
         keys: list[tuple[str, int, int]] = []
         try:
             for d in dsts:
@@ -729,41 +607,6 @@ class NixlTransport(Transport[NixlMeta]):
             _deregister_soon(agent, self._drop(keys))
             raise
         return keys
-
-    async def _read(
-        self,
-        agent: _Agent,
-        remote: str,
-        local: list[tuple[int, int, int]],
-        remote_descs: list[tuple[int, int, int]],
-        local_mem: str,
-        remote_mem: str,
-    ) -> None:
-        """READ remote regions into local ones; release the handle whatever happens.
-
-        Runs on: consumer (I/O loop). Posts inline up to INLINE_BYTES, else in the pool.
-        """
-        nx = agent.nixl
-        handle = await agent.call(
-            nx.initialize_xfer, "READ", nx.get_xfer_descs(local, local_mem),
-            nx.get_xfer_descs(remote_descs, remote_mem), remote,
-            undo=lambda h: _call_soon(agent, nx.release_xfer_handle, h),
-        )
-        state = "PROC"
-        try:
-            if sum(r[1] for r in remote_descs) <= INLINE_BYTES:
-                state = await agent.call(nx.transfer, handle)
-            else:
-                state = await agent.call(nx.transfer, handle, slow=True)
-            if state == "PROC":
-                state = await _wait_state(agent, handle)
-            if state != "DONE":
-                raise TransferAbortedError(f"nixl READ from {remote} ended in state {state}")
-        finally:
-            if state == "PROC":
-                await _abort(agent, handle)
-            else:
-                _call_soon(agent, nx.release_xfer_handle, handle)
 
     def receive_nowait(
         self, info: TransferInfo[NixlMeta], buffers: list[torch.Tensor] | None
@@ -808,11 +651,11 @@ class NixlTransport(Transport[NixlMeta]):
                 self._mark_loaded(meta.agent, md)
             lands = self._bounce_views(bounce, pairs)
             local = [(b.data_ptr(), s[1], 0) for b, (_, s) in zip(lands, pairs)]
-            if pairs and not self._read_now(agent, remote, local, [s[:3] for _, s in pairs], give_back):
+            if pairs and not post_now(agent, remote, Read(local, [s[:3] for _, s in pairs]), give_back):
                 handed_off = True
                 return None
             lslot.zero_()
-            if not self._read_now(agent, remote, [(lslot.data_ptr(), 8, 0)], [(meta.slot, 8, 0)], give_back):
+            if not post_now(agent, remote, Read([(lslot.data_ptr(), 8, 0)], [(meta.slot, 8, 0)]), give_back):
                 handed_off = True
                 return None
             _check_slot(lslot, info)
@@ -828,37 +671,6 @@ class NixlTransport(Transport[NixlMeta]):
         if buffers is None:
             return out
         return copy_into(buffers, out) if any(b is not o for b, o in zip(buffers, out)) else list(buffers)
-
-    def _read_now(
-        self,
-        agent: _Agent,
-        remote: str,
-        local: list[tuple[int, int, int]],
-        remote_descs: list[tuple[int, int, int]],
-        on_end: Callable[[], None],
-    ) -> bool:
-        """READ DRAM regions holding the agent; False if NIXL left it in progress.
-
-        A READ left in progress is handed to the I/O loop, which releases its handle and
-        calls `on_end` once it ends. Raises: TransferAbortedError, NIXL's errors.
-        """
-        nx = agent.nixl
-        handle = nx.initialize_xfer("READ", nx.get_xfer_descs(local, "DRAM"), nx.get_xfer_descs(remote_descs, "DRAM"), remote)
-        try:
-            state = nx.transfer(handle)
-            deadline = time.perf_counter() + SPIN_S
-            while state == "PROC" and time.perf_counter() < deadline:
-                state = nx.check_xfer_state(handle)
-        except BaseException:
-            _quietly(nx.release_xfer_handle, handle)
-            raise
-        if state == "PROC":
-            _io.call_soon(_finish_later, agent, handle, on_end)
-            return False
-        _quietly(nx.release_xfer_handle, handle)
-        if state != "DONE":
-            raise TransferAbortedError(f"nixl READ from {remote} ended in state {state}")
-        return True
 
     def _take_bounce(self, pairs: list[tuple[torch.Tensor, Any]]) -> int:
         """Return a free bounce chunk for a read this small into CPU memory, else -1."""
@@ -928,91 +740,9 @@ def _by_device(
     return list(groups.values())
 
 
-def _call_soon(agent: _Agent, fn: Callable[..., Any], *args: Any) -> None:
-    """Call `fn` on the agent now if it is free, else in the pool; never wait, never raise."""
-    if agent.lock.acquire(blocking=False):
-        try:
-            fn(*args)
-        except Exception:
-            pass
-        finally:
-            agent.lock.release()
-    else:
-        _io.pool().submit(_quietly, agent.locked, fn, *args)
-
-
-async def _wait_state(agent: _Agent, handle: Any, within: float | None = None) -> str:
-    """Poll a posted transfer from the I/O loop with backoff until it leaves PROC (or `within` s pass).
-
-    Raises: NIXL's error from `check_xfer_state`.
-    """
-    deadline = None if within is None else time.monotonic() + within
-    delay, state = 0.0, "PROC"
-    while state == "PROC" and (deadline is None or time.monotonic() < deadline):
-        await asyncio.sleep(delay)
-        delay = min(0.005, delay * 2 or 0.0002)
-        if agent.lock.acquire(blocking=False):
-            try:
-                state = agent.nixl.check_xfer_state(handle)
-            finally:
-                agent.lock.release()
-    return state
-
-
-def _finish_later(agent: _Agent, handle: Any, on_end: Callable[[], None]) -> None:
-    """Wait on the I/O loop for a READ left in progress, release it, then call `on_end`."""
-
-    async def finish() -> None:
-        try:
-            try:
-                state = await _wait_state(agent, handle, ABORT_GRACE_S)
-            except Exception:
-                state = "ERR"
-            if state == "PROC":
-                await _abort(agent, handle)
-            else:
-                _call_soon(agent, agent.nixl.release_xfer_handle, handle)
-        finally:
-            on_end()
-
-    task = asyncio.get_running_loop().create_task(finish())
-    _finishing.add(task)  # the loop keeps tasks only weakly
-    task.add_done_callback(_finishing.discard)
-
-
-_finishing: set[asyncio.Task[None]] = set()
-
-
-def _deregister_soon(agent: _Agent, dlists: list[Any]) -> None:
+def _deregister_soon(agent: Agent, dlists: list[Any]) -> None:
     for dlist in dlists:
-        _call_soon(agent, agent.nixl.deregister_memory, dlist)
-
-
-async def _abort(agent: _Agent, handle: Any) -> None:
-    """Release an in-progress transfer: NIXL cancels it, or we wait (bounded) until it ends."""
-    nx = agent.nixl
-    deadline = time.monotonic() + ABORT_GRACE_S
-    while True:
-        try:
-            await asyncio.shield(agent.call(nx.release_xfer_handle, handle))
-            return
-        except asyncio.CancelledError:
-            pass
-        except Exception:  # NIXL could not cancel it yet
-            pass
-        if time.monotonic() > deadline:
-            return  # NIXL keeps the handle on its leak list and frees it with the agent
-        try:
-            await asyncio.sleep(0.001)
-        except asyncio.CancelledError:
-            pass
-
-
-def _quietly(fn: Callable[..., Any], *args: Any) -> None:
-    try:
-        fn(*args)
-    except Exception:
-        pass
+        agent.call_soon(agent.nixl.deregister_memory, dlist)
 
 
 def _is_disconnect(exc: BaseException) -> bool:

@@ -1,0 +1,161 @@
+"""This process's NIXL agent: loading nixl, creating the agent, and calls that hold it.
+
+NIXL's progress thread waits for UCX events up to `PROGRESS_US` between rounds (NIXL's
+Python API asks for 0, which spins a core): over TCP or RDMA a READ moves only while
+the producer's worker progresses, and the thread does that at once, at ~0.4% of a core
+when idle. The agent is created with NIXL_THREAD_SYNC_STRICT, and our own lock sits on
+top of it so that the I/O loop only ever *tries* to take the agent: under CMA
+`transfer()` does the whole copy while holding NIXL's lock, and a loop waiting on it
+would stall for the copy.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import logging
+import os
+import secrets
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from ... import _io
+from ..._errors import TransportUnavailableError
+
+T = TypeVar("T")
+
+INSTALL_HINT = "pip install 'rdt_async[nixl]'"
+# NIXL's progress thread waits for UCX events up to this long between rounds (RDT_NIXL_PROGRESS_US).
+# Over TCP a READ moves only while the producer's worker progresses: without the thread, a
+# producer polling every 20 ms held cross-host reads to 40 ms at 4 KiB and 0.2 GiB/s. With
+# it, 6.6 ms and ~1 GiB/s; idle, the thread costs ~0.4% of a core (1 ms: ~4%; 0: a core).
+PROGRESS_US = 10_000
+_BUSY = object()  # what `try_call` returns when the agent is held elsewhere
+
+
+@functools.cache
+def import_reason() -> str | None:
+    """Return why nixl cannot be loaded here, or None (and keep NIXL's INFO lines off stdout)."""
+    try:
+        spec = importlib.util.find_spec("nixl")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        return f"the nixl package is not installed: {INSTALL_HINT}"
+    try:
+        importlib.import_module("nixl._api")
+    except Exception as exc:  # a broken install is a reason, not a crash
+        return f"nixl is installed but cannot be loaded ({type(exc).__name__}: {exc}); reinstall with {INSTALL_HINT}"
+    if not os.environ.get("NIXL_LOG_LEVEL"):
+        # NIXL logs at INFO to stdout by default (an agent's start prints two lines):
+        # a library's stdout belongs to the program. NIXL_LOG_LEVEL still rules.
+        logging.getLogger("nixl").setLevel(logging.WARNING)
+    return None
+
+
+def _progress_delay_us() -> int:
+    raw = os.environ.get("RDT_NIXL_PROGRESS_US", str(PROGRESS_US))
+    try:
+        delay = int(raw)
+    except ValueError:
+        raise ValueError(f"RDT_NIXL_PROGRESS_US={raw!r}: give microseconds as an integer (0: no progress thread)") from None
+    if delay < 0:
+        raise ValueError(f"RDT_NIXL_PROGRESS_US={raw!r}: give microseconds >= 0 (0: no progress thread)")
+    return delay
+
+
+def _new_agent(nixl_agent: Any, name: str, cfg: Any, delay_us: int) -> Any:
+    """A NIXL agent whose progress thread waits up to `delay_us` for UCX events between rounds.
+
+    NIXL's Python API always asks for a delay of 0 (the thread spins a core); its C++ config
+    takes any delay, so the config class is swapped for one that keeps ours while the agent
+    is made (callers make one agent at a time).
+    """
+    if delay_us <= 0:
+        return nixl_agent(name, cfg)
+    import nixl._api as api
+
+    base = api.nixlBind.nixlAgentConfig
+
+    class _Config(base):  # type: ignore[misc, valid-type]
+        def __setattr__(self, key: str, value: Any) -> None:
+            super().__setattr__(key, delay_us if key == "pthrDelay" else value)
+
+    api.nixlBind.nixlAgentConfig = _Config
+    try:
+        return nixl_agent(name, cfg)
+    finally:
+        api.nixlBind.nixlAgentConfig = base
+
+
+class Agent:
+    """This process's NIXL agent, and the lock that lets the I/O loop only try it.
+
+    `lock` guards every call into `nixl` that touches the agent's state (NIXL's own
+    lock would make a waiting loop stall for a whole CMA copy).
+    """
+
+    def __init__(self) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+
+        self.name = f"rdt-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+        delay = _progress_delay_us()
+        cfg = nixl_agent_config(
+            enable_prog_thread=delay > 0,
+            backends=["UCX"],
+            sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+        )
+        self.nixl = _new_agent(nixl_agent, self.name, cfg, delay)
+        if "UCX" not in self.nixl.backends:
+            raise TransportUnavailableError(
+                f"transport 'nixl' is unavailable: NIXL's UCX backend did not load; reinstall with {INSTALL_HINT}"
+            )
+        self.lock = threading.Lock()
+        self.pid = os.getpid()
+
+    def locked(self, fn: Callable[..., T], *args: Any) -> T:
+        """Call `fn` holding the agent (blocking: from the pool or a producer thread)."""
+        with self.lock:
+            return fn(*args)
+
+    def try_call(self, fn: Callable[..., Any], *args: Any, busy: Any = _BUSY) -> Any:
+        """Call `fn` holding the agent if it is free now; else return `busy` at once."""
+        if not self.lock.acquire(blocking=False):
+            return busy
+        try:
+            return fn(*args)
+        finally:
+            self.lock.release()
+
+    async def call(
+        self, fn: Callable[..., T], *args: Any, slow: bool = False, undo: Callable[[T], None] | None = None
+    ) -> T:
+        """Call `fn` holding the agent: inline when free and quick, else in the pool.
+
+        A cancel waits for a call already in the pool (see `_io.to_thread_finished`); `undo` gets what it made.
+        """
+        if not slow:
+            out = self.try_call(fn, *args)
+            if out is not _BUSY:
+                return out
+        return await _io.to_thread_finished(self.locked, fn, *args, undo=undo)
+
+    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Call `fn` now if the agent is free, else in the pool; never wait, never raise."""
+        try:
+            if self.try_call(fn, *args) is not _BUSY:
+                return
+        except Exception:
+            return
+        _io.pool().submit(quietly, self.locked, fn, *args)
+
+
+def quietly(fn: Callable[..., Any], *args: Any) -> None:
+    """Call `fn`, dropping its error (releases and clean-ups with nobody to tell)."""
+    try:
+        fn(*args)
+    except Exception:
+        pass
