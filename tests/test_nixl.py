@@ -21,7 +21,7 @@ from probes import cancel_after  # noqa: E402
 import rdt_async as rdt  # noqa: E402
 from rdt_async import _io  # noqa: E402
 from rdt_async.transports import _registry  # noqa: E402
-from rdt_async.transports.nixl import _transport as nixl_transport  # noqa: E402
+from rdt_async.transports.nixl import _scratch  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -426,8 +426,9 @@ def test_a_small_read_nixl_leaves_in_progress_is_finished_on_the_loop(producer, 
     until = time.monotonic() + 0.05
     assert_same(rdt.get(ref, timeout=60), make_value(1000, 5))
     monkeypatch.undo()
-    wait_until(lambda: len(t._free_bounce) == nixl_transport.BOUNCE_CHUNKS, 10, lambda: f"bounce {len(t._free_bounce)} landing {len(t._free_landing)}")
-    wait_until(lambda: len(t._free_landing) == nixl_transport.SLOTS_PER_TABLE, 10)
+    scratch = t._current().scratch
+    wait_until(lambda: scratch.bounce.free == _scratch.BOUNCE_CHUNKS, 10, lambda: f"bounce {scratch.bounce.free} landing {scratch.landing.free}")
+    wait_until(lambda: scratch.landing.free == _scratch.LANDING_SLOTS, 10)
 
 
 @rdt.remote(max_concurrency=8)
@@ -442,12 +443,12 @@ class ThreadedReader:
         return all(sums)
 
     def free_bounce(self) -> int:
-        return len(_registry.get("nixl")._free_bounce)
+        return _registry.get("nixl")._current().scratch.bounce.free
 
 
 def test_threads_of_one_actor_read_small_objects_at_once(producer):
     reader = ThreadedReader.remote()
     batches = [[producer.make.remote(300, seed=100 * b + i) for i in range(25)] for b in range(8)]
     assert ray.get([reader.read.remote(refs, 100 * b) for b, refs in enumerate(batches)]) == [True] * 8
-    assert ray.get(reader.free_bounce.remote()) == nixl_transport.BOUNCE_CHUNKS
+    assert ray.get(reader.free_bounce.remote()) == _scratch.BOUNCE_CHUNKS
     ray.kill(reader)

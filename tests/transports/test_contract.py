@@ -379,19 +379,19 @@ async def test_nixl_a_read_broken_on_an_old_connection_leaves_the_new_one_alone(
         info = p.make(8)
         assert_same(await fetch(p, info), expect(8))
         t = _registry.get("nixl")
-        agent, producer = t.agent(), info.meta.agent
-        old = t._epochs[producer]
-        await t._forget(agent, producer, old)  # the first read that broke
-        assert producer not in t._remotes
+        agent, peers, producer = t.agent(), t._current().peers, info.meta.agent
+        old = peers.epoch(producer)
+        await peers.forget(producer, old)  # the first read that broke
+        assert peers.remote(producer) is None
         assert_same(await fetch(p, p.make(9)), expect(9))  # connected anew
-        new, removed = t._epochs[producer], []
+        new, removed = peers.epoch(producer), []
         real_remove = agent.nixl.remove_remote_agent
         agent.nixl.remove_remote_agent = lambda name: removed.append(name) or real_remove(name)
         try:
-            await t._forget(agent, producer, old)  # a later read that broke on the old one
+            await peers.forget(producer, old)  # a later read that broke on the old one
         finally:
             del agent.nixl.remove_remote_agent
-        assert removed == [] and t._epochs[producer] == new and producer in t._remotes
+        assert removed == [] and peers.epoch(producer) == new and peers.remote(producer) is not None
         assert_same(await fetch(p, p.make(10)), expect(10))
 
 
