@@ -10,6 +10,7 @@ own module with its own lock where threads share it:
     _peers.py      connections to producers, and their metadata loaded
     _producer.py   the producer's objects: prepare, then release after a linger
     _poller.py     the producer's poll of its notifications, with backoff
+    _plan.py       one fetch's READs: where they land, what is registered, in which order
     _xfer.py       one READ: posted from the I/O loop or on the caller's thread, awaited
     _transport.py  NixlTransport: the Transport interface over the parts
 

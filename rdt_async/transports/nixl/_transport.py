@@ -1,14 +1,11 @@
 """`NixlTransport`: the Transport interface over this process's agent and its parts.
 
 What a fetch does, in order: check that the producer may be alive (a READ posted to a
-dead agent leaks inside NIXL), connect (`Peers`), register the destination (caller
-buffers when given) for the length of the fetch, READ the tensors, then the liveness
-slot. A READ that fails as a disconnect from a live producer may be the work of
-another object's free on the same connection: the liveness slot is then read over a
-fresh connection, and the object read again if it is still held. Objects up to
-BOUNCE_BYTES bound for CPU land in a bounce chunk and are copied out; from a connected
-producer on this host they are read on the caller's thread (`receive_nowait`), with no
-hop through the I/O loop.
+dead agent leaks inside NIXL), connect (`Peers`), then run a `ReadPlan`. A READ that
+fails as a disconnect from a live producer may be the work of another object's free on
+the same connection: the liveness slot is then read over a fresh connection, and the
+object read again if it is still held. Small CPU objects of a connected producer on
+this host are read on the caller's thread (`receive_nowait`) with the same plan.
 """
 
 from __future__ import annotations
@@ -18,25 +15,23 @@ import os
 import socket
 import threading
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
-from ... import _alloc, _cuda, _io
+from ... import _cuda, _io
 from ..._errors import ObjectFreedError, PeerDiedError, TransportUnavailableError
 from .. import _ucx
-from .._base import Channel, TransferInfo, Transport, copy_into, local_device, pid_alive
+from .._base import Channel, TransferInfo, Transport, copy_into, pid_alive
 from ._agent import Agent, import_reason
-from ._liveness import Slots, check_slot
-from ._memory import Key, Registrations, dev_index, mem_type
+from ._liveness import Slots
+from ._memory import Registrations
 from ._meta import NixlMeta
 from ._peers import Peers
+from ._plan import ReadPlan
 from ._poller import Poller
 from ._producer import Exports
-from ._scratch import BOUNCE_BYTES, Scratch
-from ._xfer import Read, post, post_now
+from ._scratch import Scratch
 
-ALIGN = 64  # offsets of tensors that share a fetched block
 # How long a fetch that lost its connection to a live producer may take to ask it anew
 # whether the object was freed.
 RECHECK_S = 5.0
@@ -171,49 +166,15 @@ class NixlTransport(Transport[NixlMeta]):
         self, here: _Here, remote: str, info: TransferInfo[NixlMeta], buffers: list[torch.Tensor] | None
     ) -> list[torch.Tensor]:
         """READ the tensors, then the liveness slot; raise ObjectFreedError if it changed."""
-        meta = info.meta
-        agent, scratch = here.agent, here.scratch
-        out, dsts = _destinations(info, buffers)
-        # Device memory just allocated here may still be in use by work queued on this
-        # thread's streams (the caching allocator hands it out again); NIXL writes it
-        # outside any stream. (Caller buffers were waited for on the caller's streams.)
-        await _cuda.wait(_cuda.record(out))
-        pairs = [(d, s) for d, s in zip(dsts, meta.descs) if s is not None]
-        bounce = scratch.bounce.take() if _fits_bounce(pairs) else -1
-        lands = _bounce_views(scratch, bounce, pairs) if bounce >= 0 else [d for d, _ in pairs]
-        landing, lslot = _take_landing(scratch)
-        keys: list[Key] = []
+        plan = ReadPlan(info, buffers, here.scratch, here.memory)
         try:
-            keys = await here.memory.register_all((lands if bounce < 0 else []) + ([lslot] if landing < 0 else []))
-            error: Exception | None = None
-            for group in _by_device([(d, s) for d, (_, s) in zip(lands, pairs)]):
-                try:
-                    await post(agent, remote, Read(
-                        [(d.data_ptr(), s[1], dev_index(d)) for d, s in group],
-                        [s[:3] for _, s in group],
-                        mem_type(group[0][0]), group[0][1][3],
-                    ))
-                except Exception as exc:  # a read of freed memory can fail: ask the slot
-                    error = exc
-                    break
-            lslot.zero_()
-            try:
-                await post(agent, remote, Read([(lslot.data_ptr(), 8, 0)], [(meta.slot, 8, 0)]))
-            except Exception:
-                if error is not None:
-                    raise error from None
-                raise
-            check_slot(lslot, info, error)
-            if error is not None:
-                raise error
-            if bounce >= 0:
-                copy_into([d for d, _ in pairs], lands)
+            # Device memory just allocated here may still be in use by work queued on this
+            # thread's streams (the caching allocator hands it out again); NIXL writes it
+            # outside any stream. (Caller buffers were waited for on the caller's streams.)
+            await _cuda.wait(_cuda.record(plan.out))
+            return await plan.read(here.agent, remote)
         finally:
-            scratch.landing.give(landing)
-            scratch.bounce.give(bounce)
-            if keys:
-                here.memory.release(keys)
-        return out
+            plan.release()
 
     async def _still_held(self, here: _Here, info: TransferInfo[NixlMeta], cause: BaseException) -> bool:
         """Read the liveness slot over a fresh connection: True if the object is still held.
@@ -225,18 +186,14 @@ class NixlTransport(Transport[NixlMeta]):
         caller's error stands.
         """
         meta = info.meta
-        landing, lslot = _take_landing(here.scratch)
-        keys: list[Key] = []
+        plan = ReadPlan(info, None, here.scratch, here.memory, tensors=False)
         freed: ObjectFreedError | None = None
         held, epoch = False, None
         try:
             async with asyncio.timeout(RECHECK_S):
-                keys = await here.memory.register_all([lslot] if landing < 0 else [])
                 remote = await here.peers.connect(meta)
                 epoch = here.peers.epoch(meta.agent)
-                lslot.zero_()
-                await post(here.agent, remote, Read([(lslot.data_ptr(), 8, 0)], [(meta.slot, 8, 0)]))
-            check_slot(lslot, info)
+                await plan.read(here.agent, remote)
             held = True
         except ObjectFreedError as exc:
             freed = exc
@@ -244,9 +201,7 @@ class NixlTransport(Transport[NixlMeta]):
             if _is_disconnect(exc):
                 await here.peers.forget(meta.agent, epoch)
         finally:
-            here.scratch.landing.give(landing)
-            if keys:
-                here.memory.release(keys)
+            plan.release()
         if freed is not None:
             raise freed from cause
         return held
@@ -272,36 +227,17 @@ class NixlTransport(Transport[NixlMeta]):
             or not _alive(meta)  # the usual path says so
         ):
             return None
-        agent, scratch = here.agent, here.scratch
-        out, dsts = _destinations(info, buffers)
-        pairs = [(d, s) for d, s in zip(dsts, meta.descs) if s is not None]
-        bounce = scratch.bounce.take() if _fits_bounce(pairs) else -1
-        if bounce < 0:
+        agent = here.agent
+        plan = ReadPlan(info, buffers, here.scratch, here.memory)
+        if not plan.in_scratch or not agent.lock.acquire(blocking=False):
+            plan.release()
             return None
-        landing, lslot = _take_landing(scratch)
-        if landing < 0 or not agent.lock.acquire(blocking=False):
-            scratch.landing.give(landing)
-            scratch.bounce.give(bounce)
-            return None
-
-        def give_back() -> None:
-            scratch.landing.give(landing)
-            scratch.bounce.give(bounce)
-
-        handed_off = False  # then the I/O loop gives bounce and landing back
+        handed_off = False  # then the I/O loop releases the plan
         try:
             here.peers.load_now(meta)
-            lands = _bounce_views(scratch, bounce, pairs)
-            local = [(b.data_ptr(), s[1], 0) for b, (_, s) in zip(lands, pairs)]
-            if pairs and not post_now(agent, remote, Read(local, [s[:3] for _, s in pairs]), give_back):
-                handed_off = True
+            handed_off = not plan.read_now(agent, remote)
+            if handed_off:
                 return None
-            lslot.zero_()
-            if not post_now(agent, remote, Read([(lslot.data_ptr(), 8, 0)], [(meta.slot, 8, 0)]), give_back):
-                handed_off = True
-                return None
-            check_slot(lslot, info)
-            copy_into([d for d, _ in pairs], lands)
         except ObjectFreedError:
             raise
         except Exception:  # the usual path reads again and reports what is wrong
@@ -309,7 +245,8 @@ class NixlTransport(Transport[NixlMeta]):
         finally:
             agent.lock.release()
             if not handed_off:
-                give_back()
+                plan.release()
+        out = plan.out
         if buffers is None:
             return out
         return copy_into(buffers, out) if any(b is not o for b, o in zip(buffers, out)) else list(buffers)
@@ -331,69 +268,3 @@ def _died(info: TransferInfo[NixlMeta]) -> PeerDiedError:
 def _alive(meta: NixlMeta) -> bool:
     """Say whether the producer may be alive (only checkable on its own host)."""
     return meta.host != socket.gethostname() or pid_alive(meta.pid)
-
-
-def _fits_bounce(pairs: list[tuple[torch.Tensor, Any]]) -> bool:
-    """Say whether a read this small lands in CPU memory (then it goes through a bounce chunk)."""
-    return sum(-(-s[1] // ALIGN) * ALIGN for _, s in pairs) <= BOUNCE_BYTES and all(
-        d.device.type == "cpu" for d, _ in pairs
-    )
-
-
-def _bounce_views(scratch: Scratch, i: int, pairs: list[tuple[torch.Tensor, Any]]) -> list[torch.Tensor]:
-    chunk, off, out = scratch.bounce.view(i), 0, []
-    for _, s in pairs:
-        out.append(chunk[off : off + s[1]])
-        off += -(-s[1] // ALIGN) * ALIGN
-    return out
-
-
-def _take_landing(scratch: Scratch) -> tuple[int, torch.Tensor]:
-    i = scratch.landing.take()
-    if i < 0:
-        return -1, torch.zeros(1, dtype=torch.int64)  # registered for this fetch only
-    return i, scratch.landing.view(i)
-
-
-def _destinations(
-    info: TransferInfo[NixlMeta], buffers: list[torch.Tensor] | None
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Return the tensors to hand back and, as flat bytes, where each READ lands.
-
-    Without caller buffers, the tensors of one device are views of one block: one
-    registration per fetch instead of one per tensor.
-    """
-    if buffers is None:
-        out = _views_of_blocks(info.specs)
-    else:
-        out = [
-            b if b.is_contiguous() else torch.empty(spec.shape, dtype=spec.dtype, device=b.device)
-            for b, spec in zip(buffers, info.specs)
-        ]
-    dsts = [t.reshape(-1).view(torch.uint8) if t.numel() else t for t in out]
-    return out, dsts
-
-
-def _views_of_blocks(specs: Sequence[Any]) -> list[torch.Tensor]:
-    """Allocate one byte block per device and return each spec's tensor as a view of it."""
-    offsets, sizes = [], {}
-    for spec in specs:
-        device = local_device(spec.device)
-        offsets.append((device, sizes.get(device, 0)))
-        sizes[device] = sizes.get(device, 0) + -(-spec.nbytes // ALIGN) * ALIGN
-    blocks = {d: _alloc.empty((n,), torch.uint8, d) for d, n in sizes.items()}  # CPU: reused, warm
-    out = []
-    for spec, (device, off) in zip(specs, offsets):
-        if spec.nbytes == 0:
-            out.append(torch.empty(spec.shape, dtype=spec.dtype, device=device))
-        else:
-            out.append(blocks[device][off : off + spec.nbytes].view(spec.dtype).view(spec.shape))
-    return out
-
-
-def _by_device(pairs: list[tuple[torch.Tensor, Any]]) -> list[list[tuple[torch.Tensor, Any]]]:
-    """Group reads by (local device, remote memory): one NIXL request per group."""
-    groups: dict[Any, list[tuple[torch.Tensor, Any]]] = {}
-    for d, s in pairs:
-        groups.setdefault((str(d.device), s[3], s[2]), []).append((d, s))
-    return list(groups.values())

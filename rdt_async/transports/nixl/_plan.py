@@ -1,0 +1,207 @@
+"""One fetch's READs, planned once and run from the I/O loop or on the caller's thread.
+
+A plan decides where each tensor lands (the caller's buffers, else one block per
+device; the bounce buffer when the object is small and bound for CPU), what must be
+registered for the fetch, and the order of the READs: the tensors, one request per
+device, then the object's liveness slot into a landing slot, then the check of its
+token and the copy out of the bounce buffer. `_steps` writes that order once, without
+I/O: it yields each READ and learns its outcome. `read` posts them from the I/O loop,
+`read_now` on the caller's thread; a plan releases what it took when `release` runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from typing import Any
+
+import torch
+
+from ... import _alloc
+from .._base import TransferInfo, copy_into, local_device
+from ._agent import Agent
+from ._liveness import check_slot
+from ._memory import Key, Registrations, dev_index, mem_type
+from ._meta import NixlMeta
+from ._scratch import BOUNCE_BYTES, Scratch
+from ._xfer import Read, post, post_now
+
+ALIGN = 64  # offsets of tensors that share a fetched block or a bounce chunk
+
+Desc = tuple[int, int, int, str]  # a producer's tensor: address, nbytes, device index, memory type
+
+
+class ReadPlan:
+    """Where one fetch's tensors land, what it registered, and the READs in order."""
+
+    def __init__(
+        self,
+        info: TransferInfo[NixlMeta],
+        buffers: list[torch.Tensor] | None,
+        scratch: Scratch,
+        memory: Registrations,
+        *,
+        tensors: bool = True,
+    ) -> None:
+        """Plan the READs of `info` (with `tensors=False`, of its liveness slot alone)."""
+        self.info = info
+        self._scratch, self._memory = scratch, memory
+        self.out: list[torch.Tensor] = []
+        self._pairs: list[tuple[torch.Tensor, Desc]] = []  # destination bytes, remote tensor
+        if tensors:
+            self.out, dsts = _destinations(info, buffers)
+            self._pairs = [(d, s) for d, s in zip(dsts, info.meta.descs) if s is not None]
+        self._bounce = scratch.bounce.take() if tensors and _fits_bounce(self._pairs) else -1
+        self._lands = self._bounce_views() if self._bounce >= 0 else [d for d, _ in self._pairs]
+        self._landing = scratch.landing.take()
+        self._lslot = (
+            scratch.landing.view(self._landing) if self._landing >= 0
+            else torch.zeros(1, dtype=torch.int64)  # registered for this fetch only
+        )
+        self._keys: list[Key] = []
+
+    @property
+    def in_scratch(self) -> bool:
+        """Say whether every READ lands in memory registered once (what `read_now` needs)."""
+        return self._bounce >= 0 and self._landing >= 0
+
+    async def read(self, agent: Agent, remote: str) -> list[torch.Tensor]:
+        """Register what the READs need, post them in order, and return the tensors.
+
+        Runs on: consumer (I/O loop).
+        Raises: ObjectFreedError if the liveness slot says the object is gone, else the
+        first failed READ's error.
+        """
+        to_register = (self._lands if self._bounce < 0 else []) + ([self._lslot] if self._landing < 0 else [])
+        self._keys = await self._memory.register_all(to_register)
+        steps = self._steps()
+        failed: Exception | None = None  # the last READ's error, thrown into the steps
+        try:
+            while True:
+                read = steps.send(None) if failed is None else steps.throw(failed)
+                try:
+                    await post(agent, remote, read)
+                    failed = None
+                except Exception as exc:
+                    failed = exc
+        except StopIteration:
+            return self.out
+        finally:
+            steps.close()
+
+    def read_now(self, agent: Agent, remote: str) -> bool:
+        """Post the READs on this thread, the agent held (by the caller). Needs `in_scratch`.
+
+        Returns False once a READ is left in progress: the I/O loop finishes it and then
+        releases this plan. Raises: ObjectFreedError, the first failed READ's error.
+        """
+        steps = self._steps()
+        try:
+            for read in steps:
+                if not post_now(agent, remote, read, self.release):
+                    return False
+        finally:
+            steps.close()
+        return True
+
+    def release(self) -> None:
+        """Give back the landing slot, the bounce chunk and the fetch's registrations (once)."""
+        self._scratch.landing.give(self._landing)
+        self._scratch.bounce.give(self._bounce)
+        self._landing = self._bounce = -1
+        if self._keys:
+            keys, self._keys = self._keys, []
+            self._memory.release(keys)
+
+    def _steps(self) -> Generator[Read, None, None]:
+        """Yield the READs in order; the driver throws a failed READ's error in.
+
+        A READ of the tensors that fails (a read of freed memory can) stops the others,
+        and the slot is read all the same: a changed token makes the fetch's error
+        ObjectFreedError.
+        """
+        error: Exception | None = None
+        for read in self._tensor_reads():
+            try:
+                yield read
+            except Exception as exc:
+                error = exc
+                break
+        self._lslot.zero_()
+        try:
+            yield Read([(self._lslot.data_ptr(), 8, 0)], [(self.info.meta.slot, 8, 0)])
+        except Exception:
+            if error is not None:
+                raise error from None
+            raise
+        check_slot(self._lslot, self.info, error)
+        if error is not None:
+            raise error
+        if self._bounce >= 0:
+            copy_into([d for d, _ in self._pairs], self._lands)
+
+    def _tensor_reads(self) -> list[Read]:
+        """The tensors' READs: one per local device and remote memory (and device)."""
+        pairs = self._pairs
+        if self._bounce >= 0 and all(s[3] == "DRAM" for _, s in pairs):
+            # The usual small read, CPU into one CPU chunk: one request, no device to ask torch about.
+            local = [(d.data_ptr(), s[1], 0) for d, (_, s) in zip(self._lands, pairs)]
+            return [Read(local, [s[:3] for _, s in pairs])] if pairs else []
+        groups: dict[tuple[torch.device, str, int], list[tuple[torch.Tensor, Desc]]] = {}
+        for d, (_, s) in zip(self._lands, pairs):
+            groups.setdefault((d.device, s[3], s[2]), []).append((d, s))
+        reads = []
+        for (_, remote_mem, _), group in groups.items():
+            local_mem, index = mem_type(group[0][0]), dev_index(group[0][0])
+            reads.append(Read([(d.data_ptr(), s[1], index) for d, s in group], [s[:3] for _, s in group], local_mem, remote_mem))
+        return reads
+
+    def _bounce_views(self) -> list[torch.Tensor]:
+        chunk, off, out = self._scratch.bounce.view(self._bounce), 0, []
+        for _, s in self._pairs:
+            out.append(chunk[off : off + s[1]])
+            off += -(-s[1] // ALIGN) * ALIGN
+        return out
+
+
+def _fits_bounce(pairs: list[tuple[torch.Tensor, Desc]]) -> bool:
+    """Say whether a read this small lands in CPU memory (then it goes through a bounce chunk)."""
+    return sum(-(-s[1] // ALIGN) * ALIGN for _, s in pairs) <= BOUNCE_BYTES and all(
+        d.device.type == "cpu" for d, _ in pairs
+    )
+
+
+def _destinations(
+    info: TransferInfo[NixlMeta], buffers: list[torch.Tensor] | None
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Return the tensors to hand back and, as flat bytes, where each READ lands.
+
+    Without caller buffers, the tensors of one device are views of one block: one
+    registration per fetch instead of one per tensor.
+    """
+    if buffers is None:
+        out = _views_of_blocks(info.specs)
+    else:
+        out = [
+            b if b.is_contiguous() else torch.empty(spec.shape, dtype=spec.dtype, device=b.device)
+            for b, spec in zip(buffers, info.specs)
+        ]
+    dsts = [t.reshape(-1).view(torch.uint8) if t.numel() else t for t in out]
+    return out, dsts
+
+
+def _views_of_blocks(specs: Sequence[Any]) -> list[torch.Tensor]:
+    """Allocate one byte block per device and return each spec's tensor as a view of it."""
+    offsets: list[tuple[torch.device, int]] = []
+    sizes: dict[torch.device, int] = {}
+    for spec in specs:
+        device = local_device(spec.device)
+        offsets.append((device, sizes.get(device, 0)))
+        sizes[device] = sizes.get(device, 0) + -(-spec.nbytes // ALIGN) * ALIGN
+    blocks = {d: _alloc.empty((n,), torch.uint8, d) for d, n in sizes.items()}  # CPU: reused, warm
+    out = []
+    for spec, (device, off) in zip(specs, offsets):
+        if spec.nbytes == 0:
+            out.append(torch.empty(spec.shape, dtype=spec.dtype, device=device))
+        else:
+            out.append(blocks[device][off : off + spec.nbytes].view(spec.dtype).view(spec.shape))
+    return out
