@@ -106,12 +106,12 @@ async def fetch_object(obj: RDTObject, *, device: Any, into: Any, start: _Start 
             transport, info, buffers, ready = start
             name = transport.name
             await _cuda.wait(ready)  # the caller's queued work on the destinations has run
-            transfer = functools.partial(_transfer, obj, transport, info)
             if buffers is None and device is None and _relay.eligible(obj.specs, name, obj.producer.node_id, _node_id()):
+                transfer = functools.partial(_transfer, obj, transport, info, None)
                 tensors, relayed = await _relay.fetch(obj.obj_id, obj.specs, transfer)
                 name = "relay" if relayed else name
             else:
-                tensors = await transfer(buffers)
+                tensors = await _transfer(obj, transport, info, buffers)
             buffers = None  # written by the transport
         if buffers:
             tensors = await _copy(buffers, tensors, obj.nbytes)

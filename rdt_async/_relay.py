@@ -102,11 +102,11 @@ def _address(obj_id: str) -> bytes:
 async def fetch(
     obj_id: str,
     specs: Sequence[TensorSpec],
-    transfer: Callable[[list[torch.Tensor] | None], Awaitable[list[torch.Tensor]]],
+    transfer: Callable[[], Awaitable[list[torch.Tensor]]],
 ) -> tuple[list[torch.Tensor], bool]:
     """Fetch through the node's relay: `(tensors, True)` when another consumer read them.
 
-    `transfer(buffers)` reads the object over the network (into `buffers` when given).
+    `transfer()` reads the object over the network, landing it where its transport does.
     """
     claim = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -116,7 +116,7 @@ async def fetch(
         got = await _ask(obj_id, specs)
         if got is not None:
             return got, True
-        return await transfer(None), False
+        return await transfer(), False
     return await _serve(claim, obj_id, specs, transfer), False
 
 
@@ -124,7 +124,7 @@ async def _serve(
     claim: socket.socket,
     obj_id: str,
     specs: Sequence[TensorSpec],
-    transfer: Callable[[list[torch.Tensor] | None], Awaitable[list[torch.Tensor]]],
+    transfer: Callable[[], Awaitable[list[torch.Tensor]]],
 ) -> list[torch.Tensor]:
     """Read the object for this node; copy it into a memfd for the consumers that asked meanwhile.
 
@@ -136,7 +136,7 @@ async def _serve(
     server = _Server(claim, obj_id)
     _io.call_soon(server.start)
     try:
-        mine = await transfer(None)
+        mine = await transfer()
         if not server.asked():
             _io.call_soon(server.end)  # nobody else wants it: later askers read for themselves
             return mine
