@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import math
 import mmap
 import os
 import select
@@ -39,7 +38,7 @@ from typing import Any
 import torch
 
 from . import _io
-from .transports._base import TensorSpec
+from .transports._base import TensorSpec, aligned_layout, view_in
 
 RELAY_MIN_BYTES = 1 << 20
 ALIGN = 64
@@ -64,22 +63,12 @@ def eligible(specs: Sequence[TensorSpec], transport: str, producer_node: str, no
 
 
 def _layout(specs: Sequence[TensorSpec]) -> tuple[list[int], int]:
-    offsets, end = [], 0
-    for s in specs:
-        offsets.append(end)
-        end += -(-s.nbytes // ALIGN) * ALIGN
-    return offsets, max(end, ALIGN)
+    offsets, size = aligned_layout((s.nbytes for s in specs), ALIGN)
+    return offsets, max(size, ALIGN)  # a memfd of 0 bytes cannot be mapped
 
 
 def _views(mm: mmap.mmap, specs: Sequence[TensorSpec], offsets: list[int]) -> list[torch.Tensor]:
-    out = []
-    for s, off in zip(specs, offsets):
-        numel = math.prod(s.shape)
-        if numel == 0:
-            out.append(torch.empty(s.shape, dtype=s.dtype))
-        else:
-            out.append(torch.frombuffer(mm, dtype=s.dtype, count=numel, offset=off).view(s.shape))
-    return out
+    return [view_in(mm, s, off) for s, off in zip(specs, offsets)]
 
 
 def _private(fd: int, specs: Sequence[TensorSpec], offsets: list[int], size: int) -> list[torch.Tensor]:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import os
-from collections.abc import Coroutine, Generator, Sequence
+from collections.abc import Coroutine, Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
@@ -276,6 +277,25 @@ def pid_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except OSError:
         return True  # no /proc (not Linux): the signal's answer stands
+
+
+def aligned_layout(sizes: Iterable[int], align: int = 64) -> tuple[list[int], int]:
+    """Offsets of blocks of `sizes` bytes laid end to end, each starting at a multiple of
+    `align`, and the bytes they span in all."""
+    offsets, end = [], 0
+    for n in sizes:
+        offsets.append(end)
+        end += -(-n // align) * align
+    return offsets, end
+
+
+def view_in(buffer: Any, spec: TensorSpec, offset: int) -> torch.Tensor:
+    """A tensor of `spec` over `buffer` (an mmap) from byte `offset`, sharing its memory;
+    a new empty one where it has no elements or there is no buffer."""
+    numel = math.prod(spec.shape)
+    if numel == 0 or buffer is None:
+        return torch.empty(spec.shape, dtype=spec.dtype)
+    return torch.frombuffer(buffer, dtype=spec.dtype, count=numel, offset=offset).view(spec.shape)
 
 
 def copy_into(buffers: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -40,7 +40,7 @@ import torch
 from .. import _io
 from .._errors import ObjectFreedError, PeerDiedError, TransportUnavailableError
 from . import _segments
-from ._base import Channel, TransferInfo, Transport, copy_into, pid_alive
+from ._base import Channel, TransferInfo, Transport, aligned_layout, copy_into, pid_alive, view_in
 
 log = logging.getLogger("rdt_async")
 
@@ -132,10 +132,7 @@ class ShmTransport(Transport[ShmMeta]):
 
     def _segment(self, tensors: Sequence[torch.Tensor]) -> ShmMeta:
         """Copy `tensors` into a warm segment of the pool (see _segments.py)."""
-        offsets, size = [], 0
-        for t in tensors:
-            offsets.append(size)
-            size += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+        offsets, size = aligned_layout((t.numel() * t.element_size() for t in tensors), ALIGN)
         if size == 0:
             return ShmMeta(None, 0, tuple(offsets))
         ensure_guardian()
@@ -237,7 +234,7 @@ def _map(info: TransferInfo[ShmMeta]) -> list[torch.Tensor]:
     for i, (spec, off) in enumerate(zip(info.specs, meta.offsets)):
         sh = meta.shared[i] if meta.shared else None
         if sh is None:
-            out.append(_view(mm, spec, off))
+            out.append(view_in(mm, spec, off))
             continue
         key = dataclasses.replace(sh, offset=0, stride=())
         if key not in storages:
@@ -405,12 +402,3 @@ def _pread_range(fd: int, view: memoryview, offset: int, start: int, end: int) -
         if n <= 0:
             raise OSError(f"short read of a shared memory segment at offset {offset + done}")
         done += n
-
-
-def _view(mm: mmap.mmap | None, spec, offset: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    numel = 1
-    for d in spec.shape:
-        numel *= d
-    if numel == 0 or mm is None:
-        return torch.empty(spec.shape, dtype=spec.dtype)
-    return torch.frombuffer(mm, dtype=spec.dtype, count=numel, offset=offset).view(spec.shape)
