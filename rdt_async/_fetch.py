@@ -106,7 +106,7 @@ async def fetch_object(obj: RDTObject, *, device: Any, into: Any, start: _Start 
             transport, info, buffers, ready = start
             name = transport.name
             await _cuda.wait(ready)  # the caller's queued work on the destinations has run
-            if buffers is None and device is None and _relay.eligible(obj.specs, name, obj.producer.node_id, _node_id()):
+            if buffers is None and device is None and _relay.eligible(obj.specs, name, obj.producer.node_id, _ray.node_id()):
                 transfer = functools.partial(_transfer, obj, transport, info, None)
                 tensors, relayed = await _relay.fetch(obj.obj_id, obj.specs, transfer)
                 name = "relay" if relayed else name
@@ -239,7 +239,7 @@ def _start(obj: RDTObject, into: Any, device: Any = None) -> _Start:
         tensors = _object.resolve_local(obj)
         _warn_local(obj.obj_id)
         return _Done(tensors, buffers, "local")
-    name, meta = choose_transport(obj, _node_id())
+    name, meta = choose_transport(obj, _ray.node_id())
     transport = _registry.get(name)
     if buffers is None and device is not None:
         buffers = _device_buffers(obj, transport, torch.device(device))
@@ -321,10 +321,6 @@ async def _off_caller_streams(fn: Any, *args: Any, nbytes: int) -> list[torch.Te
     if _io.on_io_thread():
         await _cuda.wait(_cuda.record(out))
     return out
-
-
-def _node_id() -> str:
-    return _ray.node_id()
 
 
 def _warn_local(obj_id: str) -> None:
