@@ -145,7 +145,7 @@ async def _watched(fetching: Any, obj: RDTObject, name: str) -> list[torch.Tenso
     declare its host dead (a UCX read over TCP, for one): the watch starts once the
     transfer has run `_ray.WATCH_AFTER_S`, and cancels it when the producer is dead.
     """
-    if obj.producer.actor is None or not hasattr(obj.producer.actor, "rdt__ping"):
+    if not obj.producer.serves:
         return await fetching
     task = asyncio.ensure_future(fetching)
     watch = None

@@ -22,7 +22,7 @@ import pickle
 import secrets
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,22 +48,45 @@ class Process:
     The actor's handle travels as pickled bytes and is rebuilt once per process on
     first use: an ActorHandle in every RDTObject would cost each deserialization of
     every ref a few hundred microseconds, and most fetches never call the producer.
+    Rebuilding one makes Ray load the actor's class from the GCS (~100 ms the first time
+    in a process), so code on an event loop awaits `handle()`, which does it off the loop.
     """
 
     node_id: str
     token: str
     actor_id: str | None = None
     actor_state: bytes | None = field(default=None, compare=False, repr=False)
+    serves: bool = field(default=False, compare=False)  # an `rdt.remote` actor: its `rdt` group answers
 
     @property
     def actor(self) -> Any:
-        """The producer's ActorHandle, or None for the driver and tasks."""
+        """The producer's ActorHandle, or None for the driver and tasks (blocks to rebuild it)."""
         if self.actor_state is None:
             return None
         handle = _handles.get(self.token)
         if handle is None:
             handle = _handles[self.token] = pickle.loads(self.actor_state)
         return handle
+
+    async def handle(self) -> Any:
+        """`actor`, rebuilt in the pool the first time: the caller's loop stays free."""
+        if self.actor_state is None or self.token in _handles:
+            return self.actor
+        return await _io.to_thread(lambda: self.actor)
+
+    def call_soon(self, fn: Callable[[Any], Any]) -> None:
+        """Call `fn(actor)` now if the handle is here, else once the pool has rebuilt it."""
+        if self.token in _handles:
+            fn(self.actor)
+            return
+
+        def rebuilt() -> None:
+            try:
+                fn(self.actor)
+            except Exception:
+                log.exception("rdt: a call to %s failed", self.label)
+
+        _io.pool().submit(rebuilt)
 
     @property
     def label(self) -> str:
@@ -84,16 +107,17 @@ def here() -> Process:
     """Return this process's identity (Ray must be initialized)."""
     ctx = ray.get_runtime_context()
     if ctx.worker.mode == ray.WORKER_MODE and ctx.get_actor_id() is not None:
-        actor_id, state = _current_actor()
-        return Process(ctx.get_node_id(), _token_for(os.getpid()), actor_id, state)
+        actor_id, state, serves = _current_actor()
+        return Process(ctx.get_node_id(), _token_for(os.getpid()), actor_id, state, serves)
     return Process(ctx.get_node_id(), _token_for(os.getpid()))
 
 
 @functools.lru_cache(maxsize=1)
-def _current_actor() -> tuple[str, bytes]:
-    """This actor's id and its handle pickled out of band (made once per process)."""
+def _current_actor() -> tuple[str, bytes, bool]:
+    """This actor's id, its handle pickled out of band, and whether it serves `rdt__*` calls
+    (made once per process)."""
     handle = ray.get_runtime_context().current_actor
-    return handle._ray_actor_id.hex(), pickle.dumps(handle)
+    return handle._ray_actor_id.hex(), pickle.dumps(handle), hasattr(handle, "rdt__ping")
 
 
 @dataclass(frozen=True, repr=False)
@@ -208,8 +232,8 @@ class _Anchors:
 @functools.lru_cache(maxsize=1)
 def _anchor_source() -> Any:
     """This process's actor handle if it serves `rdt__anchors` (an `rdt.remote` actor), else None."""
-    actor = here().actor
-    return actor if actor is not None and hasattr(actor, "rdt__anchors") else None
+    me = here()
+    return me.actor if me.serves else None
 
 
 _anchors = _Anchors()

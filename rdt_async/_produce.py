@@ -183,7 +183,7 @@ def _eager_replies(
     Only where a consumer may need it: explicit object_store, or auto on a cluster of
     several nodes when nothing prepared reaches other nodes (inline, nixl do).
     """
-    if owner.actor is not None or transport not in ("object_store", _registry.AUTO):
+    if owner.serves or transport not in ("object_store", _registry.AUTO):
         return {}
     if transport == _registry.AUTO and (
         any(t.name in ("inline", "nixl") for t in plan) or not _ray.several_nodes()

@@ -60,9 +60,9 @@ async def producer_died(p: Process, *, timeout: float = PING_S) -> bool:
     """
     if died_on_this_node(p):
         return True
-    actor = p.actor
-    if actor is None or not hasattr(actor, "rdt__ping"):
+    if not p.serves:
         return False
+    actor = await p.handle()
     # A live producer answers within `timeout`; a cut-off one is declared dead by Ray
     # within VERDICT_S (its pings fail with ActorUnavailableError meanwhile).
     verdict_by = time.monotonic() + timeout + VERDICT_S
@@ -104,7 +104,8 @@ async def watch_producer(p: Process) -> None:
     (or its host) is declared dead; an unreachable host's pings fail with
     ActorUnavailableError until then.
     """
-    while not died_on_this_node(p) and await _ping(p.actor, 10 * WATCH_EVERY_S) is not False:
+    actor = await p.handle()
+    while not died_on_this_node(p) and await _ping(actor, 10 * WATCH_EVERY_S) is not False:
         await asyncio.sleep(WATCH_EVERY_S)
 
 
@@ -120,17 +121,18 @@ class RayChannel:
             eager = obj.eager.get(self._transport)
             if eager is not None:
                 return await await_ref(eager)
-            if obj.producer.actor is None:
+            if not obj.producer.serves:
                 raise unavailable(
                     self._transport,
-                    f"the object was put by {obj.producer.label}, which serves no transfers; "
-                    "put it with tensor_transport='object_store' or fetch it on its node",
+                    f"the object was put by {obj.producer.label}, which serves no transfers (it is not an "
+                    "rdt.remote actor); put it with tensor_transport='object_store' or fetch it on its node",
                 )
             # A cancelled fetch leaves the producer's send to finish and its reply unread:
             # `ray.cancel` of an actor call still queued in this process leaves a hole in
             # the actor's sequence numbers, and an in-order (sync) producer then waits 30 s
             # for it and fails every call queued meanwhile (seen on Ray 2.60 in our tests).
-            ref = obj.producer.actor.rdt__send.remote(obj.obj_id, self._transport, request)
+            actor = await obj.producer.handle()
+            ref = actor.rdt__send.remote(obj.obj_id, self._transport, request)
             return await await_ref(ref)
 
 
@@ -149,13 +151,13 @@ def get_ref(ref: Any, timeout: float | None) -> Any:
 
 
 def free_remote(obj: RDTObject) -> None:
-    """Ask the producer to free `obj` now (fire and forget)."""
-    if obj.producer.actor is None:
+    """Ask the producer to free `obj` now (fire and forget; never blocks)."""
+    if not obj.producer.serves:
         raise RDTError(
             f"object {obj.obj_id} was put by {obj.producer.label}: call rdt.free() there",
             obj_id=obj.obj_id,
         )
-    obj.producer.actor.rdt__free.remote(obj.obj_id)
+    obj.producer.call_soon(lambda actor: actor.rdt__free.remote(obj.obj_id))
 
 
 def put(value: Any) -> Any:

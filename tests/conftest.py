@@ -19,6 +19,8 @@ import time
 
 import pytest
 
+OBJECT_STORE_BYTES = 2 << 30  # each node's; memory is taken only as objects arrive
+
 
 @pytest.fixture(scope="session")
 def cluster():
@@ -39,7 +41,11 @@ def cluster():
     # Metrics reach the Prometheus endpoint within ~2 s (test_metrics reads them back); no
     # dashboard (its agents, which export metrics, still run).
     system = {**health, "metrics_report_interval_ms": 2000}
-    head = {"num_cpus": 16, "resources": {"head": 1000}, "_system_config": system, "include_dashboard": False}
+    # A user's object store (Ray's default: 30% of memory), not Cluster's 150 MiB test
+    # default: under that pressure Ray runs gc.collect() in every worker, holding each
+    # one's GIL for 100-350 ms, which the loop-lag bounds then blame on the transfer.
+    store = {"object_store_memory": OBJECT_STORE_BYTES}
+    head = {"num_cpus": 16, "resources": {"head": 1000}, "_system_config": system, "include_dashboard": False, **store}
     c = Cluster(initialize_head=True, head_node_args=head if hosts is None else {**head, "node_ip_address": hosts.head_ip})
     here = os.path.dirname(os.path.abspath(__file__))
     path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
@@ -49,7 +55,7 @@ def cluster():
     try:
         if hosts is None:
             print(f"\nnode2 runs on this host, not across hosts: {why}")
-            c.add_node(num_cpus=0, resources={"node2": 1000})
+            c.add_node(num_cpus=0, resources={"node2": 1000}, **store)
             c.wait_for_nodes()
         else:
             hosts.add("node2", c.address, {"node2": 1000})
@@ -144,7 +150,7 @@ def _stall_guarded(fn):
             stall = await probe.stop()
         assert stall < MAX_STALL_S, (
             f"the test's event loop stalled {stall * 1000:.0f} ms (limit {MAX_STALL_S * 1000:.0f} ms, "
-            "RDT_TEST_MAX_STALL_S): something blocked it"
+            f"RDT_TEST_MAX_STALL_S): something blocked it. {probe.report()}"
         )
         return result
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
+import threading
 import time
+import traceback
 from typing import Any
 
 import torch
@@ -29,18 +32,29 @@ def idle_cpu(seconds: float) -> float:
 
 
 class LagProbe:
-    """Measures how late an event loop wakes a 5 ms sleeper: a blocked loop shows here."""
+    """Measures how late an event loop wakes a 5 ms sleeper: a blocked loop shows here.
+
+    A watcher thread samples the loop thread's stack while a wake-up is over 20 ms late:
+    `culprit` is the sample from the worst stall, so a failing bound names what held the
+    loop (a call of ours, or `select` when the process or the GIL was the holdup).
+    """
 
     def __init__(self) -> None:
         self.max_lag = 0.0
+        self.culprit = ""
         self._task: asyncio.Task[None] | None = None
+        self._beat = 0.0
+        self._stop = threading.Event()
 
     def start(self) -> None:
-        self.max_lag = 0.0
+        self.max_lag, self.culprit, self._beat = 0.0, "", time.perf_counter()
+        self._stop.clear()
         self._task = asyncio.get_running_loop().create_task(self._run())
+        threading.Thread(target=self._watch, args=(threading.get_ident(),), daemon=True, name="lag-probe").start()
 
     async def stop(self) -> float:
         assert self._task is not None
+        self._stop.set()
         self._task.cancel()
         try:
             await self._task
@@ -48,11 +62,25 @@ class LagProbe:
             pass
         return self.max_lag
 
+    def report(self) -> str:
+        """The worst lag, and the loop's stack during it if one was sampled."""
+        return f"loop blocked {self.max_lag * 1000:.0f} ms" + (f"; the loop thread was in:\n{self.culprit}" if self.culprit else "")
+
     async def _run(self) -> None:
         while True:
-            t0 = time.perf_counter()
+            t0 = self._beat = time.perf_counter()
             await asyncio.sleep(0.005)
             self.max_lag = max(self.max_lag, time.perf_counter() - t0 - 0.005)
+
+    def _watch(self, loop_thread: int) -> None:
+        worst = 0.02
+        while not self._stop.wait(0.005):
+            late = time.perf_counter() - self._beat - 0.005
+            if late > worst:
+                frame = sys._current_frames().get(loop_thread)
+                if frame is not None:
+                    worst = late
+                    self.culprit = "".join(traceback.format_stack(frame)[-8:])
 
 
 async def cancel_after(awaitable: Any, seconds: float) -> str:

@@ -71,6 +71,7 @@ class Consumer:
             "bad": bad,
             "seconds": time.monotonic() - started,
             "max_lag": await self.probe.stop(),
+            "stall": self.probe.report(),
             "threads": threading.active_count(),
             "rss_mib": _rss_mib(),
         }

@@ -80,9 +80,9 @@ def _get_ready(refs: list[Any]) -> dict[Any, Any]:
         return {}  # an error value, or not local after all: the futures report it
 
 
-def holder_of(verb: str, i: int, obj: RDTObject) -> Holder:
+async def holder_of(verb: str, i: int, obj: RDTObject) -> Holder:
     """Return the member holding `obj` (ref `i`), checking that it holds tensors still."""
-    actor = obj.producer.actor
+    actor = await obj.producer.handle()
     if actor is None:
         raise CollectiveGroupError(
             f"rdt.{verb}: ref {i} is held by {obj.producer.label}, which is in no collective group; "

@@ -183,7 +183,7 @@ async def _over_refs(
     """Check, then run an allreduce, reduce_scatter or allgather. Runs on: caller (I/O loop)."""
     verb = kind.verb
     objs = await resolve_all(verb, refs)
-    holders = [holder_of(verb, i, o) for i, o in enumerate(objs)]
+    holders = [await holder_of(verb, i, o) for i, o in enumerate(objs)]
     check_distinct(verb, holders, "refs", "held by")
     name, record = await pick_group(verb, objs, holders, group)
     check_covered(verb, name, record, {h.id for h in holders})
@@ -212,7 +212,7 @@ async def _over_refs(
 async def _broadcast(ref: Any, to: tuple[Any, ...], group: Any, transport: str | None) -> list[Any]:
     """Check, then run a broadcast. Runs on: caller (I/O loop)."""
     (obj,) = await resolve_all("broadcast", [ref])
-    src = holder_of("broadcast", 0, obj)
+    src = await holder_of("broadcast", 0, obj)
     receivers = [member_handle("broadcast", i, a) for i, a in enumerate(to)]
     if not receivers:
         raise ValueError("rdt.broadcast needs at least one actor in to=")
