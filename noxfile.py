@@ -1,4 +1,5 @@
-"""Sessions: `nox -s quickstart` (install and run the example), `nox -s tests`, `nox -s bench`.
+"""Sessions: `nox -s quickstart` (install and run the example), `nox -s tests`, `nox -s lint`,
+`nox -s bench`, `nox -s docs`.
 
 torch: on a machine without an NVIDIA GPU the sessions install the CPU build of torch
 (a plain `torch` requirement would pull several GB of CUDA wheels); with a GPU they let
@@ -9,9 +10,11 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
+import tomllib
 
 import nox
 
@@ -19,6 +22,12 @@ nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = False
 # nox looks for uv, an optional installer these sessions do not use, and says so on every run.
 logging.getLogger("nox").addFilter(lambda record: record.getMessage() != "uv binary not found.")
+
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "pyproject.toml"), "rb") as _f:
+    PYPROJECT = tomllib.load(_f)
+# The oldest Python the package supports (`requires-python`): lint checks the code there.
+MIN_PYTHON = re.fullmatch(r">=\s*(\d+\.\d+)", PYPROJECT["project"]["requires-python"].split("#")[0].strip()).group(1)
+LINTERS = ["ruff==0.17.6", "mypy==2.4.1"]
 
 TORCH_VERSION = os.environ.get("RDT_TORCH_VERSION", "2.13.0")
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
@@ -79,6 +88,20 @@ def bench(session: nox.Session) -> None:
     session.run("python", "-m", "rdt_async.bench", "--out", "bench-results", "--json", "bench.json", *session.posargs)
 
 
+@nox.session(python=MIN_PYTHON)
+def lint(session: nox.Session) -> None:
+    """ruff and `mypy --strict` (their settings: pyproject.toml), on the oldest supported Python.
+
+    The package is installed and imported there too, so code newer than `requires-python`
+    fails here rather than on a user's machine.
+    """
+    _install_torch(session)
+    session.install(".[bench]", *LINTERS)
+    session.run("python", "-c", "import rdt_async, rdt_async.bench, rdt_async.collective, rdt_async.transports")
+    session.run("ruff", "check", "rdt_async", "tests", "examples", "noxfile.py", "docs")
+    session.run("mypy", "rdt_async")
+
+
 @nox.session
 def docs(session: nox.Session) -> None:
     """Build the docs site strictly (a warning fails it) into a temporary directory.
@@ -87,11 +110,7 @@ def docs(session: nox.Session) -> None:
     sources statically, so neither torch nor Ray is needed. `nox -s docs -- DIR` builds
     into DIR instead (keep it outside the repository).
     """
-    import tomllib
-
-    with open("pyproject.toml", "rb") as f:
-        requirements = tomllib.load(f)["project"]["optional-dependencies"]["docs"]
-    session.install(*requirements)
+    session.install(*PYPROJECT["project"]["optional-dependencies"]["docs"])
     site = session.posargs[0] if session.posargs else tempfile.mkdtemp(prefix="rdt_async-site-")
     session.env["NO_MKDOCS_2_WARNING"] = "1"  # mkdocs-material's banner about MkDocs 2.0
     session.run("python", "-m", "mkdocs", "build", "--strict", "-f", "docs/mkdocs.yml", "-d", site)

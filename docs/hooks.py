@@ -39,7 +39,7 @@ def _demoted(markdown: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def on_page_markdown(markdown: str, page, config, files) -> str:  # noqa: ANN001 (MkDocs objects)
+def on_page_markdown(markdown: str, page, config, files) -> str:
     if page.file.src_uri != PAGE:
         return markdown
     docs_dir = config["docs_dir"]

@@ -61,7 +61,7 @@ except ModuleNotFoundError as _exc:
 
 __version__ = "0.1.0"
 
-__all__ = [
+__all__ = [  # noqa: RUF022  (grouped by topic, as in the API reference)
     # actors
     "remote",
     "method",

@@ -16,16 +16,18 @@ import asyncio
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import ray
 
 from . import _api, _io, _object, _produce, collective
 from .transports import _registry
 
+if TYPE_CHECKING:
+    from .collective._messages import Message
+
 RDT_GROUP = "rdt"
 RDT_GROUP_CONCURRENCY = 8  # transfers served at once; also bounds group operations in sync actors
-GROUP_THREADS = 8
 CONTROL_METHODS = ("rdt__send", "rdt__free", "rdt__group", "rdt__anchors", "rdt__ping")
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -116,7 +118,8 @@ def remote(cls: type | None = None, /, **options: Any) -> Any:
     for name in CONTROL_METHODS:
         if hasattr(cls, name):
             raise ValueError(f"{cls.__name__}.{name} clashes with rdt_async's control method; rename it")
-    return ray.remote(concurrency_groups=groups, **options)(_wrap_class(cls))
+    make: Any = ray.remote  # its typed overloads name no **options
+    return make(concurrency_groups=groups, **options)(_wrap_class(cls))
 
 
 def _wrap_class(cls: type) -> type:
@@ -124,11 +127,28 @@ def _wrap_class(cls: type) -> type:
     is_async = any(_is_async(f) for f in methods.values())
     namespace: dict[str, Any] = {name: _wrap_method(f) for name, f in methods.items()}
     namespace.update(_control_methods(is_async))
+    transports = [t for f in methods.values() if (t := getattr(f, "__rdt_transport__", None)) is not None]
+    if transports:
+        namespace["__init__"] = _warming_init(namespace.get("__init__"), transports)
     namespace["__module__"] = cls.__module__
     namespace["__qualname__"] = cls.__qualname__
     namespace["__doc__"] = cls.__doc__
     namespace["__rdt_wrapped__"] = cls
     return type(cls.__name__, (cls,), namespace)
+
+
+def _warming_init(init: Callable[..., Any] | None, transports: list[str]) -> Callable[..., Any]:
+    """`init` (the class's own, or object's), after loading the transports the actor's
+    methods produce over (see `_produce.warm_up`)."""
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        _produce.warm_up(transports)
+        if init is not None:
+            init(self, *args, **kwargs)
+        else:
+            object.__init__(self, *args, **kwargs)
+
+    return functools.wraps(init)(__init__) if init is not None else __init__
 
 
 def _user_methods(cls: type) -> dict[str, Callable[..., Any]]:
@@ -194,8 +214,7 @@ def _wrap_method(f: Callable[..., Any]) -> Callable[..., Any]:
 
         def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
             args, kwargs = _fetch_args_blocking(args, kwargs)
-            for value in f(self, *args, **kwargs):
-                yield value  # never a producer (see `method`)
+            yield from f(self, *args, **kwargs)  # never a producer (see `method`)
 
     else:
 
@@ -256,11 +275,11 @@ def _control_methods(is_async: bool) -> dict[str, Any]:
         async def rdt__ping(self: Any) -> None:
             return None  # a failed fetch asks whether the producer is alive
 
-        async def rdt__group(self: Any, op: str, *args: Any) -> Any:
+        async def rdt__group(self: Any, msg: Message) -> Any:
             # Group operations block for a whole collective: their own threads, so
             # that they never starve the copies of the shared pool.
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(_io.pool("group", GROUP_THREADS), collective.serve, op, *args)
+            return await loop.run_in_executor(_io.pool(_io.GROUP), collective.serve, msg)
 
     else:
 
@@ -276,8 +295,8 @@ def _control_methods(is_async: bool) -> dict[str, Any]:
         def rdt__ping(self: Any) -> None:  # type: ignore[misc]
             return None
 
-        def rdt__group(self: Any, op: str, *args: Any) -> Any:  # type: ignore[misc]
-            return collective.serve(op, *args)
+        def rdt__group(self: Any, msg: Message) -> Any:  # type: ignore[misc]
+            return collective.serve(msg)
 
     return {
         "rdt__send": group(rdt__send),

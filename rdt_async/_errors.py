@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any, Protocol
 
 
 class RDTError(Exception):
@@ -14,7 +15,7 @@ class RDTError(Exception):
         super().__init__(message)
         self.obj_id = obj_id
 
-    def __reduce__(self):  # keep obj_id across Ray's pickling of task errors
+    def __reduce__(self) -> tuple[Any, ...]:  # keep obj_id across Ray's pickling of task errors
         return (_rebuild, (type(self), str(self), self.obj_id))
 
 
@@ -50,13 +51,30 @@ class CollectiveGroupError(RDTError):
     """A collective group cannot be created, used or destroyed."""
 
 
-def translate(exc: BaseException, what: str, obj_id: str | None = None, *, user_code: bool = False) -> BaseException:
+class NativeErrors(Protocol):
+    """What `translate` asks of a transport (`Transport.native_error`)."""
+
+    @property
+    def name(self) -> str: ...
+
+    def native_error(self, exc: BaseException) -> type[RDTError] | None: ...
+
+
+def translate(
+    exc: BaseException,
+    what: str,
+    obj_id: str | None = None,
+    *,
+    user_code: bool = False,
+    transport: NativeErrors | None = None,
+) -> BaseException:
     """Map a native error raised while doing `what` to the rdt_async tree.
 
     The result is meant for ``raise translate(exc, ...) from exc``. Errors that are
     already ours, cancellation and timeouts pass through unchanged; with `user_code`
     (resolving a method's ref), so does what the method raised, as `ray.get` raises it
     (a `RayTaskError` that is also an instance of the method's exception class).
+    Ray's errors are mapped here; a `transport`'s own, by what its `native_error` says.
     """
     if isinstance(exc, (RDTError, TimeoutError, KeyboardInterrupt, SystemExit)):
         return exc
@@ -67,9 +85,10 @@ def translate(exc: BaseException, what: str, obj_id: str | None = None, *, user_
         cause = getattr(exc, "cause", None)
         if isinstance(exc, ray_exceptions.RayTaskError) and isinstance(cause, RDTError):
             # Rebuild the remote error so that ``except ObjectFreedError`` works here.
-            return type(cause)(str(cause), obj_id=cause.obj_id)
+            rebuilt: RDTError = type(cause)(str(cause), obj_id=cause.obj_id)
+            return rebuilt
         if isinstance(exc, ray_exceptions.RayTaskError) and user_code:
-            return exc
+            return exc  # type: ignore[no-any-return]  # ray.exceptions, found in sys.modules, is Any
         if isinstance(exc, (ray_exceptions.RayActorError, ray_exceptions.ActorDiedError)):
             return PeerDiedError(f"{what}: the producer died ({exc})", obj_id=obj_id)
         if isinstance(exc, ray_exceptions.GetTimeoutError):
@@ -78,24 +97,26 @@ def translate(exc: BaseException, what: str, obj_id: str | None = None, *, user_
             return ObjectFreedError(f"{what}: the object was lost ({exc})", obj_id=obj_id)
         if isinstance(exc, ray_exceptions.RayError):
             return BackendError(f"{what} failed in Ray: {exc}", obj_id=obj_id)
-    native = type(exc).__name__
-    if native == "nixlRemoteDisconnectError" or native.startswith("UCXConnectionReset"):
-        return PeerDiedError(f"{what}: the producer disconnected ({native}: {exc})", obj_id=obj_id)
-    if native.startswith("nixl") or native.startswith("UCX"):
-        lib = "NIXL" if native.startswith("nixl") else "UCX"
-        return BackendError(f"{what} failed in {lib}: {native}: {exc}", obj_id=obj_id)
-    if isinstance(exc, FileNotFoundError):
-        return ObjectFreedError(f"{what}: the object was freed (or its producer died)", obj_id=obj_id)
-    return BackendError(f"{what} failed: {type(exc).__name__}: {exc}", obj_id=obj_id)
+    native = f"{type(exc).__name__}: {exc}"
+    ours = transport.native_error(exc) if transport is not None else None
+    if transport is None or ours is None:
+        return BackendError(f"{what} failed: {native}", obj_id=obj_id)
+    if ours is PeerDiedError:
+        return PeerDiedError(f"{what}: the producer disconnected ({native})", obj_id=obj_id)
+    if ours is ObjectFreedError:
+        return ObjectFreedError(f"{what}: the object was freed, or its producer died ({native})", obj_id=obj_id)
+    return ours(f"{what} failed in {transport.name}: {native}", obj_id=obj_id)
 
 
 @contextmanager
-def translating(what: str, obj_id: str | None = None, *, user_code: bool = False) -> Iterator[None]:
+def translating(
+    what: str, obj_id: str | None = None, *, user_code: bool = False, transport: NativeErrors | None = None
+) -> Iterator[None]:
     """Translate native errors raised in the block (see `translate`), keeping the chain."""
     try:
         yield
     except BaseException as exc:
-        err = translate(exc, what, obj_id, user_code=user_code)
+        err = translate(exc, what, obj_id, user_code=user_code, transport=transport)
         if err is exc:
             raise
         raise err from exc

@@ -13,7 +13,9 @@ import functools
 import os
 import sys
 import time
+import types
 import warnings
+from collections.abc import Awaitable
 from typing import Any
 
 import torch
@@ -131,14 +133,14 @@ async def _transfer(
     name = transport.name
     request = transport.fetch_multiple_tensors(info, buffers=buffers, channel=_ray.RayChannel(obj, name))
     try:
-        with translating(f"{name} fetch of {obj.obj_id}", obj.obj_id):
+        with translating(f"{name} fetch of {obj.obj_id}", obj.obj_id, transport=transport):
             return await _watched(transport.wait_fetch_complete(request), obj, name)
     except (TransferError, ObjectFreedError) as exc:
         await _raise_if_producer_died(obj, name, exc)
         raise
 
 
-async def _watched(fetching: Any, obj: RDTObject, name: str) -> list[torch.Tensor]:
+async def _watched(fetching: Awaitable[list[torch.Tensor]], obj: RDTObject, name: str) -> list[torch.Tensor]:
     """Await a transfer while watching its producer: one Ray declares dead ends it (PeerDiedError).
 
     A transport may wait on a peer cut off by a partition far longer than Ray takes to
@@ -166,7 +168,8 @@ async def _watched(fetching: Any, obj: RDTObject, name: str) -> list[torch.Tenso
     if watch is not None:
         watch.cancel()
     if not task.cancelled():
-        return task.result()  # done (or failed) before the watch could end it
+        result: list[torch.Tensor] = task.result()  # done (or failed) before the watch could end it
+        return result
     raise PeerDiedError(
         f"{name} fetch of {obj.obj_id}: the producer ({obj.producer.label}) died or its host was cut "
         "off during the transfer (Ray declared it dead)",
@@ -247,7 +250,7 @@ def _start(obj: RDTObject, into: Any, device: Any = None) -> _Start:
     ready = _cuda.record(buffers or ())
     if not ready:  # device buffers wait for the caller's streams first: never now
         try:
-            with translating(f"{name} fetch of {obj.obj_id}", obj.obj_id):
+            with translating(f"{name} fetch of {obj.obj_id}", obj.obj_id, transport=transport):
                 now = transport.receive_nowait(info, buffers)
         except (TransferError, ObjectFreedError) as exc:
             if not isinstance(exc, PeerDiedError) and _ray.died_on_this_node(obj.producer):
@@ -342,7 +345,8 @@ _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
 def _caller_level() -> int:
     """The stacklevel of the first frame outside rdt_async: the user's call."""
-    frame, level = sys._getframe(1), 1
+    frame: types.FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
         frame, level = frame.f_back, level + 1
     return level

@@ -185,7 +185,7 @@ class _Node:
         self.name, self.link = name, link
         ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
         script = _IN_HOST.format(boot_id=uuid.uuid4(), hostname=f"{_PREFIX}-{name}")
-        self._log = open(f"/tmp/{link.name}-{name}.log", "w+")  # noqa: SIM115
+        self._log = open(f"/tmp/{link.name}-{name}.log", "w+")
         self.proc = subprocess.Popen(
             ["ip", "netns", "exec", link.name, "unshare", "--mount", "--uts", "--propagation", "private",
              "sh", "-c", script, "sh", ray_cli, "start", f"--address={gcs_address}",

@@ -1,4 +1,4 @@
-"""The per-process I/O loop thread, a bounded pool for native waits, and loop bridging.
+"""The per-process I/O loop thread, one bounded thread pool per purpose, and loop bridging.
 
 Every transfer of a process runs as a task on one event loop owned by rdt_async (the
 I/O loop). Callers on other loops get an asyncio future completed with
@@ -19,9 +19,18 @@ from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
-# Native calls that block (copies, Gloo waits, NIXL transfers under CMA) share this many
-# threads per process; more in-flight work queues instead of creating threads.
-POOL_SIZE = 4
+# Blocking work runs in one bounded pool per purpose, so that one kind never starves
+# another (a copy never waits behind a GCS call, an abort never behind the receives it
+# aborts); more in-flight work of a kind queues instead of creating threads.
+COPIES = "copies"  # memory copies and native transfers: exports, shm reads, NIXL under CMA
+CALLS = "calls"  # blocking calls into Ray and the GCS (actor handles, records, anchors), transports' set-up
+SHM_READ = "shm-read"  # the second half of a split shm read (shm.SPLIT_READ_BYTES)
+GLOO = "gloo"  # Gloo waits in flight
+GROUP = "group"  # collective operations a member serves (each blocks for a whole collective)
+ADAPTER = "adapter"  # a Ray TensorTransportManager's blocking receives
+ABORTS = "aborts"  # aborting those receives (never queued behind them)
+POOLS: dict[str, int] = {COPIES: 4, CALLS: 4, SHM_READ: 1, GLOO: 16, GROUP: 8, ADAPTER: 4, ABORTS: 2}
+POOL_SIZE = POOLS[COPIES]
 
 _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
@@ -61,20 +70,22 @@ def on_io_thread() -> bool:
 _pools: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
 
 
-def pool(name: str = "pool", size: int = POOL_SIZE) -> concurrent.futures.ThreadPoolExecutor:
-    """Return this process's bounded pool `name` (blocking native calls), made on first use."""
-    p = _pools.get(name)
+def pool(purpose: str = COPIES) -> concurrent.futures.ThreadPoolExecutor:
+    """Return this process's bounded pool for `purpose` (one of POOLS), made on first use."""
+    p = _pools.get(purpose)
     if p is None:
         with _lock:
-            p = _pools.get(name)
+            p = _pools.get(purpose)
             if p is None:
-                p = _pools[name] = concurrent.futures.ThreadPoolExecutor(size, thread_name_prefix=f"rdt-{name}")
+                p = _pools[purpose] = concurrent.futures.ThreadPoolExecutor(
+                    POOLS[purpose], thread_name_prefix=f"rdt-{purpose}"
+                )
     return p
 
 
-async def to_thread(fn: Callable[..., T], *args: Any) -> T:
-    """Run a blocking call in the bounded pool and await it from any loop."""
-    return await asyncio.get_running_loop().run_in_executor(pool(), fn, *args)
+async def to_thread(fn: Callable[..., T], *args: Any, purpose: str = COPIES) -> T:
+    """Run a blocking call in the pool for `purpose` and await it from any loop."""
+    return await asyncio.get_running_loop().run_in_executor(pool(purpose), fn, *args)
 
 
 async def to_thread_finished(fn: Callable[..., T], *args: Any, undo: Callable[[T], None] | None = None) -> T:
@@ -123,10 +134,10 @@ class Started(Generic[T]):
 
     async def settle(self, timeout: float) -> bool:
         """Await (from any loop) until the coroutine has exited; False on timeout."""
-        if self.task is not None and on_io_thread():
-            done, _ = await asyncio.wait({self.task}, timeout=timeout)
-            return bool(done)
-        done, _ = await asyncio.wait({asyncio.wrap_future(self.settled)}, timeout=timeout)
+        waited: asyncio.Future[Any] = (
+            self.task if self.task is not None and on_io_thread() else asyncio.wrap_future(self.settled)
+        )
+        done, _ = await asyncio.wait({waited}, timeout=timeout)
         return bool(done)
 
 

@@ -34,7 +34,7 @@ from ._errors import ObjectFreedError
 from ._store import log, store
 from .transports._base import TensorSpec
 
-if not hasattr(ray._raylet.CoreWorker, "add_object_out_of_scope_callback"):
+if not hasattr(ray._raylet.CoreWorker, "add_object_out_of_scope_callback"):  # type: ignore[attr-defined]
     raise ImportError(
         f"rdt_async needs Ray's out-of-scope callbacks (Ray >= 2.60); this is Ray {ray.__version__}. "
         "Upgrade with: pip install 'ray>=2.60,<3'"
@@ -72,7 +72,7 @@ class Process:
         """`actor`, rebuilt in the pool the first time: the caller's loop stays free."""
         if self.actor_state is None or self.token in _handles:
             return self.actor
-        return await _io.to_thread(lambda: self.actor)
+        return await _io.to_thread(lambda: self.actor, purpose=_io.CALLS)
 
     def call_soon(self, fn: Callable[[Any], Any]) -> None:
         """Call `fn(actor)` now if the handle is here, else once the pool has rebuilt it."""
@@ -86,7 +86,7 @@ class Process:
             except Exception:
                 log.exception("rdt: a call to %s failed", self.label)
 
-        _io.pool().submit(rebuilt)
+        _io.pool(_io.CALLS).submit(rebuilt)
 
     @property
     def label(self) -> str:
@@ -194,8 +194,8 @@ class _Anchors:
         if anchor is None:
             anchor = ray.put(None)
         if refill:
-            _io.pool().submit(self._refill, session)
-        cw = ray._private.worker.global_worker.core_worker
+            _io.pool(_io.CALLS).submit(self._refill, session)
+        cw = ray._private.worker.global_worker.core_worker  # type: ignore[attr-defined]  # set by ray.init
         if not cw.add_object_out_of_scope_callback(anchor, functools.partial(_on_anchor_gone, obj_id)):
             _on_anchor_gone(obj_id, b"")
         return anchor
@@ -326,8 +326,11 @@ class _Recent:
     def get(self, obj_id: str) -> list[torch.Tensor] | None:
         with self._lock:
             refs = self._refs.get(obj_id)
-        tensors = [r() for r in refs] if refs is not None else None
-        return None if tensors is None or any(t is None for t in tensors) else tensors  # type: ignore[misc]
+        if refs is None:
+            return None
+        tensors = [r() for r in refs]
+        alive = [t for t in tensors if t is not None]
+        return alive if len(alive) == len(tensors) else None
 
     def drop(self, obj_id: str) -> None:
         with self._lock:

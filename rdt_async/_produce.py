@@ -17,7 +17,7 @@ import contextlib
 import functools
 import os
 import secrets
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -105,12 +105,32 @@ async def produce_async(value: Any, transport: str, *, owner: Process | None = N
         plan = _plan(transport, tensors)
         for t in plan:
             if (os.getpid(), t.name) not in _warm:  # e.g. NIXL's agent: ~0.45 s, once
-                await _io.to_thread(t.warm_up)
+                await _io.to_thread(t.warm_up, purpose=_io.CALLS)
                 _warm.add((os.getpid(), t.name))
         limit = min((t.inline_prepare_bytes for t in plan), default=Transport.inline_prepare_bytes)
         if sum(t.numel() * t.element_size() for t in tensors) > limit:
             return await _io.to_thread(_finish, skeleton, tensors, transport, plan, owner, making)
         return _finish(skeleton, tensors, transport, plan, owner, making)
+
+
+def warm_up(names: Iterable[str]) -> None:
+    """Load now what producing over the transports `names` would load on first use.
+
+    Runs on: producer, at the actor's creation (blocking), before its loop serves
+    anything. Loading NIXL or UCXX holds the GIL for ~0.3-0.5 s whatever thread does it,
+    so a first object made later would stall the actor's loop that long. `auto` counts
+    as nixl where auto would prepare it (a CPU object of AUTO_NIXL_MIN_BYTES or more
+    on a cluster of several nodes, where nixl loads).
+    """
+    for name in dict.fromkeys(names):
+        if name == _registry.AUTO:
+            if not (_ray.several_nodes() and loads_here("nixl")):
+                continue
+            name = "nixl"
+        if (os.getpid(), name) in _warm or not loads_here(name):
+            continue  # what cannot load here says so where it is used
+        _registry.get(name).warm_up()
+        _warm.add((os.getpid(), name))
 
 
 @contextlib.contextmanager

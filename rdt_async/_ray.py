@@ -105,7 +105,7 @@ async def watch_producer(p: Process) -> None:
     ActorUnavailableError until then.
     """
     actor = await p.handle()
-    while not died_on_this_node(p) and await _ping(actor, 10 * WATCH_EVERY_S) is not False:
+    while not died_on_this_node(p) and await _ping(actor, 10 * WATCH_EVERY_S) is not False:  # noqa: ASYNC110  (a remote poll: no event to wait on)
         await asyncio.sleep(WATCH_EVERY_S)
 
 
@@ -173,7 +173,7 @@ def several_nodes() -> bool:
     global _nodes_seen
     checked, several = _nodes_seen
     if time.monotonic() - checked > 5.0:
-        several = sum(1 for n in ray.nodes() if n.get("Alive")) > 1
+        several = len([n for n in ray.nodes() if n.get("Alive")]) > 1
         _nodes_seen = (time.monotonic(), several)
     return several
 
@@ -225,7 +225,8 @@ def _pickle_transport(reg: _registry.Registration) -> bytes:
         # For good: the metadata its objects carry comes from the same module.
         cloudpickle.register_pickle_by_value(module)
     try:
-        return cloudpickle.dumps((reg.name, reg.devices, reg.cls))
+        blob: bytes = cloudpickle.dumps((reg.name, reg.devices, reg.cls))
+        return blob
     except Exception as exc:
         raise TypeError(
             f"transport class {reg.cls.__qualname__} cannot be pickled to reach other processes: "

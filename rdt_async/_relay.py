@@ -81,7 +81,7 @@ def _same_user(sock: socket.socket) -> bool:
     """Whether the process at the other end of `sock` runs as our user (SO_PEERCRED)."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     _pid, uid, _gid = struct.unpack("3i", creds)
-    return uid == os.getuid()
+    return bool(uid == os.getuid())
 
 
 def _address(obj_id: str) -> bytes:
@@ -221,6 +221,11 @@ class _Server:
             os.close(self.fd)
 
 
+def _set_once(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 async def _ask(obj_id: str, specs: Sequence[TensorSpec]) -> list[torch.Tensor] | None:
     """The object from the consumer of this node that holds it; None if it cannot give it."""
     loop = asyncio.get_running_loop()
@@ -235,7 +240,7 @@ async def _ask(obj_id: str, specs: Sequence[TensorSpec]) -> list[torch.Tensor] |
         if not _same_user(sock):
             return None  # the name is held by another user of this host: read for ourselves
         readable = loop.create_future()
-        loop.add_reader(sock.fileno(), lambda: readable.done() or readable.set_result(None))
+        loop.add_reader(sock.fileno(), _set_once, readable)
         try:
             await readable
         finally:

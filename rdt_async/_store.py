@@ -41,12 +41,12 @@ def _spans(tensors: Sequence[torch.Tensor]) -> list[_Span]:
         if t.numel() == 0 or t.device.type == "meta" or t.layout != torch.strided:
             continue  # no bytes, or no storage (sparse): nothing to hold (refused at return anyway)
         storage = t.untyped_storage()
-        start = t.storage_offset() * t.element_size()
+        start = int(t.storage_offset()) * t.element_size()
         # The furthest element a strided view reaches: a safe (over-)estimate of its bytes.
-        last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0)
+        last = sum((int(n) - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0)
         end = start + (last + 1) * t.element_size()
         out.append(((str(t.device), storage.data_ptr()), start, end))
-        out.append((("storage", storage._cdata), start, end))
+        out.append((("storage", int(storage._cdata)), start, end))
     return out
 
 
@@ -79,7 +79,7 @@ class Store:
         # storage -> hold key -> byte ranges that hold keeps. A hold key is an object id,
         # or an int for a hold without one (an object being made, a read in progress).
         self._held: dict[tuple[str, int], dict[str | int, list[tuple[int, int]]]] = {}
-        self._waiters: list[tuple[list[_Span], Callable[[], None]]] = []
+        self._waiters: list[tuple[list[_Span], Callable[[], object]]] = []
         self._keys = itertools.count()
         self._freed: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.fetches: collections.Counter[str] = collections.Counter()
@@ -92,7 +92,7 @@ class Store:
         for storage, start, end in spans:
             self._held.setdefault(storage, {}).setdefault(key, []).append((start, end))
 
-    def _release(self, key: str | int, spans: list[_Span]) -> list[Callable[[], None]]:
+    def _release(self, key: str | int, spans: list[_Span]) -> list[Callable[[], object]]:
         """Drop hold `key` on `spans`; return the waiters it set free (call them unlocked)."""
         touched = set()
         for storage, _, _ in spans:
@@ -250,7 +250,7 @@ class Store:
         finally:
             self._forget(wake)
 
-    def _wait(self, tensor: torch.Tensor, wake: Callable[[], None]) -> bool:
+    def _wait(self, tensor: torch.Tensor, wake: Callable[[], object]) -> bool:
         """Register `wake` for when `tensor` is free; True (not registered) if it is free now."""
         spans = _spans([tensor])
         with self._lock:
@@ -259,7 +259,7 @@ class Store:
             self._waiters.append((spans, wake))
             return False
 
-    def _forget(self, wake: Callable[[], None]) -> None:
+    def _forget(self, wake: Callable[[], object]) -> None:
         with self._lock:
             self._waiters = [w for w in self._waiters if w[1] is not wake]
 
@@ -290,7 +290,7 @@ def _spans_of(stored: StoredObject) -> list[_Span]:
     return stored.spans
 
 
-def _wake(ready: list[Callable[[], None]]) -> None:
+def _wake(ready: list[Callable[[], object]]) -> None:
     for wake in ready:
         try:
             wake()

@@ -16,7 +16,7 @@ class Slot:
     def __init__(self, index: int) -> None:
         self.index = index
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (Slot, (self.index,))
 
     def __repr__(self) -> str:

@@ -284,7 +284,7 @@ def test_an_input_freed_by_another_process_fails_cleanly_and_keeps_the_group(fou
     refs = [w.grads.remote() for w in workers]
     ray.get(workers[0].free.remote([refs[2]]))  # the caller cannot know: rank 2 takes part with zeros
     time.sleep(0.3)
-    with pytest.raises(rdt.ObjectFreedError, match="rank 2 .* was freed before the collective"):
+    with pytest.raises(rdt.ObjectFreedError, match=r"rank 2 .* was freed before the collective"):
         rdt.allreduce(refs)
     assert all(b is None for b in ray.get([w.broken.remote("coll-four") for w in workers]))
     refs[2] = workers[2].grads.remote()

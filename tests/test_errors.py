@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 import ray
@@ -26,7 +27,7 @@ def test_unknown_transport_fails_at_decoration_naming_the_available_ones():
 
 
 def test_remote_refuses_functions_and_the_reserved_group():
-    with pytest.raises(TypeError, match="use ray.remote"):
+    with pytest.raises(TypeError, match=re.escape("use ray.remote")):
 
         @rdt.remote
         def task():
@@ -84,7 +85,7 @@ def test_explicit_inline_refuses_large_values():
         def big(self):
             return torch.ones(1 << 19)
 
-    with pytest.raises(rdt.TransportUnavailableError, match="at most 1048576 bytes.*use tensor_transport='auto' or 'shm'"):
+    with pytest.raises(rdt.TransportUnavailableError, match=r"at most 1048576 bytes.*use tensor_transport='auto' or 'shm'"):
         ray.get(Inliner.remote().big.remote())
     ray.kill(p)
 

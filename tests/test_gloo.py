@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import re
 import time
 
 import pytest
@@ -239,12 +240,12 @@ def test_group_errors_say_why():
     class Plain:
         pass
 
-    with pytest.raises(rdt.CollectiveGroupError, match="decorate its class with @rdt.remote"):
+    with pytest.raises(rdt.CollectiveGroupError, match=re.escape("decorate its class with @rdt.remote")):
         rdt.create_collective_group([a, Plain.remote()])
     dead = AsyncMember.remote()
     ray.get(dead.ping.remote())
     ray.kill(dead)
-    with pytest.raises(rdt.CollectiveGroupError, match="member 1 .* is dead"):
+    with pytest.raises(rdt.CollectiveGroupError, match=r"member 1 .* is dead"):
         rdt.create_collective_group([a, dead])
     g = rdt.create_collective_group([a, b], name="taken")  # the name is free again
     rdt.destroy_collective_group(g)

@@ -117,7 +117,7 @@ def test_fetches_bytes_latency_errors_and_held_objects_show_in_rays_metrics_endp
         held = _samples(body, "ray_rdt_objects_held", producer_id)
         return (held, _samples(body, "ray_rdt_bytes_held", producer_id)) if held.get("") == 3 else None
 
-    held, nbytes = _wait_for(producer_side)
+    _held, nbytes = _wait_for(producer_side)
     assert nbytes == {"": 3 * MIB}
     del refs  # the last refs go: the producer frees them, and the gauge says so
     _wait_for(lambda body: True if _samples(body, "ray_rdt_objects_held", producer_id).get("") == 0 else None)

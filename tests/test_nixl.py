@@ -12,16 +12,16 @@ import pytest
 
 pytest.importorskip("nixl")
 
-import ray  # noqa: E402
-import torch  # noqa: E402
-from conftest import ON_NODE2, wait_until  # noqa: E402
-from helpers import LagProbe, checksum, cpu_seconds, idle_cpu  # noqa: E402
-from probes import cancel_after  # noqa: E402
+import ray
+import torch
+from conftest import ON_NODE2, wait_until
+from helpers import LagProbe, checksum, cpu_seconds, idle_cpu
+from probes import cancel_after
 
-import rdt_async as rdt  # noqa: E402
-from rdt_async import _io  # noqa: E402
-from rdt_async.transports import _registry  # noqa: E402
-from rdt_async.transports.nixl import _scratch  # noqa: E402
+import rdt_async as rdt
+from rdt_async import _io
+from rdt_async.transports import _registry
+from rdt_async.transports.nixl import _scratch
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -376,7 +376,7 @@ def test_small_reads_from_this_host_are_done_on_the_callers_thread(producer):
     rdt.get(producer.make.remote(10), timeout=60)  # connected: the first read goes through the I/O loop
     small = [producer.make.remote(1000, seed=i) for i in range(3)]
     large = producer.big.remote(1 << 16)  # 256 KiB: above BOUNCE_BYTES, the I/O loop's job
-    ray.wait(small + [large], num_returns=4)
+    ray.wait([*small, large], num_returns=4)
     blocked = _io.submit(asyncio.to_thread(time.sleep, 0))  # warm the loop's default executor
     blocked.result(10)
 

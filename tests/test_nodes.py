@@ -30,7 +30,7 @@ def test_auto_uses_shm_on_one_node_and_the_object_store_across_nodes():
     reader = Reader.remote()
     n = 1 << 15  # above what auto inlines
     refs = [here.value.remote(torch.ones(n)), there.value.remote(torch.full((n,), 2.0)), there.value.remote(torch.ones(3))]
-    sums, used, node = ray.get(reader.read.remote(refs))
+    sums, used, _node = ray.get(reader.read.remote(refs))
     assert sums == [n, 2.0 * n, 3.0]
     assert used == {"shm": 1, "object_store": 1, "inline": 1}
 

@@ -73,7 +73,7 @@ def test_a_producer_killed_before_the_fetch_gives_peer_died_error(transport, whe
         ray.kill(producer)
         time.sleep(1.0)  # its sockets and endpoints close: the fetch meets a dead peer, not a dying one
         started = time.monotonic()
-        with pytest.raises(rdt.PeerDiedError, match="died|disconnected"):
+        with pytest.raises(rdt.PeerDiedError, match=r"died|disconnected"):
             ray.get(consumer.total.remote(ref), timeout=60)
         assert time.monotonic() - started < 15
         assert ray.get(consumer.ping.remote(), timeout=30) == "pong"  # the consumer serves on

@@ -20,13 +20,13 @@ import pytest
 if importlib.util.find_spec("ucxx") is None:  # not importorskip: importing ucxx loads its UCX here
     pytest.skip("ucxx is not installed", allow_module_level=True)
 
-import ray  # noqa: E402
-import torch  # noqa: E402
-from conftest import ON_NODE2, wait_until  # noqa: E402
-from helpers import idle_cpu  # noqa: E402
-from probes import cancel_after  # noqa: E402
+import ray
+import torch
+from conftest import ON_NODE2, wait_until
+from helpers import idle_cpu
+from probes import cancel_after
 
-import rdt_async as rdt  # noqa: E402
+import rdt_async as rdt
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

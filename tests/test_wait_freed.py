@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import re
 import threading
 import time
 
@@ -212,11 +213,11 @@ def test_the_sync_twin_refuses_a_loop_thread_a_non_tensor_and_times_out():
     async def on_a_loop() -> None:
         rdt.wait_tensor_freed_sync(t)
 
-    with pytest.raises(RuntimeError, match="await rdt.wait_tensor_freed"):
+    with pytest.raises(RuntimeError, match=re.escape("await rdt.wait_tensor_freed")):
         asyncio.run(on_a_loop())
     with pytest.raises(TypeError, match="wait_tensor_freed_sync"):
         rdt.wait_tensor_freed_sync([t])  # type: ignore[arg-type]
     with store.holding([t]):
-        with pytest.raises(TimeoutError, match="still held after 0.05 s"):
+        with pytest.raises(TimeoutError, match=re.escape("still held after 0.05 s")):
             rdt.wait_tensor_freed_sync(t, timeout=0.05)
     rdt.wait_tensor_freed_sync(t, timeout=0.05)  # nothing holds it now

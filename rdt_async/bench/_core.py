@@ -26,14 +26,14 @@ class Producer:
     """Makes fresh tensors on request, as an RDT producer and as a plain Ray one."""
 
     @rdt.method
-    def rdt_auto(self, nbytes: int):
+    def rdt_auto(self, nbytes: int) -> torch.Tensor:
         return _tensor(nbytes)
 
     @rdt.method(tensor_transport="object_store")
-    def rdt_object_store(self, nbytes: int):
+    def rdt_object_store(self, nbytes: int) -> torch.Tensor:
         return _tensor(nbytes)
 
-    def plain(self, nbytes: int):
+    def plain(self, nbytes: int) -> torch.Tensor:
         return _tensor(nbytes)
 
     def ready(self) -> bool:

@@ -49,7 +49,7 @@ def _rdt_producer(transport: str) -> Any:
             self.kept: dict[int, torch.Tensor] = {}
 
         @rdt.method(tensor_transport=transport)
-        def make(self, n: int, shape: str):
+        def make(self, n: int, shape: str) -> torch.Tensor:
             return _value(self.kept, n, shape)
 
         def ready(self) -> bool:
@@ -224,8 +224,8 @@ def _make_path(name: str, fanout: int, hosts: int = 1) -> _Path | None:
     if transport == "gloo":
         from ray.experimental.collective import create_collective_group, destroy_collective_group
 
-        group = create_collective_group([producer, *consumers], backend="torch_gloo")
-        return _Path(name, producer, consumers, lambda: destroy_collective_group(group), loop=False)
+        communicator = create_collective_group([producer, *consumers], backend="torch_gloo")
+        return _Path(name, producer, consumers, lambda: destroy_collective_group(communicator), loop=False)
     return _Path(name, producer, consumers, loop=False)
 
 
@@ -254,15 +254,18 @@ def run(
     planned = 2 * len(sizes) + len(fanouts)  # a path's steps at most (gloo paths have no fan-out)
     progress.add(planned * len(names))
     for name in names:
-        done = 0
         try:
             path = _make_path(name, width, hosts)
         except Exception as e:  # a path that cannot run here (Ray's RDT gloo across hosts) is a result too
             progress.note(f"e2e {name}: failed to set up: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
             rows.append({"bench": "e2e", "case": name, "hosts": hosts, "error": f"{type(e).__name__}: {str(e)[:500]}"})
             path = None
+        if path is None:
+            progress.skip(planned)
+            continue
+        done = 0
         try:
-            for shape in ("kept", "fresh") if path is not None else ():
+            for shape in ("kept", "fresh"):
                 for size in sizes:
                     n = max(1, size // 4)  # float32 elements
                     with progress.step(f"e2e {name} {shape} {human(size)}"):
@@ -272,7 +275,7 @@ def run(
                                      "hosts": hosts, "cold_s": cold, "seconds": statistics.median(t for t, _ in warm),
                                      "loop_stall_ms": _worst_ms(warm), "breakdown": path.parts(n, shape)})
                     done += 1
-            if path is not None and len(path.consumers) > 1:
+            if len(path.consumers) > 1:
                 size = max(sizes)
                 for k in fanouts:
                     with progress.step(f"e2e {name} kept {human(size)} to {k}"):
@@ -284,8 +287,7 @@ def run(
                     done += 1
         finally:
             progress.skip(planned - done)
-            if path is not None:
-                path.close()
+            path.close()
     _ratios(rows)
     return rows
 

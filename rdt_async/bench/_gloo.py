@@ -58,7 +58,7 @@ def raw_gloo(sizes: list[int], repeat: int) -> dict[int, float]:
     procs = [ctx.Process(target=_raw_peer, args=(r, port, sizes, repeat, q)) for r in (0, 1)]
     for p in procs:
         p.start()
-    res = q.get(timeout=600)
+    res: dict[int, float] = q.get(timeout=600)
     for p in procs:
         p.join(60)
     return res
@@ -70,7 +70,7 @@ class OurProducer:
         self.t: dict[int, torch.Tensor] = {}
 
     @rdt.method(tensor_transport="gloo")
-    def make(self, n: int):
+    def make(self, n: int) -> torch.Tensor:
         if n not in self.t:
             self.t[n] = torch.ones(n, dtype=torch.uint8)
         return self.t[n]
@@ -137,7 +137,7 @@ class RayProducer:
         self.t: dict[int, torch.Tensor] = {}
 
     @ray.method(tensor_transport="gloo")
-    def make(self, n: int):
+    def make(self, n: int) -> torch.Tensor:
         if n not in self.t:
             self.t[n] = torch.ones(n, dtype=torch.uint8)
         return self.t[n]

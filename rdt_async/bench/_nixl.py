@@ -21,6 +21,7 @@ import torch
 
 import rdt_async as rdt
 
+from ..transports._base import NO_CHANNEL
 from . import _rawnixl
 
 GIB = float(1 << 30)
@@ -95,7 +96,7 @@ def _transport_rows(infos: dict[int, Any], sizes: list[int], repeat: int) -> lis
             times = []
             for i in range(_reps(n, repeat) + 1):
                 t0 = time.perf_counter()
-                out = transport.fetch_multiple_tensors(infos[n], buffers=[dst] if into else None, channel=None).result()
+                out = transport.fetch_multiple_tensors(infos[n], buffers=[dst] if into else None, channel=NO_CHANNEL).result()
                 if i:
                     times.append(time.perf_counter() - t0)
             assert int(out[0][-1]) == n % 251
@@ -110,16 +111,16 @@ class _RdtProducer:
         self.t = {n: torch.full((n,), 7, dtype=torch.uint8) for n in sizes}
 
     @rdt.method(tensor_transport="nixl")
-    def nixl(self, n: int):
+    def nixl(self, n: int) -> torch.Tensor:
         return self.t[n]
 
-    def plain(self, n: int):
+    def plain(self, n: int) -> torch.Tensor:
         return self.t[n]
 
-    def put(self, n: int):
+    def put(self, n: int) -> list[Any]:
         return [ray.put(self.t[n])]  # a ref the driver borrows: its get asks this actor
 
-    def holding_ref(self, n: int):
+    def holding_ref(self, n: int) -> tuple[torch.Tensor, Any]:
         return self.t[n], self.anchor  # a value holding an ObjectRef, as every RDTObject does
 
     def make_anchor(self) -> None:
@@ -132,7 +133,7 @@ class _RayProducer:
         self.t = {n: torch.full((n,), 9, dtype=torch.uint8) for n in sizes}
 
     @ray.method(tensor_transport="nixl")
-    def make(self, n: int):
+    def make(self, n: int) -> torch.Tensor:
         return self.t[n]
 
 

@@ -74,7 +74,7 @@ def _figure(rows: list[Row], cases: list[str], title: str, y: Callable[[Row], fl
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
     colours = {case: f"C{i % 10}" for i, case in enumerate(cases)}
     lines: dict[str, Any] = {}
-    missing = set()
+    missing: set[str] = set()
     for ax, (panel, x, mine) in zip(axes, panels):
         for case in cases:
             points = sorted((r[x], y(r)) for r in mine if r["case"] == case)

@@ -79,7 +79,7 @@ def raw_ucxx(sizes: list[int], repeat: int) -> dict[int, float]:
     port = q.get(timeout=120)
     client = ctx.Process(target=_raw_client, args=(port, q, sizes, repeat))
     client.start()
-    res = q.get(timeout=600)
+    res: dict[int, float] = q.get(timeout=600)
     client.join(60)
     server.join(60)
     for p in (client, server):

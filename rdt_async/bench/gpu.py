@@ -20,6 +20,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -160,6 +161,7 @@ async def _fetch_rows(
     infos: dict[Any, Any], sums: dict[Any, int], sizes: list[int], cross: list[int], transports: tuple[str, ...]
 ) -> list[dict[str, Any]]:
     from rdt_async.transports import _registry
+    from rdt_async.transports._base import NO_CHANNEL
 
     rows = []
     cases = [(name, "cuda", "cuda", n) for name in ("cuda_ipc", "nixl") for n in sizes]
@@ -171,7 +173,8 @@ async def _fetch_rows(
         info = infos[(name, src_dev, n)]
         for into in (False, True) if src_dev == dst_dev else (True,):
             buffers = [torch.empty(n, dtype=torch.uint8, device=dst_dev)] if into else None
-            times, out = [], None
+            times: list[float] = []
+            out = None
             probe = _LagProbe()
             start = time.perf_counter()
             for i in range(_reps(n) + 1):
@@ -179,7 +182,7 @@ async def _fetch_rows(
                     break
                 out = None
                 t0 = time.perf_counter()
-                out = await transport.wait_fetch_complete(transport.fetch_multiple_tensors(info, buffers=buffers, channel=None))
+                out = await transport.wait_fetch_complete(transport.fetch_multiple_tensors(info, buffers=buffers, channel=NO_CHANNEL))
                 took = time.perf_counter() - t0
                 if i == 0:
                     first = took
@@ -267,12 +270,13 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     try:
         got = conn.recv()
-        for stage in (
+        stages: tuple[Callable[[], list[dict[str, Any]]], ...] = (
             lambda: _limits(sizes, cross),
             lambda: _raw_ipc(got["ipc"], got["sums"]),
             lambda: asyncio.run(_fetch_rows(got["infos"], got["sums"], sizes, cross, transports)),
             lambda: _raw_nixl(got["raw"], sizes, cross, got["sums"]) if "nixl" in transports else [],
-        ):
+        )
+        for stage in stages:
             rows += stage()
             torch.cuda.empty_cache()
     finally:

@@ -48,7 +48,7 @@ async def resolve_all(verb: str, refs: Sequence[Any]) -> list[RDTObject]:
 
     refs = list(refs)
     # Refs whose values are here already resolve in one call (cheaper than a future each).
-    ready = await _io.to_thread(_get_ready, list(dict.fromkeys(x for x in refs if isinstance(x, ray.ObjectRef))))
+    ready = await _io.to_thread(_get_ready, list(dict.fromkeys(x for x in refs if isinstance(x, ray.ObjectRef))), purpose=_io.CALLS)
 
     async def one(i: int, x: Any) -> RDTObject:
         if isinstance(x, ray.ObjectRef):
@@ -121,7 +121,7 @@ async def pick_group(
         if not isinstance(group, (CollectiveGroup, str)):
             raise TypeError(f"group= takes a CollectiveGroup or a group name, not {type(group).__name__}")
         name = group.name if isinstance(group, CollectiveGroup) else group
-        record = await _io.to_thread(_records.record, name)
+        record = await _io.to_thread(_records.record, name, purpose=_io.CALLS)
         if record is None:
             raise CollectiveGroupError(f"rdt.{verb}: there is no collective group named {name!r} (destroyed?)")
         for i, h in enumerate(holders):
@@ -140,7 +140,7 @@ async def pick_group(
             "(rdt.create_collective_group), or pass group= if they joined it after producing the values"
         )
     ids = {h.id for h in holders}
-    records = {n: await _io.to_thread(_records.record, n) for n in sorted(common)}
+    records = {n: await _io.to_thread(_records.record, n, purpose=_io.CALLS) for n in sorted(common)}
     live = {n: r for n, r in records.items() if r is not None}
     if verb == "broadcast":
         fits = [n for n, r in live.items() if set(r["actors"]) >= ids]

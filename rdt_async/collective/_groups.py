@@ -45,7 +45,7 @@ async def create_collective_group_async(
     _validate(actors, backend)
     name = name or f"{backend}-{secrets.token_hex(6)}"
     record = {"backend": backend, "actors": [a._actor_id.hex() for a in actors]}
-    if await _io.to_thread(_records.claim, name, record):
+    if await _io.to_thread(_records.claim, name, record, purpose=_io.CALLS):
         raise CollectiveGroupError(f"a collective group named {name!r} exists; destroy it or pick another name")
     try:
         await _ping_all(actors, name)
@@ -55,7 +55,7 @@ async def create_collective_group_async(
         )
     except BaseException as exc:
         await _leave_all(actors, name)
-        await _io.to_thread(_records.release, name)
+        await _io.to_thread(_records.release, name, purpose=_io.CALLS)
         if isinstance(exc, CollectiveGroupError):
             raise
         raise CollectiveGroupError(f"creating collective group {name!r} failed: {cause(exc)}") from exc
@@ -80,7 +80,7 @@ async def destroy_collective_group_async(group: CollectiveGroup | str, /) -> Non
     if isinstance(group, str):
         raise TypeError("pass the CollectiveGroup that create_collective_group returned")
     await _leave_all(group.actors, group.name)
-    await _io.to_thread(_records.release, group.name)
+    await _io.to_thread(_records.release, group.name, purpose=_io.CALLS)
 
 
 @blocking_twin(destroy_collective_group_async)
@@ -98,12 +98,8 @@ def _validate(actors: tuple[Any, ...], backend: str) -> None:
     for i, a in enumerate(actors):
         if not isinstance(a, ray.actor.ActorHandle):
             raise CollectiveGroupError(f"member {i} is a {type(a).__name__}, not an actor handle")
-        try:
-            a.rdt__group
-        except AttributeError:
-            raise CollectiveGroupError(
-                f"member {i} is not an rdt.remote actor: decorate its class with @rdt.remote"
-            ) from None
+        if not hasattr(a, "rdt__group"):
+            raise CollectiveGroupError(f"member {i} is not an rdt.remote actor: decorate its class with @rdt.remote")
         ids.append(a._actor_id)
     if len(set(ids)) != len(ids):
         raise CollectiveGroupError("an actor appears twice in the group")

@@ -99,12 +99,13 @@ def _reading_inputs(part: Part, device: torch.device) -> Iterator[tuple[list[tor
 
 def _collective_error(exc: BaseException, part: Part) -> BaseException:
     """Translate a failed collective: a lost connection means a peer went away."""
+    from ..transports import gloo
+
     if isinstance(exc, RDTError):
         return exc
-    text = str(exc)
-    if any(s in text for s in ("Connection closed", "Connection reset", "Read error", "Broken pipe", "abort")):
+    if gloo.lost_peer(exc):
         return PeerDiedError(
             f"rdt.{part.verb} on group {part.group!r}: a peer went away during the collective "
-            f"(it died, or the group was broken): {type(exc).__name__}: {text[:200]}"
+            f"(it died, or the group was broken): {type(exc).__name__}: {str(exc)[:200]}"
         )
     return translate(exc, f"rdt.{part.verb} on group {part.group!r}", part.obj_id)

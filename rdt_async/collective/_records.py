@@ -22,7 +22,8 @@ def record(name: str) -> dict[str, Any] | None:
     """Return the record of group `name` ({"backend", "actors": actor ids by rank}), or None."""
     blob = internal_kv._internal_kv_get(f"group/{name}", namespace=KV_NAMESPACE)
     try:
-        return json.loads(blob) if blob is not None else None
+        found: dict[str, Any] | None = json.loads(blob) if blob is not None else None
+        return found
     except ValueError:
         return None
 

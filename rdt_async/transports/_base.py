@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 import torch
 
 from .. import _alloc, _io
-from .._errors import TransportUnavailableError
+from .._errors import RDTError, TransportUnavailableError
 
 M = TypeVar("M")
 
@@ -53,6 +53,16 @@ class Channel(Protocol):
     async def request_send(self, request: Any) -> Any:
         """Ask the producer to run `send_multiple_tensors(..., request)`; return its reply."""
         ...
+
+
+class NoChannel:
+    """The channel of a fetch made outside the core (a benchmark's raw read): no producer to ask."""
+
+    async def request_send(self, request: Any) -> Any:
+        raise RuntimeError("this fetch has no line to its producer: only a one-sided transport can make it")
+
+
+NO_CHANNEL = NoChannel()
 
 
 # How long a cancelled fetch waits for its transport's cleanup (transports bound their own).
@@ -263,6 +273,18 @@ class Transport(Generic[M]):
         """
         request.cancel()
 
+    @classmethod
+    def native_error(cls, exc: BaseException) -> type[RDTError] | None:
+        """The rdt_async error that `exc`, raised by this transport's library, stands for.
+
+        Runs on: consumer, when a fetch over this transport raised something that is not
+        an rdt_async error; the core words the message (`rdt_async._errors.translate`).
+        None (the default) makes it a BackendError. Decide by class where the library
+        has classes (NIXL, UCXX); map a lost peer to PeerDiedError and a freed object
+        to ObjectFreedError, which callers branch on.
+        """
+        return None
+
 
 def pid_alive(pid: int) -> bool:
     """Say whether process `pid` of this node may be alive (one owned by another user counts)."""
@@ -318,6 +340,11 @@ def local_device(device: str) -> torch.device:
     return d
 
 
+def or_none(buffers: Sequence[torch.Tensor] | None, n: int) -> Sequence[torch.Tensor | None]:
+    """The caller's `into=` buffers, or None for each of the `n` tensors."""
+    return buffers if buffers else [None] * n
+
+
 def landing_buffers(
     specs: Sequence[TensorSpec], buffers: list[torch.Tensor] | None, device: str = "cpu"
 ) -> list[torch.Tensor]:
@@ -326,7 +353,7 @@ def landing_buffers(
     The caller's buffer where it is contiguous, else a fresh one (from the reuse cache
     on CPU). Runs on: consumer.
     """
-    given = buffers or [None] * len(specs)
+    given = or_none(buffers, len(specs))
     return [
         b if b is not None and b.is_contiguous() else _alloc.empty(s.shape, s.dtype, device)
         for b, s in zip(given, specs)

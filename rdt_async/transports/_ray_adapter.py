@@ -97,7 +97,7 @@ def adapt(name: str, devices: tuple[str, ...], manager_class: type) -> type[RayM
 
 def _concrete(cls: type) -> type:
     """Fill the abstract methods the adapter never calls (the registry checked which)."""
-    missing = getattr(cls, "__abstractmethods__", frozenset())
+    missing: frozenset[str] = getattr(cls, "__abstractmethods__", frozenset())
     if not missing:
         return cls
     return type(cls)(cls.__name__, (cls,), {m: _never_called(cls, m) for m in missing})
@@ -164,7 +164,7 @@ class RayManagerTransport(Transport[RayMeta]):
             self._manager.get_communicator_metadata, meta.src_actor, _current_actor(), self.name
         )
         recv = asyncio.wrap_future(
-            _io.pool().submit(self._recv, info.obj_id, meta.transport_meta, comm, buffers)
+            _io.pool(_io.ADAPTER).submit(self._recv, info.obj_id, meta.transport_meta, comm, buffers)
         )
         work = {recv}
         if not self.one_sided:
@@ -196,8 +196,8 @@ class RayManagerTransport(Transport[RayMeta]):
                 log.warning("rdt_async: %s cannot abort; the transfer of %s runs on", self.name, obj_id)
             return
         loop = asyncio.get_running_loop()
-        # The loop's default executor, not the pool: the pool may be full of blocked receives.
-        steps: list[Any] = [loop.run_in_executor(None, self._manager.abort_transport, obj_id, comm)]
+        # Its own pool: the receives' may be full of blocked receives.
+        steps: list[Any] = [loop.run_in_executor(_io.pool(_io.ABORTS), self._manager.abort_transport, obj_id, comm)]
         if not self.one_sided:
             steps.append(asyncio.ensure_future(channel.request_send(_Abort(comm, token))))
         try:
@@ -222,7 +222,7 @@ class RayManagerTransport(Transport[RayMeta]):
             try:
                 if self.can_abort:
                     loop = asyncio.get_running_loop()
-                    await loop.run_in_executor(None, self._manager.abort_transport, obj_id, request.comm)
+                    await loop.run_in_executor(_io.pool(_io.ABORTS), self._manager.abort_transport, obj_id, request.comm)
             finally:
                 self._give_back(request.token)
             return None

@@ -17,7 +17,7 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -43,6 +43,8 @@ _RAY_MANAGER_MODULE = "ray.experimental.rdt.tensor_transport_manager"
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 # Parts of Ray's TensorTransportManager that the adapter never calls: not required.
 _RAY_UNUSED = frozenset({"tensor_transport_backend", "actor_has_tensor_transport"})
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -112,11 +114,16 @@ def register(
 def _restore(
     name: str, reg: Registration | None, cls: type[Transport[Any]] | None, inst: Transport[Any] | None
 ) -> None:
-    for table, value in ((_registrations, reg), (_classes, cls), (_instances, inst)):
-        if value is None:
-            table.pop(name, None)
-        else:
-            table[name] = value  # type: ignore[index]
+    _put(_registrations, name, reg)
+    _put(_classes, name, cls)
+    _put(_instances, name, inst)
+
+
+def _put(table: dict[str, T], name: str, value: T | None) -> None:
+    if value is None:
+        table.pop(name, None)
+    else:
+        table[name] = value
 
 
 def names() -> list[str]:
@@ -403,7 +410,9 @@ def _effective_class(reg: Registration) -> type[Transport[Any]]:
             "__qualname__": reg.cls.__qualname__,
             "__doc__": reg.cls.__doc__,
         }
-        return type(reg.cls)(reg.cls.__name__, (reg.cls,), namespace)
+        meta: Any = type(reg.cls)  # the class's own metaclass (ABCMeta, or the user's)
+        made: type[Transport[Any]] = meta(reg.cls.__name__, (reg.cls,), namespace)
+        return made
     from ._ray_adapter import adapt
 
     return adapt(reg.name, reg.devices, reg.cls)

@@ -47,7 +47,7 @@ import torch
 from .. import _cuda, _io
 from .._errors import ObjectFreedError, PeerDiedError, TransportUnavailableError
 from . import _cudadrv, shm
-from ._base import Channel, TransferInfo, Transport, pid_alive
+from ._base import Channel, TransferInfo, Transport, or_none, pid_alive
 
 SLOTS_PER_TABLE = 1024
 TABLE_CACHE = 64  # liveness tables a consumer keeps mapped (one per producer, mostly)
@@ -215,7 +215,7 @@ class CudaIpcTransport(Transport[CudaIpcMeta]):
         self._check_live(info)
         out = [
             b if b is not None else torch.empty(s.shape, dtype=s.dtype, device=_device_of(m))
-            for b, s, m in zip(buffers or [None] * len(info.specs), info.specs, meta.tensors)
+            for b, s, m in zip(or_none(buffers, len(info.specs)), info.specs, meta.tensors)
         ]
         pairs = [(o, m) for o, m in zip(out, meta.tensors) if m is not None]
         if not pairs:
@@ -351,7 +351,8 @@ class _Mappings:
             if entry[2] is not None:
                 entry[2].cancel()
                 entry[2] = None
-            return entry[0]
+            mapped: concurrent.futures.Future[int] = entry[0]
+            return mapped
 
     def release(self, handle: bytes) -> None:
         with self._lock:

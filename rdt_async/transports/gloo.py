@@ -29,19 +29,18 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
 from .. import _cuda, _io
-from .._errors import CollectiveGroupError, ObjectFreedError
+from .._errors import CollectiveGroupError, ObjectFreedError, PeerDiedError, RDTError
 from .._membership import TAG_LIMIT as TAG_LIMIT
 from .._membership import Group as Group
 from .._membership import groups as groups
 from ._base import Channel, TransferInfo, Transport, delivered, landing_buffers
 
-WAITERS = 16  # Gloo waits in flight per process; more queue
 HELD, FREED = 1, 2  # the status message that comes before an object's tensors
 REPLY_AFTER_FAILURE_S = 10.0  # how long a failed receive waits for Ray's word on the producer
 DRAIN_S = 30.0  # how long a cancelled fetch waits for receives that write caller buffers
@@ -52,7 +51,8 @@ _hosted_lock = threading.Lock()
 
 def host_store(name: str, host: str) -> int:
     """Start the rendezvous store of a new group here (rank 0); return its port."""
-    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    # TCPStore and PrefixStore are torch.distributed's, re-exported untyped from its C module.
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))  # type: ignore[attr-defined]
     with _hosted_lock:
         _hosted[name] = store
     return int(store.port)
@@ -69,13 +69,13 @@ def join(name: str, backend: str, rank: int, size: int, host: str, port: int, ti
     with _hosted_lock:
         store = _hosted.pop(name, None)
     if store is None:
-        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
-    prefixed = dist.PrefixStore(f"rdt/{name}", store)
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))  # type: ignore[attr-defined]
+    prefixed = dist.PrefixStore(f"rdt/{name}", store)  # type: ignore[attr-defined]
     if backend == "gloo":
-        opts = dist.ProcessGroupGloo._Options()
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private, untyped
         opts._timeout = timedelta(seconds=timeout_s)
         opts._devices = [_listener_device(host, rank)]
-        pg = dist.ProcessGroupGloo(prefixed, rank, size, opts)
+        pg: Any = dist.ProcessGroupGloo(prefixed, rank, size, opts)
     elif backend == "nccl":
         if not torch.cuda.is_available():
             raise CollectiveGroupError("backend 'nccl' needs a CUDA GPU in every member; use backend='gloo'")
@@ -109,7 +109,7 @@ def _my_host(hint: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             s.connect((hint, 9))
-            return s.getsockname()[0]
+            return str(s.getsockname()[0])
         except OSError:
             return hint
 
@@ -121,7 +121,7 @@ async def wait_works(works: Sequence[Any]) -> None:
         for w in works:
             w.wait()
 
-    await asyncio.get_running_loop().run_in_executor(_io.pool("gloo", WAITERS), wait_all)
+    await asyncio.get_running_loop().run_in_executor(_io.pool(_io.GLOO), wait_all)
 
 
 @dataclass(frozen=True)
@@ -132,15 +132,30 @@ class GlooMeta:
     src: int
 
 
+# What Gloo says when a peer's connection goes (its process or host died, or the group
+# was aborted under the call). torch raises Gloo's failures as plain RuntimeErrors, with
+# no class of their own: the text is all there is to go by.
+_LOST_PEER = ("Connection closed", "Connection reset", "Read error", "Broken pipe", "abort")
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """Whether `exc`, raised by a Gloo call, says a peer of the group went away."""
+    return isinstance(exc, RuntimeError) and any(s in str(exc) for s in _LOST_PEER)
+
+
 class GlooTransport(Transport[GlooMeta]):
     """Gloo point-to-point between members of one collective group (CPU tensors)."""
 
     name = "gloo"
     backend = "gloo"
-    devices: tuple[str, ...] = ("cpu",)
+    devices: ClassVar[tuple[str, ...]] = ("cpu",)
     one_sided = False
     pins_memory = False
     can_abort = False
+
+    @classmethod
+    def native_error(cls, exc: BaseException) -> type[RDTError] | None:
+        return PeerDiedError if lost_peer(exc) else None
 
     async def receive(
         self, info: TransferInfo[GlooMeta], buffers: list[torch.Tensor] | None, channel: Channel

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from .. import _io
-from .._errors import ObjectFreedError, PeerDiedError, TransportUnavailableError
+from .._errors import ObjectFreedError, PeerDiedError, RDTError, TransportUnavailableError
 from . import _segments
 from ._base import Channel, TransferInfo, Transport, aligned_layout, copy_into, pid_alive, view_in
 
@@ -121,6 +121,11 @@ class ShmTransport(Transport[ShmMeta]):
         if not os.path.isdir(SHM_DIR):
             return f"{SHM_DIR} does not exist (shm needs Linux)"
         return None
+
+    @classmethod
+    def native_error(cls, exc: BaseException) -> type[RDTError] | None:
+        # The segment's file is gone: unlinked at free, or by the dead producer's guardian.
+        return ObjectFreedError if isinstance(exc, FileNotFoundError) else None
 
     def prepare(self, obj_id: str, tensors: Sequence[torch.Tensor]) -> ShmMeta:
         shared = tuple(_shared(t) for t in tensors)
@@ -339,7 +344,7 @@ def _shared(t: torch.Tensor) -> Shared | None:
     except Exception:  # shared some other way (file_system strategy): copy it
         return None
     st = os.fstat(fd)
-    return Shared(os.getpid(), fd, (st.st_dev, st.st_ino), nbytes, t.storage_offset(), tuple(t.stride()))
+    return Shared(os.getpid(), fd, (st.st_dev, st.st_ino), nbytes, int(t.storage_offset()), tuple(t.stride()))
 
 
 def _read_into(info: TransferInfo[ShmMeta], buffers: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -383,14 +388,14 @@ def _contiguous(spec: Any, sh: Shared) -> bool:
 
 
 def _pread_exact(fd: int, t: torch.Tensor, offset: int, nbytes: int) -> None:
-    view = memoryview(t.view(-1).view(torch.uint8).numpy()).cast("B")
+    view = memoryview(t.view(-1).view(torch.uint8).numpy().data).cast("B")
     if nbytes < SPLIT_READ_BYTES:
         _pread_range(fd, view, offset, 0, nbytes)
         return
     # Two kernel copies at once (the GIL is released in preadv): one core copies at
     # about half of memcpy's speed from tmpfs pages.
     half = nbytes // 2 // ALIGN * ALIGN
-    other = _io.pool("shm-read", 1).submit(_pread_range, fd, view, offset, half, nbytes)
+    other = _io.pool(_io.SHM_READ).submit(_pread_range, fd, view, offset, half, nbytes)
     _pread_range(fd, view, offset, 0, half)
     other.result()
 

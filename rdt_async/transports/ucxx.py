@@ -42,6 +42,7 @@ import importlib.util
 import os
 import secrets
 import socket
+import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ import numpy as np
 import torch
 
 from .. import _io
-from .._errors import ObjectFreedError, PeerDiedError, TransportUnavailableError
+from .._errors import BackendError, ObjectFreedError, PeerDiedError, RDTError, TransportUnavailableError
 from . import _ucx
 from ._base import Channel, TransferInfo, Transport, delivered, landing_buffers
 
@@ -231,6 +232,7 @@ class _Worker:
         base, posted, packed, obj_id = _unpack(message)
         tensors = _objects.get(obj_id)
         status = np.array([HELD if tensors is not None else FREED], dtype=np.uint64)
+        sends: list[tuple[int, np.ndarray, torch.Tensor | None]]
         if packed:  # a small object: status and bytes in one message
             parts = [status.view(np.uint8)] + [_raw(t) for t in tensors or () if t.numel()]
             status, sends = np.concatenate(parts), []
@@ -392,6 +394,15 @@ class UcxxTransport(Transport[UcxxMeta]):
     @classmethod
     def unavailable_reason(cls) -> str | None:
         return _import_reason() or _ucx.conflict("ucxx")
+
+    @classmethod
+    def native_error(cls, exc: BaseException) -> type[RDTError] | None:
+        lib = sys.modules.get("ucxx._lib.libucxx")  # loaded by whatever raised it
+        if lib is None or not isinstance(exc, lib.UCXError):
+            return None
+        # The producer's endpoint reset or closed (its process or its host went away).
+        gone = (lib.UCXConnectionResetError, lib.UCXNotConnectedError, lib.UCXEndpointTimeoutError)
+        return PeerDiedError if isinstance(exc, gone) else BackendError
 
     def warm_up(self) -> None:
         _worker_blocking()

@@ -140,7 +140,8 @@ class Agent:
         if not slow:
             out = self.try_call(fn, *args)
             if out is not _BUSY:
-                return out
+                done: T = out
+                return done
         return await _io.to_thread_finished(self.locked, fn, *args, undo=undo)
 
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:

@@ -11,6 +11,8 @@ this host are read on the caller's thread (`receive_nowait`) with the same plan.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import os
 import socket
 import threading
@@ -19,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from ... import _cuda, _io
-from ..._errors import ObjectFreedError, PeerDiedError, TransportUnavailableError
+from ..._errors import BackendError, ObjectFreedError, PeerDiedError, RDTError, TransportUnavailableError
 from .. import _ucx
 from .._base import Channel, TransferInfo, Transport, copy_into, pid_alive
 from ._agent import Agent, import_reason
@@ -67,6 +69,13 @@ class NixlTransport(Transport[NixlMeta]):
     def unavailable_reason(cls) -> str | None:
         return import_reason() or _ucx.conflict("nixl")
 
+    @classmethod
+    def native_error(cls, exc: BaseException) -> type[RDTError] | None:
+        errors = _native_errors()
+        if isinstance(exc, errors.disconnected):
+            return PeerDiedError
+        return BackendError if isinstance(exc, errors.every) else None
+
     # -- what tests and operators look at --------------------------------------------
 
     @property
@@ -110,7 +119,7 @@ class NixlTransport(Transport[NixlMeta]):
 
     async def _get_async(self) -> _Here:
         here = self._current()
-        return here if here is not None else await _io.to_thread(self._get)
+        return here if here is not None else await _io.to_thread(self._get, purpose=_io.CALLS)
 
     # -- producer --------------------------------------------------------------------
 
@@ -252,10 +261,29 @@ class NixlTransport(Transport[NixlMeta]):
         return copy_into(buffers, out) if any(b is not o for b, o in zip(buffers, out)) else list(buffers)
 
 
-def _is_disconnect(exc: BaseException) -> bool:
-    return type(exc).__name__ in ("nixlRemoteDisconnectError", "nixlNotAllowedError") or isinstance(
-        exc, PeerDiedError
+@dataclasses.dataclass(frozen=True)
+class _NativeErrors:
+    disconnected: type[BaseException]  # the producer's agent is gone
+    # The connection is unusable (gone, or a READ over it failed UCX's endpoint: a memory
+    # the producer unmapped): forget it, and read over a fresh one.
+    broken: tuple[type[BaseException], ...]
+    every: tuple[type[BaseException], ...]  # every error class NIXL's bindings raise
+
+
+@functools.cache
+def _native_errors() -> _NativeErrors:
+    """NIXL's error classes (each a bare Exception subclass: they share no base of their own)."""
+    from nixl import _bindings
+
+    every = tuple(
+        v for k, v in vars(_bindings).items() if k.startswith("nixl") and isinstance(v, type) and issubclass(v, Exception)
     )
+    gone = _bindings.nixlRemoteDisconnectError
+    return _NativeErrors(gone, (gone, _bindings.nixlNotAllowedError), every)
+
+
+def _is_disconnect(exc: BaseException) -> bool:
+    return isinstance(exc, (PeerDiedError, *_native_errors().broken))
 
 
 def _died(info: TransferInfo[NixlMeta]) -> PeerDiedError:
