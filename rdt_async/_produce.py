@@ -118,16 +118,12 @@ def warm_up(names: Iterable[str]) -> None:
 
     Runs on: producer, at the actor's creation (blocking), before its loop serves
     anything. Loading NIXL or UCXX holds the GIL for ~0.3-0.5 s whatever thread does it,
-    so a first object made later would stall the actor's loop that long. `auto` counts
-    as nixl where auto would prepare it (a CPU object of AUTO_NIXL_MIN_BYTES or more
-    on a cluster of several nodes, where nixl loads).
+    so a first object made later would stall the actor's loop that long. Only transports
+    named explicitly: `auto` may never need NIXL, and loading it would take the process's
+    one UCX (NIXL and UCXX cannot share a process) from a `ucxx` fetch.
     """
     for name in dict.fromkeys(names):
-        if name == _registry.AUTO:
-            if not (_ray.several_nodes() and loads_here("nixl")):
-                continue
-            name = "nixl"
-        if (os.getpid(), name) in _warm or not loads_here(name):
+        if name == _registry.AUTO or (os.getpid(), name) in _warm or not loads_here(name):
             continue  # what cannot load here says so where it is used
         _registry.get(name).warm_up()
         _warm.add((os.getpid(), name))

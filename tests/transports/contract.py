@@ -175,7 +175,7 @@ async def fetch(producer: Producer, info: TransferInfo[Any], buffers: list[torch
     probe = LagProbe()
     probe.start()
     try:
-        with translating(f"{transport.name} fetch of {info.obj_id}", info.obj_id):  # as the core does
+        with translating(f"{transport.name} fetch of {info.obj_id}", info.obj_id, transport=transport):  # as the core does
             now = transport.receive_nowait(info, buffers)
             if now is not None:
                 return now
