@@ -237,7 +237,7 @@ async def _fetch_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tu
     if not where:
         return args, kwargs
     new_args, new_kwargs = list(args), dict(kwargs)
-    values = await _api.fetch_all([args[w] if isinstance(w, int) else kwargs[w] for w in where])
+    values = await _api.fetch_objects([args[w] if isinstance(w, int) else kwargs[w] for w in where])
     for w, v in zip(where, values):
         if isinstance(w, int):
             new_args[w] = v

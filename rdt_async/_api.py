@@ -51,6 +51,31 @@ async def fetch_all(xs: Iterable[Any], /, *, device: str | torch.device | None =
         raise
 
 
+async def fetch_objects(objs: list[RDTObject]) -> list[Any]:
+    """Fetch RDT objects in hand (a method's arguments): those that cannot block (inline,
+    small local maps) on this thread at once, the others concurrently; one failure
+    cancels the rest."""
+    values: list[Any] = [None] * len(objs)
+    later: dict[int, Any] = {}
+    for i, obj in enumerate(objs):
+        done, got = fetch_now(obj, device=None, into=None)
+        if done:
+            values[i] = got
+        else:
+            later[i] = got  # where the fetch goes on from
+    if later:
+        tasks = {i: asyncio.ensure_future(fetch_object(objs[i], device=None, into=None, start=s)) for i, s in later.items()}
+        try:
+            for i, value in zip(tasks, await asyncio.gather(*tasks.values())):
+                values[i] = value
+        except BaseException:
+            for t in tasks.values():
+                t.cancel()
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
+            raise
+    return values
+
+
 async def as_completed(
     xs: Iterable[Any], /, *, device: str | torch.device | None = None
 ) -> AsyncIterator[tuple[int, Any]]:
