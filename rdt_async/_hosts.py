@@ -227,6 +227,13 @@ class _Node:
             pass
 
 
+def _default_object_store_bytes() -> int:
+    """Ray's default for a node: 30% of memory, within what /dev/shm can hold."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    shm = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else total
+    return int(min(0.3 * total, 0.8 * shm))
+
+
 @contextlib.contextmanager
 def ray_cluster(hosts: int, remote_resource: str = "remote") -> Iterator[Hosts | None]:
     """A Ray cluster for the bench: this host alone, or with a second one across a veth link.
@@ -250,8 +257,12 @@ def ray_cluster(hosts: int, remote_resource: str = "remote") -> Iterator[Hosts |
     made = Hosts()
     cluster = None
     try:
-        cluster = Cluster(initialize_head=True, head_node_args={"node_ip_address": made.head_ip,
-                                                                "include_dashboard": False})
+        # The object store a user's `ray start` gets, not Cluster's 150 MiB test default:
+        # under that pressure Ray spills and runs gc.collect() in every worker, which
+        # would slow the object-store paths the bench compares against.
+        head = {"node_ip_address": made.head_ip, "include_dashboard": False,
+                "object_store_memory": _default_object_store_bytes()}
+        cluster = Cluster(initialize_head=True, head_node_args=head)
         ray.init(address=cluster.address, log_to_driver=False)
         made.add("remote", cluster.address, {remote_resource: 1000})
         yield made
