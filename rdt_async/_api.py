@@ -41,7 +41,11 @@ async def fetch(x: Any, /, *, device: str | torch.device | None = None, into: An
 
 async def fetch_all(xs: Iterable[Any], /, *, device: str | torch.device | None = None) -> list[Any]:
     """Fetch many objects concurrently; results in order. One failure cancels the rest."""
-    tasks = [asyncio.ensure_future(fetch(x, device=device)) for x in xs]
+    return await _all_or_none([asyncio.ensure_future(fetch(x, device=device)) for x in xs])
+
+
+async def _all_or_none(tasks: Sequence[asyncio.Future[Any]]) -> list[Any]:
+    """Await every task, results in order; one failure (or a cancel) cancels the rest."""
     try:
         return list(await asyncio.gather(*tasks))
     except BaseException:
@@ -64,15 +68,9 @@ async def fetch_objects(objs: list[RDTObject]) -> list[Any]:
         else:
             later[i] = got  # where the fetch goes on from
     if later:
-        tasks = {i: asyncio.ensure_future(fetch_object(objs[i], device=None, into=None, start=s)) for i, s in later.items()}
-        try:
-            for i, value in zip(tasks, await asyncio.gather(*tasks.values())):
-                values[i] = value
-        except BaseException:
-            for t in tasks.values():
-                t.cancel()
-            await asyncio.gather(*tasks.values(), return_exceptions=True)
-            raise
+        tasks = [asyncio.ensure_future(fetch_object(objs[i], device=None, into=None, start=s)) for i, s in later.items()]
+        for i, value in zip(later, await _all_or_none(tasks)):
+            values[i] = value
     return values
 
 

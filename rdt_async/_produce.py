@@ -103,10 +103,9 @@ async def produce_async(value: Any, transport: str, *, owner: Process | None = N
     with store.holding(tensors) as making:  # before the first await: wait_tensor_freed waits from now on
         await _cuda.wait(_cuda.record(tensors))  # as in `produce`, with the loop free meanwhile
         plan = _plan(transport, tensors)
-        for t in plan:
-            if (os.getpid(), t.name) not in _warm:  # e.g. NIXL's agent: ~0.45 s, once
-                await _io.to_thread(t.warm_up, purpose=_io.CALLS)
-                _warm.add((os.getpid(), t.name))
+        cold = [t.name for t in plan if (os.getpid(), t.name) not in _warm]
+        if cold:  # e.g. NIXL's agent: ~0.45 s, once
+            await _io.to_thread(warm_up, cold, purpose=_io.CALLS)
         limit = min((t.inline_prepare_bytes for t in plan), default=Transport.inline_prepare_bytes)
         if sum(t.numel() * t.element_size() for t in tensors) > limit:
             return await _io.to_thread(_finish, skeleton, tensors, transport, plan, owner, making)
@@ -116,11 +115,12 @@ async def produce_async(value: Any, transport: str, *, owner: Process | None = N
 def warm_up(names: Iterable[str]) -> None:
     """Load now what producing over the transports `names` would load on first use.
 
-    Runs on: producer, at the actor's creation (blocking), before its loop serves
-    anything. Loading NIXL or UCXX holds the GIL for ~0.3-0.5 s whatever thread does it,
-    so a first object made later would stall the actor's loop that long. Only transports
-    named explicitly: `auto` may never need NIXL, and loading it would take the process's
-    one UCX (NIXL and UCXX cannot share a process) from a `ucxx` fetch.
+    Runs on: producer (blocking): at an actor's creation, before its loop serves
+    anything, for the transports its methods name; and in the pool at a transport's
+    first use otherwise. Loading NIXL or UCXX holds the GIL for ~0.3-0.5 s whatever
+    thread does it, so a first object made later would stall the actor's loop that
+    long. `auto` is skipped: it may never need NIXL, and loading it would take the
+    process's one UCX (NIXL and UCXX cannot share a process) from a `ucxx` fetch.
     """
     for name in dict.fromkeys(names):
         if name == _registry.AUTO or (os.getpid(), name) in _warm or not loads_here(name):
