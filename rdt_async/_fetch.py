@@ -27,7 +27,7 @@ from ._object import RDTObject
 from ._produce import loads_here, shared_with_producer
 from ._store import log, store
 from .transports import _auto, _registry
-from .transports._base import TensorSpec, TransferInfo, Transport, copy_into
+from .transports._base import FetchRequest, TensorSpec, TransferInfo, Transport, copy_into
 
 
 def choose_transport(obj: RDTObject, node_id: str) -> tuple[str, Any]:
@@ -131,10 +131,10 @@ async def _transfer(
 ) -> list[torch.Tensor]:
     """Move the object's bytes over `transport` (into `buffers` when given)."""
     name = transport.name
-    request = transport.fetch_multiple_tensors(info, buffers=buffers, channel=_ray.RayChannel(obj, name))
+    request = FetchRequest.start(transport, info, buffers=buffers, channel=_ray.RayChannel(obj, name))
     try:
         with translating(f"{name} fetch of {obj.obj_id}", obj.obj_id, transport=transport):
-            return await _watched(transport.wait_fetch_complete(request), obj, name)
+            return await _watched(request.wait(), obj, name)
     except (TransferError, ObjectFreedError) as exc:
         await _raise_if_producer_died(obj, name, exc)
         raise

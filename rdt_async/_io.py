@@ -14,6 +14,7 @@ import concurrent.futures
 import dataclasses
 import os
 import threading
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Generic, TypeVar
 
@@ -88,6 +89,29 @@ async def to_thread(fn: Callable[..., T], *args: Any, purpose: str = COPIES) -> 
     return await asyncio.get_running_loop().run_in_executor(pool(purpose), fn, *args)
 
 
+async def shielded(aw: Awaitable[Any], *, timeout: float | None = None) -> bool:
+    """Await `aw` to its end, or until `timeout`, through any cancel of the caller.
+
+    Cleanup that must finish (a release, an abort, a receive into the caller's memory)
+    runs under it. Returns whether the caller was cancelled meanwhile: it then re-raises
+    `CancelledError` once its cleanup is done. What is still running at `timeout` goes on.
+    """
+    work = asyncio.ensure_future(aw)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    cancelled = False
+    while not work.done():
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            break
+        try:
+            await asyncio.wait({work}, timeout=left)  # never cancels `work`
+        except asyncio.CancelledError:
+            cancelled = True
+    if work.done() and not work.cancelled():
+        work.exception()  # retrieved: the caller reads the result where it wants it
+    return cancelled
+
+
 async def to_thread_finished(fn: Callable[..., T], *args: Any, undo: Callable[[T], None] | None = None) -> T:
     """`to_thread` for a call that must not be left running when its caller gives up.
 
@@ -97,12 +121,7 @@ async def to_thread_finished(fn: Callable[..., T], *args: Any, undo: Callable[[T
     made, and the caller's cleanup never runs before it.
     """
     work = asyncio.ensure_future(to_thread(fn, *args))
-    cancelled = False
-    while not work.done():
-        try:
-            await asyncio.shield(work)
-        except asyncio.CancelledError:
-            cancelled = True
+    cancelled = await shielded(work)
     result = work.result()
     if cancelled:
         if undo is not None:

@@ -21,7 +21,7 @@ import torch
 
 import rdt_async as rdt
 
-from ..transports._base import NO_CHANNEL
+from ..transports._base import FetchRequest
 from . import _rawnixl
 
 GIB = float(1 << 30)
@@ -96,7 +96,7 @@ def _transport_rows(infos: dict[int, Any], sizes: list[int], repeat: int) -> lis
             times = []
             for i in range(_reps(n, repeat) + 1):
                 t0 = time.perf_counter()
-                out = transport.fetch_multiple_tensors(infos[n], buffers=[dst] if into else None, channel=NO_CHANNEL).result()
+                out = FetchRequest.start(transport, infos[n], buffers=[dst] if into else None).result()
                 if i:
                     times.append(time.perf_counter() - t0)
             assert int(out[0][-1]) == n % 251

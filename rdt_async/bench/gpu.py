@@ -161,7 +161,7 @@ async def _fetch_rows(
     infos: dict[Any, Any], sums: dict[Any, int], sizes: list[int], cross: list[int], transports: tuple[str, ...]
 ) -> list[dict[str, Any]]:
     from rdt_async.transports import _registry
-    from rdt_async.transports._base import NO_CHANNEL
+    from rdt_async.transports._base import FetchRequest
 
     rows = []
     cases = [(name, "cuda", "cuda", n) for name in ("cuda_ipc", "nixl") for n in sizes]
@@ -182,7 +182,7 @@ async def _fetch_rows(
                     break
                 out = None
                 t0 = time.perf_counter()
-                out = await transport.wait_fetch_complete(transport.fetch_multiple_tensors(info, buffers=buffers, channel=NO_CHANNEL))
+                out = await FetchRequest.start(transport, info, buffers=buffers).wait()
                 took = time.perf_counter() - t0
                 if i == 0:
                     first = took

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import math
 import os
-from collections.abc import Coroutine, Generator, Iterable, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
@@ -82,9 +83,20 @@ class FetchRequest:
         self._future = started.future
 
     @classmethod
-    def start(cls, transport: str, work: Coroutine[Any, Any, list[torch.Tensor]]) -> FetchRequest:
-        """Run `work` on the I/O loop and return its request."""
-        return cls(transport, _io.start(work))
+    def start(
+        cls,
+        transport: Transport[M],
+        info: TransferInfo[M],
+        *,
+        buffers: list[torch.Tensor] | None = None,
+        channel: Channel = NO_CHANNEL,
+    ) -> FetchRequest:
+        """Start `transport.receive(info, buffers, channel)` on the I/O loop; return at once.
+
+        Runs on: consumer, any thread. This is how the core drives a transport, and how
+        a test drives one without the core (`channel` may be left out for one-sided ones).
+        """
+        return cls(transport.name, _io.start(transport.receive(info, buffers, channel)))
 
     def __await__(self) -> Generator[Any, None, list[torch.Tensor]]:
         task = self._started.task
@@ -95,6 +107,23 @@ class FetchRequest:
     async def settle(self, timeout: float = SETTLE_S) -> bool:
         """Await until the transfer's work has fully ended (its cleanup after a cancel)."""
         return await self._started.settle(timeout)
+
+    async def wait(self) -> list[torch.Tensor]:
+        """Await the tensors; cancelling this await aborts the transfer and returns once it let go.
+
+        A receive into the caller's buffers that cannot be interrupted lands first, so
+        nothing writes them after the cancel. A failure cancels what is left of the work.
+        Errors are the transport's own: the core translates them (`_errors.translating`).
+        """
+        try:
+            return await self
+        except asyncio.CancelledError:
+            self.cancel()  # (awaiting it from another loop cancelled it already)
+            await _io.shielded(self.settle())
+            raise
+        except BaseException:
+            self.cancel()
+            raise
 
     def cancel(self) -> bool:
         """Abort the transfer; what it held is released on the I/O loop."""
@@ -112,23 +141,25 @@ class FetchRequest:
         return f"<FetchRequest {self.transport} {state}>"
 
 
-class Transport(Generic[M]):
+class Transport(abc.ABC, Generic[M]):
     """A way to move an object's tensors from the producer's process to a consumer's.
 
-    The lifecycle of one transfer, and the side that runs each step:
+    A subclass implements `receive`; every other method is an optional hook with a
+    default. The lifecycle of one transfer, and the side that runs each step:
 
         producer                                   consumer
         --------                                   --------
         check_tensors(tensors)      at return
         prepare(obj_id, tensors) -> meta
               meta travels inside the RDTObject (through Ray)
-                                                   fetch_multiple_tensors(info, ...)
-                                                       -> FetchRequest (runs on the I/O loop)
+                                                   receive_nowait(info, buffers) -> tensors | None
+                                                   receive(info, buffers, channel) -> tensors
+                                                       (on the I/O loop; cancelled on abort)
         [two-sided only, on request over the Channel]
         send_multiple_tensors(obj_id, tensors, meta, request) -> reply
-                                                   wait_fetch_complete(request) -> tensors
-                                                   abort_transport(request) on cancel
-        garbage_collect(obj_id, meta)  when the last ref is gone or on free()
+        refuse(obj_id, request)        instead, once the object is gone
+        garbage_collect(obj_id, meta)  on free()
+        recycle(obj_id, meta)          when the last ref (and view) is gone
 
     One-sided transports (shm) read without the producer; two-sided ones (object_store,
     gloo) need its `send_multiple_tensors`. Transports never import Ray: the channel to
@@ -189,19 +220,6 @@ class Transport(Generic[M]):
         """
         return None  # type: ignore[return-value]
 
-    def fetch_multiple_tensors(
-        self,
-        info: TransferInfo[M],
-        *,
-        buffers: list[torch.Tensor] | None,
-        channel: Channel,
-    ) -> FetchRequest:
-        """Start moving the tensors of `info`; write into `buffers` when given.
-
-        Runs on: consumer. Returns at once; the work runs on the I/O loop.
-        """
-        return FetchRequest.start(self.name, self.receive(info, buffers, channel))
-
     def receive_nowait(self, info: TransferInfo[M], buffers: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
         """Return the tensors at once if that cannot block (tiny local copies), else None.
 
@@ -209,32 +227,16 @@ class Transport(Generic[M]):
         """
         return None
 
-    async def wait_fetch_complete(self, request: FetchRequest) -> list[torch.Tensor]:
-        """Await the tensors of a request.
-
-        Runs on: consumer. Cancelling the await aborts the transfer.
-        """
-        try:
-            return await request
-        except asyncio.CancelledError:
-            self.abort_transport(request)  # (awaiting it from another loop cancelled it already)
-            # Return once the transport let go: a receive into the caller's buffers that
-            # cannot be interrupted lands first, so nothing writes them afterwards.
-            await request.settle()
-            raise
-        except BaseException:  # callers translate native errors (rdt_async._errors.translating)
-            if not request.done():
-                self.abort_transport(request)
-            raise
-
+    @abc.abstractmethod
     async def receive(
         self, info: TransferInfo[M], buffers: list[torch.Tensor] | None, channel: Channel
     ) -> list[torch.Tensor]:
-        """Do the consumer's side of the transfer on the I/O loop.
+        """Do the consumer's side of the transfer: return the tensors of `info`, in order,
+        written into `buffers` (the caller's `into=`) when given.
 
-        Runs on: consumer (I/O loop). Must release what it holds when cancelled.
+        Runs on: consumer, on rdt_async's I/O loop (`FetchRequest.start`). Must release
+        what it holds when cancelled. The one method every transport implements.
         """
-        raise NotImplementedError
 
     async def send_multiple_tensors(
         self, obj_id: str, tensors: Sequence[torch.Tensor], meta: M, request: Any
@@ -265,13 +267,6 @@ class Transport(Generic[M]):
         what was prepared: a transport may reuse it. Runs on: producer. Default: garbage_collect.
         """
         self.garbage_collect(obj_id, meta)
-
-    def abort_transport(self, request: FetchRequest) -> None:
-        """Abort an in-flight fetch.
-
-        Runs on: consumer.
-        """
-        request.cancel()
 
     @classmethod
     def native_error(cls, exc: BaseException) -> type[RDTError] | None:

@@ -200,10 +200,8 @@ class RayManagerTransport(Transport[RayMeta]):
         steps: list[Any] = [loop.run_in_executor(_io.pool(_io.ABORTS), self._manager.abort_transport, obj_id, comm)]
         if not self.one_sided:
             steps.append(asyncio.ensure_future(channel.request_send(_Abort(comm, token))))
-        try:
-            await asyncio.shield(asyncio.wait([*steps, recv], timeout=ABORT_WAIT_S))
-        except asyncio.CancelledError:
-            pass  # cancelled again while aborting: the abort goes on, the first error wins
+        # Cancelled again while aborting: the abort goes on, the first error wins.
+        await _io.shielded(asyncio.wait([*steps, recv]), timeout=ABORT_WAIT_S)
         for step in steps:
             step.add_done_callback(_retrieve)
 

@@ -322,14 +322,15 @@ def _defined_by(cls: type, attr: str) -> type | None:
     return next((k for k in cls.__mro__ if attr in vars(k)), None)
 
 
+# What a subclass must write, for each abstract method of Transport, as the error shows it.
+_SIGNATURES = {"receive": "async def receive(self, info, buffers, channel) -> list[Tensor]"}
+_ASYNC = ("receive", "send_multiple_tensors", "refuse")  # awaited on the I/O loop
+_SYNC = ("prepare", "garbage_collect", "recycle", "check_tensors", "receive_nowait", "warm_up")
+
+
 def _transport_problems(cls: type[Transport[Any]]) -> list[str]:
     problems = []
-    abstract = sorted(getattr(cls, "__abstractmethods__", ()))
-    if abstract:
-        problems.append(f"it is missing (abstract): {', '.join(abstract)}")
-    missing = []
-    if _defined_by(cls, "receive") is Transport and _defined_by(cls, "fetch_multiple_tensors") is Transport:
-        missing.append("async def receive(self, info, buffers, channel) -> list[Tensor]")
+    missing = [_SIGNATURES.get(m, m) for m in sorted(getattr(cls, "__abstractmethods__", ()))]
     if not cls.one_sided and _defined_by(cls, "send_multiple_tensors") is Transport:
         missing.append(
             "async def send_multiple_tensors(self, obj_id, tensors, meta, request) "
@@ -337,13 +338,12 @@ def _transport_problems(cls: type[Transport[Any]]) -> list[str]:
         )
     if missing:
         problems.append(f"it is missing {' and '.join(missing)}")
-    for attr in ("receive", "send_multiple_tensors", "wait_fetch_complete"):
-        fn = vars(_defined_by(cls, attr) or Transport).get(attr)
-        if _defined_by(cls, attr) is not Transport and not inspect.iscoroutinefunction(fn):
+    for attr in _ASYNC:
+        fn = getattr(cls, attr, None)
+        if attr not in cls.__abstractmethods__ and not inspect.iscoroutinefunction(fn):
             problems.append(f"{attr} must be `async def` (it runs on rdt_async's I/O loop)")
-    for attr in ("prepare", "garbage_collect", "check_tensors", "fetch_multiple_tensors", "abort_transport"):
-        fn = vars(_defined_by(cls, attr) or Transport).get(attr)
-        if inspect.iscoroutinefunction(fn):
+    for attr in _SYNC:
+        if inspect.iscoroutinefunction(getattr(cls, attr, None)):
             problems.append(f"{attr} must be a plain `def` (rdt_async calls it without awaiting)")
     return problems
 

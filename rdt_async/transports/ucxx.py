@@ -428,19 +428,17 @@ class UcxxTransport(Transport[UcxxMeta]):
         theirs = buffers is not None and any(d is b for d, b in zip(dsts, buffers)) and sum(s.nbytes for s in info.specs) > PACKED_BYTES
         transfer = asyncio.ensure_future(_transfer(w, info, dsts, theirs))
         try:
-            await asyncio.shield(transfer)
+            await asyncio.wait({transfer})  # a cancel here leaves `transfer` running
         except asyncio.CancelledError:
             # Into the caller's memory: let what was asked for land, then give up; past
             # the bound, the transfer cancels its receives before it ends. Into ours:
             # give up now; the receives keep that memory until they end.
             if theirs:
-                await asyncio.wait({transfer}, timeout=DRAIN_S)
-            if not transfer.done():
-                transfer.cancel()
-                await asyncio.wait({transfer})
-            if not transfer.cancelled():
-                transfer.exception()  # retrieved: the caller cancelled, errors are moot
+                await _io.shielded(transfer, timeout=DRAIN_S)
+            transfer.cancel()
+            await _io.shielded(transfer)  # (errors retrieved: the caller cancelled, they are moot)
             raise
+        transfer.result()
         return delivered(buffers, dsts)
 
 

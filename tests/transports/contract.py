@@ -21,7 +21,7 @@ from probes import LagProbe
 from rdt_async import _cuda, _io
 from rdt_async._errors import ObjectFreedError, PeerDiedError, translating
 from rdt_async.transports import _registry
-from rdt_async.transports._base import TensorSpec, TransferInfo
+from rdt_async.transports._base import FetchRequest, TensorSpec, TransferInfo
 
 
 def make_value(obj_no: int, device: str, sizes: tuple[int, ...] = (1000, 7, 0)) -> list[torch.Tensor]:
@@ -180,8 +180,8 @@ async def fetch(producer: Producer, info: TransferInfo[Any], buffers: list[torch
             if now is not None:
                 return now
             await _cuda.wait(_cuda.record(buffers or ()))  # as the core does before a transfer writes
-            request = transport.fetch_multiple_tensors(info, buffers=buffers, channel=producer.channel(info.obj_id))
-            tensors = await transport.wait_fetch_complete(request)
+            request = FetchRequest.start(transport, info, buffers=buffers, channel=producer.channel(info.obj_id))
+            tensors = await request.wait()
     finally:
         lag = await asyncio.shield(probe.stop())
     assert lag < MAX_LAG, f"{transport.name} blocked the consumer's loop for {lag * 1000:.0f} ms"

@@ -21,7 +21,7 @@ from probes import cancel_after
 
 import rdt_async as rdt
 from rdt_async.transports import _registry
-from rdt_async.transports._base import TensorSpec, TransferInfo
+from rdt_async.transports._base import FetchRequest, TensorSpec, TransferInfo
 
 from .contract import Producer, fetch, make_value
 
@@ -406,8 +406,7 @@ async def test_nixl_concurrent_fetches_cancelled_again_and_again_leave_no_regist
         before = transport.registrations
 
         async def fetch_one(info):
-            request = transport.fetch_multiple_tensors(info, buffers=None, channel=p.channel(info.obj_id))
-            return await transport.wait_fetch_complete(request)
+            return await FetchRequest.start(transport, info, channel=p.channel(info.obj_id)).wait()
 
         for _ in range(40):
             with contextlib.suppress(TimeoutError):

@@ -135,16 +135,10 @@ async def _abort(agent: Agent, handle: Any) -> None:
     nx = agent.nixl
     deadline = time.monotonic() + ABORT_GRACE_S
     while True:
-        try:
-            await asyncio.shield(agent.call(nx.release_xfer_handle, handle))
-            return
-        except asyncio.CancelledError:
-            pass
-        except Exception:  # NIXL could not cancel it yet
-            pass
+        release = asyncio.ensure_future(agent.call(nx.release_xfer_handle, handle))
+        await _io.shielded(release)
+        if release.exception() is None:
+            return  # (an exception: NIXL could not cancel it yet)
         if time.monotonic() > deadline:
             return  # NIXL keeps the handle on its leak list and frees it with the agent
-        try:
-            await asyncio.sleep(0.001)
-        except asyncio.CancelledError:
-            pass
+        await _io.shielded(asyncio.sleep(0.001))

@@ -1,0 +1,109 @@
+"""The I/O loop's cancel-safe waits, without Ray: cleanup that must finish does."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+import rdt_async as rdt
+from rdt_async import _io
+from rdt_async.transports._base import FetchRequest, TensorSpec, TransferInfo
+
+
+async def _cancel_soon(task: asyncio.Task, times: int) -> None:
+    for _ in range(times):
+        await asyncio.sleep(0.01)
+        task.cancel()
+
+
+async def test_shielded_waits_through_every_cancel_and_says_it_was_cancelled():
+    ended = asyncio.Event()
+
+    async def cleanup():
+        await asyncio.sleep(0.1)
+        ended.set()
+        return 7
+
+    work = asyncio.ensure_future(cleanup())
+    caller = asyncio.ensure_future(_io.shielded(work))
+    await _cancel_soon(caller, 3)  # three cancels while the cleanup runs
+    assert await caller is True
+    assert ended.is_set() and work.result() == 7
+
+
+async def test_shielded_without_a_cancel_says_so_and_leaves_errors_to_the_caller():
+    async def fails():
+        raise ValueError("boom")
+
+    work = asyncio.ensure_future(fails())
+    assert await _io.shielded(work) is False
+    with pytest.raises(ValueError, match="boom"):
+        work.result()
+
+
+async def test_shielded_gives_up_at_its_timeout_and_the_work_goes_on():
+    work = asyncio.ensure_future(asyncio.sleep(0.3, "late"))
+    began = time.monotonic()
+    assert await _io.shielded(work, timeout=0.05) is False
+    assert 0.04 < time.monotonic() - began < 0.25 and not work.done()
+    assert await work == "late"
+
+
+async def test_to_thread_finished_lets_the_call_return_then_undoes_it():
+    undone: list[str] = []
+    release = threading.Event()
+
+    def make():
+        release.wait(5)
+        return "handle"
+
+    caller = asyncio.ensure_future(_io.to_thread_finished(make, undo=undone.append))
+    await asyncio.sleep(0.02)
+    caller.cancel()
+    await asyncio.sleep(0.05)
+    assert not caller.done()  # the blocking call still runs: the cancel waits for it
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert undone == ["handle"]
+
+
+class _SlowToLetGo(rdt.Transport[None]):
+    """Writes the caller's buffer 50 ms after a cancel, as a receive that cannot be interrupted."""
+
+    name = "slow-to-let-go"
+    exited = threading.Event()
+
+    async def receive(self, info, buffers, channel):
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.05)
+            buffers[0].fill_(1.0)
+            type(self).exited.set()
+            raise
+        return buffers
+
+
+async def test_a_cancelled_fetch_request_returns_once_the_transport_let_go():
+    into = [torch.zeros(4)]
+    info = TransferInfo("o1", (TensorSpec.of(into[0]),), None)
+    request = FetchRequest.start(_SlowToLetGo(), info, buffers=into)
+    waiter = asyncio.ensure_future(request.wait())
+    await _cancel_soon(waiter, 2)
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert _SlowToLetGo.exited.is_set() and into[0].sum().item() == 4.0  # nothing writes after
+    assert request.done()
+
+
+def test_a_transport_without_receive_cannot_be_made():
+    class NoReceive(rdt.Transport[None]):
+        pass
+
+    with pytest.raises(TypeError, match="abstract method '?receive"):
+        NoReceive()
