@@ -39,7 +39,7 @@ class InlineTransport(Transport[tuple[bytes, ...]]):
             )
 
     def prepare(self, obj_id: str, tensors: Sequence[torch.Tensor]) -> tuple[bytes, ...]:
-        return tuple(_bytes_of(t) for t in tensors)
+        return tuple(encode(t) for t in tensors)
 
     def receive_nowait(
         self, info: TransferInfo[tuple[bytes, ...]], buffers: list[torch.Tensor] | None
@@ -61,7 +61,8 @@ def decode(meta: Sequence[bytes], specs: Sequence[tuple[Sequence[int], torch.dty
     ]
 
 
-def _bytes_of(t: torch.Tensor) -> bytes:
+def encode(t: torch.Tensor) -> bytes:
+    """The bytes of a CPU tensor, for `decode`."""
     if t.numel() == 0:
         return b""
     return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
