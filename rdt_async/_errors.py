@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
@@ -120,6 +121,26 @@ def translating(
         if err is exc:
             raise
         raise err from exc
+
+
+def release_frames(exc: BaseException) -> None:
+    """Clear the locals of the finished frames that `exc` and its causes passed through.
+
+    A failed transfer's exception holds its frames, and they hold it back in cycles (a
+    task's exception -> its traceback -> the frame holding the task or the request), with
+    the RDTObject in them: the object, and with it the producer's tensors, would live
+    until the consumer's garbage collector runs. Lines and messages stay; frames still
+    running (the caller's) are left alone.
+    """
+    todo, seen = [exc], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        todo += [e.__cause__, e.__context__]
+        todo += getattr(e, "exceptions", ())  # an ExceptionGroup's members
 
 
 def unavailable(name: str, why: str) -> TransportUnavailableError:

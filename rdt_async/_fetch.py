@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from . import _cuda, _io, _metrics, _object, _ray, _relay, _tree
-from ._errors import ObjectFreedError, PeerDiedError, RDTError, TransferError, translating
+from ._errors import ObjectFreedError, PeerDiedError, RDTError, TransferError, release_frames, translating
 from ._membership import groups
 from ._object import RDTObject
 from ._produce import loads_here, shared_with_producer
@@ -121,6 +121,7 @@ async def fetch_object(obj: RDTObject, *, device: Any, into: Any, start: _Start 
             tensors = await _move(tensors, torch.device(device), obj.nbytes)
     except BaseException as exc:
         _metrics.failed(name, exc)
+        release_frames(exc)
         raise
     _record(obj, name, began)
     return _tree.unflatten(obj.skeleton, tensors)

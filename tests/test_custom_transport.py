@@ -34,6 +34,7 @@ from ray.experimental.rdt.tensor_transport_manager import (
 )
 
 import rdt_async as rdt
+from rdt_async.testing import MockTransport
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -611,6 +612,31 @@ def test_the_example_runs_on_the_cluster(capsys):
     assert "server fetched w[1]: [6.0, 8.0, 10.0]" in out
     assert "server fetched over: {'spool': 2}" in out
     assert "objects the trainer still holds: 0" in out
+
+
+class _LostOnFetch(MockTransport):
+    """A user's failure injection: every fetch says the producer went away."""
+
+    async def handle(self, info, tensors):
+        raise rdt.PeerDiedError(f"injected: the producer of {info.obj_id} went away", obj_id=info.obj_id)
+
+
+def test_mock_transport_and_a_failing_subclass_run_between_actors(makers, users):
+    rdt.register_transport("mock", ["cpu"], MockTransport)  # by reference: rdt_async.testing
+    rdt.register_transport("mock-lost", ["cpu"], _LostOnFetch)  # by value: defined in this module
+    maker = makers["sync"]
+    ref = ray.get(maker.put.remote(21, "mock"))[0]
+    assert_same(ray.get(users["async"].fetch.remote([ref])), nested(21))
+    assert ray.get(users["async"].fetches.remote())["mock"] >= 1
+    del ref
+    wait_until(lambda: objects_of(maker) == 0, 15)
+    lost = ray.get(maker.put.remote(22, "mock-lost"))[0]
+    with pytest.raises(rdt.PeerDiedError, match="injected: the producer of .* went away"):
+        ray.get(users["async"].fetch.remote([lost]))
+    assert ray.get(users["async"].ping.remote()) == "pong"
+    del lost
+    # freed without the consumer's garbage collector: the failure's frames let the object go
+    wait_until(lambda: objects_of(maker) == 0, 15)
 
 
 class _LandsWhereAsked(rdt.Transport):
