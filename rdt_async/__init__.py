@@ -13,6 +13,7 @@ from ._errors import RDTError as RDTError
 from ._errors import TransferAbortedError as TransferAbortedError
 from ._errors import TransferError as TransferError
 from ._errors import TransportUnavailableError as TransportUnavailableError
+from .transports._base import Channel as Channel
 from .transports._base import FetchRequest as FetchRequest
 from .transports._base import TensorSpec as TensorSpec
 from .transports._base import TransferInfo as TransferInfo
@@ -96,6 +97,7 @@ __all__ = [  # noqa: RUF022  (grouped by topic, as in the API reference)
     # objects and transports
     "RDTObject",
     "Transport",
+    "Channel",
     "FetchRequest",
     "TensorSpec",
     "TransferInfo",

@@ -10,7 +10,7 @@ import rdt_async as rdt
 
 CONTRACT = {
     "remote", "method", "fetch", "fetch_all", "as_completed", "get", "put", "free",
-    "wait_tensor_freed", "wait_tensor_freed_sync", "store_stats", "register_transport", "available_transports", "RDTObject", "Transport",
+    "wait_tensor_freed", "wait_tensor_freed_sync", "store_stats", "register_transport", "available_transports", "RDTObject", "Transport", "Channel",
     "FetchRequest", "RDTError", "TransportUnavailableError", "ObjectFreedError",
     "TransferError", "PeerDiedError", "TransferAbortedError", "BackendError",
     "CollectiveGroupError",

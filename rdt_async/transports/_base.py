@@ -49,7 +49,12 @@ class TransferInfo(Generic[M]):
 
 
 class Channel(Protocol):
-    """The consumer's line to the producer, used by two-sided transports."""
+    """The consumer's line to the producer, handed to `Transport.receive`.
+
+    Two-sided transports ask the producer's `send_multiple_tensors` through it. In a
+    fetch between actors it is an actor call to the producer's `rdt` concurrency group;
+    `rdt_async.testing.LoopbackChannel` is one to a producer in the same process.
+    """
 
     async def request_send(self, request: Any) -> Any:
         """Ask the producer to run `send_multiple_tensors(..., request)`; return its reply."""
