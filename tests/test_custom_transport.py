@@ -631,7 +631,7 @@ def test_mock_transport_and_a_failing_subclass_run_between_actors(makers, users)
     del ref
     wait_until(lambda: objects_of(maker) == 0, 15)
     lost = ray.get(maker.put.remote(22, "mock-lost"))[0]
-    with pytest.raises(rdt.PeerDiedError, match="injected: the producer of .* went away"):
+    with pytest.raises(rdt.PeerDiedError, match=r"injected: the producer of .* went away"):
         ray.get(users["async"].fetch.remote([lost]))
     assert ray.get(users["async"].ping.remote()) == "pong"
     del lost

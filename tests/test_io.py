@@ -105,5 +105,5 @@ def test_a_transport_without_receive_cannot_be_made():
     class NoReceive(rdt.Transport[None]):
         pass
 
-    with pytest.raises(TypeError, match="abstract method '?receive"):
+    with pytest.raises(TypeError, match=r"abstract method '?receive"):
         NoReceive()
