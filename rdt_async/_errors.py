@@ -132,7 +132,8 @@ def release_frames(exc: BaseException) -> None:
     until the consumer's garbage collector runs. Lines and messages stay; frames still
     running (the caller's) are left alone.
     """
-    todo, seen = [exc], set()
+    todo: list[BaseException | None] = [exc]
+    seen: set[int] = set()
     while todo:
         e = todo.pop()
         if e is None or id(e) in seen:

@@ -9,6 +9,7 @@ waits for it; the caller raises the most telling failure. Runs on: the caller (I
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,7 +24,9 @@ BREAK_GRACE_S = 10.0  # after breaking a group, how long the caller waits for th
 
 Calls = list[tuple[Holder, Part]]
 
-_locks: dict[str, asyncio.Lock] = {}  # per group, on the I/O loop: one collective at a time
+# Per group, on the I/O loop: one collective at a time. Weak: a lock nobody holds or
+# waits for is as good as a new one, so groups that come and go leave nothing behind.
+_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
 
 
 async def launch(verb: str, name: str, calls: Calls) -> list[Any]:
