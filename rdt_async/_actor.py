@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import ray
 
-from . import _api, _io, _object, _produce, collective
+from . import _api, _io, _object, _produce, _ray, collective
 from .transports import _registry
 
 if TYPE_CHECKING:
@@ -128,8 +128,7 @@ def _wrap_class(cls: type) -> type:
     namespace: dict[str, Any] = {name: _wrap_method(f) for name, f in methods.items()}
     namespace.update(_control_methods(is_async))
     transports = [t for f in methods.values() if (t := getattr(f, "__rdt_transport__", None)) is not None]
-    if transports:
-        namespace["__init__"] = _warming_init(namespace.get("__init__"), transports)
+    namespace["__init__"] = _warming_init(namespace.get("__init__"), transports)
     namespace["__module__"] = cls.__module__
     namespace["__qualname__"] = cls.__qualname__
     namespace["__doc__"] = cls.__doc__
@@ -139,10 +138,11 @@ def _wrap_class(cls: type) -> type:
 
 def _warming_init(init: Callable[..., Any] | None, transports: list[str]) -> Callable[..., Any]:
     """`init` (the class's own, or object's), after loading the transports the actor's
-    methods produce over (see `_produce.warm_up`)."""
+    methods produce over, and the one `auto` is likely to need (see `_produce.at_creation`)."""
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        _produce.warm_up(transports)
+        _ray.warm_serialization()
+        _produce.warm_up(_produce.at_creation(transports))
         if init is not None:
             init(self, *args, **kwargs)
         else:

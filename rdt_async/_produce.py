@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import os
 import secrets
 from collections.abc import Iterable, Iterator, Sequence
@@ -113,20 +114,44 @@ async def produce_async(value: Any, transport: str, *, owner: Process | None = N
 
 
 def warm_up(names: Iterable[str]) -> None:
-    """Load now what producing over the transports `names` would load on first use.
+    """Load now what producing over (or fetching with) the transports `names` would load
+    on first use.
 
-    Runs on: producer (blocking): at an actor's creation, before its loop serves
-    anything, for the transports its methods name; and in the pool at a transport's
-    first use otherwise. Loading NIXL or UCXX holds the GIL for ~0.3-0.5 s whatever
-    thread does it, so a first object made later would stall the actor's loop that
-    long. `auto` is skipped: it may never need NIXL, and loading it would take the
-    process's one UCX (NIXL and UCXX cannot share a process) from a `ucxx` fetch.
+    Runs on: either side (blocking): at an actor's creation, before its loop serves
+    anything (see `at_creation`); and in the pool at a transport's first use otherwise.
+    Loading NIXL or UCXX holds the GIL for ~0.3-0.5 s whatever thread does it, so a
+    first object made or fetched later would stall the actor's loop that long. `auto`
+    stands for nothing here: `at_creation` says when it means nixl.
     """
     for name in dict.fromkeys(names):
         if name == _registry.AUTO or (os.getpid(), name) in _warm or not loads_here(name):
             continue  # what cannot load here says so where it is used
         _registry.get(name).warm_up()
         _warm.add((os.getpid(), name))
+
+
+def at_creation(named: Iterable[str]) -> list[str]:
+    """What an `rdt.remote` actor loads at creation: the transports its methods name, and
+    nixl where `auto` is likely to take it (`RDT_WARM_NIXL`: 1 always, 0 never)."""
+    out = [n for n in named if n != _registry.AUTO]
+    setting = os.environ.get("RDT_WARM_NIXL", "")
+    if setting == "1" or (setting != "0" and _auto_may_take_nixl()):
+        out.append("nixl")
+    return out
+
+
+def _auto_may_take_nixl() -> bool:
+    """Auto reads big CPU objects of other nodes over nixl, as producer and consumer.
+
+    Not where UCXX is installed: the first of NIXL and UCXX to load owns the process's
+    UCX, and loading NIXL unasked would keep a later `ucxx` fetch out (set
+    RDT_WARM_NIXL=1 where auto is what matters).
+    """
+    return _installed("nixl") and not _installed("ucxx") and _ray.several_nodes()
+
+
+def _installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ the node, and transports published through Ray's key-value store.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import time
@@ -260,3 +261,14 @@ def _resolve_transport(name: str) -> tuple[Sequence[str], type] | None:
 
 
 _registry.set_cluster_hooks(resolve=_resolve_transport, publish=_publish_transport)
+
+
+def warm_serialization() -> None:
+    """Make this process's Ray serialization context now (blocking; at an actor's creation).
+
+    Ray makes it at the process's first put or get of an object, importing pydantic's v1
+    shim on the way: ~0.1 s with the GIL held. The first object an actor makes (its
+    anchor's `ray.put`, in a pool thread) would stall the actor's loop that long.
+    """
+    with contextlib.suppress(Exception):  # a private API: its absence costs only that stall
+        ray._private.worker.global_worker.get_serialization_context()

@@ -77,10 +77,19 @@ class LagProbe:
         while not self._stop.wait(0.005):
             late = time.perf_counter() - self._beat - 0.005
             if late > worst:
-                frame = sys._current_frames().get(loop_thread)
+                frames = sys._current_frames()
+                frame = frames.get(loop_thread)
                 if frame is not None:
                     worst = late
                     self.culprit = "".join(traceback.format_stack(frame)[-8:])
+                    # Where the loop waited in `select`, another thread held the GIL:
+                    # what the others were running when this thread got it back.
+                    names = {t.ident: t.name for t in threading.enumerate()}
+                    self.culprit += "".join(
+                        f"  [{names.get(ident, ident)}]\n" + "".join(line for line in traceback.format_stack(f) if "importlib" not in line)[-1500:]
+                        for ident, f in frames.items()
+                        if ident not in (loop_thread, threading.get_ident())
+                    )
 
 
 async def cancel_after(awaitable: Any, seconds: float) -> str:

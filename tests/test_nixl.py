@@ -131,6 +131,24 @@ class FreshAsyncProducer:
 
 
 @rdt.remote
+class FreshAutoProducer:
+    """A producer whose first `auto` object is the first of its process."""
+
+    def __init__(self) -> None:
+        self.probe = LagProbe()
+
+    @rdt.method(tensor_transport="auto")
+    async def auto(self, n: int):
+        return torch.full((n,), 2.0)
+
+    async def start_probe(self) -> None:
+        self.probe.start()
+
+    async def stop_probe(self) -> tuple[float, str]:
+        return await self.probe.stop(), self.probe.report()
+
+
+@rdt.remote
 class SyncConsumer:
     def checksums(self, value):
         return [checksum(value["w"]), value["step"]]
@@ -314,6 +332,62 @@ def test_auto_reads_big_cpu_objects_across_nodes_over_nixl(producer):
     assert choice["transport"] == "nixl" and set(choice["estimates_ms"]) == {"nixl", "object_store"}
     assert choice["why"].startswith("2 MiB CPU from another node: nixl "), choice["why"]
     ray.kill(reader)
+
+
+@rdt.remote
+class FreshAsyncConsumer:
+    """An async actor that has fetched nothing yet, with a probe on its loop."""
+
+    def __init__(self) -> None:
+        self.probe = LagProbe()
+
+    async def fetch_probed(self, refs) -> tuple[float, float, str]:
+        self.probe.start()
+        value = await rdt.fetch(refs[0])
+        lag = await self.probe.stop()
+        return lag, checksum(value), rdt.store_stats()["auto"][-1]["transport"]
+
+
+@pytest.mark.parametrize("warm", ["1", "0"])
+def test_first_auto_transfer_across_nodes_and_the_actors_loops(warm):
+    # Loading NIXL holds the GIL ~0.4 s: an actor that first meets it at its first auto
+    # object or fetch stalls its loop. rdt.remote actors of a cluster of several nodes
+    # load it at creation, before their loop serves (RDT_WARM_NIXL=1 forces that here,
+    # where UCXX is installed too and the default leaves NIXL unloaded; =0 shows the stall).
+    env = {"runtime_env": {"env_vars": {"RDT_WARM_NIXL": warm}}}
+    producer = FreshAutoProducer.options(**env).remote()
+    reader = FreshAsyncConsumer.options(**env, **ON_NODE2).remote()
+    ray.get(producer.start_probe.remote())
+    lag, total, picked = ray.get(reader.fetch_probed.remote([producer.auto.remote(1 << 19)]))
+    assert (total, picked) == (2.0 * (1 << 19), "nixl")
+    made_lag, made_report = ray.get(producer.stop_probe.remote())
+    ray.kill(reader)
+    ray.kill(producer)
+    if warm == "1":
+        assert lag < 0.1, f"the consumer's loop stalled {lag * 1000:.0f} ms at its first fetch over nixl"
+        assert made_lag < 0.1, f"the producer's first auto object: {made_report}"
+    else:  # what the warm-up is for: without it, loading NIXL shows on a loop
+        assert max(lag, made_lag) > 0.1, (lag, made_lag)
+
+
+@pytest.mark.parametrize(
+    "setting, several, packages, warms",
+    [
+        ("", True, {"nixl"}, True),  # where auto reads other nodes' objects over nixl
+        ("", False, {"nixl"}, False),  # one node: auto takes shared memory
+        ("", True, {"nixl", "ucxx"}, False),  # NIXL would keep UCXX's UCX out of the process
+        ("", True, set(), False),
+        ("1", False, {"nixl", "ucxx"}, True),
+        ("0", True, {"nixl"}, False),
+    ],
+)
+def test_which_actors_load_nixl_at_creation(monkeypatch, setting, several, packages, warms):
+    from rdt_async import _produce
+
+    monkeypatch.setenv("RDT_WARM_NIXL", setting)
+    monkeypatch.setattr(_produce._ray, "several_nodes", lambda: several)
+    monkeypatch.setattr(_produce, "_installed", lambda name: name in packages)
+    assert _produce.at_creation(["auto", "shm"]) == (["shm", "nixl"] if warms else ["shm"])
 
 
 def test_without_nixl_installed_the_error_names_the_extra():
