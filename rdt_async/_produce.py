@@ -52,7 +52,7 @@ def _prepared_transports(name: str, tensors: Sequence[torch.Tensor]) -> list[Tra
         if nbytes <= INLINE_AUTO_MAX_BYTES:
             return [_registry.get("inline")]  # small: the bytes ride in the ref
         plan = [_registry.get("shm")]  # same node, CPU: the likely consumer
-        if nbytes >= AUTO_NIXL_MIN_BYTES and loads_here("nixl") and _ray.several_nodes():
+        if nbytes >= AUTO_NIXL_MIN_BYTES and _ray.several_nodes() and loads_here("nixl"):  # (loads: an import)
             plan.append(_registry.get("nixl"))  # for consumers on other nodes (UCX listens then)
         return plan
     plan = [_registry.get("cuda_ipc")] if _cuda_ipc_here() else []  # GPU, same node: mapped, one copy

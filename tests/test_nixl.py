@@ -390,6 +390,20 @@ def test_which_actors_load_nixl_at_creation(monkeypatch, setting, several, packa
     assert _produce.at_creation(["auto", "shm"]) == (["shm", "nixl"] if warms else ["shm"])
 
 
+def test_auto_on_one_node_never_loads_nixl():
+    # Loading NIXL holds the GIL ~0.2-0.4 s: a big CPU object on a one-node cluster
+    # (shared memory's case) must not pay it at its first export.
+    code = (
+        "import sys, torch\n"
+        "from rdt_async import _produce, _ray\n"
+        "_ray.several_nodes = lambda: False\n"
+        "plan = _produce._prepared_transports('auto', [torch.ones(1 << 20)])\n"
+        "print([t.name for t in plan], 'nixl' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "['shm'] False", out.stderr
+
+
 def test_without_nixl_installed_the_error_names_the_extra():
     code = (
         "import sys; sys.modules['nixl'] = None\n"
