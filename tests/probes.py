@@ -76,20 +76,22 @@ class LagProbe:
         worst = 0.02
         while not self._stop.wait(0.005):
             late = time.perf_counter() - self._beat - 0.005
-            if late > worst:
-                frames = sys._current_frames()
-                frame = frames.get(loop_thread)
-                if frame is not None:
-                    worst = late
-                    self.culprit = "".join(traceback.format_stack(frame)[-8:])
-                    # Where the loop waited in `select`, another thread held the GIL:
-                    # what the others were running when this thread got it back.
-                    names = {t.ident: t.name for t in threading.enumerate()}
-                    self.culprit += "".join(
-                        f"  [{names.get(ident, ident)}]\n" + "".join(line for line in traceback.format_stack(f) if "importlib" not in line)[-1500:]
-                        for ident, f in frames.items()
-                        if ident not in (loop_thread, threading.get_ident())
-                    )
+            if late > worst and loop_thread in (frames := sys._current_frames()):
+                worst = late
+                self.culprit = _stacks(frames, loop_thread)
+            frames = {}  # a frame held past its function's return keeps its locals (and the values in them)
+
+
+def _stacks(frames: dict[int, Any], loop_thread: int) -> str:
+    """The loop thread's stack, then the others': where the loop waited in `select`,
+    another thread held the GIL, and these say what they ran when the loop got it back."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    out = "".join(traceback.format_stack(frames[loop_thread])[-8:])
+    for ident, frame in frames.items():
+        if ident not in (loop_thread, threading.get_ident()):
+            lines = "".join(line for line in traceback.format_stack(frame) if "importlib" not in line)
+            out += f"  [{names.get(ident, ident)}]\n{lines[-1500:]}"
+    return out
 
 
 async def cancel_after(awaitable: Any, seconds: float) -> str:
