@@ -50,12 +50,22 @@ class SyncProducer:
         return s
 
 
-@rdt.remote
-class AsyncConsumer:
-    """An async actor that consumes RDT objects and measures its loop's lag."""
+class Probed:
+    """A base for async test actors with a probe on their loop: its worst stall, and what held it."""
 
     def __init__(self) -> None:
         self.probe = LagProbe()
+
+    async def start_probe(self) -> None:
+        self.probe.start()
+
+    async def stop_probe(self) -> tuple[float, str]:
+        return await self.probe.stop(), self.probe.report()
+
+
+@rdt.remote
+class AsyncConsumer(Probed):
+    """An async actor that consumes RDT objects and measures its loop's lag."""
 
     async def checksums(self, *values, **kw):
         return [checksum(v) for v in values] + [checksum(v) for v in kw.values()]
@@ -79,12 +89,6 @@ class AsyncConsumer:
         except TimeoutError:
             return "timeout"
         return "done"
-
-    async def start_probe(self):
-        self.probe.start()
-
-    async def stop_probe(self) -> float:
-        return await self.probe.stop()
 
     async def ping(self) -> float:
         return time.perf_counter()

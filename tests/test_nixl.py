@@ -15,7 +15,7 @@ pytest.importorskip("nixl")
 import ray
 import torch
 from conftest import ON_NODE2, wait_until
-from helpers import LagProbe, checksum, cpu_seconds, idle_cpu
+from helpers import Probed, checksum, cpu_seconds, idle_cpu
 from probes import cancel_after
 
 import rdt_async as rdt
@@ -112,21 +112,8 @@ class AsyncNixlProducer:
         return make_value(n, seed)
 
 
-class _Probed:
-    """An async actor with a probe on its loop: its worst stall, and what held it."""
-
-    def __init__(self) -> None:
-        self.probe = LagProbe()
-
-    async def start_probe(self) -> None:
-        self.probe.start()
-
-    async def stop_probe(self) -> tuple[float, str]:
-        return await self.probe.stop(), self.probe.report()
-
-
 @rdt.remote
-class FreshAsyncProducer(_Probed):
+class FreshAsyncProducer(Probed):
     """An async actor whose first nixl object makes its NIXL agent (~0.45 s)."""
 
     @rdt.method(tensor_transport="nixl")
@@ -135,7 +122,7 @@ class FreshAsyncProducer(_Probed):
 
 
 @rdt.remote
-class FreshAutoProducer(_Probed):
+class FreshAutoProducer(Probed):
     """A producer whose first `auto` object is the first of its process."""
 
     @rdt.method(tensor_transport="auto")
@@ -330,11 +317,8 @@ def test_auto_reads_big_cpu_objects_across_nodes_over_nixl(producer):
 
 
 @rdt.remote
-class FreshAsyncConsumer:
+class FreshAsyncConsumer(Probed):
     """An async actor that has fetched nothing yet, with a probe on its loop."""
-
-    def __init__(self) -> None:
-        self.probe = LagProbe()
 
     async def fetch_probed(self, refs) -> tuple[float, float, str]:
         self.probe.start()
