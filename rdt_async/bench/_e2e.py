@@ -230,7 +230,7 @@ def _make_path(name: str, fanout: int, hosts: int = 1) -> _Path | None:
 
 
 def _ours() -> list[str]:
-    return ["rdt auto", "rdt shm", "rdt nixl", "rdt ucxx", "rdt object_store", "rdt gloo"]
+    return ["rdt auto", "rdt shm", "rdt tcp", "rdt nixl", "rdt ucxx", "rdt object_store", "rdt gloo"]
 
 
 def run(

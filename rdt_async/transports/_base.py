@@ -6,6 +6,7 @@ import abc
 import asyncio
 import math
 import os
+import socket
 from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
@@ -340,13 +341,27 @@ def local_device(device: str) -> torch.device:
     return d
 
 
-def or_none(buffers: Sequence[torch.Tensor] | None, n: int) -> Sequence[torch.Tensor | None]:
+def or_none(buffers: Sequence[torch.Tensor | None] | None, n: int) -> Sequence[torch.Tensor | None]:
     """The caller's `into=` buffers, or None for each of the `n` tensors."""
     return buffers if buffers else [None] * n
 
 
+def advertised_host(env: str) -> str:
+    """The address other nodes reach this process at: `env`'s value if set, else the
+    address of the route out (loopback where there is none). For transports that listen."""
+    hint = os.environ.get(env)
+    if hint:
+        return hint
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 9))  # no packet is sent: this only picks a route
+            return str(s.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
 def landing_buffers(
-    specs: Sequence[TensorSpec], buffers: list[torch.Tensor] | None, device: str = "cpu"
+    specs: Sequence[TensorSpec], buffers: Sequence[torch.Tensor | None] | None, device: str = "cpu"
 ) -> list[torch.Tensor]:
     """Return where each tensor of a receive lands.
 

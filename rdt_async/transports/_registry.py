@@ -32,12 +32,13 @@ BUILTIN: dict[str, str] = {
     "nixl": "rdt_async.transports.nixl:NixlTransport",
     "cuda_ipc": "rdt_async.transports.cuda_ipc:CudaIpcTransport",
     "ucxx": "rdt_async.transports.ucxx:UcxxTransport",
+    "tcp": "rdt_async.transports.tcp:TcpTransport",
     "gloo": "rdt_async.transports.gloo:GlooTransport",
     "nccl": "rdt_async.transports.gloo:NcclTransport",
 }
 AUTO = "auto"
 # Names no registration may take: the built-ins, shipped or planned (compared case-blind).
-RESERVED = frozenset({AUTO, "inline", "shm", "object_store", "nixl", "cuda_ipc", "ucxx", "gloo", "nccl"})
+RESERVED = frozenset({AUTO, "inline", "shm", "object_store", "nixl", "cuda_ipc", "ucxx", "tcp", "gloo", "nccl"})
 ENTRY_POINT_GROUP = "rdt_async.transports"
 _RAY_MANAGER_MODULE = "ray.experimental.rdt.tensor_transport_manager"
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")

@@ -41,7 +41,6 @@ import importlib
 import importlib.util
 import os
 import secrets
-import socket
 import sys
 import threading
 from collections.abc import Sequence
@@ -54,7 +53,7 @@ import torch
 from .. import _io
 from .._errors import BackendError, ObjectFreedError, PeerDiedError, RDTError, TransportUnavailableError
 from . import _ucx
-from ._base import Channel, TransferInfo, Transport, delivered, landing_buffers
+from ._base import Channel, TransferInfo, Transport, advertised_host, delivered, landing_buffers
 
 INSTALL_HINT = "pip install 'rdt_async[ucxx]'"
 POLL_S = 0.0005  # progress period while requests are in flight (events also progress)
@@ -205,7 +204,7 @@ class _Worker:
     def listen(self) -> UcxxMeta:
         if self.address is None:
             self.listener = self.u.UCXListener.create(self.worker, 0, self._accept, deliver_endpoint=True)
-            self.address = UcxxMeta(_host(), int(self.listener.port))
+            self.address = UcxxMeta(advertised_host("RDT_UCXX_HOST"), int(self.listener.port))
         return self.address
 
     def _accept(self, ep: Any) -> None:  # inside progress(): only schedule
@@ -344,19 +343,6 @@ def _unpack(message: bytes) -> tuple[int, list[int], bool, str]:
 def _raw(t: torch.Tensor) -> np.ndarray:
     """The bytes of a contiguous CPU tensor as a NumPy array (no copy)."""
     return t.reshape(-1).view(torch.uint8).numpy()
-
-
-def _host() -> str:
-    """The address other nodes reach this one at (loopback where there is no route)."""
-    hint = os.environ.get("RDT_UCXX_HOST")
-    if hint:
-        return hint
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("10.255.255.255", 9))  # no packet is sent: this only picks a route
-            return str(s.getsockname()[0])
-        except OSError:
-            return "127.0.0.1"
 
 
 # obj_id -> contiguous tensors, for the listener to serve. Written by the producer's

@@ -35,7 +35,7 @@ DEVICE = os.environ.get("RDT_CONTRACT_DEVICE", "cpu")
 OPTIONAL = [t for t in ("nixl", "cuda_ipc", "ucxx") if _registry.transport_class(t).unavailable_reason() is None]
 TRANSPORTS = [
     t
-    for t in os.environ.get("RDT_CONTRACT_TRANSPORTS", ",".join(["shm", "object_store", *OPTIONAL])).split(",")
+    for t in os.environ.get("RDT_CONTRACT_TRANSPORTS", ",".join(["shm", "object_store", "tcp", *OPTIONAL])).split(",")
     if DEVICE in _registry.transport_class(t).devices
 ]
 
