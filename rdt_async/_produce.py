@@ -4,11 +4,11 @@
 copy once, device to device) where this process's memory can be exported, and prepared
 for nixl (other nodes) whenever this process can load it; else it goes through the
 object store. A CPU object stays inline when small, and is exported to shm for
-same-node consumers; from AUTO_NIXL_MIN_BYTES on, and only where nixl loads and the
-cluster has more than one node, it is registered with NIXL as well, so that consumers
-on other nodes read it one-sidedly instead of through the object store. Below that size
-NIXL's costs (one agent per process, a registration per storage, ~0.6 KB of metadata
-in every ref) buy nothing worth the hot path. The consumer picks (`_fetch.py`).
+same-node consumers; on a cluster of several nodes it is prepared for tcp as well (a
+listener, once, and no copy), which consumers on other nodes read over parallel
+streams. NIXL is prepared for CPU objects only from AUTO_NIXL_MIN_BYTES on, where it
+loads and the cost table says it can beat tcp (an RDMA network's costs, measured and
+given in RDT_AUTO_COSTS). The consumer picks (`_fetch.py`).
 """
 
 from __future__ import annotations
@@ -52,8 +52,10 @@ def _prepared_transports(name: str, tensors: Sequence[torch.Tensor]) -> list[Tra
         if nbytes <= INLINE_AUTO_MAX_BYTES:
             return [_registry.get("inline")]  # small: the bytes ride in the ref
         plan = [_registry.get("shm")]  # same node, CPU: the likely consumer
-        if nbytes >= AUTO_NIXL_MIN_BYTES and _ray.several_nodes() and loads_here("nixl"):  # (loads: an import)
-            plan.append(_registry.get("nixl"))  # for consumers on other nodes (UCX listens then)
+        if _ray.several_nodes():  # for consumers on other nodes
+            plan.append(_registry.get("tcp"))  # (a listener, once; no copy)
+            if nbytes >= AUTO_NIXL_MIN_BYTES and _nixl_may_beat_tcp() and loads_here("nixl"):  # (loads: an import)
+                plan.append(_registry.get("nixl"))
         return plan
     plan = [_registry.get("cuda_ipc")] if _cuda_ipc_here() else []  # GPU, same node: mapped, one copy
     if loads_here("nixl"):
@@ -61,11 +63,17 @@ def _prepared_transports(name: str, tensors: Sequence[torch.Tensor]) -> list[Tra
     return plan  # nothing: object_store
 
 
-# Auto prepares nixl for CPU objects only from this size on: registering costs ~0.1 ms
-# plus ~0.5 s once per process for the agent, and at this size the producer already
-# exports off its loop (Transport.inline_prepare_bytes), so the small-object hot path
-# never touches NIXL. Smaller objects that cross nodes go through the object store.
+# Auto prepares nixl for CPU objects only from this size on, and only where the cost table
+# says NIXL can read them faster than tcp (an RDMA network, RDT_AUTO_COSTS; over TCP it
+# cannot): registering costs ~0.1 ms plus ~0.5 s once per process for the agent, and at
+# this size the producer already exports off its loop (Transport.inline_prepare_bytes).
 AUTO_NIXL_MIN_BYTES = 1 << 20
+
+
+def _nixl_may_beat_tcp() -> bool:
+    from .transports import _auto
+
+    return _auto.may_beat("nixl", "tcp", min_bytes=AUTO_NIXL_MIN_BYTES)
 
 
 @functools.cache
@@ -141,13 +149,21 @@ def at_creation(named: Iterable[str]) -> list[str]:
 
 
 def _auto_may_take_nixl() -> bool:
-    """Auto reads big CPU objects of other nodes over nixl, as producer and consumer.
+    """Auto reads other nodes' GPU objects over nixl, and CPU ones where the cost table says
+    NIXL beats tcp, as producer and consumer.
 
     Not where UCXX is installed: the first of NIXL and UCXX to load owns the process's
     UCX, and loading NIXL unasked would keep a later `ucxx` fetch out (set
     RDT_WARM_NIXL=1 where auto is what matters).
     """
-    return _installed("nixl") and not _installed("ucxx") and _ray.several_nodes()
+    if not (_installed("nixl") and not _installed("ucxx") and _ray.several_nodes()):
+        return False
+    return _gpus_here() or _nixl_may_beat_tcp()
+
+
+def _gpus_here() -> bool:
+    """Whether this process sees a CUDA device (without creating a context)."""
+    return bool(torch.cuda.is_available())
 
 
 def _installed(package: str) -> bool:
@@ -222,12 +238,12 @@ def _eager_replies(
     """For producers with no `rdt` group (the driver), put the object-store reply now.
 
     Only where a consumer may need it: explicit object_store, or auto on a cluster of
-    several nodes when nothing prepared reaches other nodes (inline, nixl do).
+    several nodes when nothing prepared reaches other nodes (inline, tcp, nixl do).
     """
     if owner.serves or transport not in ("object_store", _registry.AUTO):
         return {}
     if transport == _registry.AUTO and (
-        any(t.name in ("inline", "nixl") for t in plan) or not _ray.several_nodes()
+        any(t.name in ("inline", "tcp", "nixl") for t in plan) or not _ray.several_nodes()
     ):
         return {}
     from .transports.object_store import to_wire

@@ -43,6 +43,8 @@ CPU_COSTS: dict[str, Cost] = {
     "gloo/node": Cost(0.0055, 1.33),
     "object_store/node": Cost(0.0055, 0.81),
     "nixl/hosts": Cost(0.0072, 0.86),
+    "tcp/hosts": Cost(0.0048, 1.52),
+    "tcp/node": Cost(0.0042, 1.72),
     "gloo/hosts": Cost(0.0062, 1.03),
     "object_store/hosts": Cost(0.0064, 0.30),
 }
@@ -91,6 +93,8 @@ def candidates(f: Facts) -> list[str]:
         out.append("cuda_ipc")
     if "nixl" in f.prepared and "nixl" in f.loads_here:
         out.append("nixl")
+    if "tcp" in f.prepared and not f.gpu:
+        out.append("tcp")
     if f.group is not None:
         out.append(f.group)
     out.append("object_store")
@@ -114,6 +118,16 @@ def choose(f: Facts, costs: Mapping[str, Cost] | None = None) -> Choice:
     ranked = " < ".join(f"{n} {estimates[n] * 1e3:.3g} ms" for n in sorted(estimates, key=lambda n: estimates[n]))
     place = "this node" if f.same_node else "another node"
     return Choice(best, f"{_size(f.nbytes)} {'GPU' if f.gpu else 'CPU'} from {place}: {ranked}", estimates)
+
+
+def may_beat(name: str, other: str, *, gpu: bool = False, min_bytes: int = 1 << 20) -> bool:
+    """Whether, by the cost table, transport `name` reads objects of another node of
+    `min_bytes` or more faster than `other` does at some size (both costs known)."""
+    table = cost_table(gpu)
+    a, b = table.get(f"{name}/hosts"), table.get(f"{other}/hosts")
+    if a is None or b is None:
+        return a is not None
+    return a.seconds(min_bytes) < b.seconds(min_bytes) or a.gib_s > b.gib_s
 
 
 def choose_checked(f: Facts, loads: Callable[[str], bool], costs: Mapping[str, Cost] | None = None) -> Choice:
