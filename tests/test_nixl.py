@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -304,16 +305,31 @@ def test_killed_producer_fails_fast():
         assert time.monotonic() - t0 < 10
 
 
-def test_auto_reads_big_cpu_objects_across_nodes_over_nixl(producer):
-    reader = NixlConsumer.options(**ON_NODE2).remote()
-    before = ray.get(reader.stats.remote())["fetches"].get("nixl", 0)
+def nixl_costs(tmp_path) -> dict:
+    """Actor options whose cost table says NIXL reads other nodes' CPU objects fastest
+    (an RDMA network's; over the TCP of these hosts tcp is faster, and auto takes it)."""
+    path = tmp_path / "rdma-costs.json"
+    path.write_text(json.dumps({"cpu": {"nixl/hosts": [0.001, 20.0]}}))
+    return {"runtime_env": {"env_vars": {"RDT_AUTO_COSTS": str(path)}}}
+
+
+@pytest.mark.parametrize("rdma", [True, False])
+def test_auto_reads_big_cpu_objects_across_nodes_over_what_the_costs_say(rdma, tmp_path):
+    opts = nixl_costs(tmp_path) if rdma else {}
+    producer = NixlProducer.options(**opts).remote()
+    reader = NixlConsumer.options(**opts, **ON_NODE2).remote()
     assert ray.get(reader.checksums.remote(producer.auto.remote(1 << 19))) == [2.0 * (1 << 19)]
     stats = ray.get(reader.stats.remote())
-    assert stats["fetches"]["nixl"] == before + 1
+    picked = "nixl" if rdma else "tcp"
+    assert stats["fetches"] == {picked: 1}
     choice = stats["auto"][-1]  # and why: the cost model ranked what both ends can use
-    assert choice["transport"] == "nixl" and set(choice["estimates_ms"]) == {"nixl", "object_store"}
-    assert choice["why"].startswith("2 MiB CPU from another node: nixl "), choice["why"]
+    assert choice["transport"] == picked
+    # NIXL is prepared only where it can win: its agent and registration cost the producer
+    assert set(choice["estimates_ms"]) == ({"nixl", "tcp", "object_store"} if rdma else {"tcp", "object_store"})
+    assert choice["why"].startswith(f"2 MiB CPU from another node: {picked} "), choice["why"]
+    assert ray.get(producer.state.remote())["registrations"] == (1 if rdma else 0)
     ray.kill(reader)
+    ray.kill(producer)
 
 
 @rdt.remote
@@ -328,12 +344,13 @@ class FreshAsyncConsumer(Probed):
 
 
 @pytest.mark.parametrize("warm", ["1", "0"])
-def test_first_auto_transfer_across_nodes_and_the_actors_loops(warm):
+def test_first_auto_transfer_across_nodes_and_the_actors_loops(warm, tmp_path):
     # Loading NIXL holds the GIL ~0.4 s: an actor that first meets it at its first auto
     # object or fetch stalls its loop. rdt.remote actors of a cluster of several nodes
     # load it at creation, before their loop serves (RDT_WARM_NIXL=1 forces that here,
     # where UCXX is installed too and the default leaves NIXL unloaded; =0 shows the stall).
-    env = {"runtime_env": {"env_vars": {"RDT_WARM_NIXL": warm}}}
+    env = nixl_costs(tmp_path)  # where auto reads CPU objects of other nodes over NIXL
+    env["runtime_env"]["env_vars"]["RDT_WARM_NIXL"] = warm
     producer = FreshAutoProducer.options(**env).remote()
     reader = FreshAsyncConsumer.options(**env, **ON_NODE2).remote()
     ray.get(producer.start_probe.remote())
@@ -350,22 +367,26 @@ def test_first_auto_transfer_across_nodes_and_the_actors_loops(warm):
 
 
 @pytest.mark.parametrize(
-    "setting, several, packages, warms",
+    "setting, several, packages, beats, gpus, warms",
     [
-        ("", True, {"nixl"}, True),  # where auto reads other nodes' objects over nixl
-        ("", False, {"nixl"}, False),  # one node: auto takes shared memory
-        ("", True, {"nixl", "ucxx"}, False),  # NIXL would keep UCXX's UCX out of the process
-        ("", True, set(), False),
-        ("1", False, {"nixl", "ucxx"}, True),
-        ("0", True, {"nixl"}, False),
+        ("", True, {"nixl"}, True, False, True),  # where auto reads other nodes' CPU objects over nixl
+        ("", True, {"nixl"}, False, False, False),  # where tcp reads them faster (TCP networks)
+        ("", True, {"nixl"}, False, True, True),  # GPU objects of other nodes: nixl
+        ("", False, {"nixl"}, True, True, False),  # one node: shared memory, cuda_ipc
+        ("", True, {"nixl", "ucxx"}, True, True, False),  # NIXL would keep UCXX's UCX out of the process
+        ("", True, set(), True, True, False),
+        ("1", False, {"nixl", "ucxx"}, False, False, True),
+        ("0", True, {"nixl"}, True, True, False),
     ],
 )
-def test_which_actors_load_nixl_at_creation(monkeypatch, setting, several, packages, warms):
+def test_which_actors_load_nixl_at_creation(monkeypatch, setting, several, packages, beats, gpus, warms):
     from rdt_async import _produce
 
     monkeypatch.setenv("RDT_WARM_NIXL", setting)
     monkeypatch.setattr(_produce._ray, "several_nodes", lambda: several)
     monkeypatch.setattr(_produce, "_installed", lambda name: name in packages)
+    monkeypatch.setattr(_produce, "_nixl_may_beat_tcp", lambda: beats)
+    monkeypatch.setattr(_produce, "_gpus_here", lambda: gpus)
     assert _produce.at_creation(["auto", "shm"]) == (["shm", "nixl"] if warms else ["shm"])
 
 

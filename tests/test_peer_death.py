@@ -29,7 +29,7 @@ def _optional(name: str, module: str):
     return pytest.param(name, marks=pytest.mark.skip(f"{module} not installed"))
 
 
-TRANSPORTS = ["auto", "shm", "object_store", "gloo", _optional("nixl", "nixl"), _optional("ucxx", "ucxx")]
+TRANSPORTS = ["auto", "shm", "object_store", "tcp", "gloo", _optional("nixl", "nixl"), _optional("ucxx", "ucxx")]
 
 
 def _producer(transport: str):

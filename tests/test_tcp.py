@@ -1,0 +1,182 @@
+"""tcp between actors on two hosts, and its pieces: the split into streams, the token, reuse."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import socket
+import threading
+import time
+
+import pytest
+import ray
+import torch
+from conftest import ON_NODE2, wait_until
+from helpers import Probed
+
+import rdt_async as rdt
+from rdt_async.transports import _registry, tcp
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+def value(n: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, generator=g)
+    return {
+        "w": w,
+        "pair": (w[: n // 2], torch.arange(12).reshape(3, 4).t()),  # a view, a strided one
+        "more": [torch.linspace(0, 1, 7).to(torch.bfloat16), torch.tensor([True, False]), torch.empty(0)],
+        "seed": seed,
+    }
+
+
+def digest(t: torch.Tensor) -> str:
+    """An exact digest (a float sum depends on how many threads add it up)."""
+    return hashlib.sha1(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+
+
+def digests(v: dict) -> list:
+    return [digest(v["w"]), digest(v["pair"][0]), v["pair"][1].tolist(), [digest(t) for t in v["more"]],
+            [str(t.dtype) for t in v["more"]], v["seed"]]  # fmt: skip
+
+
+@rdt.remote
+class TcpProducer:
+    @rdt.method(tensor_transport="tcp")
+    def make(self, n: int, seed: int = 0):
+        return value(n, seed)
+
+    @rdt.method(tensor_transport="tcp")
+    async def make_async(self, n: int, seed: int = 0):
+        await asyncio.sleep(0)
+        return value(n, seed)
+
+    def held(self) -> int:
+        return len(tcp._objects)
+
+    def connections(self) -> int:
+        return sum(t.name == "rdt-tcp-send" for t in threading.enumerate())
+
+
+@rdt.remote
+class TcpConsumer(Probed):
+    async def check(self, v):
+        return digests(v), rdt.store_stats()["fetches"]
+
+    async def fetch_probed(self, refs):
+        self.probe.start()
+        v = await rdt.fetch(refs[0])
+        lag = await self.probe.stop()
+        return digests(v), lag, self.probe.report()
+
+    async def cancel_then_fetch(self, refs):
+        task = asyncio.ensure_future(rdt.fetch(refs[0]))
+        await asyncio.sleep(0.005)
+        task.cancel()
+        first = "cancelled"
+        try:
+            await task
+            first = "done"
+        except asyncio.CancelledError:
+            pass
+        return first, digests(await rdt.fetch(refs[0]))
+
+    async def fetch(self, refs):
+        return digests(await rdt.fetch(refs[0]))
+
+    def idle(self) -> int:
+        return sum(len(p) for p in tcp._idle.values())
+
+
+def test_values_cross_hosts_intact_sync_and_async_producers():
+    p, c = TcpProducer.remote(), TcpConsumer.options(**ON_NODE2).remote()
+    got, used = ray.get(c.check.remote(p.make.remote(1000, 1)))
+    assert got == digests(value(1000, 1)) and used == {"tcp": 1}
+    got, used = ray.get(c.check.remote(p.make_async.remote(3 << 20, 2)))  # 18 MiB (w and a view of half)
+    assert got == digests(value(3 << 20, 2)) and used == {"tcp": 2}
+    assert ray.get(c.idle.remote()) == 4  # four streams, whose connections wait for the next fetch
+    assert ray.get(p.connections.remote()) == 4
+
+
+def test_a_big_fetch_leaves_the_consumers_loop_free():
+    p, c = TcpProducer.remote(), TcpConsumer.options(**ON_NODE2).remote()
+    ray.get(c.fetch.remote([p.make.remote(1000, 0)]))  # connected
+    got, lag, report = ray.get(c.fetch_probed.remote([p.make.remote(16 << 20, 3)]))  # 64 MiB
+    assert got == digests(value(16 << 20, 3))
+    assert lag < 0.05, f"the consumer's loop during a 64 MiB tcp fetch: {report}"
+
+
+def test_cancel_mid_fetch_then_fetch_again():
+    p, c = TcpProducer.remote(), TcpConsumer.options(**ON_NODE2).remote()
+    first, got = ray.get(c.cancel_then_fetch.remote([p.make.remote(16 << 20, 5)]))
+    assert first in ("cancelled", "done") and got == digests(value(16 << 20, 5))
+
+
+def test_objects_are_released_and_a_freed_one_says_so():
+    p, c = TcpProducer.remote(), TcpConsumer.options(**ON_NODE2).remote()
+    refs = [p.make.remote(1000, i) for i in range(5)]
+    ray.wait(refs, num_returns=5)
+    assert ray.get(p.held.remote()) == 5
+    del refs
+    wait_until(lambda: ray.get(p.held.remote()) == 0, 15, lambda: f"{ray.get(p.held.remote())} objects held")
+    ref = p.make.remote(10, 0)
+    ray.wait([ref])
+    rdt.free(ref)
+    with pytest.raises(rdt.ObjectFreedError):
+        ray.get(c.fetch.remote([ref]))
+
+
+def test_producer_killed_gives_peer_died_in_bounded_time():
+    p, c = TcpProducer.remote(), TcpConsumer.options(**ON_NODE2).remote()
+    ray.get(c.fetch.remote([p.make.remote(100, 0)]))  # a connection kept for reuse
+    ref = p.make.remote(1000, 1)
+    ray.wait([ref])
+    ray.kill(p)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    with pytest.raises(rdt.PeerDiedError):
+        ray.get(c.fetch.remote([ref]), timeout=60)
+    assert time.monotonic() - t0 < 30
+    assert ray.get(c.idle.remote()) == 0  # the dead producer's connections were dropped
+
+
+def test_streams_split_the_bytes_into_page_aligned_ranges():
+    mib = 1 << 20
+    assert tcp._plan([1000], 4) == [[(0, 0, 1000)]]  # small: one stream
+    plans = tcp._plan([10 * mib, 0, 6 * mib], 4)  # 16 MiB: four streams of 4 MiB
+    assert plans == [[(0, 0, 4 * mib)], [(0, 4 * mib, 4 * mib)], [(0, 8 * mib, 2 * mib), (2, 0, 2 * mib)],
+                     [(2, 2 * mib, 4 * mib)]]  # fmt: skip
+    assert tcp._plan([64 * mib + 1], 4)[0][0][2] % 4096 == 0
+    assert sum(n for p in tcp._plan([64 * mib + 1, 3], 4) for _, _, n in p) == 64 * mib + 4
+    assert tcp._plan([0, 0], 4) == [[]]
+
+
+def test_a_connection_without_the_token_is_closed_unserved():
+    t = _registry.get("tcp")
+    meta = t.prepare("secret-obj", [torch.arange(10)])
+    try:
+        with socket.create_connection((meta.host, meta.port), timeout=10) as s:
+            s.sendall(tcp.MAGIC + bytes(16))  # a wrong token
+            s.sendall(tcp._HEAD.pack(10, 1) + b"secret-obj" + tcp._PART.pack(0, 0, 80))
+            s.settimeout(10)
+            assert s.recv(100) == b""  # closed, nothing sent
+        got = asyncio.run(_fetch(t, meta))  # the right token is served
+        assert torch.equal(got[0], torch.arange(10))
+    finally:
+        t.garbage_collect("secret-obj", meta)
+
+
+async def _fetch(t, meta):
+    from rdt_async.transports._base import FetchRequest, TensorSpec, TransferInfo
+
+    info = TransferInfo("secret-obj", (TensorSpec.of(torch.arange(10)),), meta)
+    return await FetchRequest.start(t, info).wait()
+
+
+def test_bad_stream_setting_names_the_fix(monkeypatch):
+    monkeypatch.setenv("RDT_TCP_STREAMS", "0")
+    with pytest.raises(ValueError, match="RDT_TCP_STREAMS='0': give the number of connections per fetch"):
+        tcp._streams()
+    monkeypatch.setenv("RDT_TCP_STREAMS", "2")
+    assert tcp._streams() == 2
