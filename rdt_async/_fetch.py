@@ -110,7 +110,8 @@ async def fetch_object(obj: RDTObject, *, device: Any, into: Any, start: _Start 
             await _cuda.wait(ready)  # the caller's queued work on the destinations has run
             if buffers is None and device is None and _relay.eligible(obj.specs, name, obj.producer.node_id, _ray.node_id()):
                 transfer = functools.partial(_transfer, obj, transport, info, None)
-                tensors, relayed = await _relay.fetch(obj.obj_id, obj.specs, transfer)
+                into = functools.partial(_transfer, obj, transport, info) if name in _relay.DIRECT else None
+                tensors, relayed = await _relay.fetch(obj.obj_id, obj.specs, transfer, into)
                 name = "relay" if relayed else name
             else:
                 tensors = await _transfer(obj, transport, info, buffers)

@@ -23,7 +23,7 @@ Runs on: consumer. Off with RDT_RELAY=0; objects under RELAY_MIN_BYTES are not r
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import dataclasses
 import json
 import mmap
 import os
@@ -32,6 +32,8 @@ import socket
 import struct
 import sys
 import threading
+import time
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -42,8 +44,14 @@ from .transports._base import TensorSpec, aligned_layout, view_in
 
 RELAY_MIN_BYTES = 1 << 20
 ALIGN = 64
+MAX_IDLE_BYTES = 1 << 30  # warm memfds kept for reuse, in all
+COLD_WAIT_S = 0.02  # a consumer with no warm memory for an object lets a warm one claim it first
+COLD_STEP_S = 0.004
 # Transports that never cross nodes, or whose bytes are already in hand.
 LOCAL = frozenset({"shm", "local", "inline", "none", "cuda_ipc"})
+# Transports that read into given buffers, and whose cancel returns at once and never writes
+# them afterwards: the first consumer lands their bytes straight in the memfd it hands over.
+DIRECT = frozenset({"tcp"})
 
 
 def _keep_s() -> float:
@@ -71,9 +79,18 @@ def _views(mm: mmap.mmap, specs: Sequence[TensorSpec], offsets: list[int]) -> li
     return [view_in(mm, s, off) for s, off in zip(specs, offsets)]
 
 
-def _private(fd: int, specs: Sequence[TensorSpec], offsets: list[int], size: int) -> list[torch.Tensor]:
-    """Map the memfd copy-on-write: views that read its bytes and keep their own writes."""
+def _private(fd: int, specs: Sequence[TensorSpec], offsets: list[int], size: int, holder: Any) -> list[torch.Tensor]:
+    """Map the memfd copy-on-write: views that read its bytes and keep their own writes.
+
+    `holder` (the lease of our own memfd, or our connection to the one who lent it) is
+    released with the mapping, once no view of it is left.
+    """
     mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    if isinstance(holder, _Lease):
+        holder.hold()
+        weakref.finalize(mm, holder.release)
+    else:
+        weakref.finalize(mm, holder.close)
     return _views(mm, specs, offsets)
 
 
@@ -92,64 +109,192 @@ async def fetch(
     obj_id: str,
     specs: Sequence[TensorSpec],
     transfer: Callable[[], Awaitable[list[torch.Tensor]]],
+    transfer_into: Callable[[list[torch.Tensor]], Awaitable[list[torch.Tensor]]] | None = None,
 ) -> tuple[list[torch.Tensor], bool]:
     """Fetch through the node's relay: `(tensors, True)` when another consumer read them.
 
-    `transfer()` reads the object over the network, landing it where its transport does.
+    `transfer()` reads the object over the network, landing it where its transport does;
+    `transfer_into(buffers)`, where given, lands it in `buffers` (a transport whose cancel
+    never writes them afterwards): then the first consumer reads straight into warm
+    memory it can hand over, with no copy.
     """
+    offsets, size = _layout(specs)
+    if not memfds.warm(size):
+        # Fresh memory faults in slowly: a consumer of the node that has warm memory for
+        # the object (it read one of this size before) claims it first, if it is there.
+        got = await _ask_within(obj_id, specs, COLD_WAIT_S)
+        if got is not _NO_CLAIM:
+            return (got, True) if got is not None else (await transfer(), False)
     claim = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         claim.bind(_address(obj_id))
     except OSError:
         claim.close()  # another consumer of this node holds the object, or is reading it
         got = await _ask(obj_id, specs)
-        if got is not None:
+        if got is not None and got is not _NO_CLAIM:
             return got, True
         return await transfer(), False
-    return await _serve(claim, obj_id, specs, transfer), False
+    return await _serve(claim, obj_id, specs, (offsets, size), transfer, transfer_into), False
 
 
 async def _serve(
     claim: socket.socket,
     obj_id: str,
     specs: Sequence[TensorSpec],
+    layout: tuple[list[int], int],
     transfer: Callable[[], Awaitable[list[torch.Tensor]]],
+    transfer_into: Callable[[list[torch.Tensor]], Awaitable[list[torch.Tensor]]] | None,
 ) -> list[torch.Tensor]:
-    """Read the object for this node; copy it into a memfd for the consumers that asked meanwhile.
+    """Read the object for this node; hand a memfd of it to the consumers that asked meanwhile.
 
-    The transfer lands where the transport puts it, as any fetch's (so a cancel ends it as
-    promptly as any); the memfd costs a copy only where another consumer waits for it.
+    With `transfer_into` the bytes land in a warm memfd, and this consumer's own tensors
+    map it copy-on-write too. Otherwise the transfer lands where the transport puts it, as
+    any fetch's (so a cancel ends it as promptly as any), and the memfd costs a copy only
+    where another consumer waits for it.
     """
+    offsets, size = layout
     claim.listen(128)
     claim.setblocking(False)
     server = _Server(claim, obj_id)
     _io.call_soon(server.start)
+    memfd: _Memfd | None = None
     try:
-        mine = await transfer()
-        if not server.asked():
-            _io.call_soon(server.end)  # nobody else wants it: later askers read for themselves
-            return mine
-        fd, size = await _io.to_thread_finished(_publish, obj_id, mine, specs, undo=lambda made: os.close(made[0]))
+        if transfer_into is not None:
+            memfd = memfds.take(size)
+            landed = await transfer_into(_views(memfd.mm, specs, offsets))  # nothing writes it after a cancel
+            del landed  # views of the writable mapping: this consumer gets a copy-on-write one
+            lease = _Lease(memfd)
+            mine = _private(memfd.fd, specs, offsets, size, lease)
+            if not server.asked():
+                _io.call_soon(server.end)  # later askers read for themselves
+                return mine
+        else:
+            mine = await transfer()
+            if not server.asked():
+                _io.call_soon(server.end)  # nobody else wants it: later askers read for themselves
+                return mine
+            memfd = memfds.take(size)
+            await _io.to_thread_finished(_publish, memfd, mine, specs, offsets)
+            lease = _Lease(memfd)
     except BaseException:
         _io.call_soon(server.end)
+        if memfd is not None and memfd.leases == 0:
+            memfds.give(memfd)  # handed to nobody: warm for the next read
         raise
-    _io.call_soon(server.ready, fd, size)  # it closes fd when the claim ends
+    lease.hold()  # the claim's own (before our mapping may go): released when the claim ends
+    _io.call_soon(server.ready, lease, size)
     return mine
 
 
-def _publish(obj_id: str, tensors: Sequence[torch.Tensor], specs: Sequence[TensorSpec]) -> tuple[int, int]:
-    """A memfd holding a copy of `tensors` at the relay's layout."""
-    offsets, size = _layout(specs)
-    fd = os.memfd_create(f"rdt-relay-{obj_id}", os.MFD_CLOEXEC)
+def _publish(memfd: _Memfd, tensors: Sequence[torch.Tensor], specs: Sequence[TensorSpec], offsets: list[int]) -> None:
+    """Copy `tensors` into `memfd` at the relay's layout."""
+    for view, t in zip(_views(memfd.mm, specs, offsets), tensors):
+        view.copy_(t)
+
+
+@dataclasses.dataclass(eq=False)
+class _Memfd:
+    """A memfd, this process's writable mapping of it, and how many hold it handed out."""
+
+    fd: int
+    capacity: int
+    mm: mmap.mmap
+    idle_since: float = 0.0
+    leases: int = 0
+
+
+class _Memfds:
+    """This process's warm memfds, reused once nothing maps them copy-on-write any more.
+
+    Bounded (MAX_IDLE_BYTES idle in all) and shrinking: one idle for RDT_SHM_IDLE_S
+    seconds (default 10) is closed. Capacities are powers of two (a memfd allocates only
+    the pages written).
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.idle: list[_Memfd] = []
+
+    @staticmethod
+    def capacity(size: int) -> int:
+        return max(RELAY_MIN_BYTES, 1 << (size - 1).bit_length())
+
+    def warm(self, size: int) -> bool:
+        cap = self.capacity(size)
+        with self.lock:
+            return any(m.capacity == cap for m in self.idle)
+
+    def take(self, size: int) -> _Memfd:
+        cap = self.capacity(size)
+        with self.lock:
+            self._shrink()
+            for i, m in enumerate(self.idle):
+                if m.capacity == cap:
+                    return self.idle.pop(i)
+        fd = os.memfd_create("rdt-relay", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, cap)
+            mm = mmap.mmap(fd, cap, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        return _Memfd(fd, cap, mm)
+
+    def give(self, m: _Memfd) -> None:
+        m.idle_since = time.monotonic()
+        with self.lock:
+            self._shrink()
+            if sum(x.capacity for x in self.idle) + m.capacity <= MAX_IDLE_BYTES:
+                self.idle.append(m)
+                return
+        _close(m)
+
+    def clear(self) -> None:
+        """Close every idle memfd now."""
+        with self.lock:
+            idle, self.idle = self.idle, []
+        for m in idle:
+            _close(m)
+
+    def _shrink(self) -> None:
+        limit = time.monotonic() - float(os.environ.get("RDT_SHM_IDLE_S", "10"))
+        old = [m for m in self.idle if m.idle_since < limit]
+        if old:
+            self.idle = [m for m in self.idle if m.idle_since >= limit]
+            for m in old:
+                _close(m)
+
+
+def _close(m: _Memfd) -> None:
     try:
-        os.ftruncate(fd, size)
-        shared = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        for view, t in zip(_views(shared, specs, offsets), tensors):
-            view.copy_(t)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, size
+        m.mm.close()
+    except BufferError:  # a view of it is still alive somewhere: the mapping goes with it
+        pass
+    os.close(m.fd)
+
+
+class _Lease:
+    """Who maps a memfd handed out: the first consumer's own mapping, each asker (by its
+    open connection), and the claim while it lasts. When none is left, the memfd goes
+    back to the pool: no mapping of it can show the next object's bytes."""
+
+    def __init__(self, memfd: _Memfd) -> None:
+        self.memfd = memfd
+        self.lock = threading.Lock()
+
+    def hold(self) -> None:
+        with self.lock:
+            self.memfd.leases += 1
+
+    def release(self) -> None:
+        with self.lock:
+            self.memfd.leases -= 1
+            last = self.memfd.leases == 0
+        if last:
+            memfds.give(self.memfd)
+
+
+memfds = _Memfds()
 
 
 class _Server:
@@ -159,7 +304,8 @@ class _Server:
         self.claim, self.obj_id = claim, obj_id
         self.lock = threading.Lock()  # `waiting`: filled on the I/O loop, counted by the reader
         self.waiting: list[socket.socket] = []
-        self.fd, self.size = -1, 0
+        self.lease: _Lease | None = None
+        self.size = 0
         self.done = False
 
     def asked(self) -> bool:
@@ -182,20 +328,29 @@ class _Server:
                 return
             if not _same_user(conn):
                 conn.close()  # another user of this host: the bytes are not theirs to map
-            elif self.fd >= 0:
+            elif self.lease is not None:
                 self._answer(conn)
             else:
                 with self.lock:
                     self.waiting.append(conn)
 
     def _answer(self, conn: socket.socket) -> None:
-        with contextlib.closing(conn):
-            msg = json.dumps({"obj_id": self.obj_id, "size": self.size}).encode()
-            with contextlib.suppress(OSError):  # the asker gave up: nothing to answer
-                socket.send_fds(conn, [msg], [self.fd])
+        """Hand the memfd over; the asker keeps `conn` open while it maps it."""
+        lease = self.lease
+        assert lease is not None
+        msg = json.dumps({"obj_id": self.obj_id, "size": self.size}).encode()
+        try:
+            socket.send_fds(conn, [msg], [lease.memfd.fd])
+        except OSError:
+            conn.close()  # the asker gave up: nothing to answer
+            return
+        lease.hold()
+        conn.setblocking(False)
+        asyncio.get_running_loop().add_reader(conn.fileno(), _unmapped, conn, lease)
 
-    def ready(self, fd: int, size: int) -> None:
-        self.fd, self.size = fd, size
+    def ready(self, lease: _Lease, size: int) -> None:
+        """Answer who asked, and who asks for RDT_RELAY_KEEP_S; `lease` is held for the claim."""
+        self.lease, self.size = lease, size
         with self.lock:
             waiting, self.waiting = self.waiting, []
         for conn in waiting:
@@ -217,8 +372,22 @@ class _Server:
         for conn in waiting:
             conn.close()
         self.claim.close()
-        if self.fd >= 0:
-            os.close(self.fd)
+        if self.lease is not None:
+            self.lease.release()
+
+
+def _unmapped(conn: socket.socket, lease: _Lease) -> None:
+    """An asker closed its end (its mapping is gone, or its process): one holder less."""
+    try:
+        if conn.recv(64):
+            return  # nothing is sent on it: ignore
+    except (BlockingIOError, InterruptedError):
+        return
+    except OSError:
+        pass
+    asyncio.get_running_loop().remove_reader(conn.fileno())
+    conn.close()
+    lease.release()
 
 
 def _set_once(fut: asyncio.Future[None]) -> None:
@@ -226,17 +395,33 @@ def _set_once(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
-async def _ask(obj_id: str, specs: Sequence[TensorSpec]) -> list[torch.Tensor] | None:
-    """The object from the consumer of this node that holds it; None if it cannot give it."""
+_NO_CLAIM: Any = object()  # `_ask`'s answer where nobody of this node holds the object
+
+
+async def _ask_within(obj_id: str, specs: Sequence[TensorSpec], wait_s: float) -> Any:
+    """`_ask`, again for up to `wait_s` while nobody holds the object yet."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        got = await _ask(obj_id, specs)
+        if got is not _NO_CLAIM or time.monotonic() >= deadline:
+            return got
+        await asyncio.sleep(COLD_STEP_S)
+
+
+async def _ask(obj_id: str, specs: Sequence[TensorSpec]) -> Any:
+    """The object from the consumer of this node that holds it: None if it cannot give it,
+    `_NO_CLAIM` if nobody holds it. Our end of the connection stays open while our
+    mapping lives: its closing tells the holder that we no longer map the memfd."""
     loop = asyncio.get_running_loop()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.setblocking(False)
     fds: list[int] = []
+    kept = False
     try:
         try:
             await loop.sock_connect(sock, _address(obj_id))
         except OSError:
-            return None  # the claim ended between our bind and connect
+            return _NO_CLAIM  # nobody claimed it, or the claim ended between our bind and connect
         if not _same_user(sock):
             return None  # the name is held by another user of this host: read for ourselves
         readable = loop.create_future()
@@ -255,8 +440,11 @@ async def _ask(obj_id: str, specs: Sequence[TensorSpec]) -> list[torch.Tensor] |
         offsets, size = _layout(specs)
         if answer.get("obj_id") != obj_id or answer.get("size") != size:
             return None
-        return _private(fds[0], specs, offsets, size)
+        views = _private(fds[0], specs, offsets, size, sock)
+        kept = True
+        return views
     finally:
-        sock.close()
+        if not kept:
+            sock.close()
         for fd in fds:
             os.close(fd)

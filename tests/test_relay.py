@@ -61,6 +61,14 @@ def _obj_id() -> str:
     return secrets.token_hex(8)
 
 
+@pytest.fixture(autouse=True)
+def no_warm_memfds():
+    """Each test starts with no warm memfd in this process, and leaves none."""
+    _relay.memfds.clear()
+    yield
+    _relay.memfds.clear()
+
+
 async def test_two_consumers_share_one_read_and_keep_their_writes_to_themselves():
     before = _fds()
     net, obj = Network(stall=0.05), _obj_id()
@@ -80,7 +88,65 @@ async def test_two_consumers_share_one_read_and_keep_their_writes_to_themselves(
     assert float(a[0].sum()) == 7.0 * (1 << 18)
     del a, b, got  # each mapping keeps a descriptor of the memfd (Python's mmap)
     await asyncio.sleep(float(os.environ.get("RDT_RELAY_KEEP_S", "2")) + 0.3)
+    # Nobody maps the memfd any more (b's connection closed with its mapping): it is back
+    # in the pool, warm, with its descriptor and the writable mapping's; nothing else is left.
+    assert len(_relay.memfds.idle) == 1
+    assert sorted(x.split(" -> ")[1] for x in _fds() - before) == ["/memfd:rdt-relay (deleted)"] * 2
+    _relay.memfds.clear()
     assert _fds() <= before, _fds() - before  # the claim, the memfd and every socket are closed
+
+
+class Landing:
+    """Stands in for a transport that reads into given buffers (tcp): counts reads."""
+
+    def __init__(self, seed: int) -> None:
+        self.reads, self.seed = 0, seed
+
+    async def __call__(self, buffers):
+        self.reads += 1
+        await asyncio.sleep(0.05)
+        for b, v in zip(buffers, _values(self.seed)):
+            b.copy_(v)
+        return buffers
+
+    async def own(self):
+        raise AssertionError("a landing transport is read into the memfd, not its own memory")
+
+
+async def _round(seed: int):
+    """Two consumers of this process fetch one object through the relay, landing it in a memfd."""
+    net, obj = Landing(seed), _obj_id()
+    (a, a_relayed), (b, b_relayed) = await asyncio.gather(
+        _relay.fetch(obj, SPECS, net.own, net), _relay.fetch(obj, SPECS, net.own, net)
+    )
+    assert net.reads == 1 and sorted((a_relayed, b_relayed)) == [False, True]
+    return a, b
+
+
+async def test_a_landing_read_hands_over_warm_memory_and_reuses_it_only_once_nobody_maps_it(monkeypatch):
+    monkeypatch.setenv("RDT_RELAY_KEEP_S", "0.1")
+    a, b = await _round(1)
+    want = _values(1)
+    assert all(torch.equal(x, w) for got in (a, b) for x, w in zip(got, want))
+    a[0].fill_(7.0)  # the first reader's own tensors are copy-on-write too
+    assert torch.equal(b[0], want[0])
+    del a
+    await asyncio.sleep(0.3)  # the claim ended; b still maps the memfd
+    assert _relay.memfds.idle == []
+    c, d = await _round(2)  # so the next object lands in another memfd
+    assert torch.equal(b[0], want[0]) and torch.equal(b[1], want[1]), "a memfd in use was reused"
+    assert all(torch.equal(x, w) for got in (c, d) for x, w in zip(got, _values(2)))
+    del b, c, d
+    await asyncio.sleep(0.3)
+    assert len(_relay.memfds.idle) == 2  # both back, warm
+    warm = list(_relay.memfds.idle)
+    e, f = await _round(3)
+    (taken,) = [m for m in warm if m not in _relay.memfds.idle]  # reused: no new memfd made
+    assert taken.leases >= 2 and len(_relay.memfds.idle) == 1  # e's and f's mappings hold it
+    assert all(torch.equal(x, w) for got in (e, f) for x, w in zip(got, _values(3)))
+    del e, f, taken, warm
+    await asyncio.sleep(0.3)
+    assert len(_relay.memfds.idle) == 2  # all back: nothing of this test outlives it
 
 
 async def test_a_consumer_arriving_after_the_claim_ended_reads_again(monkeypatch):
