@@ -87,7 +87,7 @@ def _private(fd: int, specs: Sequence[TensorSpec], offsets: list[int], size: int
     """
     mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     if isinstance(holder, _Lease):
-        holder.hold()
+        holder.hold()  # a new lease: never spent yet
         weakref.finalize(mm, holder.release)
     else:
         weakref.finalize(mm, holder.close)
@@ -158,31 +158,30 @@ async def _serve(
     server = _Server(claim, obj_id)
     _io.call_soon(server.start)
     memfd: _Memfd | None = None
+    lease: _Lease | None = None
     try:
         if transfer_into is not None:
             memfd = memfds.take(size)
             landed = await transfer_into(_views(memfd.mm, specs, offsets))  # nothing writes it after a cancel
             del landed  # views of the writable mapping: this consumer gets a copy-on-write one
             lease = _Lease(memfd)
-            mine = _private(memfd.fd, specs, offsets, size, lease)
-            if not server.asked():
-                _io.call_soon(server.end)  # later askers read for themselves
-                return mine
+            mine = _private(memfd.fd, specs, offsets, size, lease)  # askers get it while anyone maps it
         else:
             mine = await transfer()
-            if not server.asked():
-                _io.call_soon(server.end)  # nobody else wants it: later askers read for themselves
-                return mine
-            memfd = memfds.take(size)
-            await _io.to_thread_finished(_publish, memfd, mine, specs, offsets)
-            lease = _Lease(memfd)
+            if server.asked():
+                memfd = memfds.take(size)
+                await _io.to_thread_finished(_publish, memfd, mine, specs, offsets)
+                lease = _Lease(memfd)
+                lease.hold()  # the claim's: a copy nobody else maps yet, kept while the claim lasts
     except BaseException:
         _io.call_soon(server.end)
-        if memfd is not None and memfd.leases == 0:
+        if memfd is not None and lease is None:
             memfds.give(memfd)  # handed to nobody: warm for the next read
         raise
-    lease.hold()  # the claim's own (before our mapping may go): released when the claim ends
-    _io.call_soon(server.ready, lease, size)
+    if lease is None:
+        _io.call_soon(server.end)  # nobody else wants it: later askers read for themselves
+    else:
+        _io.call_soon(server.ready, lease, size, transfer_into is None)
     return mine
 
 
@@ -194,13 +193,12 @@ def _publish(memfd: _Memfd, tensors: Sequence[torch.Tensor], specs: Sequence[Ten
 
 @dataclasses.dataclass(eq=False)
 class _Memfd:
-    """A memfd, this process's writable mapping of it, and how many hold it handed out."""
+    """A memfd and this process's writable mapping of it."""
 
     fd: int
     capacity: int
     mm: mmap.mmap
     idle_since: float = 0.0
-    leases: int = 0
 
 
 class _Memfds:
@@ -274,23 +272,30 @@ def _close(m: _Memfd) -> None:
 
 
 class _Lease:
-    """Who maps a memfd handed out: the first consumer's own mapping, each asker (by its
-    open connection), and the claim while it lasts. When none is left, the memfd goes
-    back to the pool: no mapping of it can show the next object's bytes."""
+    """Who maps one handing-out of a memfd: the first consumer's own mapping, each asker (by
+    its open connection), and the claim while it lasts where the memfd is a copy. When the
+    last lets go, the memfd goes back to the pool and this lease is spent: no later asker
+    can be handed it, so no mapping of it ever shows the next object's bytes."""
 
     def __init__(self, memfd: _Memfd) -> None:
         self.memfd = memfd
         self.lock = threading.Lock()
+        self.holders = 0
+        self.spent = False
 
-    def hold(self) -> None:
+    def hold(self) -> bool:
+        """One holder more; False if the memfd has gone back already."""
         with self.lock:
-            self.memfd.leases += 1
+            if self.spent:
+                return False
+            self.holders += 1
+            return True
 
     def release(self) -> None:
         with self.lock:
-            self.memfd.leases -= 1
-            last = self.memfd.leases == 0
-        if last:
+            self.holders -= 1
+            self.spent = self.holders == 0
+        if self.spent:
             memfds.give(self.memfd)
 
 
@@ -306,6 +311,7 @@ class _Server:
         self.waiting: list[socket.socket] = []
         self.lease: _Lease | None = None
         self.size = 0
+        self.claim_holds = False
         self.done = False
 
     def asked(self) -> bool:
@@ -338,19 +344,23 @@ class _Server:
         """Hand the memfd over; the asker keeps `conn` open while it maps it."""
         lease = self.lease
         assert lease is not None
+        if not lease.hold():
+            conn.close()  # nobody maps it any more, so it may hold another object: read for yourself
+            return
         msg = json.dumps({"obj_id": self.obj_id, "size": self.size}).encode()
         try:
             socket.send_fds(conn, [msg], [lease.memfd.fd])
         except OSError:
             conn.close()  # the asker gave up: nothing to answer
+            lease.release()
             return
-        lease.hold()
         conn.setblocking(False)
         asyncio.get_running_loop().add_reader(conn.fileno(), _unmapped, conn, lease)
 
-    def ready(self, lease: _Lease, size: int) -> None:
-        """Answer who asked, and who asks for RDT_RELAY_KEEP_S; `lease` is held for the claim."""
-        self.lease, self.size = lease, size
+    def ready(self, lease: _Lease, size: int, claim_holds: bool) -> None:
+        """Answer who asked, and who asks for RDT_RELAY_KEEP_S (`claim_holds`: `lease` is held
+        for the claim until then; else askers get the memfd while someone maps it)."""
+        self.lease, self.size, self.claim_holds = lease, size, claim_holds
         with self.lock:
             waiting, self.waiting = self.waiting, []
         for conn in waiting:
@@ -372,7 +382,7 @@ class _Server:
         for conn in waiting:
             conn.close()
         self.claim.close()
-        if self.lease is not None:
+        if self.lease is not None and self.claim_holds:
             self.lease.release()
 
 

@@ -131,7 +131,7 @@ async def test_a_landing_read_hands_over_warm_memory_and_reuses_it_only_once_nob
     a[0].fill_(7.0)  # the first reader's own tensors are copy-on-write too
     assert torch.equal(b[0], want[0])
     del a
-    await asyncio.sleep(0.3)  # the claim ended; b still maps the memfd
+    await asyncio.sleep(0.3)  # b still maps the memfd
     assert _relay.memfds.idle == []
     c, d = await _round(2)  # so the next object lands in another memfd
     assert torch.equal(b[0], want[0]) and torch.equal(b[1], want[1]), "a memfd in use was reused"
@@ -142,7 +142,7 @@ async def test_a_landing_read_hands_over_warm_memory_and_reuses_it_only_once_nob
     warm = list(_relay.memfds.idle)
     e, f = await _round(3)
     (taken,) = [m for m in warm if m not in _relay.memfds.idle]  # reused: no new memfd made
-    assert taken.leases >= 2 and len(_relay.memfds.idle) == 1  # e's and f's mappings hold it
+    assert len(_relay.memfds.idle) == 1  # e's and f's mappings hold the one taken
     assert all(torch.equal(x, w) for got in (e, f) for x, w in zip(got, _values(3)))
     del e, f, taken, warm
     await asyncio.sleep(0.3)
