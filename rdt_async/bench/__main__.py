@@ -135,7 +135,7 @@ def _other(bench: str, sizes: list[int], repeat: int) -> list[dict[str, Any]]:
     return []
 
 
-AUTO_CAN = ("rdt shm", "rdt nixl", "rdt object_store")
+AUTO_CAN = ("rdt shm", "rdt tcp", "rdt nixl", "rdt ucxx", "rdt object_store")  # what both ends can use without a group
 
 
 def checks(rows: list[dict[str, Any]]) -> dict[str, Any]:
