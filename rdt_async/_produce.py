@@ -215,9 +215,15 @@ def _finish(
         # once; every later export shares them without a copy (see transports/shm.py).
         shm.share_storages(tensors, lambda t: store.can_move(t, making))
     prepared: dict[Transport[Any], Any] = {}
+    # `auto` on several nodes, from an actor that serves requests: the copy into shared
+    # memory waits for a consumer of this node to ask (most may be on other nodes).
+    lazy = transport == _registry.AUTO and owner.serves and any(t.name == "tcp" for t in plan)
     try:
         for t in plan:
-            prepared[t] = t.prepare(obj_id, tensors)
+            if lazy and t.name == "shm":
+                prepared[t] = t.prepare_lazily(obj_id, tensors)  # type: ignore[attr-defined]
+            else:
+                prepared[t] = t.prepare(obj_id, tensors)
         eager = _eager_replies(tensors, transport, owner, plan)
     except BaseException:
         for t, meta in prepared.items():

@@ -96,12 +96,14 @@ class Shared:
 @dataclass(frozen=True)
 class ShmMeta:
     """Where an object's tensors lie: segment name, its size, each tensor's offset in it,
-    or (for tensors in shared storages) where that storage is."""
+    or (for tensors in shared storages) where that storage is. `lazy`: the segment is
+    made at the first fetch that asks the producer for it (see `prepare_lazily`)."""
 
     segment: str | None
     size: int
     offsets: tuple[int, ...]
     shared: tuple[Shared | None, ...] = ()
+    lazy: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -135,6 +137,40 @@ class ShmTransport(Transport[ShmMeta]):
         offsets = tuple(next(it) if sh is None else 0 for sh in shared)
         return ShmMeta(meta.segment, meta.size, offsets, shared if any(shared) else ())
 
+    def prepare_lazily(self, obj_id: str, tensors: Sequence[torch.Tensor]) -> ShmMeta:
+        """`prepare`, leaving the copy into a segment to the first consumer that asks for it.
+
+        For a producer that serves requests, where consumers may as well be on other nodes
+        (`auto` on a cluster of several): a copy no consumer of this node maps would cost
+        every export for nothing. Shared storages are named now, as by `prepare`.
+        """
+        shared = tuple(_shared(t) for t in tensors)
+        if all(sh is not None or not t.numel() for t, sh in zip(tensors, shared)):
+            return self.prepare(obj_id, tensors)  # nothing to copy
+        return ShmMeta(None, 0, (), shared, lazy=True)
+
+    async def send_multiple_tensors(
+        self, obj_id: str, tensors: Sequence[torch.Tensor], meta: ShmMeta | None, request: Any
+    ) -> ShmMeta:
+        """Export a lazily prepared object now (once, whoever asks first): its metadata."""
+        assert meta is not None and meta.lazy
+        return await _io.to_thread(self._export, obj_id, tensors, meta)
+
+    def _export(self, obj_id: str, tensors: Sequence[torch.Tensor], meta: ShmMeta) -> ShmMeta:
+        with _lazy_lock:
+            lock = _exporting.setdefault(obj_id, threading.Lock())
+        with lock:
+            done = _exported.get(obj_id)
+            if done is None:
+                shared = meta.shared or (None,) * len(tensors)
+                made = self._segment([t for t, sh in zip(tensors, shared) if sh is None])
+                it = iter(made.offsets)
+                offsets = tuple(next(it) if sh is None else 0 for sh in shared)
+                done = _exported[obj_id] = ShmMeta(made.segment, made.size, offsets, meta.shared)
+        with _lazy_lock:
+            _exporting.pop(obj_id, None)
+        return done
+
     def _segment(self, tensors: Sequence[torch.Tensor]) -> ShmMeta:
         """Copy `tensors` into a warm segment of the pool (see _segments.py)."""
         offsets, size = aligned_layout((t.numel() * t.element_size() for t in tensors), ALIGN)
@@ -156,6 +192,8 @@ class ShmTransport(Transport[ShmMeta]):
     def receive_nowait(
         self, info: TransferInfo[ShmMeta], buffers: list[torch.Tensor] | None
     ) -> list[torch.Tensor] | None:
+        if info.meta.lazy:
+            return None  # the producer makes the segment first
         if info.meta.size > NOWAIT_BYTES or (buffers is not None and info.meta.nbytes > NOWAIT_BYTES):
             return None  # a copy would block: take the I/O loop path
         views = _map(info)
@@ -164,6 +202,8 @@ class ShmTransport(Transport[ShmMeta]):
     async def receive(
         self, info: TransferInfo[ShmMeta], buffers: list[torch.Tensor] | None, channel: Channel
     ) -> list[torch.Tensor]:
+        if info.meta.lazy:
+            info = dataclasses.replace(info, meta=await channel.request_send("export"))
         if buffers is None:
             return _map(info)  # each view keeps the private mapping alive
         return await _io.to_thread_finished(_read_into, info, buffers)
@@ -171,13 +211,30 @@ class ShmTransport(Transport[ShmMeta]):
     def garbage_collect(self, obj_id: str, meta: ShmMeta) -> None:
         # Shared storages belong to their tensors: nothing to release here. A segment
         # freed explicitly may still be viewed somewhere: unlinked, never reused.
-        if meta.segment is not None:
-            _segments.pool.discard(meta.segment)
+        segment = _made(obj_id, meta)
+        if segment is not None:
+            _segments.pool.discard(segment)
 
     def recycle(self, obj_id: str, meta: ShmMeta) -> None:
-        if meta.segment is not None:
-            _segments.pool.recycle(meta.segment)  # no view of it is left anywhere
+        segment = _made(obj_id, meta)
+        if segment is not None:
+            _segments.pool.recycle(segment)  # no view of it is left anywhere
 
+
+def _made(obj_id: str, meta: ShmMeta) -> str | None:
+    """The object's segment, if one was made (at prepare, or at its first fetch if lazy)."""
+    if not meta.lazy:
+        return meta.segment
+    with _lazy_lock:
+        done = _exported.pop(obj_id, None)
+    return done.segment if done is not None else None
+
+
+# Lazily prepared objects whose segment has been made (obj_id -> its metadata), and the
+# locks of exports under way, so that concurrent first fetches make one segment.
+_exported: dict[str, ShmMeta] = {}
+_exporting: dict[str, threading.Lock] = {}
+_lazy_lock = threading.Lock()
 
 _guardian: tuple[subprocess.Popen[bytes], int] | None = None  # and the pid it guards
 _guardian_lock = threading.Lock()
