@@ -36,6 +36,11 @@ def test_store_goes_back_to_zero_when_refs_are_dropped(producer):
     refs = [producer.make.remote(1 << 15, seed=i) for i in range(5)]
     ray.wait(refs, num_returns=5)
     assert ray.get(producer.stats.remote())["bytes"] == 5 * 4 * (1 << 15)
+    # On a cluster of several nodes (this session's) auto copies an object into shared
+    # memory at the first fetch from the producer's node.
+    assert not segments_of(pid)
+    values = ray.get(AsyncConsumer.remote().fetch_all.remote(refs))
+    assert [v["step"] for v in values] == list(range(5))
     assert len(segments_of(pid)) == 5
     del refs
     wait_until(lambda: objects_of(producer) == 0, 10)
@@ -143,7 +148,7 @@ def test_small_objects_keep_nothing_in_the_producer():
 def test_shared_memory_of_a_killed_producer_is_unlinked():
     p = SyncProducer.remote()
     pid = ray.get(p.pid.remote())
-    ref = p.value.remote(torch.ones(1 << 17))  # 512 KiB: copied into a segment (not a shared storage)
+    ref = p.value_shm.remote(torch.ones(1 << 17))  # 512 KiB: copied into a segment (not a shared storage)
     ray.wait([ref])
     assert len(segments_of(pid)) == 1
     ray.kill(p)
@@ -154,7 +159,7 @@ def test_shared_memory_of_a_killed_producer_is_unlinked():
 
 def test_segments_are_private_and_unguessable(producer):
     pid = ray.get(producer.pid.remote())
-    ref = producer.value.remote(torch.ones(1 << 15))
+    ref = producer.value_shm.remote(torch.ones(1 << 15))
     ray.wait([ref])
     [seg] = segments_of(pid)
     assert os.stat(f"/dev/shm/{seg}").st_mode & 0o777 == 0o600
