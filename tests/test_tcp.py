@@ -175,8 +175,9 @@ async def _fetch(t, meta):
 
 
 def test_bad_stream_setting_names_the_fix(monkeypatch):
-    monkeypatch.setenv("RDT_TCP_STREAMS", "0")
-    with pytest.raises(ValueError, match="RDT_TCP_STREAMS='0': give the number of connections per fetch"):
-        tcp._streams()
+    for bad in ("0", "two"):
+        monkeypatch.setenv("RDT_TCP_STREAMS", bad)
+        with pytest.raises(ValueError, match=f"RDT_TCP_STREAMS='{bad}': give the number of connections per fetch"):
+            tcp._streams()
     monkeypatch.setenv("RDT_TCP_STREAMS", "2")
     assert tcp._streams() == 2

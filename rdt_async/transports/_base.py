@@ -346,6 +346,21 @@ def or_none(buffers: Sequence[torch.Tensor | None] | None, n: int) -> Sequence[t
     return buffers if buffers else [None] * n
 
 
+def int_setting(env: str, default: int, minimum: int, meaning: str) -> int:
+    """The integer environment variable `env` (`default` if unset), at least `minimum`.
+
+    Raises: ValueError naming the variable and `meaning` (what to give) otherwise.
+    """
+    raw = os.environ.get(env, str(default))
+    try:
+        value = int(raw)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise ValueError(f"{env}={raw!r}: give {meaning}")
+    return value
+
+
 def advertised_host(env: str) -> str:
     """The address other nodes reach this process at: `env`'s value if set, else the
     address of the route out (loopback where there is none). For transports that listen."""

@@ -42,7 +42,7 @@ import torch
 
 from .. import _io
 from .._errors import ObjectFreedError, PeerDiedError, RDTError, TransferError
-from ._base import Channel, TransferInfo, Transport, advertised_host, delivered, landing_buffers
+from ._base import Channel, TransferInfo, Transport, advertised_host, delivered, int_setting, landing_buffers
 
 MAGIC = b"RDT1"
 HELD, FREED = b"\x01", b"\x02"
@@ -55,14 +55,7 @@ _PART = struct.Struct("<IQQ")  # tensor index, byte offset, byte count
 
 
 def _streams() -> int:
-    raw = os.environ.get("RDT_TCP_STREAMS", "4")
-    try:
-        n = int(raw)
-    except ValueError:
-        raise ValueError(f"RDT_TCP_STREAMS={raw!r}: give the number of connections per fetch (1 or more)") from None
-    if n < 1:
-        raise ValueError(f"RDT_TCP_STREAMS={raw!r}: give the number of connections per fetch (1 or more)")
-    return n
+    return int_setting("RDT_TCP_STREAMS", 4, 1, "the number of connections per fetch (1 or more)")
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 from ... import _io
 from ..._errors import TransportUnavailableError
+from .._base import int_setting
 
 T = TypeVar("T")
 
@@ -57,14 +58,7 @@ def import_reason() -> str | None:
 
 
 def _progress_delay_us() -> int:
-    raw = os.environ.get("RDT_NIXL_PROGRESS_US", str(PROGRESS_US))
-    try:
-        delay = int(raw)
-    except ValueError:
-        raise ValueError(f"RDT_NIXL_PROGRESS_US={raw!r}: give microseconds as an integer (0: no progress thread)") from None
-    if delay < 0:
-        raise ValueError(f"RDT_NIXL_PROGRESS_US={raw!r}: give microseconds >= 0 (0: no progress thread)")
-    return delay
+    return int_setting("RDT_NIXL_PROGRESS_US", PROGRESS_US, 0, "microseconds as an integer >= 0 (0: no progress thread)")
 
 
 def _new_agent(nixl_agent: Any, name: str, cfg: Any, delay_us: int) -> Any:
