@@ -77,17 +77,18 @@ def translate(
     (a `RayTaskError` that is also an instance of the method's exception class).
     Ray's errors are mapped here; a `transport`'s own, by what its `native_error` says.
     """
+    ray_exceptions = sys.modules.get("ray.exceptions")
+    cause = getattr(exc, "cause", None)
+    if ray_exceptions is not None and isinstance(exc, ray_exceptions.RayTaskError) and isinstance(cause, RDTError):
+        # One of ours raised in another process. Ray's RayTaskError(ObjectFreedError) is an
+        # instance of ours too, but its type name and message are Ray's: rebuild the original.
+        rebuilt: RDTError = type(cause)(str(cause), obj_id=cause.obj_id)
+        return rebuilt
     if isinstance(exc, (RDTError, TimeoutError, KeyboardInterrupt, SystemExit)):
         return exc
     if type(exc).__name__ == "CancelledError":
         return exc
-    ray_exceptions = sys.modules.get("ray.exceptions")
     if ray_exceptions is not None:
-        cause = getattr(exc, "cause", None)
-        if isinstance(exc, ray_exceptions.RayTaskError) and isinstance(cause, RDTError):
-            # Rebuild the remote error so that ``except ObjectFreedError`` works here.
-            rebuilt: RDTError = type(cause)(str(cause), obj_id=cause.obj_id)
-            return rebuilt
         if isinstance(exc, ray_exceptions.RayTaskError) and user_code:
             return exc  # type: ignore[no-any-return]  # ray.exceptions, found in sys.modules, is Any
         if isinstance(exc, (ray_exceptions.RayActorError, ray_exceptions.ActorDiedError)):

@@ -119,6 +119,17 @@ def test_what_a_producer_method_raises_reaches_the_consumer_as_ray_get_raises_it
     ray.kill(p)
 
 
+def test_our_errors_raised_in_another_process_arrive_as_themselves():
+    from rdt_async._errors import translate
+
+    cause = rdt.ObjectFreedError("object x1 was freed before it was fetched", obj_id="x1")
+    remote = ray.exceptions.RayTaskError("serve_send", "Traceback ...", cause).as_instanceof_cause()
+    assert isinstance(remote, rdt.ObjectFreedError)  # Ray's dual class: `except` caught it, its name lied
+    err = translate(remote, "shm fetch of x1", "x1")
+    assert type(err) is rdt.ObjectFreedError and err.obj_id == "x1"
+    assert str(err) == "object x1 was freed before it was fetched"
+
+
 def test_bad_fetch_arguments_fail_at_the_call_naming_the_fix():
     p = SyncProducer.remote()
     ref = p.value_shm.remote(torch.ones(4))
