@@ -13,6 +13,7 @@ import os
 import pytest
 import ray
 import torch
+from conftest import wait_until
 
 import rdt_async as rdt
 from rdt_async.transports._base import TensorSpec, TransferInfo
@@ -75,6 +76,15 @@ class Reader:
             "col": value["col"].tolist() == [float(3 + 1024 * i) for i in range(1024)] or "wrong",
         }
 
+    async def maps(self) -> dict:
+        """This consumer's kept mappings (transports/_mappings.py)."""
+        import gc
+
+        from rdt_async.transports import _mappings
+
+        gc.collect()  # views in a collected cycle let their mapping go now, not at some later GC
+        return _mappings.cache.stats()
+
     async def into(self, refs) -> bool:
         obj = await refs[0]
         w, col = torch.empty(N), torch.empty(1024 * 2)[::2]  # contiguous, and strided
@@ -134,6 +144,39 @@ def test_a_consumer_writing_its_view_changes_nothing_for_the_producer_or_others(
             ray.kill(a)
 
 
+def test_a_consumer_maps_a_file_again_through_its_kept_mapping_and_sees_only_the_file():
+    # The second fetch of the same storage reuses the reader's warm mapping; what the
+    # reader wrote through the first is dropped first, what the producer wrote shows.
+    t, r = Trainer.remote(), Reader.remote()
+    whole = float(N * (N - 1) // 2)
+    try:
+        assert ray.get(r.check.remote(t.publish.remote()))["w"] == whole  # moves the storage
+        assert ray.get(r.scribble.remote(t.publish.remote())) == -1.0  # 4 MiB of private pages
+        assert ray.get(r.check.remote(t.publish.remote())) == {"w": whole, "slice": True, "col": True}
+        ray.get(t.step.remote(2.0))  # in place, once no view is left
+        assert ray.get(r.check.remote(t.publish.remote()))["w"] == 2.0 * N
+        maps = ray.get(r.maps.remote())
+        assert maps["reused"] >= 2 and maps["restored_pages"] == N * 4 // os.sysconf("SC_PAGE_SIZE")
+        assert ray.get(t.total.remote()) == 2.0 * N  # the reader's writes never reached it
+        wait_until(lambda: ray.get(r.maps.remote())["idle"] == 0, 10)  # idle for RDT_SHM_IDLE_S (1 s here)
+    finally:
+        ray.kill(t)
+        ray.kill(r)
+
+
+def test_two_fetches_alive_at_once_never_share_a_mapping():
+    t, r = Trainer.remote(), Reader.remote()
+    try:
+        first = t.publish.remote()
+        assert ray.get(r.keep.remote(first)) == float(N * (N - 1) // 2)  # kept: its mapping is busy
+        assert ray.get(r.scribble.remote(t.publish.remote())) == -1.0  # another mapping
+        assert ray.get(r.kept_total.remote()) == float(N * (N - 1) // 2)  # untouched by the scribble
+        ray.get(r.drop.remote())
+    finally:
+        ray.kill(t)
+        ray.kill(r)
+
+
 def test_a_descriptor_that_names_another_file_now_is_refused():
     # The producer's fd number is checked against the storage's inode: a stale one
     # (the object freed, the number reused) must never map someone else's bytes.
@@ -170,6 +213,10 @@ def test_fresh_tensors_reuse_warm_segments_never_under_a_view():
         for v in range(1, 9):
             assert ray.get(reader.total.remote(p.make.remote(float(v)))) == v * N // 2
         assert ray.get(p.segments_made.remote()) <= 4  # 10 objects: warm segments recycled
+        assert ray.get(reader.scribble.remote(p.make.remote(5.0))) == -1.0
+        for v in range(1, 5):  # through the reader's kept mappings of recycled segments
+            assert ray.get(reader.total.remote(p.make.remote(float(v)))) == v * N // 2
+        assert ray.get(reader.maps.remote())["reused"] >= 4
         assert ray.get(keeper.kept_total.remote()) == 7.0 * N // 2  # never overwritten
         assert ray.get(reader.kept_total.remote()) == 9.0 * N // 2
     finally:

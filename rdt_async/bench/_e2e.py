@@ -243,52 +243,88 @@ def run(
 ) -> list[dict[str, Any]]:
     """All paths (or `paths`), both shapes, every size (bytes), one consumer; then fan-out of the largest.
 
+    The one-consumer passes take the paths in turns (every path's actors alive at once,
+    each round in another order), so that each ratio compares passes of the same moment,
+    not a path run early against one run late on a machine that has changed meanwhile.
+    Fan-out runs path by path (8 consumers of every path at once would not fit 2 cores).
     `hosts=2`: the consumers run on the second host (see _hosts.ray_cluster). Each row's
     `loop_stall_ms` is the worst stall of the consumers' loops while the warm passes'
     values arrived (None where the consumer is a sync actor: Ray's RDT paths).
     """
     progress = progress or Progress(False)
     rows: list[dict[str, Any]] = []
-    width = max(fanouts, default=1)
     names = paths or _ours() + list(RAY_PATHS)
-    planned = 2 * len(sizes) + len(fanouts)  # a path's steps at most (gloo paths have no fan-out)
-    progress.add(planned * len(names))
+    progress.add(2 * len(sizes) + len(fanouts) * len(names))
+    rows += _in_turns(names, sizes, repeat, hosts, progress)
     for name in names:
-        try:
-            path = _make_path(name, width, hosts)
-        except Exception as e:  # a path that cannot run here (Ray's RDT gloo across hosts) is a result too
-            progress.note(f"e2e {name}: failed to set up: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-            rows.append({"bench": "e2e", "case": name, "hosts": hosts, "error": f"{type(e).__name__}: {str(e)[:500]}"})
-            path = None
-        if path is None:
-            progress.skip(planned)
-            continue
-        done = 0
-        try:
-            for shape in ("kept", "fresh"):
-                for size in sizes:
-                    n = max(1, size // 4)  # float32 elements
-                    with progress.step(f"e2e {name} {shape} {human(size)}"):
-                        cold, _ = path.one_pass(n, shape)
-                        warm = [path.one_pass(n, shape) for _ in range(repeat)]
-                        rows.append({"bench": "e2e", "case": name, "shape": shape, "size": size, "consumers": 1,
-                                     "hosts": hosts, "cold_s": cold, "seconds": statistics.median(t for t, _ in warm),
-                                     "loop_stall_ms": _worst_ms(warm), "breakdown": path.parts(n, shape)})
-                    done += 1
-            if len(path.consumers) > 1:
-                size = max(sizes)
-                for k in fanouts:
-                    with progress.step(f"e2e {name} kept {human(size)} to {k}"):
-                        path.one_pass(size // 4, "kept", k)
-                        warm = [path.one_pass(size // 4, "kept", k) for _ in range(repeat)]
-                        rows.append({"bench": "e2e", "case": name, "shape": "kept", "size": size, "consumers": k,
-                                     "hosts": hosts, "seconds": statistics.median(t for t, _ in warm),
-                                     "loop_stall_ms": _worst_ms(warm)})
-                    done += 1
-        finally:
-            progress.skip(planned - done)
-            path.close()
+        rows += _fanout(name, max(sizes), fanouts, repeat, hosts, progress)
     _ratios(rows)
+    return rows
+
+
+def _setup(name: str, fanout: int, hosts: int, progress: Progress) -> tuple[_Path | None, dict[str, Any] | None]:
+    """The path's actors, or None and the row that says why it cannot run here."""
+    try:
+        return _make_path(name, fanout, hosts), None
+    except Exception as e:  # a path that cannot run here (Ray's RDT gloo across hosts) is a result too
+        progress.note(f"e2e {name}: failed to set up: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        return None, {"bench": "e2e", "case": name, "hosts": hosts, "error": f"{type(e).__name__}: {str(e)[:500]}"}
+
+
+def _in_turns(names: list[str], sizes: list[int], repeat: int, hosts: int, progress: Progress) -> list[dict[str, Any]]:
+    """One consumer per path: for each (shape, size), a cold pass of each path, then
+    `repeat` rounds of one warm pass of each, the order rotating from round to round."""
+    rows: list[dict[str, Any]] = []
+    live: dict[str, _Path] = {}
+    try:
+        for name in names:
+            path, failed = _setup(name, 1, hosts, progress)
+            if failed is not None:
+                rows.append(failed)
+            if path is not None:
+                live[name] = path
+        for shape in ("kept", "fresh"):
+            for size in sizes:
+                n = max(1, size // 4)  # float32 elements
+                with progress.step(f"e2e {shape} {human(size)}, {len(live)} paths in turns"):
+                    cold = {name: p.one_pass(n, shape)[0] for name, p in live.items()}
+                    warm: dict[str, list[tuple[float, float | None]]] = {name: [] for name in live}
+                    order = list(live)
+                    for r in range(repeat):
+                        for name in order[r % len(order):] + order[: r % len(order)]:
+                            warm[name].append(live[name].one_pass(n, shape))
+                    for name, p in live.items():
+                        rows.append({"bench": "e2e", "case": name, "shape": shape, "size": size, "consumers": 1,
+                                     "hosts": hosts, "cold_s": cold[name],
+                                     "seconds": statistics.median(t for t, _ in warm[name]),
+                                     "loop_stall_ms": _worst_ms(warm[name]), "breakdown": p.parts(n, shape)})
+    finally:
+        for p in live.values():
+            p.close()
+    return rows
+
+
+def _fanout(name: str, size: int, fanouts: tuple[int, ...], repeat: int, hosts: int,
+            progress: Progress) -> list[dict[str, Any]]:
+    """One object of `size` bytes to each of `fanouts` consumers of one path at once."""
+    if not fanouts or name.endswith("gloo"):  # a gloo path moves to one consumer (its group)
+        progress.skip(len(fanouts))
+        return []
+    path, _ = _setup(name, max(fanouts), hosts, progress)  # a failed set-up is reported by _in_turns
+    if path is None:
+        progress.skip(len(fanouts))
+        return []
+    rows = []
+    try:
+        for k in fanouts:
+            with progress.step(f"e2e {name} kept {human(size)} to {k}"):
+                path.one_pass(size // 4, "kept", k)
+                warm = [path.one_pass(size // 4, "kept", k) for _ in range(repeat)]
+                rows.append({"bench": "e2e", "case": name, "shape": "kept", "size": size, "consumers": k,
+                             "hosts": hosts, "seconds": statistics.median(t for t, _ in warm),
+                             "loop_stall_ms": _worst_ms(warm)})
+    finally:
+        path.close()
     return rows
 
 

@@ -18,6 +18,10 @@ Two ways a tensor's bytes reach a consumer of the same node, both mapped copy-on
   (mode 0600, a 96-bit random name; see _segments.py), a snapshot. Views of it hold the
   object too, so it is reused only once no view is left. A guardian process per
   producer unlinks what is left if the producer is killed.
+
+A consumer keeps its mapping of either kind of file once the last view is gone, and maps
+the next fetch of the same file through it, its own writes dropped first (_mappings.py):
+page tables already filled read at the speed of anonymous memory.
 """
 
 from __future__ import annotations
@@ -25,7 +29,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
-import mmap
 import os
 import subprocess
 import sys
@@ -39,7 +42,7 @@ import torch
 
 from .. import _io
 from .._errors import ObjectFreedError, PeerDiedError, RDTError, TransportUnavailableError
-from . import _segments
+from . import _mappings, _segments
 from ._base import Channel, TransferInfo, Transport, aligned_layout, copy_into, pid_alive, view_in
 
 log = logging.getLogger("rdt_async")
@@ -283,14 +286,13 @@ def _open(info: TransferInfo[ShmMeta]) -> int:
 def _map(info: TransferInfo[ShmMeta]) -> list[torch.Tensor]:
     """Map the segment and shared storages copy-on-write; return a view per tensor (no copy)."""
     meta = info.meta
-    mm: mmap.mmap | None = None
+    mm: Any = None
     if meta.segment is not None:
         fd = _open(info)
         try:
-            mm = _Mapping(fd, meta.size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            mm = _mappings.cache.open(fd, info.hold)  # a segment is reused once no view of it is left
         finally:
             os.close(fd)
-        mm.hold = info.hold  # a segment is reused once no view of it is left
     storages: dict[Shared, torch.Tensor] = {}  # one mapping per storage, whatever its views
     out = []
     for i, (spec, off) in enumerate(zip(info.specs, meta.offsets)):
@@ -307,12 +309,6 @@ def _map(info: TransferInfo[ShmMeta]) -> list[torch.Tensor]:
         else:
             out.append(base.view(spec.dtype).as_strided(spec.shape, sh.stride, sh.offset))
     return out
-
-
-class _Mapping(mmap.mmap):
-    """A mapping of a producer's shared storage; `hold` keeps its object while a view lives."""
-
-    hold: Any = None
 
 
 def _open_shared(info: TransferInfo[ShmMeta], sh: Shared) -> int:
@@ -346,11 +342,10 @@ def _map_shared(info: TransferInfo[ShmMeta], sh: Shared) -> torch.Tensor:
     """The whole shared storage, mapped copy-on-write, as bytes; the mapping holds the object."""
     fd = _open_shared(info, sh)
     try:
-        mm = _Mapping(fd, sh.nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        buf = _mappings.cache.open(fd, info.hold)  # views keep the buffer, the buffer keeps the object
     finally:
         os.close(fd)
-    mm.hold = info.hold  # views keep the mapping, the mapping keeps the object
-    return torch.frombuffer(mm, dtype=torch.uint8)
+    return torch.frombuffer(buf, dtype=torch.uint8, count=sh.nbytes)
 
 
 def share_storages(tensors: Sequence[torch.Tensor], exclusive: Callable[[torch.Tensor], bool]) -> None:
