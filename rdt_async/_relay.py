@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from . import _io
+from .transports import _mappings
 from .transports._base import TensorSpec, aligned_layout, view_in
 
 RELAY_MIN_BYTES = 1 << 20
@@ -75,23 +76,24 @@ def _layout(specs: Sequence[TensorSpec]) -> tuple[list[int], int]:
     return offsets, max(size, ALIGN)  # a memfd of 0 bytes cannot be mapped
 
 
-def _views(mm: mmap.mmap, specs: Sequence[TensorSpec], offsets: list[int]) -> list[torch.Tensor]:
-    return [view_in(mm, s, off) for s, off in zip(specs, offsets)]
+def _views(buffer: Any, specs: Sequence[TensorSpec], offsets: list[int]) -> list[torch.Tensor]:
+    return [view_in(buffer, s, off) for s, off in zip(specs, offsets)]
 
 
-def _private(fd: int, specs: Sequence[TensorSpec], offsets: list[int], size: int, holder: Any) -> list[torch.Tensor]:
+def _private(fd: int, specs: Sequence[TensorSpec], offsets: list[int], holder: Any) -> list[torch.Tensor]:
     """Map the memfd copy-on-write: views that read its bytes and keep their own writes.
 
     `holder` (the lease of our own memfd, or our connection to the one who lent it) is
-    released with the mapping, once no view of it is left.
+    released once no view is left. The mapping is kept for the next handing-out of the
+    same memfd (transports/_mappings.py: warm page tables, our old writes dropped).
     """
-    mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    buf = _mappings.cache.open(fd, None)
     if isinstance(holder, _Lease):
         holder.hold()  # a new lease: never spent yet
-        weakref.finalize(mm, holder.release)
+        weakref.finalize(buf, holder.release)
     else:
-        weakref.finalize(mm, holder.close)
-    return _views(mm, specs, offsets)
+        weakref.finalize(buf, holder.close)
+    return _views(buf, specs, offsets)
 
 
 def _same_user(sock: socket.socket) -> bool:
@@ -165,7 +167,7 @@ async def _serve(
             landed = await transfer_into(_views(memfd.mm, specs, offsets))  # nothing writes it after a cancel
             del landed  # views of the writable mapping: this consumer gets a copy-on-write one
             lease = _Lease(memfd)
-            mine = _private(memfd.fd, specs, offsets, size, lease)  # askers get it while anyone maps it
+            mine = _private(memfd.fd, specs, offsets, lease)  # askers get it while anyone maps it
         else:
             mine = await transfer()
             if server.asked():
@@ -450,7 +452,7 @@ async def _ask(obj_id: str, specs: Sequence[TensorSpec]) -> Any:
         offsets, size = _layout(specs)
         if answer.get("obj_id") != obj_id or answer.get("size") != size:
             return None
-        views = _private(fds[0], specs, offsets, size, sock)
+        views = _private(fds[0], specs, offsets, sock)
         kept = True
         return views
     finally:

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from rdt_async import _io, _relay
+from rdt_async.transports import _mappings
 from rdt_async.transports._base import TensorSpec
 
 SPECS = [TensorSpec((1 << 18,), torch.float32, "cpu", 1 << 20), TensorSpec((3, 5), torch.int64, "cpu", 120)]
@@ -63,9 +64,12 @@ def _obj_id() -> str:
 
 @pytest.fixture(autouse=True)
 def no_warm_memfds():
-    """Each test starts with no warm memfd in this process, and leaves none."""
+    """Each test starts with no warm memfd (nor kept mapping of one) in this process, and leaves none."""
+    _mappings.cache.clear()
     _relay.memfds.clear()
+    _mappings._get_kernel()  # its pagemap descriptor, open for the process's life, is not the test's
     yield
+    _mappings.cache.clear()
     _relay.memfds.clear()
 
 
@@ -91,6 +95,8 @@ async def test_two_consumers_share_one_read_and_keep_their_writes_to_themselves(
     # Nobody maps the memfd any more (b's connection closed with its mapping): it is back
     # in the pool, warm, with its descriptor and the writable mapping's; nothing else is left.
     assert len(_relay.memfds.idle) == 1
+    assert _mappings.cache.stats()["idle"] == 1  # one copy-on-write mapping of it kept, for the next object
+    _mappings.cache.clear()
     assert sorted(x.split(" -> ")[1] for x in _fds() - before) == ["/memfd:rdt-relay (deleted)"] * 2
     _relay.memfds.clear()
     assert _fds() <= before, _fds() - before  # the claim, the memfd and every socket are closed
