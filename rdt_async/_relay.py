@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from . import _io
-from .transports import _mappings
+from .transports import _mappings, _segments
 from .transports._base import TensorSpec, aligned_layout, view_in
 
 RELAY_MIN_BYTES = 1 << 20
@@ -257,7 +257,7 @@ class _Memfds:
             _close(m)
 
     def _shrink(self) -> None:
-        limit = time.monotonic() - float(os.environ.get("RDT_SHM_IDLE_S", "10"))
+        limit = time.monotonic() - _segments.idle_s()
         old = [m for m in self.idle if m.idle_since < limit]
         if old:
             self.idle = [m for m in self.idle if m.idle_since >= limit]

@@ -32,7 +32,7 @@ import weakref
 from typing import Any
 
 from .. import _io
-from ._segments import _idle_s
+from ._segments import idle_s
 
 MAX_IDLE_BYTES = 4 << 30  # address space and page tables only: the pages are the files'
 _PAGE = mmap.PAGESIZE
@@ -104,10 +104,10 @@ class MappingCache:
     def _schedule_trim(self) -> None:  # on the I/O loop
         import asyncio
 
-        asyncio.get_running_loop().call_later(_idle_s(), self._trim)
+        asyncio.get_running_loop().call_later(idle_s(), self._trim)
 
     def _trim(self) -> None:  # on the I/O loop
-        now, idle = time.monotonic(), _idle_s()
+        now, idle = time.monotonic(), idle_s()
         with self._lock:
             old = [m for m in self._idle.values() if now - m.idle_since >= idle]
             for m in old:

@@ -30,8 +30,9 @@ MIN_BYTES = 1 << 20
 MAX_BYTES = 1 << 30  # the pool's idle segments, in all
 
 
-def _idle_s() -> float:
-    """Seconds an idle segment is kept (RDT_SHM_IDLE_S, default 10)."""
+def idle_s() -> float:
+    """Seconds idle warm shared memory is kept: segments here, consumers' mappings, relay
+    memfds (RDT_SHM_IDLE_S, default 10)."""
     return float(os.environ.get("RDT_SHM_IDLE_S", "10"))
 
 
@@ -127,10 +128,10 @@ class SegmentPool:
     def _schedule_trim(self) -> None:  # on the I/O loop
         import asyncio
 
-        asyncio.get_running_loop().call_later(_idle_s(), self._trim)
+        asyncio.get_running_loop().call_later(idle_s(), self._trim)
 
     def _trim(self) -> None:  # on the I/O loop
-        now, idle = time.monotonic(), _idle_s()
+        now, idle = time.monotonic(), idle_s()
         with self._lock:
             old = [s for s in self._idle if now - s.idle_since >= idle]
             self._idle = [s for s in self._idle if now - s.idle_since < idle]
