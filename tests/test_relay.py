@@ -95,8 +95,7 @@ async def test_two_consumers_share_one_read_and_keep_their_writes_to_themselves(
     # Nobody maps the memfd any more (b's connection closed with its mapping): it is back
     # in the pool, warm, with its descriptor and the writable mapping's; nothing else is left.
     assert len(_relay.memfds.idle) == 1
-    assert _mappings.cache.stats()["idle"] == 1  # one copy-on-write mapping of it kept, for the next object
-    _mappings.cache.clear()
+    _mappings.cache.clear()  # a copy-on-write mapping of it may be kept for the next object (RDT_SHM_IDLE_S)
     assert sorted(x.split(" -> ")[1] for x in _fds() - before) == ["/memfd:rdt-relay (deleted)"] * 2
     _relay.memfds.clear()
     assert _fds() <= before, _fds() - before  # the claim, the memfd and every socket are closed
