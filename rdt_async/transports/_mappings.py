@@ -31,8 +31,7 @@ import time
 import weakref
 from typing import Any
 
-from .. import _io
-from ._segments import idle_s
+from ._segments import IdleSweep
 
 MAX_IDLE_BYTES = 4 << 30  # address space and page tables only: the pages are the files'
 _PAGE = mmap.PAGESIZE
@@ -52,7 +51,7 @@ class MappingCache:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._idle: dict[tuple[int, int, int], _Mapped] = {}
-        self._trimming = False
+        self._sweeper = IdleSweep(self._sweep)
         self.reused = 0  # fetches served by a kept mapping
         self.restored_pages = 0  # pages a consumer had written, dropped before a reuse
 
@@ -75,9 +74,7 @@ class MappingCache:
                 m = None
         if m is None:
             mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            anchor = ctypes.c_char.from_buffer(mm)
-            m = _Mapped(key, mm, ctypes.addressof(anchor))
-            del anchor
+            m = _Mapped(key, mm, _address(mm))
         buf = (ctypes.c_char * st.st_size).from_buffer(m.mm)
         buf.hold = hold  # type: ignore[attr-defined]  # the object lives while a view does
         weakref.finalize(buf, self._idle_again, m).atexit = False
@@ -94,29 +91,19 @@ class MappingCache:
             evicted = [old] if old is not None else []
             while sum(x.key[2] for x in self._idle.values()) > MAX_IDLE_BYTES:
                 evicted.append(self._idle.pop(next(iter(self._idle))))  # the longest idle first
-            start = not self._trimming
-            self._trimming = True
         for x in evicted:
             _close(x)
-        if start:
-            _io.call_soon(self._schedule_trim)
+        self._sweeper.start()
 
-    def _schedule_trim(self) -> None:  # on the I/O loop
-        import asyncio
-
-        asyncio.get_running_loop().call_later(idle_s(), self._trim)
-
-    def _trim(self) -> None:  # on the I/O loop
-        now, idle = time.monotonic(), idle_s()
+    def _sweep(self, cutoff: float) -> bool:  # on the I/O loop
         with self._lock:
-            old = [m for m in self._idle.values() if now - m.idle_since >= idle]
+            old = [m for m in self._idle.values() if m.idle_since <= cutoff]
             for m in old:
                 del self._idle[m.key]
-            self._trimming = again = bool(self._idle)
+            again = bool(self._idle)
         for m in old:
             _close(m)
-        if again:
-            self._schedule_trim()
+        return again
 
     def clear(self) -> None:
         with self._lock:
@@ -132,6 +119,15 @@ class MappingCache:
                 "reused": self.reused,
                 "restored_pages": self.restored_pages,
             }
+
+
+def _address(mm: mmap.mmap) -> int:
+    """Where `mm` starts in this process (no export of it is left behind)."""
+    anchor = ctypes.c_char.from_buffer(mm)
+    try:
+        return ctypes.addressof(anchor)
+    finally:
+        del anchor
 
 
 def _close(m: _Mapped) -> None:
@@ -199,12 +195,10 @@ def _scan_supported() -> bool:
     if _supported is None:
         try:
             probe = mmap.mmap(-1, _PAGE)
-            anchor = ctypes.c_char.from_buffer(probe)
             try:
-                _written(ctypes.addressof(anchor), _PAGE)
+                _written(_address(probe), _PAGE)
                 _supported = True
             finally:
-                del anchor
                 probe.close()
         except (OSError, AttributeError):
             _supported = False

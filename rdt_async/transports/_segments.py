@@ -20,6 +20,7 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .. import _io
@@ -34,6 +35,36 @@ def idle_s() -> float:
     """Seconds idle warm shared memory is kept: segments here, consumers' mappings, relay
     memfds (RDT_SHM_IDLE_S, default 10)."""
     return float(os.environ.get("RDT_SHM_IDLE_S", "10"))
+
+
+class IdleSweep:
+    """Calls `sweep(cutoff)` on the I/O loop `idle_s()` after `start()`, and again every
+    `idle_s()` while it returns True (something is still idle). `sweep` lets go of what
+    has been idle since `cutoff` (a `time.monotonic()`) or before. Thread-safe."""
+
+    def __init__(self, sweep: Callable[[float], bool]) -> None:
+        self._sweep = sweep
+        self._lock = threading.Lock()
+        self._pending = False
+
+    def start(self) -> None:
+        """Something went idle (any thread): make sure a sweep is coming."""
+        with self._lock:
+            if self._pending:
+                return
+            self._pending = True
+        _io.call_soon(self._schedule)
+
+    def _schedule(self) -> None:  # on the I/O loop
+        import asyncio
+
+        asyncio.get_running_loop().call_later(idle_s(), self._run)
+
+    def _run(self) -> None:  # on the I/O loop
+        with self._lock:
+            self._pending = False  # before the sweep: what goes idle during it starts another
+        if self._sweep(time.monotonic() - idle_s()):
+            self.start()
 
 
 @dataclass
@@ -63,7 +94,7 @@ class SegmentPool:
         self._lock = threading.Lock()
         self._idle: list[Segment] = []
         self._used: dict[str, Segment] = {}
-        self._trimming = False
+        self._sweeper = IdleSweep(self._sweep)
         self.created = 0  # segments made (not reused) so far
 
     def take(self, nbytes: int) -> Segment:
@@ -109,12 +140,9 @@ class SegmentPool:
             evicted = []
             while sum(s.capacity for s in self._idle) > MAX_BYTES:
                 evicted.append(self._idle.pop(0))  # the longest idle first
-            start = not self._trimming and bool(self._idle)
-            self._trimming = self._trimming or start
         for old in evicted:
             _drop(old)
-        if start:
-            _io.call_soon(self._schedule_trim)
+        self._sweeper.start()
 
     def discard(self, name: str) -> None:
         """Its object was freed while views may remain: unlink it, never reuse it."""
@@ -125,22 +153,14 @@ class SegmentPool:
         else:
             _unlink(os.path.join(SHM_DIR, name))
 
-    def _schedule_trim(self) -> None:  # on the I/O loop
-        import asyncio
-
-        asyncio.get_running_loop().call_later(idle_s(), self._trim)
-
-    def _trim(self) -> None:  # on the I/O loop
-        now, idle = time.monotonic(), idle_s()
+    def _sweep(self, cutoff: float) -> bool:  # on the I/O loop
         with self._lock:
-            old = [s for s in self._idle if now - s.idle_since >= idle]
-            self._idle = [s for s in self._idle if now - s.idle_since < idle]
+            old = [s for s in self._idle if s.idle_since <= cutoff]
+            self._idle = [s for s in self._idle if s.idle_since > cutoff]
             again = bool(self._idle)
-            self._trimming = again
         for seg in old:
             _drop(seg)
-        if again:
-            self._schedule_trim()
+        return again
 
     def stats(self) -> dict[str, int]:
         with self._lock:

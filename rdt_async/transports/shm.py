@@ -286,11 +286,11 @@ def _open(info: TransferInfo[ShmMeta]) -> int:
 def _map(info: TransferInfo[ShmMeta]) -> list[torch.Tensor]:
     """Map the segment and shared storages copy-on-write; return a view per tensor (no copy)."""
     meta = info.meta
-    mm: Any = None
+    buf: Any = None
     if meta.segment is not None:
         fd = _open(info)
         try:
-            mm = _mappings.cache.open(fd, info.hold)  # a segment is reused once no view of it is left
+            buf = _mappings.cache.open(fd, info.hold)  # a segment is reused once no view of it is left
         finally:
             os.close(fd)
     storages: dict[Shared, torch.Tensor] = {}  # one mapping per storage, whatever its views
@@ -298,7 +298,7 @@ def _map(info: TransferInfo[ShmMeta]) -> list[torch.Tensor]:
     for i, (spec, off) in enumerate(zip(info.specs, meta.offsets)):
         sh = meta.shared[i] if meta.shared else None
         if sh is None:
-            out.append(view_in(mm, spec, off))
+            out.append(view_in(buf, spec, off))
             continue
         key = dataclasses.replace(sh, offset=0, stride=())
         if key not in storages:
