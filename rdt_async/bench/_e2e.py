@@ -258,11 +258,16 @@ def run(
     progress = progress or Progress(False)
     rows: list[dict[str, Any]] = []
     names = paths or _ours() + list(RAY_PATHS)
-    progress.add(2 * len(sizes) * (1 + sum(n in ALONE for n in names)) + len(fanouts) * len(names))
     together = [n for n in names if n not in ALONE]
-    for group in ([together] if together else []) + [[n] for n in names if n in ALONE]:
+    groups = ([together] if together else []) + [[n] for n in names if n in ALONE]
+    progress.add(2 * len(sizes) * len(groups) + len(fanouts) * len(names))
+    for group in groups:
         rows += _in_turns(group, sizes, repeat, hosts, progress)
+    failed = {r["case"] for r in rows if "error" in r}  # reported once, not set up again
     for name in names:
+        if name in failed:
+            progress.skip(len(fanouts))
+            continue
         rows += _fanout(name, max(sizes), fanouts, repeat, hosts, progress)
     _ratios(rows)
     return rows
@@ -316,10 +321,10 @@ def _fanout(name: str, size: int, fanouts: tuple[int, ...], repeat: int, hosts: 
     if not fanouts or name.endswith("gloo"):  # a gloo path moves to one consumer (its group)
         progress.skip(len(fanouts))
         return []
-    path, _ = _setup(name, max(fanouts), hosts, progress)  # a failed set-up is reported by _in_turns
+    path, failed = _setup(name, max(fanouts), hosts, progress)
     if path is None:
         progress.skip(len(fanouts))
-        return []
+        return [failed] if failed is not None else []
     rows = []
     try:
         for k in fanouts:
