@@ -122,7 +122,8 @@ def test_objects_are_released_and_a_freed_one_says_so():
     wait_until(lambda: ray.get(p.held.remote()) == 0, 15, lambda: f"{ray.get(p.held.remote())} objects held")
     ref = p.make.remote(10, 0)
     ray.wait([ref])
-    rdt.free(ref)
+    rdt.free(ref)  # asks the producer, fire and forget: a fetch racing it may still win
+    wait_until(lambda: ray.get(p.held.remote()) == 0, 15, lambda: f"{ray.get(p.held.remote())} objects held")
     with pytest.raises(rdt.ObjectFreedError):
         ray.get(c.fetch.remote([ref]))
 
