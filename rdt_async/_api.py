@@ -148,6 +148,9 @@ def put(value: Any, /, *, tensor_transport: str = "auto") -> Any:
 def free(x: Any, /) -> None:
     """Release an object's tensors now; later fetches raise ObjectFreedError.
 
+    Later fetches in this process raise at once; in others, once the producer has freed
+    it (called away from the producer, this sends it a message and does not wait).
+
     Never blocks for an RDTObject; an ObjectRef is resolved first with `ray.get` (a small
     object, but a blocking call): on an event loop, pass `await ref` instead.
     """
