@@ -214,6 +214,7 @@ class _Memfds:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.idle: list[_Memfd] = []
+        self._sweeper = _segments.IdleSweep(self._sweep)
 
     @staticmethod
     def capacity(size: int) -> int:
@@ -227,7 +228,6 @@ class _Memfds:
     def take(self, size: int) -> _Memfd:
         cap = self.capacity(size)
         with self.lock:
-            self._shrink()
             for i, m in enumerate(self.idle):
                 if m.capacity == cap:
                     return self.idle.pop(i)
@@ -243,11 +243,13 @@ class _Memfds:
     def give(self, m: _Memfd) -> None:
         m.idle_since = time.monotonic()
         with self.lock:
-            self._shrink()
-            if sum(x.capacity for x in self.idle) + m.capacity <= MAX_IDLE_BYTES:
+            kept = sum(x.capacity for x in self.idle) + m.capacity <= MAX_IDLE_BYTES
+            if kept:
                 self.idle.append(m)
-                return
-        _close(m)
+        if kept:
+            self._sweeper.start()
+        else:
+            _close(m)
 
     def clear(self) -> None:
         """Close every idle memfd now."""
@@ -256,13 +258,14 @@ class _Memfds:
         for m in idle:
             _close(m)
 
-    def _shrink(self) -> None:
-        limit = time.monotonic() - _segments.idle_s()
-        old = [m for m in self.idle if m.idle_since < limit]
-        if old:
-            self.idle = [m for m in self.idle if m.idle_since >= limit]
-            for m in old:
-                _close(m)
+    def _sweep(self, cutoff: float) -> bool:  # on the I/O loop
+        with self.lock:
+            old = [m for m in self.idle if m.idle_since <= cutoff]
+            self.idle = [m for m in self.idle if m.idle_since > cutoff]
+            again = bool(self.idle)
+        for m in old:
+            _close(m)
+        return again
 
 
 def _close(m: _Memfd) -> None:

@@ -63,8 +63,10 @@ def _obj_id() -> str:
 
 
 @pytest.fixture(autouse=True)
-def no_warm_memfds():
-    """Each test starts with no warm memfd (nor kept mapping of one) in this process, and leaves none."""
+def no_warm_memfds(monkeypatch):
+    """Each test starts with no warm memfd (nor kept mapping of one) in this process, and
+    leaves none; idle ones stay warm for the test's length unless it says otherwise."""
+    monkeypatch.setenv("RDT_SHM_IDLE_S", "30")
     _mappings.cache.clear()
     _relay.memfds.clear()
     _mappings._get_kernel()  # its pagemap descriptor, open for the process's life, is not the test's
@@ -152,6 +154,22 @@ async def test_a_landing_read_hands_over_warm_memory_and_reuses_it_only_once_nob
     del e, f, taken, warm
     await asyncio.sleep(0.3)
     assert len(_relay.memfds.idle) == 2  # all back: nothing of this test outlives it
+
+
+async def test_an_idle_memfd_is_closed_on_its_own(monkeypatch):
+    monkeypatch.setenv("RDT_RELAY_KEEP_S", "0.1")
+    monkeypatch.setenv("RDT_SHM_IDLE_S", "0.5")
+    monkeypatch.setattr(_relay, "memfds", _relay._Memfds())  # no sweep of earlier tests' pending (30 s)
+    before = _fds()
+    a, b = await _round(4)
+    assert all(torch.equal(x, w) for got in (a, b) for x, w in zip(got, _values(4)))
+    del a, b
+    await asyncio.sleep(0.3)
+    assert len(_relay.memfds.idle) == 1  # back, warm
+    _mappings.cache.clear()  # kept mappings of it are _mappings' to sweep, not the pool's
+    await asyncio.sleep(0.9)  # nothing uses the pool again: the sweep alone closes it
+    assert _relay.memfds.idle == []
+    assert not [fd for fd in _fds() - before if "memfd:rdt-relay" in fd]
 
 
 async def test_a_consumer_arriving_after_the_claim_ended_reads_again(monkeypatch):
