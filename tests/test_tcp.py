@@ -186,3 +186,34 @@ def test_bad_stream_setting_names_the_fix(monkeypatch):
             tcp._streams()
     monkeypatch.setenv("RDT_TCP_STREAMS", "2")
     assert tcp._streams() == 2
+
+
+def test_a_producer_that_does_not_answer_is_a_transfer_error_not_a_timeout(monkeypatch):
+    """A connect that times out is the transfer's failure (so the core asks Ray whether the
+    producer died), never the builtin TimeoutError that means the caller's own deadline."""
+    from rdt_async._errors import translating
+
+    monkeypatch.setattr(tcp, "CONNECT_S", 0.3)
+    with socket.socket() as full:
+        full.bind(("127.0.0.1", 0))
+        full.listen(0)  # never accepted: one connection fills the queue, later SYNs are dropped
+        waiting = []
+        try:
+            for _ in range(8):  # fill the accept queue (its length is the kernel's business)
+                s = socket.socket()
+                s.settimeout(0.2)
+                if s.connect_ex(full.getsockname()) != 0:
+                    s.close()
+                    break
+                waiting.append(s)
+            else:
+                pytest.skip("the kernel accepted every connection: no full queue to time out on")
+            meta = tcp.TcpMeta(*full.getsockname(), bytes(16))
+            t0 = time.monotonic()
+            with pytest.raises(rdt.TransferError, match=r"failed in tcp: ConnectionError: no answer from the producer at 127\.0\.0\.1:\d+ in 0\.3 s"):
+                with translating("tcp fetch of obj", "obj", transport=_registry.get("tcp")):
+                    tcp._connect(meta)
+            assert time.monotonic() - t0 < 5
+        finally:
+            for s in waiting:
+                s.close()

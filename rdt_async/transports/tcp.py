@@ -188,7 +188,10 @@ def _connect(meta: TcpMeta) -> socket.socket:
         pool = _idle.get((meta.host, meta.port, meta.token))
         if pool:
             return pool.pop()
-    sock = socket.create_connection((meta.host, meta.port), timeout=CONNECT_S)
+    try:
+        sock = socket.create_connection((meta.host, meta.port), timeout=CONNECT_S)
+    except TimeoutError as exc:  # not the caller's deadline: a transfer error (the core asks Ray about the producer)
+        raise ConnectionError(f"no answer from the producer at {meta.host}:{meta.port} in {CONNECT_S:g} s") from exc
     try:
         sock.sendall(MAGIC + meta.token)
         sock.settimeout(None)
