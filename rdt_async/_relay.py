@@ -5,15 +5,17 @@ the link eight times (Ray's object store pulls an object to a node once). The fi
 consumer on a node to fetch a remote CPU object claims it by binding an abstract unix
 socket named after the object -- one process of the node (of its network namespace)
 can hold the name, and it goes away with that process -- and reads it as any fetch
-does. If other consumers of the node asked for it meanwhile, it copies it into a memfd
-and hands the memfd (SCM_RIGHTS) to them, and to those who ask while the claim lasts
-(RDT_RELAY_KEEP_S after the read, default 2 s); they map it copy-on-write: no copy, and
-a consumer's writes stay its own. Nobody asking costs the first consumer nothing.
-Both ends check that the other runs as the same user (SO_PEERCRED).
+does -- over tcp straight into a memfd, which it maps itself; over other transports
+where its transport puts it, copied into a memfd only if other consumers of the node
+asked meanwhile. It hands the memfd (SCM_RIGHTS) to them, and to those who ask while
+the claim lasts (RDT_RELAY_KEEP_S after the read, default 2 s); they map it
+copy-on-write: no copy, and a consumer's writes stay its own. Nobody asking costs the
+first consumer nothing. Both ends check that the other runs as the same user (SO_PEERCRED).
 
-The memfd is written once and never reused: no consumer can see another object's bytes,
-and its memory goes with the last mapping. When the first consumer's read fails, is
-cancelled or its process dies, the others read for themselves. A relayed fetch sees the
+Memfds are warm and pooled (`_Memfds`): one is reused only once nobody maps it any
+more (`_Lease`), so no consumer can see another object's bytes. When the first
+consumer's read fails, is cancelled or its process dies, the others read for
+themselves. A fetch with `into=` or `device=` takes no part. A relayed fetch sees the
 bytes as the first consumer read them (a producer writing a kept tensor in place while
 refs exist gives no other guarantee; see `wait_tensor_freed`).
 
@@ -258,14 +260,14 @@ class _Memfds:
         for m in idle:
             _close(m)
 
-    def _sweep(self, cutoff: float) -> bool:  # on the I/O loop
+    def _sweep(self, cutoff: float) -> float | None:  # on the I/O loop
         with self.lock:
             old = [m for m in self.idle if m.idle_since <= cutoff]
             self.idle = [m for m in self.idle if m.idle_since > cutoff]
-            again = bool(self.idle)
+            left = _segments.oldest(self.idle)
         for m in old:
             _close(m)
-        return again
+        return left
 
 
 def _close(m: _Memfd) -> None:

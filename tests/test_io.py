@@ -107,3 +107,39 @@ def test_a_transport_without_receive_cannot_be_made():
 
     with pytest.raises(TypeError, match=r"abstract method '?receive"):
         NoReceive()
+
+
+def test_idle_sweep_lets_each_thing_go_about_idle_s_after_it_went_idle(monkeypatch):
+    """Warm pools (segments, kept mappings, relay memfds) share one sweep: what goes idle
+    while a sweep is pending is let go when it has been idle RDT_SHM_IDLE_S, not a round later."""
+    from types import SimpleNamespace
+
+    from rdt_async.transports import _segments
+
+    monkeypatch.setenv("RDT_SHM_IDLE_S", "0.6")
+    lock, idle, gone = threading.Lock(), [], {}
+
+    def sweep(cutoff):
+        with lock:
+            old = [x for x in idle if x.idle_since <= cutoff]
+            idle[:] = [x for x in idle if x.idle_since > cutoff]
+            for x in old:
+                gone[x.name] = time.monotonic() - x.idle_since
+            return _segments.oldest(idle)
+
+    sweeper = _segments.IdleSweep(sweep)
+
+    def went_idle(name):
+        with lock:
+            idle.append(SimpleNamespace(name=name, idle_since=time.monotonic()))
+        sweeper.start()
+
+    went_idle("a")
+    time.sleep(0.15)
+    went_idle("b")  # a sweep is already pending (for a, at 0.6 s)
+    deadline = time.monotonic() + 5
+    while len(gone) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert sorted(gone) == ["a", "b"]
+    assert all(0.6 <= s < 0.95 for s in gone.values()), gone  # b too: not ~1.05 s, a round later
+    assert idle == []

@@ -31,7 +31,7 @@ import time
 import weakref
 from typing import Any
 
-from ._segments import IdleSweep
+from ._segments import IdleSweep, oldest
 
 MAX_IDLE_BYTES = 4 << 30  # address space and page tables only: the pages are the files'
 _PAGE = mmap.PAGESIZE
@@ -95,15 +95,15 @@ class MappingCache:
             _close(x)
         self._sweeper.start()
 
-    def _sweep(self, cutoff: float) -> bool:  # on the I/O loop
+    def _sweep(self, cutoff: float) -> float | None:  # on the I/O loop
         with self._lock:
             old = [m for m in self._idle.values() if m.idle_since <= cutoff]
             for m in old:
                 del self._idle[m.key]
-            again = bool(self._idle)
+            left = oldest(self._idle.values())
         for m in old:
             _close(m)
-        return again
+        return left
 
     def clear(self) -> None:
         with self._lock:

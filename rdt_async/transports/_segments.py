@@ -20,8 +20,9 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from .. import _io
 
@@ -38,11 +39,13 @@ def idle_s() -> float:
 
 
 class IdleSweep:
-    """Calls `sweep(cutoff)` on the I/O loop `idle_s()` after `start()`, and again every
-    `idle_s()` while it returns True (something is still idle). `sweep` lets go of what
-    has been idle since `cutoff` (a `time.monotonic()`) or before. Thread-safe."""
+    """Calls `sweep(cutoff)` on the I/O loop `idle_s()` after `start()`, and again while
+    anything is left idle, when the oldest of it has been idle `idle_s()`. `sweep` lets go
+    of what has been idle since `cutoff` (a `time.monotonic()`) or before, and returns
+    when the oldest of the rest went idle (None: nothing is). So nothing stays idle much
+    longer than `idle_s()`. Thread-safe."""
 
-    def __init__(self, sweep: Callable[[float], bool]) -> None:
+    def __init__(self, sweep: Callable[[float], float | None]) -> None:
         self._sweep = sweep
         self._lock = threading.Lock()
         self._pending = False
@@ -53,18 +56,29 @@ class IdleSweep:
             if self._pending:
                 return
             self._pending = True
-        _io.call_soon(self._schedule)
+        _io.call_soon(self._schedule, idle_s())
 
-    def _schedule(self) -> None:  # on the I/O loop
+    def _schedule(self, delay: float) -> None:  # on the I/O loop
         import asyncio
 
-        asyncio.get_running_loop().call_later(idle_s(), self._run)
+        asyncio.get_running_loop().call_later(max(0.0, delay), self._run)
 
     def _run(self) -> None:  # on the I/O loop
         with self._lock:
             self._pending = False  # before the sweep: what goes idle during it starts another
-        if self._sweep(time.monotonic() - idle_s()):
-            self.start()
+        oldest = self._sweep(time.monotonic() - idle_s())
+        if oldest is None:
+            return
+        with self._lock:
+            if self._pending:
+                return
+            self._pending = True
+        self._schedule(oldest + idle_s() - time.monotonic())
+
+
+def oldest(items: Iterable[Any]) -> float | None:
+    """When the longest idle of `items` (each with `idle_since`) went idle; None for none."""
+    return min((x.idle_since for x in items), default=None)
 
 
 @dataclass
@@ -153,14 +167,14 @@ class SegmentPool:
         else:
             _unlink(os.path.join(SHM_DIR, name))
 
-    def _sweep(self, cutoff: float) -> bool:  # on the I/O loop
+    def _sweep(self, cutoff: float) -> float | None:  # on the I/O loop
         with self._lock:
             old = [s for s in self._idle if s.idle_since <= cutoff]
             self._idle = [s for s in self._idle if s.idle_since > cutoff]
-            again = bool(self._idle)
+            left = oldest(self._idle)
         for seg in old:
             _drop(seg)
-        return again
+        return left
 
     def stats(self) -> dict[str, int]:
         with self._lock:
