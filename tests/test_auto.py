@@ -61,8 +61,21 @@ def test_an_unreadable_cost_file_names_the_fix(tmp_path, monkeypatch):
     path = tmp_path / "bad.json"
     path.write_text("{not json")
     monkeypatch.setenv("RDT_AUTO_COSTS", str(path))
-    with pytest.raises(ValueError, match=r"RDT_AUTO_COSTS=.*bad\.json.*--write-costs FILE"):
+    with pytest.raises(ValueError, match=r"RDT_AUTO_COSTS=.*bad\.json.*unset RDT_AUTO_COSTS.*--write-costs FILE"):
         _auto.choose(facts())
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"cpu": {"tcp/hosts": [0.001]}}', '{"cpu": ["tcp/hosts"]}', "[]"])
+def test_the_bench_refuses_to_merge_costs_into_a_file_that_is_not_one_before_it_runs(tmp_path, text):
+    from rdt_async.bench._e2e import check_costs_file
+
+    path = tmp_path / "costs.json"
+    path.write_text(text)
+    with pytest.raises(SystemExit, match=r"--write-costs .*costs\.json: cannot read costs from it .*: remove it, or name another file"):
+        check_costs_file(str(path))
+    path.write_text('{"cpu": {"tcp/hosts": [0.001, 1.5]}}')
+    check_costs_file(str(path))  # a good one is merged into
+    check_costs_file(str(tmp_path / "new.json"))  # and a new one written
 
 
 def test_fit_recovers_latency_and_bandwidth():

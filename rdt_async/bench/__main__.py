@@ -59,6 +59,16 @@ def main(argv: list[str] | None = None) -> int:
     def want(name: str) -> bool:
         return not only or name in only
 
+    if args.write_costs:
+        from ._e2e import check_costs_file
+
+        check_costs_file(args.write_costs)  # now, not after the run
+    from ..transports import _auto
+
+    try:
+        _auto.cost_table(False)  # a bad RDT_AUTO_COSTS says so now, not in every auto pass
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
     from .._hosts import ray_cluster
 
     rows: list[dict[str, Any]] = []

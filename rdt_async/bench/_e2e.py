@@ -358,6 +358,20 @@ def _ratios(rows: list[dict[str, Any]]) -> None:
             r["vs_best_ray"] = r["seconds"] / base
 
 
+def check_costs_file(path: str) -> None:
+    """Before a run that will merge costs into `path`: an existing file must be a cost file
+    (else the run's end would fail). Raises SystemExit naming the fix."""
+    import os
+
+    from ..transports._auto import read_costs
+
+    if os.path.exists(path):
+        try:
+            read_costs(path)
+        except ValueError as e:
+            raise SystemExit(f"--write-costs {path}: {e}: remove it, or name another file") from e
+
+
 def write_costs(rows: list[dict[str, Any]], path: str) -> dict[str, list[float]]:
     """Fit `latency + bytes / bandwidth` per rdt transport to the passes; merge into `path` (JSON).
 
@@ -382,6 +396,7 @@ def write_costs(rows: list[dict[str, Any]], path: str) -> dict[str, list[float]]
                 fitted[f"{transport}/{'node' if hosts == 1 else 'hosts'}"] = [round(cost.latency_s, 6), round(cost.gib_s, 4)]
     data: dict[str, Any] = {}
     if os.path.exists(path):
+        check_costs_file(path)
         with open(path) as f:
             data = json.load(f)
     data.setdefault("cpu", {}).update(fitted)

@@ -154,14 +154,22 @@ def _overrides(path: str, gpu: bool) -> dict[str, Cost]:
     if not path:
         return {}
     try:
+        return read_costs(path)["gpu" if gpu else "cpu"]
+    except ValueError as e:
+        raise ValueError(
+            f"RDT_AUTO_COSTS={path!r}: {e}; unset RDT_AUTO_COSTS (or name a good file), then write "
+            "one with `python -m rdt_async.bench --only e2e --write-costs FILE`"
+        ) from e
+
+
+def read_costs(path: str) -> dict[str, dict[str, Cost]]:
+    """A cost file's tables, {"cpu": {...}, "gpu": {...}}. Raises ValueError saying what is wrong."""
+    try:
         with open(path) as fh:
             data = json.load(fh)
-        return {k: Cost(float(v[0]), float(v[1])) for k, v in data.get("gpu" if gpu else "cpu", {}).items()}
-    except (OSError, ValueError, TypeError, IndexError, AttributeError) as e:
-        raise ValueError(
-            f"RDT_AUTO_COSTS={path!r}: cannot read costs ({type(e).__name__}: {e}); write the file with "
-            "`python -m rdt_async.bench --only e2e --write-costs FILE`, or unset RDT_AUTO_COSTS"
-        ) from e
+        return {dev: {k: Cost(float(v[0]), float(v[1])) for k, v in data.get(dev, {}).items()} for dev in ("cpu", "gpu")}
+    except (OSError, ValueError, TypeError, IndexError, AttributeError, KeyError) as e:
+        raise ValueError(f"cannot read costs from it ({type(e).__name__}: {e})") from e
 
 
 def fit(points: Iterable[tuple[int, float]]) -> Cost | None:
