@@ -89,6 +89,13 @@ def _raise_if_broken(obj: RDTObject) -> None:
             group.check()
 
 
+def _relayed(obj: RDTObject, transport: str, buffers: list[torch.Tensor] | None) -> bool:
+    """Whether this fetch goes through the node relay (into `buffers` in this process's memory, if any)."""
+    if buffers is not None and not all(b.device.type == "cpu" for b in buffers):
+        return False
+    return _relay.eligible(obj.specs, transport, obj.producer.node_id, _ray.node_id())
+
+
 # Copies at most this large are done inline rather than in the pool.
 INLINE_COPY_BYTES = 1 << 20
 
@@ -108,14 +115,21 @@ async def fetch_object(obj: RDTObject, *, device: Any, into: Any, start: _Start 
             transport, info, buffers, ready = start
             name = transport.name
             await _cuda.wait(ready)  # the caller's queued work on the destinations has run
-            if buffers is None and device is None and _relay.eligible(obj.specs, name, obj.producer.node_id, _ray.node_id()):
-                transfer = functools.partial(_transfer, obj, transport, info, None)
-                into = functools.partial(_transfer, obj, transport, info) if name in _relay.DIRECT else None
+            if device is None and _relayed(obj, name, buffers):
+                # The first consumer of the node lands the bytes in its `into=` buffers, else in a
+                # memfd it hands over (DIRECT) or where its transport puts them; the others map
+                # the memfd (copied into where needed), and those with `into=` copy from it.
+                transfer = functools.partial(_transfer, obj, transport, info, buffers)
+                direct = name in _relay.DIRECT and buffers is None
+                into = functools.partial(_transfer, obj, transport, info) if direct else None
                 tensors, relayed = await _relay.fetch(obj.obj_id, obj.specs, transfer, into)
-                name = "relay" if relayed else name
+                if relayed:
+                    name = "relay"
+                    if buffers is not None:
+                        tensors = await _copy(buffers, tensors, obj.nbytes)  # (the mapping goes with `tensors`)
             else:
                 tensors = await _transfer(obj, transport, info, buffers)
-            buffers = None  # written by the transport
+            buffers = None  # written
         if buffers:
             tensors = await _copy(buffers, tensors, obj.nbytes)
         elif device is not None:

@@ -5,17 +5,18 @@ the link eight times (Ray's object store pulls an object to a node once). The fi
 consumer on a node to fetch a remote CPU object claims it by binding an abstract unix
 socket named after the object -- one process of the node (of its network namespace)
 can hold the name, and it goes away with that process -- and reads it as any fetch
-does -- over tcp straight into a memfd, which it maps itself; over other transports
-where its transport puts it, copied into a memfd only if other consumers of the node
-asked meanwhile. It hands the memfd (SCM_RIGHTS) to them, and to those who ask while
-the claim lasts (RDT_RELAY_KEEP_S after the read, default 2 s); they map it
-copy-on-write: no copy, and a consumer's writes stay its own. Nobody asking costs the
-first consumer nothing. Both ends check that the other runs as the same user (SO_PEERCRED).
+does -- over tcp straight into a memfd, which it maps itself; over other transports,
+or into its caller's `into=` buffers, where that fetch puts it, copied into a memfd only
+if other consumers of the node asked meanwhile. It hands the memfd (SCM_RIGHTS) to
+them, and to those who ask while the claim lasts (RDT_RELAY_KEEP_S after the read,
+default 2 s) and someone still maps it; they map it copy-on-write: no copy, and a
+consumer's writes stay its own (one fetching `into=` copies from it and lets it go).
+Nobody asking costs the first consumer nothing. Both ends check that the other runs as the same user (SO_PEERCRED).
 
 Memfds are warm and pooled (`_Memfds`): one is reused only once nobody maps it any
 more (`_Lease`), so no consumer can see another object's bytes. When the first
 consumer's read fails, is cancelled or its process dies, the others read for
-themselves. A fetch with `into=` or `device=` takes no part. A relayed fetch sees the
+themselves. A fetch with `device=` takes no part. A relayed fetch sees the
 bytes as the first consumer read them (a producer writing a kept tensor in place while
 refs exist gives no other guarantee; see `wait_tensor_freed`).
 
@@ -123,9 +124,10 @@ async def fetch(
     memory it can hand over, with no copy.
     """
     offsets, size = _layout(specs)
-    if not memfds.warm(size):
+    if transfer_into is not None and not memfds.warm(size):
         # Fresh memory faults in slowly: a consumer of the node that has warm memory for
         # the object (it read one of this size before) claims it first, if it is there.
+        # (One that lands the bytes in its transport's memory or the caller's never waits.)
         got = await _ask_within(obj_id, specs, COLD_WAIT_S)
         if got is not _NO_CLAIM:
             return (got, True) if got is not None else (await transfer(), False)
@@ -176,7 +178,7 @@ async def _serve(
                 memfd = memfds.take(size)
                 await _io.to_thread_finished(_publish, memfd, mine, specs, offsets)
                 lease = _Lease(memfd)
-                lease.hold()  # the claim's: a copy nobody else maps yet, kept while the claim lasts
+                lease.hold()  # the claim's: a copy nobody maps yet, kept until who asked has it
     except BaseException:
         _io.call_soon(server.end)
         if memfd is not None and lease is None:
@@ -318,7 +320,6 @@ class _Server:
         self.waiting: list[socket.socket] = []
         self.lease: _Lease | None = None
         self.size = 0
-        self.claim_holds = False
         self.done = False
 
     def asked(self) -> bool:
@@ -365,13 +366,17 @@ class _Server:
         asyncio.get_running_loop().add_reader(conn.fileno(), _unmapped, conn, lease)
 
     def ready(self, lease: _Lease, size: int, claim_holds: bool) -> None:
-        """Answer who asked, and who asks for RDT_RELAY_KEEP_S (`claim_holds`: `lease` is held
-        for the claim until then; else askers get the memfd while someone maps it)."""
-        self.lease, self.size, self.claim_holds = lease, size, claim_holds
+        """Answer who asked, and who asks for RDT_RELAY_KEEP_S while someone maps the memfd
+        (`claim_holds`: `lease` is held for the claim until those who asked have theirs:
+        the memfd is a copy, which the first consumer does not map)."""
+        self.lease, self.size = lease, size
+        self._accept()  # who is still in the backlog asked too
         with self.lock:
             waiting, self.waiting = self.waiting, []
         for conn in waiting:
             self._answer(conn)
+        if claim_holds:
+            lease.release()  # so it goes back, warm, once they let go (a later asker reads again)
         asyncio.get_running_loop().call_later(_keep_s(), self.close)
 
     def end(self) -> None:
@@ -389,8 +394,6 @@ class _Server:
         for conn in waiting:
             conn.close()
         self.claim.close()
-        if self.lease is not None and self.claim_holds:
-            self.lease.release()
 
 
 def _unmapped(conn: socket.socket, lease: _Lease) -> None:

@@ -306,6 +306,17 @@ def fan_out(ray_session):
             after = rdt.store_stats()["fetches"]
             return float(self.w.double().sum()), {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}
 
+        async def load_into(self, refs, at: float):
+            """The same, into buffers of this actor's: (sum, fetches, landed in them)."""
+            obj = await refs[0]
+            buf = {"w": torch.empty(obj.specs[0].shape)}
+            await asyncio.sleep(max(0.0, at - time.time()))
+            before = rdt.store_stats()["fetches"]
+            got = await rdt.fetch(obj, into=buf)
+            after = rdt.store_stats()["fetches"]
+            fetches = {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}
+            return float(got["w"].double().sum()), fetches, got["w"].data_ptr() == buf["w"].data_ptr()
+
         async def scribble(self) -> None:
             self.w.fill_(-1.0)
 
@@ -342,3 +353,30 @@ def test_consumers_on_another_host_share_one_transfer_and_own_their_copies(fan_o
     assert len({u for u in used if u != "relay"}) == 1, used
     ray.get(servers[0].scribble.remote())
     assert ray.get([s.kept_sum.remote() for s in servers]) == pytest.approx([-n] + [want] * 3)
+
+
+@pytest.mark.parametrize("transport", ["auto", "object_store"])
+def test_consumers_fetching_into_their_own_buffers_share_one_transfer(fan_out, transport, cluster):
+    """`into=` fetches go through the relay too: the first lands the bytes in its buffers
+    and copies them into a memfd for who asked; they copy from it into theirs."""
+    import ray
+
+    if cluster.hosts is None:
+        pytest.skip("node2 runs on this host (no namespaces here): nothing crosses hosts")
+    producer, servers = fan_out
+    make = producer.value if transport == "auto" else producer.value_os
+    n = 8 << 20
+    warm = make.remote({"w": torch.ones(n)})
+    ray.get([s.load_into.remote([warm], 0.0) for s in servers], timeout=60)  # each process's first fetch sets up
+    del warm
+    for seed in (3, 4):  # twice: the second reuses warm memfds and kept mappings
+        want = float(torch.randn(n, generator=torch.Generator().manual_seed(seed)).double().sum())
+        ref = make.remote({"w": torch.randn(n, generator=torch.Generator().manual_seed(seed))})
+        at = time.time() + 2.0
+        loaded = ray.get([s.load_into.remote([ref], at) for s in servers], timeout=60)
+        assert [round(total, 1) for total, _, _ in loaded] == [round(want, 1)] * 4
+        assert all(landed for _, _, landed in loaded)  # in each consumer's own buffers
+        used = [next(iter(fetches)) for _, fetches, _ in loaded]
+        assert 2 <= used.count("relay") <= 3, used
+        assert len({u for u in used if u != "relay"}) == 1, used
+        del ref
