@@ -21,7 +21,15 @@ from typing import Any
 import torch
 
 from . import _cuda, _io, _metrics, _object, _ray, _relay, _tree
-from ._errors import ObjectFreedError, PeerDiedError, RDTError, TransferError, release_frames, translating
+from ._errors import (
+    ObjectFreedError,
+    PeerDiedError,
+    RDTError,
+    TransferError,
+    TransportUnavailableError,
+    release_frames,
+    translating,
+)
 from ._membership import groups
 from ._object import RDTObject
 from ._produce import loads_here, shared_with_producer
@@ -30,7 +38,7 @@ from .transports import _auto, _registry
 from .transports._base import FetchRequest, TensorSpec, TransferInfo, Transport, copy_into
 
 
-def choose_transport(obj: RDTObject, node_id: str) -> tuple[str, Any]:
+def choose_transport(obj: RDTObject, node_id: str, without: frozenset[str] = frozenset()) -> tuple[str, Any]:
     """Pick the transport for a fetch of `obj` by a process on `node_id`.
 
     `auto`: small CPU objects -> inline (the bytes came with the ref); otherwise the
@@ -40,12 +48,13 @@ def choose_transport(obj: RDTObject, node_id: str) -> tuple[str, Any]:
     in `rdt.store_stats()["auto"]`. A one-sided transport that cannot reach this node
     falls back to object_store. Gloo/NCCL objects go over a group both ends share,
     else object_store.
+    `without`: prepared transports `auto` must not pick (one that failed this fetch).
     Returns the transport's name and the metadata its fetch needs.
     """
     name = obj.transport
     shared = _shared_group(obj)
     if name == _registry.AUTO:
-        prepared = frozenset(obj.meta) - {"groups"}
+        prepared = frozenset(obj.meta) - {"groups"} - without
         facts = _auto.Facts(
             nbytes=obj.nbytes,
             gpu=any(not s.device.startswith("cpu") for s in obj.specs),
@@ -128,7 +137,17 @@ async def fetch_object(obj: RDTObject, *, device: Any, into: Any, start: _Start 
                     if buffers is not None:
                         tensors = await _copy(buffers, tensors, obj.nbytes)  # (the mapping goes with `tensors`)
             else:
-                tensors = await _transfer(obj, transport, info, buffers)
+                try:
+                    tensors = await _transfer(obj, transport, info, buffers)
+                except TransportUnavailableError as exc:
+                    if obj.transport != _registry.AUTO or name != "shm":
+                        raise
+                    # The producer had no room in /dev/shm for its lazy export: another way.
+                    log.warning("rdt_async: auto: %s; fetching %s another way", exc, obj.obj_id)
+                    name, meta = choose_transport(obj, _ray.node_id(), without=frozenset({"shm"}))
+                    transport = _registry.get(name)
+                    info = TransferInfo(obj.obj_id, obj.specs, meta, hold=obj)
+                    tensors = await _transfer(obj, transport, info, buffers)
             buffers = None  # written
         if buffers:
             tensors = await _copy(buffers, tensors, obj.nbytes)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from . import _cuda, _io, _ray, _tree
-from ._errors import ObjectFreedError, unavailable
+from ._errors import ObjectFreedError, TransportUnavailableError, unavailable
 from ._membership import groups
 from ._object import Process, RDTObject, _anchors, _recent, here
 from ._store import StoredObject, log, store
@@ -222,9 +222,12 @@ def _finish(
         for t in plan:
             if lazy and t.name == "shm":
                 prepared[t] = t.prepare_lazily(obj_id, tensors)  # type: ignore[attr-defined]
+            elif t.name == "shm" and transport == _registry.AUTO:
+                with contextlib.suppress(TransportUnavailableError):  # no room in /dev/shm: said once
+                    prepared[t] = _prepare_shm_or_warn(t, obj_id, tensors)
             else:
                 prepared[t] = t.prepare(obj_id, tensors)
-        eager = _eager_replies(tensors, transport, owner, plan)
+        eager = _eager_replies(tensors, transport, owner, list(prepared))
     except BaseException:
         for t, meta in prepared.items():
             t.garbage_collect(obj_id, meta)
@@ -238,20 +241,37 @@ def _finish(
     return RDTObject(obj_id, owner, transport, specs, skeleton, meta, eager, anchor)
 
 
+_warned_no_room = False
+
+
+def _prepare_shm_or_warn(t: Transport[Any], obj_id: str, tensors: Sequence[torch.Tensor]) -> Any:
+    """`auto`'s shm export; where /dev/shm has no room, consumers of this node take the
+    object store instead, and the first time says why (TransportUnavailableError)."""
+    global _warned_no_room
+    try:
+        return t.prepare(obj_id, tensors)
+    except TransportUnavailableError as exc:
+        if not _warned_no_room:
+            _warned_no_room = True
+            log.warning("rdt_async: auto: %s; objects go through the object store instead", exc)
+        raise
+
+
 def _eager_replies(
     tensors: list[torch.Tensor], transport: str, owner: Process, plan: list[Transport[Any]]
 ) -> dict[str, Any]:
     """For producers with no `rdt` group (the driver), put the object-store reply now.
 
-    Only where a consumer may need it: explicit object_store, or auto on a cluster of
-    several nodes when nothing prepared reaches other nodes (inline, tcp, nixl do).
+    Only where a consumer may need it: explicit object_store, or auto when nothing
+    prepared (`plan`) reaches every consumer: inline, tcp and nixl reach other nodes,
+    shm and cuda_ipc only this one (shm is not prepared where /dev/shm has no room).
     """
     if owner.serves or transport not in ("object_store", _registry.AUTO):
         return {}
-    if transport == _registry.AUTO and (
-        any(t.name in ("inline", "tcp", "nixl") for t in plan) or not _ray.several_nodes()
-    ):
-        return {}
+    if transport == _registry.AUTO:
+        reach = {"inline", "tcp", "nixl"} if _ray.several_nodes() else {"inline", "tcp", "nixl", "shm", "cuda_ipc"}
+        if any(t.name in reach for t in plan):
+            return {}
     from .transports.object_store import to_wire
 
     return {"object_store": _ray.put(to_wire(tensors))}

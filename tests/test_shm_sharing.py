@@ -222,3 +222,62 @@ def test_fresh_tensors_reuse_warm_segments_never_under_a_view():
     finally:
         for a in (p, keeper, reader):
             ray.kill(a)
+
+
+# -- a /dev/shm with no room (a container's 64 MiB default) ---------------------------------
+
+
+@pytest.fixture
+def small_shm(tmp_path):
+    """A 8 MiB tmpfs, as a container's small /dev/shm (root only: it mounts one)."""
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    where = tmp_path / "shm"
+    where.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(where)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        yield str(where)
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+@rdt.remote
+class Cramped:
+    """A producer whose segments go to a small tmpfs (its /dev/shm, as it were)."""
+
+    def __init__(self, shm_dir: str) -> None:
+        from rdt_async.transports import _segments
+
+        _segments.SHM_DIR = shm_dir
+
+    @rdt.method
+    def fresh(self, n: int):
+        return {"w": torch.arange(n, dtype=torch.float32)}
+
+    @rdt.method(tensor_transport="shm")
+    def fresh_shm(self, n: int):
+        return {"w": torch.arange(n, dtype=torch.float32)}
+
+    def alive(self) -> int:
+        return os.getpid()
+
+
+def test_no_room_in_dev_shm_is_an_error_naming_the_fix_and_auto_takes_the_object_store(small_shm):
+    n = 4 << 20  # 16 MiB of float32, twice the tmpfs
+    producer, reader = Cramped.remote(small_shm), Reader.remote()
+    pid = ray.get(producer.alive.remote())
+    try:
+        # auto: a copy into a segment would not fit; the bytes go another way, exact
+        assert ray.get(reader.total.remote(producer.fresh.remote(n))) == float(n * (n - 1) // 2)
+        # shm asked for by name: the return fails with what to do, the producer lives on
+        with pytest.raises(rdt.TransportUnavailableError, match=r"has no room for 16\.0 MiB .*--shm-size"):
+            ray.get(reader.total.remote(producer.fresh_shm.remote(n)))
+        assert ray.get(producer.alive.remote()) == pid
+        assert os.listdir(small_shm) == []  # no segment left half made
+        assert ray.get(reader.total.remote(producer.fresh.remote(n))) == float(n * (n - 1) // 2)  # and again
+    finally:
+        ray.kill(producer)
+        ray.kill(reader)

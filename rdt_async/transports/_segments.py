@@ -87,6 +87,7 @@ class Segment:
     capacity: int
     mm: mmap.mmap = field(repr=False)  # the producer's warm MAP_SHARED mapping
     idle_since: float = 0.0
+    reserved: int = 0  # bytes from the start that tmpfs has given pages to (posix_fallocate)
 
     @property
     def path(self) -> str:
@@ -125,6 +126,12 @@ class SegmentPool:
         else:
             seg = self._create(capacity)
             self.created += 1
+        if seg.reserved < nbytes:
+            try:
+                _reserve(seg, nbytes)
+            except BaseException:
+                _drop(seg)
+                raise
         with self._lock:
             self._used[seg.name] = seg
         return seg
@@ -180,6 +187,17 @@ class SegmentPool:
         with self._lock:
             idle_bytes = sum(s.capacity for s in self._idle)
             return {"idle": len(self._idle), "idle_bytes": idle_bytes, "used": len(self._used), "created": self.created}
+
+
+def _reserve(seg: Segment, nbytes: int) -> None:
+    """Have tmpfs give the segment its pages now: a full /dev/shm raises OSError (ENOSPC)
+    here, where a write into a page it cannot give would kill the process (SIGBUS)."""
+    fd = os.open(seg.path, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    finally:
+        os.close(fd)
+    seg.reserved = nbytes
 
 
 def _drop(seg: Segment) -> None:

@@ -180,7 +180,10 @@ class ShmTransport(Transport[ShmMeta]):
         if size == 0:
             return ShmMeta(None, 0, tuple(offsets))
         ensure_guardian()
-        seg = _segments.pool.take(size)
+        try:
+            seg = _segments.pool.take(size)
+        except OSError as exc:
+            raise _no_room(size, exc) from exc
         try:
             for t, off in zip(tensors, offsets):
                 if t.numel():
@@ -346,6 +349,21 @@ def _map_shared(info: TransferInfo[ShmMeta], sh: Shared) -> torch.Tensor:
     finally:
         os.close(fd)
     return torch.frombuffer(buf, dtype=torch.uint8, count=sh.nbytes)
+
+
+def _no_room(size: int, exc: OSError) -> TransportUnavailableError:
+    """`exc` from making a segment of `size` bytes, said as what to do about it."""
+    try:
+        st = os.statvfs(_segments.SHM_DIR)
+        free = f"{st.f_bavail * st.f_frsize / (1 << 20):.0f} MiB free of {st.f_blocks * st.f_frsize / (1 << 20):.0f} MiB"
+    except OSError:
+        free = "its size unknown"
+    return TransportUnavailableError(
+        f"transport 'shm' is unavailable: {_segments.SHM_DIR} has no room for {size / (1 << 20):.1f} MiB "
+        f"({free}; {exc.strerror or exc}): give it more (Docker: `docker run --shm-size=...`; "
+        "Kubernetes: an emptyDir volume with medium Memory at /dev/shm), or return with "
+        "tensor_transport='object_store'"
+    )
 
 
 def share_storages(tensors: Sequence[torch.Tensor], exclusive: Callable[[torch.Tensor], bool]) -> None:
