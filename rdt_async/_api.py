@@ -130,6 +130,11 @@ def get(
         fut.cancel()
         started.wait_settled(SETTLE_S)  # the transport let go: nothing writes `into` afterwards
         raise TimeoutError(f"rdt.get() timed out after {timeout} s; the transfer was aborted") from exc
+    except BaseException:  # Ctrl-C (KeyboardInterrupt), or any other way out of the wait
+        if not fut.done():
+            fut.cancel()
+            started.wait_settled(SETTLE_S)  # as for a timeout: nothing writes `into` afterwards
+        raise
     finally:
         del fut, started  # the future holds the error, whose traceback holds this frame: break the cycle
 

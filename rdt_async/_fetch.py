@@ -195,13 +195,16 @@ async def _watched(fetching: Awaitable[list[torch.Tensor]], obj: RDTObject, name
         if watch is not None:
             watch.cancel()
         task.cancel()
-        await asyncio.wait({task})  # the transport lets go of the caller's buffers first
+        await _io.shielded(task)  # the transport lets go of the caller's buffers first, through any cancel
         raise
+    cancelled = False
     if not task.done():
         task.cancel()
-        await asyncio.wait({task})
+        cancelled = await _io.shielded(task)
     if watch is not None:
         watch.cancel()
+    if cancelled:
+        raise asyncio.CancelledError
     if not task.cancelled():
         result: list[torch.Tensor] = task.result()  # done (or failed) before the watch could end it
         return result

@@ -143,3 +143,31 @@ def test_idle_sweep_lets_each_thing_go_about_idle_s_after_it_went_idle(monkeypat
     assert sorted(gone) == ["a", "b"]
     assert all(0.6 <= s < 0.95 for s in gone.values()), gone  # b too: not ~1.05 s, a round later
     assert idle == []
+
+
+async def test_a_fetch_cancelled_twice_still_returns_only_once_its_transfer_let_go():
+    """A second cancel (anyio's cancel scopes send one each loop round) must not cut the
+    wait for the transport short: it may still be writing the caller's buffers."""
+    from types import SimpleNamespace
+
+    from rdt_async import _fetch
+
+    settled = asyncio.Event()
+
+    async def transfer():  # as FetchRequest.wait: a cancel lets the transport settle first
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            await _io.shielded(asyncio.sleep(0.3))
+            settled.set()
+            raise
+
+    obj = SimpleNamespace(producer=SimpleNamespace(serves=True), obj_id="obj")
+    fetch = asyncio.ensure_future(_fetch._watched(transfer(), obj, "mock"))
+    await asyncio.sleep(0.05)
+    fetch.cancel()
+    await asyncio.sleep(0.05)
+    fetch.cancel()  # again, while the first cancel's cleanup runs
+    with pytest.raises(asyncio.CancelledError):
+        await fetch
+    assert settled.is_set()
