@@ -158,40 +158,6 @@ def test_get_timeout_into_buffers_leaves_them_alone_once_it_raised(method):
     ray.kill(p)
 
 
-def test_ctrl_c_in_get_into_buffers_leaves_them_alone_once_it_raised():
-    """A KeyboardInterrupt out of rdt.get aborts the fetch as a timeout does: nothing
-    writes `into` after it reached the caller."""
-    import signal
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    p = SyncProducer.remote()
-    ref = p.value_os.remote(torch.full((BIG,), 3.0))
-    ray.wait([ref])
-    into = torch.zeros(BIG)
-    rdt.get(ref, into=into, timeout=60)  # warm: the next copy is the only slow part
-    into.zero_()
-    old = signal.signal(signal.SIGALRM, interrupt)
-    try:
-        for after in (0.0005, 0.005, 0.02):
-            try:
-                signal.setitimer(signal.ITIMER_REAL, after)
-                rdt.get(ref, into=into, timeout=60)
-                signal.setitimer(signal.ITIMER_REAL, 0)
-            except KeyboardInterrupt:
-                pass
-            then = into.count_nonzero().item()
-            time.sleep(0.3)
-            assert into.count_nonzero().item() == then, f"written after Ctrl-C reached the caller ({after} s)"
-            into.zero_()
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-    assert rdt.get(ref, into=into, timeout=60).sum().item() == 3.0 * BIG
-    ray.kill(p)
-
-
 def test_dead_producer_gives_peer_died_error_quickly():
     p = SyncProducer.remote()
     ref = p.value_os.remote(torch.ones(10))
