@@ -142,8 +142,9 @@ async def fetch_object(obj: RDTObject, *, device: Any, into: Any, start: _Start 
                 except TransportUnavailableError as exc:
                     if obj.transport != _registry.AUTO or name != "shm":
                         raise
-                    # The producer had no room in /dev/shm for its lazy export: another way.
-                    log.warning("rdt_async: auto: %s; fetching %s another way", exc, obj.obj_id)
+                    from .transports import shm  # the producer had no room for its lazy export
+
+                    shm.say_no_room(exc, "fetching such objects another way")
                     name, meta = choose_transport(obj, _ray.node_id(), without=frozenset({"shm"}))
                     transport = _registry.get(name)
                     info = TransferInfo(obj.obj_id, obj.specs, meta, hold=obj)

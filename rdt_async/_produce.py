@@ -223,8 +223,12 @@ def _finish(
             if lazy and t.name == "shm":
                 prepared[t] = t.prepare_lazily(obj_id, tensors)  # type: ignore[attr-defined]
             elif t.name == "shm" and transport == _registry.AUTO:
-                with contextlib.suppress(TransportUnavailableError):  # no room in /dev/shm: said once
-                    prepared[t] = _prepare_shm_or_warn(t, obj_id, tensors)
+                try:
+                    prepared[t] = t.prepare(obj_id, tensors)
+                except TransportUnavailableError as exc:  # no room in /dev/shm
+                    from .transports import shm
+
+                    shm.say_no_room(exc, "objects of this process go through the object store instead")
             else:
                 prepared[t] = t.prepare(obj_id, tensors)
         eager = _eager_replies(tensors, transport, owner, list(prepared))
@@ -239,22 +243,6 @@ def _finish(
     if shared:
         meta["groups"] = shared
     return RDTObject(obj_id, owner, transport, specs, skeleton, meta, eager, anchor)
-
-
-_warned_no_room = False
-
-
-def _prepare_shm_or_warn(t: Transport[Any], obj_id: str, tensors: Sequence[torch.Tensor]) -> Any:
-    """`auto`'s shm export; where /dev/shm has no room, consumers of this node take the
-    object store instead, and the first time says why (TransportUnavailableError)."""
-    global _warned_no_room
-    try:
-        return t.prepare(obj_id, tensors)
-    except TransportUnavailableError as exc:
-        if not _warned_no_room:
-            _warned_no_room = True
-            log.warning("rdt_async: auto: %s; objects go through the object store instead", exc)
-        raise
 
 
 def _eager_replies(

@@ -366,6 +366,17 @@ def _no_room(size: int, exc: OSError) -> TransportUnavailableError:
     )
 
 
+_said_no_room = False
+
+
+def say_no_room(exc: TransportUnavailableError, then: str) -> None:
+    """Log, once per process, that `auto` found no room in /dev/shm (`exc`) and what it does `then`."""
+    global _said_no_room
+    if not _said_no_room:
+        _said_no_room = True
+        log.warning("rdt_async: auto: %s; %s", exc, then)
+
+
 def share_storages(tensors: Sequence[torch.Tensor], exclusive: Callable[[torch.Tensor], bool]) -> None:
     """Move the storages of `tensors` worth sharing into shared memory, where `exclusive`.
 
