@@ -281,3 +281,45 @@ def test_no_room_in_dev_shm_is_an_error_naming_the_fix_and_auto_takes_the_object
     finally:
         ray.kill(producer)
         ray.kill(reader)
+
+
+def test_a_lazy_export_racing_its_objects_free_leaves_no_segment(monkeypatch):
+    """auto on several nodes copies into shared memory at the first fetch of the node; a
+    free that lands while that copy runs must not leave the segment behind."""
+    from rdt_async import ObjectFreedError
+    from rdt_async.transports import _segments, shm
+
+    t = shm.ShmTransport()
+    x = torch.arange(N // 2, dtype=torch.float32)  # 2 MiB, not in shared memory
+    made: list[str] = []
+    take = _segments.pool.take
+
+    def take_then_free(nbytes: int) -> _segments.Segment:
+        seg = take(nbytes)
+        made.append(seg.path)
+        t.garbage_collect("racing", meta)  # the free, while the export copies
+        return seg
+
+    meta = t.prepare_lazily("racing", [x])
+    assert meta.lazy and meta.segment is None
+    monkeypatch.setattr(_segments.pool, "take", take_then_free)
+    with pytest.raises(ObjectFreedError, match="freed while it was fetched"):
+        t._export("racing", [x], meta)
+    assert len(made) == 1 and not os.path.exists(made[0])
+    monkeypatch.setattr(_segments.pool, "take", take)
+
+    # Freed before the first fetch: no segment is made at all.
+    meta = t.prepare_lazily("early", [x])
+    t.garbage_collect("early", meta)
+    with pytest.raises(ObjectFreedError, match="freed before it was fetched"):
+        t._export("early", [x], meta)
+
+    # The usual course: made once for every fetch, released at the free.
+    meta = t.prepare_lazily("kept", [x])
+    first, again = t._export("kept", [x], meta), t._export("kept", [x], meta)
+    assert first == again and first.segment is not None
+    path = os.path.join(_segments.SHM_DIR, first.segment)
+    got = torch.frombuffer(bytearray(open(path, "rb").read(x.nbytes)), dtype=torch.float32)
+    assert torch.equal(got, x)
+    t.garbage_collect("kept", meta)
+    assert not os.path.exists(path) and not shm._lazy

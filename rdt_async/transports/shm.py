@@ -150,6 +150,8 @@ class ShmTransport(Transport[ShmMeta]):
         shared = tuple(_shared(t) for t in tensors)
         if all(sh is not None or not t.numel() for t, sh in zip(tensors, shared)):
             return self.prepare(obj_id, tensors)  # nothing to copy
+        with _lazy_lock:
+            _lazy[obj_id] = _Lazy()
         return ShmMeta(None, 0, (), shared, lazy=True)
 
     async def send_multiple_tensors(
@@ -161,18 +163,25 @@ class ShmTransport(Transport[ShmMeta]):
 
     def _export(self, obj_id: str, tensors: Sequence[torch.Tensor], meta: ShmMeta) -> ShmMeta:
         with _lazy_lock:
-            lock = _exporting.setdefault(obj_id, threading.Lock())
-        with lock:
-            done = _exported.get(obj_id)
-            if done is None:
-                shared = meta.shared or (None,) * len(tensors)
-                made = self._segment([t for t, sh in zip(tensors, shared) if sh is None])
-                it = iter(made.offsets)
-                offsets = tuple(next(it) if sh is None else 0 for sh in shared)
-                done = _exported[obj_id] = ShmMeta(made.segment, made.size, offsets, meta.shared)
-        with _lazy_lock:
-            _exporting.pop(obj_id, None)
-        return done
+            state = _lazy.get(obj_id)
+        if state is None:  # freed before its first fetch got here
+            raise ObjectFreedError(f"object {obj_id} was freed before it was fetched", obj_id=obj_id)
+        with state.lock:  # one export, whoever asks first; the others wait for it
+            if state.done is not None:
+                return state.done
+            shared = meta.shared or (None,) * len(tensors)
+            made = self._segment([t for t, sh in zip(tensors, shared) if sh is None])
+            it = iter(made.offsets)
+            done = ShmMeta(made.segment, made.size, tuple(next(it) if sh is None else 0 for sh in shared), meta.shared)
+            with _lazy_lock:
+                freed = state.freed
+                if not freed:
+                    state.done = done
+            if freed:  # freed while we copied: `_made` found no segment to release
+                if made.segment is not None:
+                    _segments.pool.discard(made.segment)
+                raise ObjectFreedError(f"object {obj_id} was freed while it was fetched", obj_id=obj_id)
+            return done
 
     def _segment(self, tensors: Sequence[torch.Tensor]) -> ShmMeta:
         """Copy `tensors` into a warm segment of the pool (see _segments.py)."""
@@ -232,14 +241,24 @@ def _made(obj_id: str, meta: ShmMeta) -> str | None:
     if not meta.lazy:
         return meta.segment
     with _lazy_lock:
-        done = _exported.pop(obj_id, None)
-    return done.segment if done is not None else None
+        state = _lazy.pop(obj_id, None)
+        if state is None:
+            return None
+        state.freed = True  # an export under way releases its segment itself
+        return state.done.segment if state.done is not None else None
 
 
-# Lazily prepared objects whose segment has been made (obj_id -> its metadata), and the
-# locks of exports under way, so that concurrent first fetches make one segment.
-_exported: dict[str, ShmMeta] = {}
-_exporting: dict[str, threading.Lock] = {}
+class _Lazy:
+    """A lazily prepared object, from `prepare_lazily` until its free: its export's lock
+    (concurrent first fetches make one segment), the export once made, whether freed."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.done: ShmMeta | None = None
+        self.freed = False  # under _lazy_lock
+
+
+_lazy: dict[str, _Lazy] = {}
 _lazy_lock = threading.Lock()
 
 _guardian: tuple[subprocess.Popen[bytes], int] | None = None  # and the pid it guards
