@@ -217,3 +217,73 @@ def test_a_producer_that_does_not_answer_is_a_transfer_error_not_a_timeout(monke
         finally:
             for s in waiting:
                 s.close()
+
+
+def test_idle_connections_are_closed_after_idle_s(monkeypatch):
+    """A consumer keeps connections for the next fetch, not for good: a producer it never
+    fetches from again (gone, or done) would otherwise keep them open for the process's life."""
+    monkeypatch.setattr(tcp, "IDLE_S", 0.3)
+    monkeypatch.setattr(tcp, "_sweeper", tcp._segments.IdleSweep(tcp._sweep, lambda: tcp.IDLE_S))  # none pending
+    t = tcp.TcpTransport()
+    x = torch.arange(1 << 20, dtype=torch.float32)
+    meta = t.prepare("idle-conns", [x])
+    got = torch.empty_like(x)
+    try:
+        assert tcp._stream(tcp._Fetch(), meta, "idle-conns", [(0, 0, x.nbytes)], [tcp._raw(got)])
+        assert torch.equal(got, x)
+        key = (meta.host, meta.port, meta.token)
+        (sock, _), = tcp._idle[key]  # kept for reuse
+        assert sock.fileno() >= 0
+        wait_until(lambda: key not in tcp._idle and sock.fileno() == -1, timeout=10, what=lambda: "the idle connection closed")
+    finally:
+        t.garbage_collect("idle-conns", meta)
+
+
+def test_a_send_to_a_host_that_vanished_gives_up_and_lets_the_tensors_go(monkeypatch):
+    """A consumer's host drops off the network mid-fetch: the producer's send must fail in
+    bounded time (TCP_USER_TIMEOUT), not retry for ~15 min keeping the object's tensors."""
+    import os
+    import subprocess
+    import sys
+    import weakref
+
+    from rdt_async._hosts import Hosts
+
+    why = Hosts.unavailable()
+    if why:
+        pytest.skip(why)
+    monkeypatch.setattr(tcp, "USER_TIMEOUT_S", 2.0)
+    t = tcp.TcpTransport()
+    meta = t.prepare("vanish", [torch.ones(16 << 20)])  # 64 MiB: far more than the socket buffers hold
+    held = weakref.ref(tcp._objects["vanish"][0])
+    hosts = Hosts()
+    consumer = None
+    try:
+        link = hosts._first
+        request = tcp._HEAD.pack(6, 1) + b"vanish" + tcp._PART.pack(0, 0, 64 << 20)
+        code = (
+            "import socket, sys, time\n"
+            f"s = socket.create_connection(({link.root_ip!r}, {meta.port}))\n"
+            f"s.sendall({tcp.MAGIC + meta.token!r} + {request!r})\n"
+            "assert s.recv(1) == b'\\x01'\n"
+            "print('reading stopped', flush=True)\n"
+            "time.sleep(120)\n"  # reads nothing more: the producer's send blocks
+        )
+        consumer = subprocess.Popen(
+            ["ip", "netns", "exec", link.name, sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        line = consumer.stdout.readline()
+        assert line.strip() == "reading stopped", line + consumer.stdout.read()
+        t.garbage_collect("vanish", meta)  # freed: only the send in flight holds the tensor now
+        time.sleep(0.5)  # the producer's send fills the buffers and waits for room
+        assert held() is not None
+        link.set_up(False)  # the consumer's host is gone
+        t0 = time.monotonic()
+        wait_until(lambda: held() is None, timeout=20, what=lambda: "the producer's send to let the tensor go")
+        print(f"\nthe send gave up {time.monotonic() - t0:.1f} s after the host vanished")
+    finally:
+        t.garbage_collect("vanish", meta)
+        if consumer is not None:
+            os.kill(consumer.pid, 9)
+            consumer.wait()
+        hosts.close()

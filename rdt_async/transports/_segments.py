@@ -39,14 +39,15 @@ def idle_s() -> float:
 
 
 class IdleSweep:
-    """Calls `sweep(cutoff)` on the I/O loop `idle_s()` after `start()`, and again while
-    anything is left idle, when the oldest of it has been idle `idle_s()`. `sweep` lets go
-    of what has been idle since `cutoff` (a `time.monotonic()`) or before, and returns
+    """Calls `sweep(cutoff)` on the I/O loop `idle()` seconds after `start()`, and again
+    while anything is left idle, when the oldest of it has been idle `idle()`. `sweep` lets
+    go of what has been idle since `cutoff` (a `time.monotonic()`) or before, and returns
     when the oldest of the rest went idle (None: nothing is). So nothing stays idle much
-    longer than `idle_s()`. Thread-safe."""
+    longer than `idle()` (default: `idle_s()`, for warm shared memory). Thread-safe."""
 
-    def __init__(self, sweep: Callable[[float], float | None]) -> None:
+    def __init__(self, sweep: Callable[[float], float | None], idle: Callable[[], float] = idle_s) -> None:
         self._sweep = sweep
+        self._idle = idle
         self._lock = threading.Lock()
         self._pending = False
 
@@ -56,7 +57,7 @@ class IdleSweep:
             if self._pending:
                 return
             self._pending = True
-        _io.call_soon(self._schedule, idle_s())
+        _io.call_soon(self._schedule, self._idle())
 
     def _schedule(self, delay: float) -> None:  # on the I/O loop
         import asyncio
@@ -66,14 +67,14 @@ class IdleSweep:
     def _run(self) -> None:  # on the I/O loop
         with self._lock:
             self._pending = False  # before the sweep: what goes idle during it starts another
-        oldest = self._sweep(time.monotonic() - idle_s())
+        oldest = self._sweep(time.monotonic() - self._idle())
         if oldest is None:
             return
         with self._lock:
             if self._pending:
                 return
             self._pending = True
-        self._schedule(oldest + idle_s() - time.monotonic())
+        self._schedule(oldest + self._idle() - time.monotonic())
 
 
 def oldest(items: Iterable[Any]) -> float | None:

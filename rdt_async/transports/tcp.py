@@ -10,7 +10,11 @@ A producer that prepares `tcp` listens once (a thread accepting connections, one
 per connection) on an ephemeral port; its address and a random 128-bit token travel in
 the `RDTObject`. A connection starts with the token, so only who holds a ref of this
 producer is served (nothing is encrypted: see Network and trust in the docs). A consumer
-keeps idle connections per producer for reuse. A request, and its answer:
+keeps up to `IDLE_CONNECTIONS` idle connections per producer for reuse, each closed once
+unused for `IDLE_S`. A peer whose host vanished is given up on after ~30 s either way:
+keepalive probes an idle connection, `TCP_USER_TIMEOUT` bounds bytes left unacknowledged
+(a producer's send would otherwise retry for ~15 min, holding the tensors it reads). A
+request, and its answer:
 
     consumer                                          producer
     --------                                          --------
@@ -35,6 +39,7 @@ import secrets
 import socket
 import struct
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -42,6 +47,7 @@ import torch
 
 from .. import _io
 from .._errors import ObjectFreedError, PeerDiedError, RDTError, TransferError
+from . import _segments
 from ._base import Channel, TransferInfo, Transport, advertised_host, delivered, int_setting, landing_buffers
 
 MAGIC = b"RDT1"
@@ -50,6 +56,8 @@ STREAM_MIN_BYTES = 4 << 20  # a stream for each this many bytes, up to `_streams
 PACKED_BYTES = 64 << 10  # answers up to this size leave in one send
 CONNECT_S = 10.0  # connecting and the token's arrival
 IDLE_CONNECTIONS = 16  # kept per producer, for reuse
+IDLE_S = 60.0  # an idle connection is closed after this long unused
+USER_TIMEOUT_S = 30.0  # bytes sent and unacknowledged this long: the peer is gone
 _HEAD = struct.Struct("<HI")  # obj_id length, number of parts
 _PART = struct.Struct("<IQQ")  # tensor index, byte offset, byte count
 
@@ -90,7 +98,8 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
 def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for opt, value in (("TCP_KEEPIDLE", 15), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
+    opts = (("TCP_KEEPIDLE", 15), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3), ("TCP_USER_TIMEOUT", int(USER_TIMEOUT_S * 1000)))
+    for opt, value in opts:
         if hasattr(socket, opt):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
 
@@ -179,15 +188,34 @@ def _listening() -> _Server:
 
 # -- consumer -----------------------------------------------------------------------------
 
-_idle: dict[tuple[str, int, bytes], list[socket.socket]] = {}
+# (host, port, token) -> idle connections to that producer, each with when it went idle.
+_idle: dict[tuple[str, int, bytes], list[tuple[socket.socket, float]]] = {}
 _idle_lock = threading.Lock()
+
+
+def _sweep(cutoff: float) -> float | None:  # on the I/O loop
+    """Close the connections idle since `cutoff` or before; when the oldest left went idle."""
+    old = []
+    with _idle_lock:
+        for key, pool in list(_idle.items()):
+            old += [sock for sock, since in pool if since <= cutoff]
+            pool[:] = [(sock, since) for sock, since in pool if since > cutoff]
+            if not pool:
+                del _idle[key]
+        left = min((since for pool in _idle.values() for _, since in pool), default=None)
+    for sock in old:
+        sock.close()
+    return left
+
+
+_sweeper = _segments.IdleSweep(_sweep, lambda: IDLE_S)
 
 
 def _connect(meta: TcpMeta) -> socket.socket:
     with _idle_lock:
         pool = _idle.get((meta.host, meta.port, meta.token))
         if pool:
-            return pool.pop()
+            return pool.pop()[0]  # the most recently used
     try:
         sock = socket.create_connection((meta.host, meta.port), timeout=CONNECT_S)
     except TimeoutError as exc:  # not the caller's deadline: a transfer error (the core asks Ray about the producer)
@@ -205,10 +233,13 @@ def _connect(meta: TcpMeta) -> socket.socket:
 def _keep(meta: TcpMeta, sock: socket.socket) -> None:
     with _idle_lock:
         pool = _idle.setdefault((meta.host, meta.port, meta.token), [])
-        if len(pool) < IDLE_CONNECTIONS:
-            pool.append(sock)
-            return
-    sock.close()
+        kept = len(pool) < IDLE_CONNECTIONS
+        if kept:
+            pool.append((sock, time.monotonic()))
+    if kept:
+        _sweeper.start()
+    else:
+        sock.close()
 
 
 class _Fetch:
@@ -251,7 +282,7 @@ def _forget(meta: TcpMeta) -> None:
     """Close the idle connections to a producer one of them failed with."""
     with _idle_lock:
         pool = _idle.pop((meta.host, meta.port, meta.token), [])
-    for sock in pool:
+    for sock, _ in pool:
         sock.close()
 
 
