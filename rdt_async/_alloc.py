@@ -18,7 +18,6 @@ from __future__ import annotations
 import mmap
 import threading
 import time
-import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -45,16 +44,18 @@ def empty(shape: Sequence[int], dtype: torch.dtype, device: str | torch.device =
     if nbytes < MIN_BYTES:
         return torch.empty(tuple(shape), dtype=dtype)
     size = -(-nbytes // CLASS_BYTES) * CLASS_BYTES
+    _io.settle()  # buffers dropped just now are back in the cache
     mm = _take(size)
     if mm is None:
         mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     owner = np.frombuffer(mm, dtype=np.uint8)  # the tensor's storage keeps `owner` alive
-    weakref.finalize(owner, _give_back, size, mm).atexit = False
+    _io.finalize(owner, _give_back, size, mm)
     return torch.from_numpy(owner)[:nbytes].view(dtype).view(tuple(shape))
 
 
 def cached_bytes() -> int:
     """Return the bytes the cache holds now."""
+    _io.settle()
     return _cached
 
 
@@ -70,7 +71,8 @@ def _take(size: int) -> mmap.mmap | None:
 
 
 def _give_back(size: int, mm: mmap.mmap) -> None:
-    """The last view of a buffer is gone: keep it for the next receive, or unmap it."""
+    """The last view of a buffer is gone: keep it for the next receive, or unmap it.
+    (Through `_io.finalize`: never inside the finalizer, which may run under `_lock`.)"""
     global _cached, _sweep_due
     with _lock:
         keep = _cached + size <= CACHE_BYTES

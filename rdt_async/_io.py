@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import collections
 import concurrent.futures
 import dataclasses
+import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger("rdt_async")
 
 # Blocking work runs in one bounded pool per purpose, so that one kind never starves
 # another (a copy never waits behind a GCS call, an abort never behind the receives it
@@ -225,6 +229,55 @@ def running_loop() -> asyncio.AbstractEventLoop | None:
 def call_soon(fn: Callable[..., Any], *args: Any) -> None:
     """Schedule `fn(*args)` on the I/O loop from any thread (O(1), never blocks)."""
     io_loop().call_soon_threadsafe(fn, *args)
+
+
+# -- finalizers --------------------------------------------------------------------------
+
+_finalized: collections.deque[tuple[Callable[..., Any], tuple[Any, ...]]] = collections.deque()
+_settle_due = False
+_settling = threading.RLock()  # never taken in a finalizer
+
+
+def finalize(obj: Any, fn: Callable[..., Any], *args: Any) -> None:
+    """Run `fn(*args)` once `obj` is gone, as `weakref.finalize`, but never inside the finalizer.
+
+    A finalizer runs where the last reference goes, or inside any allocation of any thread
+    when the cyclic GC collects: also in a thread that holds the very lock `fn` takes, which
+    would deadlock. So the finalizer only queues `fn` (a deque append takes no lock); the
+    I/O loop runs it soon after, and `settle()` runs what is queued at once: call it,
+    holding no lock, before reading state that such an `fn` changes. Nothing runs at exit.
+    """
+    weakref.finalize(obj, _queue, fn, args).atexit = False
+
+
+def _queue(fn: Callable[..., Any], args: tuple[Any, ...]) -> None:  # in a finalizer: no locks
+    global _settle_due
+    _finalized.append((fn, args))
+    loop = _loop
+    if _settle_due or loop is None or _pid != os.getpid():
+        return  # one is coming, or no loop to run it yet: the next settle() runs it
+    _settle_due = True
+    try:
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # the loop closed: the interpreter is ending
+        pass
+
+
+def settle() -> None:
+    """Run the work finalizers queued; when it returns, all that was queued before has run
+    (any thread; hold no lock that such work takes)."""
+    global _settle_due
+    with _settling:  # another thread's drain finishes what it took first
+        _settle_due = False  # before draining: what is queued meanwhile schedules another
+        while True:
+            try:
+                fn, args = _finalized.popleft()
+            except IndexError:
+                return
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("rdt_async: %s after its object was gone", getattr(fn, "__qualname__", fn))
 
 
 def _shutdown() -> None:

@@ -36,7 +36,6 @@ import struct
 import sys
 import threading
 import time
-import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -93,9 +92,9 @@ def _private(fd: int, specs: Sequence[TensorSpec], offsets: list[int], holder: A
     buf = _mappings.cache.open(fd, None)
     if isinstance(holder, _Lease):
         holder.hold()  # a new lease: never spent yet
-        weakref.finalize(buf, holder.release)
+        _io.finalize(buf, holder.release)
     else:
-        weakref.finalize(buf, holder.close)
+        _io.finalize(buf, holder.close)
     return _views(buf, specs, offsets)
 
 
@@ -226,11 +225,13 @@ class _Memfds:
 
     def warm(self, size: int) -> bool:
         cap = self.capacity(size)
+        _io.settle()  # memfds whose last view went just now are back
         with self.lock:
             return any(m.capacity == cap for m in self.idle)
 
     def take(self, size: int) -> _Memfd:
         cap = self.capacity(size)
+        _io.settle()
         with self.lock:
             for i, m in enumerate(self.idle):
                 if m.capacity == cap:

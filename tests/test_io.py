@@ -171,3 +171,45 @@ async def test_a_fetch_cancelled_twice_still_returns_only_once_its_transfer_let_
     with pytest.raises(asyncio.CancelledError):
         await fetch
     assert settled.is_set()
+
+
+_DROPPED_UNDER_LOCKS = r"""
+import os, threading, torch
+from rdt_async import _alloc, _relay
+from rdt_async.transports import _mappings
+from rdt_async.transports._base import TensorSpec
+
+def dropped_under(lock, make):
+    box = [make()]
+    done = threading.Event()
+    def run():
+        with lock:  # as the cyclic GC may run a finalizer inside any allocation of a locked section
+            box.clear()
+        done.set()
+    threading.Thread(target=run, daemon=True).start()
+    if not done.wait(10):
+        print("deadlock")
+        os._exit(1)
+    return True
+
+print("alloc", dropped_under(_alloc._lock, lambda: _alloc.empty((1 << 20,), torch.float32)), _alloc.cached_bytes())
+fd = os.memfd_create("t")
+os.ftruncate(fd, 1 << 20)
+print("mappings", dropped_under(_mappings.cache._lock, lambda: _mappings.cache.open(fd, None)), _mappings.cache.stats()["idle"])
+m = _relay.memfds.take(1 << 20)
+lease = _relay._Lease(m)
+spec = TensorSpec((1 << 20,), torch.uint8, "cpu", 1 << 20)
+print("relay", dropped_under(_relay.memfds.lock, lambda: _relay._private(m.fd, [spec], [0], lease)), _relay.memfds.warm(1 << 20))
+os._exit(0)
+"""
+
+
+def test_a_view_dropped_where_its_pool_is_locked_does_not_deadlock():
+    """Buffers, kept mappings and relay memfds go back to their pools when their last view
+    goes: from a finalizer, which may run in a thread that holds that very pool's lock (the
+    cyclic GC collects inside any allocation). The finalizer only queues the work."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _DROPPED_UNDER_LOCKS], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split("\n")[:3] == [f"alloc True {4 << 20}", "mappings True 1", "relay True True"], out.stdout + out.stderr

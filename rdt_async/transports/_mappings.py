@@ -28,9 +28,9 @@ import mmap
 import os
 import threading
 import time
-import weakref
 from typing import Any
 
+from .. import _io
 from ._segments import IdleSweep, oldest
 
 MAX_IDLE_BYTES = 4 << 30  # address space and page tables only: the pages are the files'
@@ -63,6 +63,7 @@ class MappingCache:
         """
         st = os.fstat(fd)
         key = (st.st_dev, st.st_ino, st.st_size)
+        _io.settle()  # mappings whose views went just now are idle again
         with self._lock:
             m = self._idle.pop(key, None)
         if m is not None:
@@ -77,11 +78,11 @@ class MappingCache:
             m = _Mapped(key, mm, _address(mm))
         buf = (ctypes.c_char * st.st_size).from_buffer(m.mm)
         buf.hold = hold  # type: ignore[attr-defined]  # the object lives while a view does
-        weakref.finalize(buf, self._idle_again, m).atexit = False
+        _io.finalize(buf, self._idle_again, m)
         return buf
 
     def _idle_again(self, m: _Mapped) -> None:
-        """The last view of a fetch went (any thread, from a finalizer): keep it, or let it go."""
+        """The last view of a fetch went (through `_io.finalize`): keep it, or let it go."""
         if not _keeps():
             return  # the mapping goes with its last reference
         m.idle_since = time.monotonic()
@@ -112,6 +113,7 @@ class MappingCache:
             _close(m)
 
     def stats(self) -> dict[str, int]:
+        _io.settle()
         with self._lock:
             return {
                 "idle": len(self._idle),
