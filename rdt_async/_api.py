@@ -120,9 +120,10 @@ def get(
     done, value = fetch_now(x, device=device, into=into)
     if done:
         return value
-    started = _io.start(fetch_object(x, device=device, into=into, start=value))
+    started = _io.Started.of(fetch_object(x, device=device, into=into, start=value))
     fut = started.future
     try:
+        started.launch()  # inside the try: a Ctrl-C landing around it is handled below
         return fut.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
     except concurrent.futures.TimeoutError as exc:
         if fut.done():
@@ -133,6 +134,7 @@ def get(
     except BaseException:  # Ctrl-C (KeyboardInterrupt), or any other way out of the wait
         if not fut.done():
             fut.cancel()
+            started.launch()  # if the interrupt came before it was launched: it settles at once
             started.wait_settled(SETTLE_S)  # as for a timeout: nothing writes `into` afterwards
         raise
     finally:

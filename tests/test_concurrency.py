@@ -158,6 +158,45 @@ def test_get_timeout_into_buffers_leaves_them_alone_once_it_raised(method):
     ray.kill(p)
 
 
+@pytest.mark.parametrize("where", ["before", "after", "mid-copy"])
+def test_ctrl_c_around_the_start_of_get_into_buffers_leaves_them_alone(monkeypatch, where):
+    """Ctrl-C lands between any two bytecodes: also just before or just after rdt.get hands
+    the fetch to the I/O loop. Either way the fetch is aborted (or never runs) and nothing
+    writes `into` once the KeyboardInterrupt has reached the caller."""
+    from rdt_async import _io
+
+    p = SyncProducer.remote()
+    ref = p.value_os.remote(torch.full((BIG,), 3.0))
+    ray.wait([ref])
+    into = torch.zeros(BIG)
+    rdt.get(ref, into=into, timeout=60)  # warm: the next copy is the only slow part
+    into.zero_()
+    launch = _io.Started.launch
+    interrupted = []
+
+    def interrupt_once(self):
+        if interrupted:
+            return launch(self)
+        interrupted.append(where)
+        if where != "before":
+            launch(self)
+        if where == "mid-copy":
+            time.sleep(0.005)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_io.Started, "launch", interrupt_once)
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        rdt.get(ref, into=into, timeout=60)
+    assert time.monotonic() - t0 < 10  # settled, not waited out
+    then = into.count_nonzero().item()
+    time.sleep(0.3)
+    assert into.count_nonzero().item() == then, f"written after Ctrl-C reached the caller ({where})"
+    monkeypatch.undo()
+    assert rdt.get(ref, into=into, timeout=60).sum().item() == 3.0 * BIG
+    ray.kill(p)
+
+
 def test_dead_producer_gives_peer_died_error_quickly():
     p = SyncProducer.remote()
     ref = p.value_os.remote(torch.ones(10))
