@@ -192,6 +192,13 @@ async def _watched(fetching: Awaitable[list[torch.Tensor]], obj: RDTObject, name
         if not task.done():
             watch = asyncio.ensure_future(_ray.watch_producer(obj.producer))
             await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done() and watch.exception() is not None:  # the watch failed: no verdict
+                log.warning(
+                    "rdt_async: could not watch %s during the %s fetch of %s (%r); waiting for the transfer alone",
+                    obj.producer.label, name, obj.obj_id, watch.exception(),
+                )
+                watch = None
+                await asyncio.wait({task})
     except asyncio.CancelledError:
         if watch is not None:
             watch.cancel()

@@ -213,3 +213,26 @@ def test_a_view_dropped_where_its_pool_is_locked_does_not_deadlock():
 
     out = subprocess.run([sys.executable, "-c", _DROPPED_UNDER_LOCKS], capture_output=True, text=True, timeout=120)
     assert out.stdout.split("\n")[:3] == [f"alloc True {4 << 20}", "mappings True 1", "relay True True"], out.stdout + out.stderr
+
+
+def test_a_watch_that_fails_is_no_verdict_on_the_producer(monkeypatch, caplog):
+    """A transfer that runs long has its producer watched (is it dead?). A watch that
+    fails (a GCS hiccup, a lookup error) says nothing about the producer: the transfer
+    goes on and its bytes arrive, rather than a PeerDiedError that would be a lie."""
+    from types import SimpleNamespace
+
+    from rdt_async import _fetch, _ray
+
+    async def slow():
+        await asyncio.sleep(0.3)
+        return [torch.arange(3.0)]
+
+    async def broken(producer):
+        raise RuntimeError("GCS hiccup")
+
+    monkeypatch.setattr(_ray, "WATCH_AFTER_S", 0.05)
+    monkeypatch.setattr(_ray, "watch_producer", broken)
+    obj = SimpleNamespace(producer=SimpleNamespace(serves=True, label="actor A"), obj_id="o1")
+    got = asyncio.run(_fetch._watched(slow(), obj, "tcp"))
+    assert torch.equal(got[0], torch.arange(3.0))
+    assert "could not watch actor A during the tcp fetch of o1 (RuntimeError('GCS hiccup'))" in caplog.text
