@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import mmap
 import os
 import select
@@ -50,6 +51,8 @@ ALIGN = 64
 MAX_IDLE_BYTES = 1 << 30  # warm memfds kept for reuse, in all
 COLD_WAIT_S = 0.02  # a consumer with no warm memory for an object lets a warm one claim it first
 COLD_STEP_S = 0.004
+ASK_MIN_S = 30.0  # an asker waits at least this long for the claimer's read (see _ask_bound)
+log = logging.getLogger("rdt_async")
 # Transports that never cross nodes, or whose bytes are already in hand.
 LOCAL = frozenset({"shm", "local", "inline", "none", "cuda_ipc"})
 # Transports that read into given buffers, and whose cancel returns at once and never writes
@@ -429,6 +432,13 @@ async def _ask_within(obj_id: str, specs: Sequence[TensorSpec], wait_s: float) -
         await asyncio.sleep(COLD_STEP_S)
 
 
+def _ask_bound(nbytes: int) -> float:
+    """How long an asker waits for the claimer's read before reading for itself: a
+    claimer stuck alive (its process ended or failed: the asker hears at once) must not
+    hold the node's other consumers for good. Generous: the read's own time at 25 MB/s."""
+    return ASK_MIN_S + nbytes / 25e6
+
+
 async def _ask(obj_id: str, specs: Sequence[TensorSpec]) -> Any:
     """The object from the consumer of this node that holds it: None if it cannot give it,
     `_NO_CLAIM` if nobody holds it. Our end of the connection stays open while our
@@ -447,8 +457,15 @@ async def _ask(obj_id: str, specs: Sequence[TensorSpec]) -> Any:
             return None  # the name is held by another user of this host: read for ourselves
         readable = loop.create_future()
         loop.add_reader(sock.fileno(), _set_once, readable)
+        bound = _ask_bound(sum(s.nbytes for s in specs))
         try:
-            await readable
+            await asyncio.wait_for(readable, bound)
+        except TimeoutError:
+            log.warning(
+                "rdt_async: the consumer of this node reading object %s did not hand it over in %.3g s; "
+                "reading it myself", obj_id, bound,
+            )
+            return None
         finally:
             loop.remove_reader(sock.fileno())
         try:

@@ -246,6 +246,24 @@ async def test_when_the_first_consumers_process_dies_the_others_read_for_themsel
         assert torch.equal(tensors[0], _values()[0])
 
 
+async def test_a_consumer_stuck_in_its_read_holds_the_others_only_so_long(monkeypatch, caplog):
+    """The claimer alive but its read stuck: who asked reads for itself after a bound that
+    scales with the object (30 s + its bytes at 25 MB/s), not never."""
+    monkeypatch.setattr(_relay, "ASK_MIN_S", 0.3)
+    assert _relay._ask_bound(25_000_000) == pytest.approx(1.3)
+    stuck, fine, obj = Network(stall=30), Network(), _obj_id()
+    first = asyncio.ensure_future(_relay.fetch(obj, SPECS, stuck))
+    await asyncio.sleep(0.05)
+    t0 = time.monotonic()
+    tensors, relayed = await asyncio.wait_for(_relay.fetch(obj, SPECS, fine), 10)
+    took = time.monotonic() - t0
+    assert 0.3 <= took < 3 and (fine.reads, relayed) == (1, False)
+    assert torch.equal(tensors[0], _values()[0]) and not first.done()
+    assert f"the consumer of this node reading object {obj} did not hand it over in 0.342 s" in caplog.text
+    first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
+
+
 def _squat_as_nobody(obj: str, bound) -> None:
     """Hold the object's claim as another user, handing out a forged memfd."""
     import socket
