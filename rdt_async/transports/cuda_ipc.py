@@ -359,7 +359,7 @@ class _Mappings:
             entry = self._maps[handle]
             entry[1] -= 1
             if entry[1] == 0:
-                if entry[0].done() and entry[0].exception() is not None:
+                if entry[0].done() and (entry[0].cancelled() or entry[0].exception() is not None):
                     del self._maps[handle]  # a map that failed: the next fetch tries anew
                 else:
                     entry[2] = _io.io_loop().call_soon_threadsafe(self._idle, handle)
@@ -377,7 +377,7 @@ class _Mappings:
                 return
             del self._maps[handle]
         fut, index = entry[0], entry[3]
-        if fut.done() and fut.exception() is None:
+        if fut.done() and not fut.cancelled() and fut.exception() is None:
             _io.pool().submit(_cudadrv.close_handle, fut.result(), index)  # a failure stays in its future
 
 
@@ -394,7 +394,10 @@ class _Use:
 
     async def mapped(self) -> None:
         """Wait until every segment is mapped; set `sources`, the tensors' bytes in them."""
-        addresses = [f.result() if f.done() else await asyncio.wrap_future(f) for f in self._futures]
+        # Shielded: the mapping is shared with other fetches, and a cancel reaching its
+        # future would leave the handle opened but never closed (and every later fetch of the
+        # segment failing on a cancelled future).
+        addresses = [f.result() if f.done() else await asyncio.shield(asyncio.wrap_future(f)) for f in self._futures]
         self.sources = [_wrap(a + m.offset, m.nbytes, _map_index(m)) for a, m in zip(addresses, self._tensors)]
 
     def __exit__(self, *exc: Any) -> None:

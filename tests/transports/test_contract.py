@@ -435,3 +435,45 @@ def test_cuda_ipc_refuses_a_producer_on_another_node():
     info = TransferInfo("obj-far", (TensorSpec((0,), torch.float32, "cuda:0", 0),), meta)
     with pytest.raises(rdt.TransportUnavailableError, match=r"on another node \(elsewhere\).*use tensor_transport='nixl'"):
         cuda_ipc.CudaIpcTransport()._check_live(info)
+
+
+async def test_cuda_ipc_a_fetch_cancelled_while_its_segment_is_first_mapped_leaves_the_mapping_whole(monkeypatch):
+    """The first fetch of a segment maps it (cuIpcOpenMemHandle, in a thread) for every
+    fetch of it; cancelling that fetch must neither cancel the shared mapping (later
+    fetches would fail on it) nor leave the handle open for good. The driver calls are
+    stand-ins here: this checks the mapping's bookkeeping, on any machine."""
+    import threading
+
+    from rdt_async.transports import _cudadrv, cuda_ipc
+
+    opening, go, closed = threading.Event(), threading.Event(), []
+
+    def open_handle(handle: bytes, index: int) -> int:
+        opening.set()
+        go.wait(10)
+        return 0x10000
+
+    monkeypatch.setattr(_cudadrv, "open_handle", open_handle)
+    monkeypatch.setattr(_cudadrv, "close_handle", lambda ptr, index: closed.append(ptr))
+    monkeypatch.setattr(cuda_ipc, "_map_index", lambda m: 0)
+    monkeypatch.setattr(cuda_ipc, "_wrap", lambda address, nbytes, index: (address, nbytes))
+    monkeypatch.setattr(cuda_ipc, "MAP_IDLE_S", 0.1)
+    maps, m = cuda_ipc._Mappings(), cuda_ipc.IpcTensor("GPU-x", b"h" * 64, 16, 100)
+
+    async def fetch():
+        with maps.using([m]) as use:
+            await use.mapped()
+            return use.sources
+
+    first = asyncio.ensure_future(fetch())
+    assert await asyncio.to_thread(opening.wait, 10)
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    go.set()
+    assert await asyncio.wait_for(fetch(), 10) == [(0x10000 + 16, 100)]  # the same mapping, whole
+    for _ in range(100):
+        if closed:
+            break
+        await asyncio.sleep(0.05)
+    assert closed == [0x10000] and not maps._maps  # closed once, when idle
