@@ -261,6 +261,7 @@ class _Memfds:
 
     def clear(self) -> None:
         """Close every idle memfd now."""
+        _io.settle()
         with self.lock:
             idle, self.idle = self.idle, []
         for m in idle:

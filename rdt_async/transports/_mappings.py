@@ -107,6 +107,7 @@ class MappingCache:
         return left
 
     def clear(self) -> None:
+        _io.settle()  # mappings whose last view went just now are idle: those go too
         with self._lock:
             old, self._idle = list(self._idle.values()), {}
         for m in old:
