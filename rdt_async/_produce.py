@@ -237,7 +237,11 @@ def _finish(
             t.garbage_collect(obj_id, meta)
         raise
     store.add(obj_id, StoredObject(list(tensors), prepared))
-    anchor = _anchors.take(obj_id)
+    try:
+        anchor = _anchors.take(obj_id)
+    except BaseException:  # (Ray shutting down): nothing would ever free it
+        store.free(obj_id)
+        raise
     meta = {t.name: m for t, m in prepared.items()}
     shared = groups.memberships()
     if shared:

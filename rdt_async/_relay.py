@@ -183,8 +183,8 @@ async def _serve(
                 lease.hold()  # the claim's: a copy nobody maps yet, kept until who asked has it
     except BaseException:
         _io.call_soon(server.end)
-        if memfd is not None and lease is None:
-            memfds.give(memfd)  # handed to nobody: warm for the next read
+        if memfd is not None and (lease is None or lease.holders == 0):
+            memfds.give(memfd)  # handed to nobody (mapping our own copy may fail): warm for the next read
         raise
     if lease is None:
         _io.call_soon(server.end)  # nobody else wants it: later askers read for themselves

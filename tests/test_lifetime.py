@@ -220,3 +220,21 @@ def test_a_free_refused_in_the_wrong_process_frees_nothing_there():
     rdt.free(ref)
     with pytest.raises(rdt.ObjectFreedError):
         rdt.get(ref)
+
+
+def test_a_return_whose_anchor_cannot_be_made_keeps_nothing(monkeypatch):
+    """The anchor (an ObjectRef whose going frees the object) is made last: if that fails
+    (Ray shutting down), the object is freed there and then, its segment with it."""
+    from rdt_async import _object
+    from rdt_async._api import store
+
+    def no_anchor(obj_id):
+        raise RuntimeError("Ray is shutting down")
+
+    monkeypatch.setattr(_object._anchors, "take", no_anchor)
+    held = set(store.object_ids())
+    segments = rdt_segments()
+    with pytest.raises(RuntimeError, match="Ray is shutting down"):
+        rdt.put({"w": torch.ones(1 << 20)}, tensor_transport="shm")  # 4 MiB: a segment
+    assert set(store.object_ids()) == held
+    assert rdt_segments() <= segments

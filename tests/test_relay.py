@@ -398,3 +398,20 @@ def test_consumers_fetching_into_their_own_buffers_share_one_transfer(fan_out, t
         assert 2 <= used.count("relay") <= 3, used
         assert len({u for u in used if u != "relay"}) == 1, used
         del ref
+
+
+async def test_a_claimer_that_cannot_map_its_own_copy_gives_the_memfd_back(monkeypatch):
+    before = _fds()
+    net, obj = Landing(5), _obj_id()
+
+    def no_memory(fd, hold):
+        raise OSError(12, "Cannot allocate memory")
+
+    with monkeypatch.context() as m:
+        m.setattr(_mappings.cache, "open", no_memory)
+        with pytest.raises(OSError, match="Cannot allocate memory"):
+            await _relay.fetch(obj, SPECS, net.own, net)
+    assert net.reads == 1 and len(_relay.memfds.idle) == 1  # back, warm
+    _relay.memfds.clear()
+    await asyncio.sleep(0.1)  # the claim ends on the I/O loop
+    assert not [fd for fd in _fds() - before if "memfd:rdt-relay" in fd]

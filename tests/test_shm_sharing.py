@@ -323,3 +323,25 @@ def test_a_lazy_export_racing_its_objects_free_leaves_no_segment(monkeypatch):
     assert torch.equal(got, x)
     t.garbage_collect("kept", meta)
     assert not os.path.exists(path) and not shm._lazy
+
+
+def test_a_split_read_that_fails_returns_only_once_its_other_half_has_stopped(monkeypatch):
+    """Large reads go in two halves at once; the caller closes the file and may reuse the
+    buffer once the read returns, so a failing half must wait for the other."""
+    import time
+
+    from rdt_async.transports import shm
+
+    finished = []
+
+    def pread_range(fd, view, offset, start, end):
+        if start == 0:
+            raise OSError("short read of a shared memory segment")
+        time.sleep(0.3)
+        finished.append(end)
+
+    monkeypatch.setattr(shm, "_pread_range", pread_range)
+    t = torch.empty(shm.SPLIT_READ_BYTES, dtype=torch.uint8)
+    with pytest.raises(OSError, match="short read"):
+        shm._pread_exact(-1, t, 0, t.numel())
+    assert finished == [t.numel()]

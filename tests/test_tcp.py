@@ -287,3 +287,34 @@ def test_a_send_to_a_host_that_vanished_gives_up_and_lets_the_tensors_go(monkeyp
             os.kill(consumer.pid, 9)
             consumer.wait()
         hosts.close()
+
+
+async def test_a_cancel_does_not_wait_for_streams_queued_behind_other_fetches(monkeypatch):
+    """The receiving threads are shared: behind fetches stuck on a dead peer (up to ~30 s
+    each) a new fetch's streams queue. Cancelling it takes them out of the queue: it
+    returns at once, and none of them runs (nothing lands in `into=` later)."""
+    import concurrent.futures
+
+    from rdt_async.transports._base import TensorSpec, TransferInfo
+
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    monkeypatch.setattr(tcp, "_pool", pool)
+    release = threading.Event()
+    pool.submit(release.wait, 30)  # the one thread is busy elsewhere
+    t = tcp.TcpTransport()
+    x = torch.arange(1 << 22, dtype=torch.float32)  # 16 MiB: 4 streams
+    meta = t.prepare("queued", [x])
+    into = torch.zeros_like(x)
+    try:
+        task = asyncio.ensure_future(t.receive(TransferInfo("queued", (TensorSpec.of(x),), meta), [into], None))
+        await asyncio.sleep(0.2)
+        t0 = time.monotonic()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert time.monotonic() - t0 < 2
+    finally:
+        release.set()
+        pool.shutdown(wait=True)
+        t.garbage_collect("queued", meta)
+    assert into.count_nonzero().item() == 0  # none of its streams ran

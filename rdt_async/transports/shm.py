@@ -27,6 +27,7 @@ page tables already filled read at the speed of anonymous memory.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -496,7 +497,10 @@ def _pread_exact(fd: int, t: torch.Tensor, offset: int, nbytes: int) -> None:
     # about half of memcpy's speed from tmpfs pages.
     half = nbytes // 2 // ALIGN * ALIGN
     other = _io.pool(_io.SHM_READ).submit(_pread_range, fd, view, offset, half, nbytes)
-    _pread_range(fd, view, offset, 0, half)
+    try:
+        _pread_range(fd, view, offset, 0, half)
+    finally:
+        concurrent.futures.wait([other])  # it writes the caller's buffer, from `fd` the caller closes next
     other.result()
 
 

@@ -382,7 +382,8 @@ class TcpTransport(Transport[TcpMeta]):
         plans = _plan([r.nbytes for r in raws], _streams())
         fetch = _Fetch()
         pool = _threads()
-        streams = [asyncio.wrap_future(pool.submit(_stream, fetch, info.meta, info.obj_id, p, raws)) for p in plans]
+        submitted = [pool.submit(_stream, fetch, info.meta, info.obj_id, p, raws) for p in plans]
+        streams = [asyncio.wrap_future(f) for f in submitted]
         try:
             await asyncio.wait(streams, return_when=asyncio.FIRST_EXCEPTION)
             failed = next((f.exception() for f in streams if f.done() and f.exception()), None)
@@ -390,9 +391,12 @@ class TcpTransport(Transport[TcpMeta]):
                 raise failed
         except BaseException:
             fetch.cancel()  # every stream ends now; none writes `dsts` after this returns
+            for queued in submitted:
+                queued.cancel()  # streams still queued behind other fetches' never start
             await _io.shielded(asyncio.wait(streams))
             for f in streams:
-                f.exception()  # retrieved: the first failure is what the fetch raises
+                if not f.cancelled():
+                    f.exception()  # retrieved: the first failure is what the fetch raises
             raise
         if not all(f.result() for f in streams):
             raise ObjectFreedError(f"tcp fetch of {info.obj_id}: the producer no longer holds it", obj_id=info.obj_id)
