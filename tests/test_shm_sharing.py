@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import pytest
 import ray
@@ -345,3 +346,44 @@ def test_a_split_read_that_fails_returns_only_once_its_other_half_has_stopped(mo
     with pytest.raises(OSError, match="short read"):
         shm._pread_exact(-1, t, 0, t.numel())
     assert finished == [t.numel()]
+
+
+def test_a_guardian_sweeps_only_files_of_its_own_pid_namespace(tmp_path):
+    """Containers sharing /dev/shm (`--ipc=host`) but not PIDs: a producer's guardian must
+    not take another namespace's live files for a dead producer's (nor its own pid's)."""
+    import subprocess
+    import sys
+
+    from rdt_async.transports import _segments, shm
+
+    ns, other = _segments.pid_namespace(), "4026599999"
+    me = subprocess.Popen(["sleep", "60"])  # stands for the producer: alive while the guardian waits
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid of this namespace that no process has now
+    files = {
+        "dead-here": f"rdt-{dead.pid}-{ns}-aa",
+        "dead-there": f"rdt-{dead.pid}-{other}-bb",  # that pid may be alive in its namespace
+        "alive-here": f"rdt-{os.getpid()}-{ns}-cc",
+        "mine": f"rdt-{me.pid}-{ns}-dd",
+        "my-pid-there": f"rdt-{me.pid}-{other}-ee",
+        "not-ours": "torch_12_34",
+    }
+    for name in files.values():
+        (tmp_path / name).write_bytes(b"x")
+    guardian = subprocess.Popen(
+        [sys.executable, "-I", "-S", "-c", shm._GUARDIAN, str(tmp_path), "rdt-", str(me.pid), ns], stdin=subprocess.PIPE
+    )
+    try:
+        guardian.wait(10)  # the first child exits; the detached one holds stdin
+        wait_until(lambda: not (tmp_path / files["dead-here"]).exists(), 10, lambda: "the dead producer's file swept")
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(v for k, v in files.items() if k != "dead-here")
+        guardian.stdin.close()  # our producer ends: its own files go, and only those
+        wait_until(lambda: not (tmp_path / files["mine"]).exists(), 10, lambda: "the producer's own file swept")
+        time.sleep(0.2)
+        left = {"dead-there", "alive-here", "my-pid-there", "not-ours"}
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(files[k] for k in left)
+    finally:
+        me.kill()
+        me.wait()
+    assert _segments.owner(files["mine"]) == (me.pid, ns) and _segments.owner("torch_12_34") is None
+    assert _segments.name_prefix() == f"rdt-{os.getpid()}-{ns}-"

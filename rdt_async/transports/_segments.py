@@ -95,8 +95,31 @@ class Segment:
         return os.path.join(SHM_DIR, self.name)
 
 
+def pid_namespace() -> str:
+    """This process's PID namespace (its inode): with it in our files' names, a producer's
+    guardian judges only files of its own namespace by their pid. Containers that share
+    /dev/shm (`--ipc=host`) but not PIDs see each other's pids as dead (or as others)."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return "0"
+
+
+def name_prefix() -> str:
+    """`rdt-<pid>-<pid namespace>-`: what every file this process makes under /dev/shm starts with."""
+    return f"{PREFIX}{os.getpid()}-{pid_namespace()}-"
+
+
+def owner(name: str) -> tuple[int, str] | None:
+    """The (pid, pid namespace) a file of ours was made by; None for a name not of ours."""
+    parts = name[len(PREFIX) :].split("-", 2) if name.startswith(PREFIX) else []
+    if len(parts) < 3 or not parts[0].isdigit():
+        return None
+    return int(parts[0]), parts[1]
+
+
 def _new_name() -> str:
-    return f"{PREFIX}{os.getpid()}-{secrets.token_hex(12)}"
+    return f"{name_prefix()}{secrets.token_hex(12)}"
 
 
 def _capacity(nbytes: int) -> int:

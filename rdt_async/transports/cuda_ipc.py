@@ -46,7 +46,7 @@ import torch
 
 from .. import _cuda, _io
 from .._errors import ObjectFreedError, PeerDiedError, TransportUnavailableError
-from . import _cudadrv, shm
+from . import _cudadrv, _segments, shm
 from ._base import Channel, TransferInfo, Transport, or_none, pid_alive
 
 SLOTS_PER_TABLE = 1024
@@ -197,7 +197,7 @@ class CudaIpcTransport(Transport[CudaIpcMeta]):
             if not self._free_slots:
                 n = len(self._tables)
                 shm.ensure_guardian()  # removes the tables if this process is killed
-                name = f"{shm.PREFIX}{os.getpid()}-ipc-{secrets.token_hex(8)}"
+                name = f"{_segments.name_prefix()}ipc-{secrets.token_hex(8)}"
                 self._tables.append(_Table(name, create=True))
                 self._free_slots = list(range((n + 1) * SLOTS_PER_TABLE - 1, n * SLOTS_PER_TABLE - 1, -1))
             slot = self._free_slots.pop()

@@ -57,12 +57,13 @@ NOWAIT_BYTES = 1 << 20
 SPLIT_READ_BYTES = 16 << 20
 
 # Runs in the guardian: detach from the producer's process tree, sweep what dead
-# producers left, then wait for our producer's end (EOF on stdin) and sweep its segments.
+# producers of our PID namespace left, then wait for our producer's end (EOF on stdin)
+# and sweep its files. Names: `<pfx><pid>-<pid namespace>-...` (_segments.name_prefix).
 _GUARDIAN = r"""
 import os, sys
 if os.fork(): os._exit(0)
 os.setsid()
-d, pfx, me = sys.argv[1], sys.argv[2], sys.argv[3]
+d, pfx, me, ns = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
 def alive(pid):
     try: os.kill(int(pid), 0)
     except ProcessLookupError: return False
@@ -70,11 +71,12 @@ def alive(pid):
     return True
 def sweep(only):
     for n in os.listdir(d):
-        if n.startswith(pfx):
-            pid = n[len(pfx):].split("-", 1)[0]
-            if pid == only or (only is None and not alive(pid)):
-                try: os.unlink(os.path.join(d, n))
-                except OSError: pass
+        parts = n[len(pfx):].split("-", 2) if n.startswith(pfx) else []
+        if len(parts) < 3 or parts[1] != ns:
+            continue  # not ours, or made in another PID namespace: its pids mean nothing here
+        if parts[0] == only or (only is None and not alive(parts[0])):
+            try: os.unlink(os.path.join(d, n))
+            except OSError: pass
 sweep(None)
 sys.stdin.buffer.read()
 sweep(me)
@@ -267,7 +269,7 @@ _guardian_lock = threading.Lock()
 
 
 def ensure_guardian() -> None:
-    """Start this process's guardian once: it unlinks our `PREFIX<pid>-*` files when we end.
+    """Start this process's guardian once: it unlinks our `PREFIX<pid>-<pid ns>-*` files when we end.
 
     Runs on: producer (shm segments, cuda_ipc's liveness tables).
     """
@@ -278,7 +280,7 @@ def ensure_guardian() -> None:
         if _guardian is not None and _guardian[1] == os.getpid():
             return
         proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", _GUARDIAN, SHM_DIR, PREFIX, str(os.getpid())],
+            [sys.executable, "-I", "-S", "-c", _GUARDIAN, SHM_DIR, PREFIX, str(os.getpid()), _segments.pid_namespace()],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -300,7 +302,8 @@ def _open(info: TransferInfo[ShmMeta]) -> int:
     segment = info.meta.segment
     assert segment is not None
     fd = os.open(os.path.join(SHM_DIR, segment), os.O_RDONLY)
-    if not pid_alive(int(segment[len(PREFIX) :].split("-", 1)[0])):
+    made_by = _segments.owner(segment)
+    if made_by is not None and made_by[1] == _segments.pid_namespace() and not pid_alive(made_by[0]):
         os.close(fd)
         raise PeerDiedError(f"fetch over shm: the producer of {info.obj_id} died", obj_id=info.obj_id)
     return fd
