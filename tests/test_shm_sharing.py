@@ -387,3 +387,18 @@ def test_a_guardian_sweeps_only_files_of_its_own_pid_namespace(tmp_path):
         me.wait()
     assert _segments.owner(files["mine"]) == (me.pid, ns) and _segments.owner("torch_12_34") is None
     assert _segments.name_prefix() == f"rdt-{os.getpid()}-{ns}-"
+
+
+def test_an_idle_segment_unlinked_by_someone_else_is_replaced_not_an_error():
+    from rdt_async.transports import _segments
+
+    pool = _segments.SegmentPool()
+    seg = pool.take(2 << 20)
+    pool.recycle(seg.name)  # idle, warm, for the next export of its size
+    os.unlink(seg.path)  # a tmp cleaner, or a hand
+    again = pool.take(2 << 20)
+    try:
+        assert again is not seg and os.path.exists(again.path) and pool.created == 2
+    finally:
+        pool.discard(again.name)
+    assert not os.path.exists(again.path)

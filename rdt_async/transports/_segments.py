@@ -146,8 +146,12 @@ class SegmentPool:
         if seg is not None:
             old = seg.path
             seg.name = _new_name()
-            os.rename(old, seg.path)  # same pages, same mapping: a name nobody holds
-        else:
+            try:
+                os.rename(old, seg.path)  # same pages, same mapping: a name nobody holds
+            except FileNotFoundError:  # someone unlinked it (a hand, a tmp cleaner): make another
+                _drop(seg)
+                seg = None
+        if seg is None:
             seg = self._create(capacity)
             self.created += 1
         if seg.reserved < nbytes:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import dataclasses
+import errno
 import logging
 import os
 import subprocess
@@ -195,7 +196,9 @@ class ShmTransport(Transport[ShmMeta]):
         try:
             seg = _segments.pool.take(size)
         except OSError as exc:
-            raise _no_room(size, exc) from exc
+            if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                raise _no_room(size, exc) from exc
+            raise
         try:
             for t, off in zip(tensors, offsets):
                 if t.numel():
