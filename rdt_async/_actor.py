@@ -290,8 +290,8 @@ def _control_methods(is_async: bool) -> dict[str, Any]:
         async def rdt__anchors(self: Any, n: int) -> tuple[None, ...]:
             return (None,) * n  # its returns are this actor's anchors (_object._Anchors)
 
-        async def rdt__ping(self: Any) -> None:
-            return None  # a failed fetch asks whether the producer is alive
+        async def rdt__ping(self: Any) -> str:
+            return _object._token_for(os.getpid())  # a failed fetch asks whether the producer is alive
 
         async def rdt__group(self: Any, msg: Message) -> Any:
             # Group operations block for a whole collective: their own threads, so
@@ -310,8 +310,8 @@ def _control_methods(is_async: bool) -> dict[str, Any]:
         def rdt__anchors(self: Any, n: int) -> tuple[None, ...]:  # type: ignore[misc]
             return (None,) * n
 
-        def rdt__ping(self: Any) -> None:  # type: ignore[misc]
-            return None
+        def rdt__ping(self: Any) -> str:  # type: ignore[misc]
+            return _object._token_for(os.getpid())  # (a restarted actor answers with another)
 
         def rdt__group(self: Any, msg: Message) -> Any:  # type: ignore[misc]
             return collective.serve(msg)

@@ -68,23 +68,25 @@ async def producer_died(p: Process, *, timeout: float = PING_S) -> bool:
     # within VERDICT_S (its pings fail with ActorUnavailableError meanwhile).
     verdict_by = time.monotonic() + timeout + VERDICT_S
     while (left := verdict_by - time.monotonic()) > 0:
-        alive = await _ping(actor, left)
+        alive = await _ping(actor, left, p.token)
         if alive is not None:
             return not alive
         await asyncio.sleep(min(0.5, max(0.0, verdict_by - time.monotonic())))  # unreachable for now: ask again
     return False
 
 
-async def _ping(actor: Any, timeout: float) -> bool | None:
-    """Ping a producer's `rdt` group: True if it answered, False if Ray says it is dead, None
-    if neither within `timeout` or it is unreachable for now (ActorUnavailableError)."""
+async def _ping(actor: Any, timeout: float, token: str) -> bool | None:
+    """Ping a producer's `rdt` group: True if it answered, False if Ray says it is dead or
+    another process answers for it (the actor restarted: the one that held the objects is
+    gone), None if neither within `timeout` or it is unreachable for now
+    (ActorUnavailableError)."""
     ping = asyncio.ensure_future(await_ref(actor.rdt__ping.remote()))
     try:
         await asyncio.wait({ping}, timeout=timeout)
         if not ping.done():
             return None
-        ping.result()
-        return True
+        answer = ping.result()
+        return answer is None or answer == token  # (None: a producer of an older rdt_async)
     except ray.exceptions.ActorUnavailableError:
         return None
     except ray.exceptions.RayActorError:
@@ -106,7 +108,7 @@ async def watch_producer(p: Process) -> None:
     ActorUnavailableError until then.
     """
     actor = await p.handle()
-    while not died_on_this_node(p) and await _ping(actor, 10 * WATCH_EVERY_S) is not False:  # noqa: ASYNC110  (a remote poll: no event to wait on)
+    while not died_on_this_node(p) and await _ping(actor, 10 * WATCH_EVERY_S, p.token) is not False:  # noqa: ASYNC110  (a remote poll: no event to wait on)
         await asyncio.sleep(WATCH_EVERY_S)
 
 

@@ -154,3 +154,33 @@ def test_a_consumer_killed_mid_fetch_leaves_the_producer_clean(transport):
             rdt.destroy_collective_group(group)
         ray.kill(producer)
         ray.kill(consumer)
+
+
+@pytest.mark.parametrize("transport", ["object_store", "tcp"])
+def test_a_producer_that_ray_restarted_is_dead_for_its_objects(transport):
+    """With max_restarts, Ray brings a crashed producer back as a new process, which holds
+    none of the old one's objects: fetching them is a death (PeerDiedError, so callers
+    retry elsewhere), not an ObjectFreedError or a TransferError about a live producer."""
+    producer = _producer(transport).options(max_restarts=1, **ON_NODE2).remote()
+    consumer = Consumer.remote()
+    try:
+        ref = producer.make.remote()
+        assert ray.get(consumer.fetch_total.remote([ref]), timeout=60) == 2.0 * N
+        ref = producer.make.remote()
+        ray.wait([ref], timeout=60)
+        ray.kill(producer, no_restart=False)  # Ray starts it again
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # until the new process serves
+            try:
+                if ray.get(producer.ping.remote(), timeout=10) == "pong":
+                    break
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+                time.sleep(0.2)
+        started = time.monotonic()
+        with pytest.raises(rdt.PeerDiedError, match=r"died"):
+            ray.get(consumer.total.remote(ref), timeout=60)
+        assert time.monotonic() - started < 15
+        assert ray.get(producer.ping.remote(), timeout=30) == "pong"  # the new one serves on
+    finally:
+        ray.kill(producer)
+        ray.kill(consumer)
