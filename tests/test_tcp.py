@@ -318,3 +318,25 @@ async def test_a_cancel_does_not_wait_for_streams_queued_behind_other_fetches(mo
         pool.shutdown(wait=True)
         t.garbage_collect("queued", meta)
     assert into.count_nonzero().item() == 0  # none of its streams ran
+
+
+def test_a_kept_connection_found_dead_is_replaced_once(monkeypatch):
+    """A connection kept for reuse whose producer end went while it was idle (a network blip
+    since healed): the next fetch connects anew instead of failing with a TransferError."""
+    t = tcp.TcpTransport()
+    x = torch.arange(1 << 20, dtype=torch.float32)
+    meta = t.prepare("stale", [x])
+    key = (meta.host, meta.port, meta.token)
+    dead, gone = socket.socketpair()
+    gone.close()  # its peer is gone: a send fails (EPIPE) or the answer is EOF
+    try:
+        tcp._forget(meta)
+        with tcp._idle_lock:
+            tcp._idle[key] = [(dead, time.monotonic())]
+        got = torch.empty_like(x)
+        assert tcp._stream(tcp._Fetch(), meta, "stale", [(0, 0, x.nbytes)], [tcp._raw(got)])
+        assert torch.equal(got, x) and dead.fileno() == -1
+        assert [s.fileno() >= 0 for s, _ in tcp._idle[key]] == [True]  # the new one is kept
+    finally:
+        tcp._forget(meta)
+        t.garbage_collect("stale", meta)

@@ -211,11 +211,13 @@ def _sweep(cutoff: float) -> float | None:  # on the I/O loop
 _sweeper = _segments.IdleSweep(_sweep, lambda: IDLE_S)
 
 
-def _connect(meta: TcpMeta) -> socket.socket:
-    with _idle_lock:
-        pool = _idle.get((meta.host, meta.port, meta.token))
-        if pool:
-            return pool.pop()[0]  # the most recently used
+def _connect(meta: TcpMeta, reuse: bool = True) -> tuple[socket.socket, bool]:
+    """A connection to the producer, and whether it is a kept one (else new)."""
+    if reuse:
+        with _idle_lock:
+            pool = _idle.get((meta.host, meta.port, meta.token))
+            if pool:
+                return pool.pop()[0], True  # the most recently used
     try:
         sock = socket.create_connection((meta.host, meta.port), timeout=CONNECT_S)
     except TimeoutError as exc:  # not the caller's deadline: a transfer error (the core asks Ray about the producer)
@@ -227,7 +229,7 @@ def _connect(meta: TcpMeta) -> socket.socket:
     except BaseException:
         sock.close()
         raise
-    return sock
+    return sock, False
 
 
 def _keep(meta: TcpMeta, sock: socket.socket) -> None:
@@ -286,15 +288,34 @@ def _forget(meta: TcpMeta) -> None:
         sock.close()
 
 
+class _Stale(Exception):
+    """A kept connection failed before any answer: its peer went while it was idle."""
+
+
 def _stream(fetch: _Fetch, meta: TcpMeta, obj_id: str, parts: list[tuple[int, int, int]], dsts: list[memoryview]) -> bool:
-    """Fetch `parts` over one connection into `dsts` (blocking); False if the object is freed."""
-    sock = _connect(meta)
+    """Fetch `parts` over one connection into `dsts` (blocking); False if the object is freed.
+
+    A kept connection found dead before any answer (the producer's end went while it was
+    idle: a network blip since healed, keepalive) is replaced by a new one, once.
+    """
+    try:
+        return _stream_once(fetch, meta, obj_id, parts, dsts, reuse=True)
+    except _Stale as stale:
+        assert stale.__cause__ is not None
+        return _stream_once(fetch, meta, obj_id, parts, dsts, reuse=False)
+
+
+def _stream_once(
+    fetch: _Fetch, meta: TcpMeta, obj_id: str, parts: list[tuple[int, int, int]], dsts: list[memoryview], reuse: bool
+) -> bool:
+    sock, reused = _connect(meta, reuse)
     fetch.use(sock)
-    ok = False
+    ok = answered = False
     try:
         encoded = obj_id.encode()
         sock.sendall(_HEAD.pack(len(encoded), len(parts)) + encoded + b"".join(_PART.pack(*p) for p in parts))
         status = _recv_exact(sock, 1)
+        answered = True
         if status == FREED:
             ok = True
             return False
@@ -304,9 +325,11 @@ def _stream(fetch: _Fetch, meta: TcpMeta, obj_id: str, parts: list[tuple[int, in
             _recv_into(sock, dsts[i][off : off + n])
         ok = True
         return True
-    except OSError:
+    except OSError as exc:
         if not fetch.cancelled:
             _forget(meta)  # the producer (or the path to it) failed: its other connections too
+            if reused and not answered:
+                raise _Stale from exc
         raise
     finally:
         if fetch.release(sock) and ok:
