@@ -149,6 +149,7 @@ class GlooTransport(Transport[GlooMeta]):
     name = "gloo"
     backend = "gloo"
     devices: ClassVar[tuple[str, ...]] = ("cpu",)
+    matches_in_order = False  # Gloo matches a send to its receive by tag
     one_sided = False
     pins_memory = False
     can_abort = False
@@ -194,8 +195,12 @@ class GlooTransport(Transport[GlooMeta]):
                 await reply  # raises ObjectFreedError
                 raise ObjectFreedError(f"object {info.obj_id} was freed before it was fetched", obj_id=info.obj_id)
         except asyncio.CancelledError:
-            if waiting is not None and buffers is not None and any(d is b for d, b in zip(dsts, buffers)):
-                await _drain(group, waiting)  # they write the caller's memory: not after we return
+            if waiting is not None and (
+                self.matches_in_order or (buffers is not None and any(d is b for d, b in zip(dsts, buffers)))
+            ):
+                # They write the caller's memory (not after we return), or (NCCL) the pair's
+                # next transfer would meet these receives: they complete first.
+                await _drain(group, waiting)
             raise
         except BaseException as exc:
             if not isinstance(exc, (asyncio.CancelledError, ObjectFreedError)):
@@ -260,6 +265,7 @@ class NcclTransport(GlooTransport):
     name = "nccl"
     backend = "nccl"
     devices = ("cuda",)
+    matches_in_order = True  # NCCL ignores tags: a send meets the pair's oldest posted receive
 
     def __init__(self) -> None:
         super().__init__()
