@@ -99,3 +99,12 @@ def test_loadability_is_asked_only_of_a_winner_that_needs_it():
     other = _auto.choose_checked(facts(), loads)
     assert (other.transport, asked) == ("object_store", ["nixl"])
     assert set(other.estimates) == {"object_store"}
+
+
+def test_the_bench_refuses_unknown_paths_before_it_runs():
+    from rdt_async.bench._e2e import check_paths
+
+    assert check_paths(" Rdt auto , ray object store  zero-copy,") == ["rdt auto", "ray object store zero-copy"]
+    assert check_paths("") is None
+    with pytest.raises(SystemExit, match=r"--e2e-paths: unknown 'ray objectstore'; the paths are: rdt auto, rdt shm"):
+        check_paths("rdt auto,ray objectstore")

@@ -59,9 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     def want(name: str) -> bool:
         return not only or name in only
 
-    if args.write_costs:
-        from ._e2e import check_costs_file
+    from ._e2e import check_costs_file, check_paths
 
+    paths = check_paths(args.e2e_paths)  # a wrong name says so now, not as a failed row after minutes
+    if args.write_costs:
         check_costs_file(args.write_costs)  # now, not after the run
     from ..transports import _auto
 
@@ -79,7 +80,6 @@ def main(argv: list[str] | None = None) -> int:
             from . import _e2e
 
             e2e_sizes = [parse_size(s) for s in args.e2e_sizes.split(",")]
-            paths = [p.strip() for p in args.e2e_paths.split(",") if p.strip()] or None
             rows += _e2e.run(e2e_sizes, args.repeat, progress=progress, paths=paths, hosts=args.hosts,
                              fanouts=tuple(int(k) for k in args.e2e_fanouts.split(",") if k.strip()))
             if args.write_costs:

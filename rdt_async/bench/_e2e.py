@@ -358,6 +358,17 @@ def _ratios(rows: list[dict[str, Any]]) -> None:
             r["vs_best_ray"] = r["seconds"] / base
 
 
+def check_paths(spec: str) -> list[str] | None:
+    """`--e2e-paths`, comma-separated, as the path names (any case); None for all.
+    Raises SystemExit naming the known paths, before anything runs."""
+    known = _ours() + list(RAY_PATHS)
+    paths = [" ".join(p.split()).lower() for p in spec.split(",") if p.strip()]
+    unknown = [p for p in paths if p not in known]
+    if unknown:
+        raise SystemExit(f"--e2e-paths: unknown {', '.join(map(repr, unknown))}; the paths are: {', '.join(known)}")
+    return paths or None
+
+
 def check_costs_file(path: str) -> None:
     """Before a run that will merge costs into `path`: an existing file must be a cost file
     (else the run's end would fail). Raises SystemExit naming the fix."""
