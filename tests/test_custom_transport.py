@@ -674,3 +674,60 @@ def test_device_reads_straight_into_that_device_where_the_transport_can():
     assert torch.equal(got[0], torch.ones(3)) and torch.equal(got[1]["x"], torch.full((2, 2), 2))
     got = asyncio.run(rdt.fetch(obj, device="meta"))  # already there: no buffers, nothing moved
     assert _LandsWhereAsked.seen[-1] is None and got[0].device.type == "meta"
+
+
+async def test_a_ray_manager_fetch_that_fails_before_its_transfer_gives_the_lent_metadata_back():
+    """A two-sided manager's object that was not prepared: the producer makes metadata for
+    the one transfer (_Describe) and holds it, with the tensors, until that transfer ends.
+    A consumer that fails or is cancelled before the transfer starts must still give it
+    back, also when its word arrives before the _Describe is served."""
+    from rdt_async.transports import _ray_adapter as ra
+    from rdt_async.transports._base import TensorSpec, TransferInfo
+
+    class Lending:
+        collected: list[str] = []
+
+        def tensor_transport_backend(self):
+            return "LEND"
+
+        @staticmethod
+        def is_one_sided():
+            return False
+
+        @staticmethod
+        def can_abort_transport():
+            return False
+
+        def extract_tensor_transport_metadata(self, obj_id, tensors):
+            return f"meta of {obj_id}"
+
+        def get_communicator_metadata(self, src_actor, dst_actor, backend=None):
+            raise RuntimeError("no communicator between them")
+
+        def garbage_collect(self, obj_id, meta, tensors):
+            self.collected.append(obj_id)
+
+    producer, consumer = ra.adapt("lend", ("cpu",), Lending)(), ra.adapt("lend", ("cpu",), Lending)()
+    x = torch.ones(4)
+
+    class Loopback:  # the consumer's requests, served by the producer's side in this process
+        async def request_send(self, request):
+            return await producer.send_multiple_tensors("o1", [x], None, request)
+
+    info = TransferInfo("o1", (TensorSpec.of(x),), None)
+    with pytest.raises(RuntimeError, match="no communicator between them"):
+        await consumer.receive(info, None, Loopback())
+    for _ in range(100):
+        if Lending.collected:
+            break
+        await asyncio.sleep(0.02)
+    assert Lending.collected == ["o1"] and not producer._lent
+
+    # The abort overtakes the describe: the late describe lends nothing for good.
+    await producer.send_multiple_tensors("o2", [x], None, ra._Abort(None, "t2"))
+    await producer.send_multiple_tensors("o2", [x], None, ra._Describe("t2"))
+    for _ in range(100):
+        if len(Lending.collected) == 2:
+            break
+        await asyncio.sleep(0.02)
+    assert Lending.collected == ["o1", "o2"] and not producer._lent and not producer._given_up

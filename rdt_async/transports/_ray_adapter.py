@@ -123,6 +123,8 @@ class RayManagerTransport(Transport[RayMeta]):
         self._held: dict[str, list[torch.Tensor]] = {}
         # Producer: metadata made for one transfer of an object that was not prepared.
         self._lent: dict[str, tuple[str, Any, list[torch.Tensor]]] = {}
+        # Producer: tokens whose consumer gave up before their _Describe was served (bounded).
+        self._given_up: dict[str, bool] = {}
 
     def prepare(self, obj_id: str, tensors: Sequence[torch.Tensor]) -> RayMeta:
         """Run the manager's extract_tensor_transport_metadata. Runs on: producer."""
@@ -159,10 +161,16 @@ class RayManagerTransport(Transport[RayMeta]):
                     f"object {info.obj_id} carries no {self.name!r} metadata", obj_id=info.obj_id
                 )
             token = secrets.token_hex(8)
-            meta = await channel.request_send(_Describe(token))
-        comm = await _io.to_thread(
-            self._manager.get_communicator_metadata, meta.src_actor, _current_actor(), self.name
-        )
+        try:
+            if token is not None:
+                meta = await channel.request_send(_Describe(token))
+            comm = await _io.to_thread(
+                self._manager.get_communicator_metadata, meta.src_actor, _current_actor(), self.name
+            )
+        except BaseException:
+            if token is not None:  # what the producer made for this transfer goes back (no wait)
+                asyncio.ensure_future(channel.request_send(_Abort(None, token))).add_done_callback(_retrieve)
+            raise
         recv = asyncio.wrap_future(
             _io.pool(_io.ADAPTER).submit(self._recv, info.obj_id, meta.transport_meta, comm, buffers)
         )
@@ -215,8 +223,19 @@ class RayManagerTransport(Transport[RayMeta]):
             )
             with self._lock:
                 self._lent[request.token] = (obj_id, transport_meta, list(tensors))
+                given_up = self._given_up.pop(request.token, False)
+            if given_up:  # its consumer gave up before this arrived (its _Abort came first)
+                self._give_back(request.token)
             return RayMeta(transport_meta, _current_actor())
         if isinstance(request, _Abort):
+            if request.comm is None:  # the consumer gave up before its transfer started
+                with self._lock:
+                    if request.token is not None and request.token not in self._lent:
+                        self._given_up[request.token] = True
+                        while len(self._given_up) > 4096:
+                            self._given_up.pop(next(iter(self._given_up)))
+                self._give_back(request.token)
+                return None
             try:
                 if self.can_abort:
                     loop = asyncio.get_running_loop()
