@@ -340,3 +340,32 @@ def test_a_kept_connection_found_dead_is_replaced_once(monkeypatch):
     finally:
         tcp._forget(meta)
         t.garbage_collect("stale", meta)
+
+
+def test_wait_tensor_freed_waits_for_a_send_in_flight_after_a_free():
+    """A producer frees an object while a consumer's fetch of it is mid-send, then waits
+    for its tensor to be free to write it in place (a trainer's step): the wait must last
+    until the send has read the bytes, or the consumer gets a torn value."""
+    from rdt_async._store import StoredObject, store
+
+    t = tcp.TcpTransport()
+    w = torch.full((16 << 20,), 1.0)  # 64 MiB: far more than the socket buffers hold
+    meta = t.prepare("in-flight", [w])
+    store.add("in-flight", StoredObject([w], {t: meta}))
+    sock = socket.create_connection(("127.0.0.1", meta.port))
+    try:
+        sock.sendall(tcp.MAGIC + meta.token + tcp._HEAD.pack(9, 1) + b"in-flight" + tcp._PART.pack(0, 0, w.nbytes))
+        assert tcp._recv_exact(sock, 1) == tcp.HELD
+        time.sleep(0.2)  # the send fills the buffers and waits: we read no more for now
+        assert store.free("in-flight")
+        assert not store.wait_freed_blocking(w, 0.5), "free while a send reads it"
+        got = torch.empty_like(w)
+        reader = threading.Thread(target=tcp._recv_into, args=(sock, tcp._raw(got)))
+        reader.start()
+        assert store.wait_freed_blocking(w, 30)
+        w.fill_(2.0)  # the step, once free
+        reader.join(30)
+        assert torch.equal(got, torch.full_like(w, 1.0))
+    finally:
+        sock.close()
+        t.garbage_collect("in-flight", meta)

@@ -155,10 +155,20 @@ def _answer(conn: socket.socket) -> bool:
     body = _recv_exact(conn, id_len + nparts * _PART.size)
     obj_id = body[:id_len].decode()
     parts = list(_PART.iter_unpack(body[id_len:]))
-    tensors = _objects.get(obj_id)  # kept by this send until it ends, whatever a free does
-    if tensors is None:
-        conn.sendall(FREED)
-        return True
+    from .._store import store
+
+    # Held in the store while it is sent: a free meanwhile makes wait_tensor_freed wait for
+    # the send (it reads the producer's own storage), so no write in place tears it. (An
+    # object the store never held: a transport driven alone, as in its contract tests.)
+    with store.reading(obj_id) as stored:
+        tensors = None if stored is None and store.was_freed(obj_id) else _objects.get(obj_id)
+        if tensors is None:
+            conn.sendall(FREED)
+            return True
+        return _send_parts(conn, obj_id, tensors, parts)
+
+
+def _send_parts(conn: socket.socket, obj_id: str, tensors: list[torch.Tensor], parts: list[tuple[int, int, int]]) -> bool:
     raws = [_raw(t) for t in tensors]
     views = []
     for i, off, n in parts:

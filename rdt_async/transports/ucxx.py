@@ -36,6 +36,7 @@ fetch returns. A transfer that fails on a live endpoint gives up the same way.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import importlib
 import importlib.util
@@ -227,9 +228,28 @@ class _Worker:
             self.served.discard(ep)
 
     def _send(self, ep: Any, message: bytes) -> None:
-        """Post the answer to a fetch request now; a task keeps it until it is sent."""
+        """Post the answer to a fetch request now; a task keeps it until it is sent.
+
+        The object is held in the store until then: a free meanwhile makes
+        wait_tensor_freed wait for the sends (UCX reads the producer's own storage).
+        """
+        from .._store import store
+
         base, posted, packed, obj_id = _unpack(message)
-        tensors = _objects.get(obj_id)
+        held = contextlib.ExitStack()
+        try:
+            stored = held.enter_context(store.reading(obj_id))
+            # (An object the store never held: a transport driven alone, as in its contract tests.)
+            tensors = None if stored is None and store.was_freed(obj_id) else _objects.get(obj_id)
+            self._post_answer(ep, base, posted, packed, tensors, held)
+        except BaseException:
+            held.close()
+            raise
+
+    def _post_answer(
+        self, ep: Any, base: int, posted: list[int], packed: bool, tensors: list[torch.Tensor] | None,
+        held: contextlib.ExitStack,
+    ) -> None:
         status = np.array([HELD if tensors is not None else FREED], dtype=np.uint64)
         sends: list[tuple[int, np.ndarray, torch.Tensor | None]]
         if packed:  # a small object: status and bytes in one message
@@ -250,6 +270,7 @@ class _Worker:
         sending = asyncio.ensure_future(asyncio.gather(*waits, return_exceptions=True))  # a dead consumer fails them all
         self.sending.add(sending)
         sending.add_done_callback(self.sending.discard)
+        sending.add_done_callback(lambda _: held.close())  # the store lets the tensors go
 
     # -- consumer -------------------------------------------------------------
 
