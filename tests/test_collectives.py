@@ -274,6 +274,10 @@ def test_errors_name_the_holder_and_leave_the_group_usable(four):
         rdt.broadcast(refs[0], to=[workers[1], workers[1]])
     with pytest.raises(ValueError, match="unknown reduction op 'mean'"):
         rdt.allreduce(refs, op="mean")
+    with pytest.raises(ValueError, match=r"unknown tensor_transport 'shmm'; available: auto, inline, shm"):
+        rdt.allreduce(refs, tensor_transport="shmm", inplace=True)  # refused before anything is reduced
+    with pytest.raises(ValueError, match=r"unknown tensor_transport 'shmm'"):
+        rdt.broadcast(refs[0], to=[workers[1]], tensor_transport="shmm")
     ray.kill(outsider)
     assert all(b is None for b in ray.get([w.broken.remote("coll-four") for w in workers]))
     assert_value(rdt.get(rdt.allreduce(refs)[2], timeout=60), expected(range(4), "sum"), 2)

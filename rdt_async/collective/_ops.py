@@ -13,6 +13,7 @@ from typing import Any
 from .. import _io
 from .._errors import CollectiveGroupError
 from .._object import RDTObject
+from ..transports import _registry
 from ._checks import (
     Holder,
     check_avg,
@@ -181,6 +182,7 @@ async def _over_refs(
     inplace: bool = False,
 ) -> list[Any]:
     """Check, then run an allreduce, reduce_scatter or allgather. Runs on: caller (I/O loop)."""
+    _check_transport(transport)
     verb = kind.verb
     objs = await resolve_all(verb, refs)
     holders = [await holder_of(verb, i, o) for i, o in enumerate(objs)]
@@ -211,6 +213,7 @@ async def _over_refs(
 
 async def _broadcast(ref: Any, to: tuple[Any, ...], group: Any, transport: str | None) -> list[Any]:
     """Check, then run a broadcast. Runs on: caller (I/O loop)."""
+    _check_transport(transport)
     (obj,) = await resolve_all("broadcast", [ref])
     src = await holder_of("broadcast", 0, obj)
     receivers = [member_handle("broadcast", i, a) for i, a in enumerate(to)]
@@ -252,3 +255,10 @@ async def _broadcast(ref: Any, to: tuple[Any, ...], group: Any, transport: str |
 def _inline(obj: RDTObject) -> tuple[bytes, ...] | None:
     """The bytes of an object its producer keeps nothing for (see transports/inline.py)."""
     return obj.meta.get("inline") if obj.anchor is None else None
+
+
+def _check_transport(transport: str | None) -> None:
+    """A transport name that no transport has fails the call now, not after every member
+    has reduced (and then the group, broken by the failed return)."""
+    if transport is not None:
+        _registry.check_name(transport)
