@@ -355,6 +355,30 @@ async def test_create_from_a_loop_needs_the_async_twin():
 
 
 @rdt.remote
+class SlowToStart:
+    def __init__(self) -> None:
+        time.sleep(3)  # a member still starting: its ping waits
+
+    def ping(self) -> str:
+        return "pong"
+
+
+async def test_a_group_creation_cut_short_by_the_callers_timeout_is_a_timeout_and_frees_the_name():
+    """The caller's deadline is not a member's fault: TimeoutError, not CollectiveGroupError
+    blaming a member, and the name is free again."""
+    a, b = GlooProducer.remote(), SlowToStart.remote()
+    try:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(rdt.create_collective_group_async([a, b], name="cut-short"), 0.5)
+        assert await asyncio.wrap_future(b.ping.remote().future()) == "pong"
+        g = await rdt.create_collective_group_async([a, b], name="cut-short")  # the name is free
+        await rdt.destroy_collective_group_async(g)
+    finally:
+        ray.kill(a)
+        ray.kill(b)
+
+
+@rdt.remote
 class Listening:
     @rdt.method(tensor_transport="gloo")
     async def make(self, n: int, fill: float):

@@ -54,10 +54,9 @@ async def create_collective_group_async(
             *(call(a, Join(name, backend, rank, len(actors), host, port, timeout_s)) for rank, a in enumerate(actors))
         )
     except BaseException as exc:
-        await _leave_all(actors, name)
-        await _io.to_thread(_records.release, name, purpose=_io.CALLS)
-        if isinstance(exc, CollectiveGroupError):
-            raise
+        await asyncio.shield(asyncio.ensure_future(_undo(actors, name)))  # a second cancel leaves it running
+        if isinstance(exc, (CollectiveGroupError, asyncio.CancelledError)):
+            raise  # (a cancel, or the caller's timeout, stays one)
         raise CollectiveGroupError(f"creating collective group {name!r} failed: {cause(exc)}") from exc
     return CollectiveGroup(name, backend, actors)
 
@@ -105,12 +104,18 @@ def _validate(actors: tuple[Any, ...], backend: str) -> None:
         raise CollectiveGroupError("an actor appears twice in the group")
 
 
+async def _undo(actors: Sequence[Any], name: str) -> None:
+    """A creation that did not finish: members leave, the name is free again."""
+    await _leave_all(actors, name)
+    await _io.to_thread(_records.release, name, purpose=_io.CALLS)
+
+
 async def _ping_all(actors: tuple[Any, ...], name: str) -> None:
     async def ping(i: int, a: Any) -> None:
         try:
             async with asyncio.timeout(PING_TIMEOUT_S):
                 await call(a, Ping())
-        except BaseException as exc:
+        except Exception as exc:  # (not a cancel of the caller's: that is no member's fault)
             raise CollectiveGroupError(
                 f"cannot create group {name!r}: member {i} ({a._actor_id.hex()[:8]}) is dead or "
                 f"unreachable ({cause(exc)})"
@@ -124,7 +129,7 @@ async def _leave_all(actors: Sequence[Any], name: str) -> None:
         try:
             async with asyncio.timeout(PING_TIMEOUT_S):
                 await call(a, Leave(name))
-        except BaseException:
+        except Exception:
             pass  # dead or unreachable: nothing left to tear down there
 
     await asyncio.gather(*(leave(a) for a in actors))
