@@ -42,11 +42,18 @@ def method(fn: F | None = None, /, *, tensor_transport: str = "auto", **ray_meth
     other options go to `ray.method`. Its ObjectRef resolves to an RDTObject.
     Raises: ValueError at decoration for an unknown transport, naming the available ones.
     """
+    if isinstance(fn, str):
+        raise TypeError(f"@rdt.method({fn!r}): name the transport, @rdt.method(tensor_transport={fn!r})")
     _registry.check_name(tensor_transport)
     if "tensor_transport" in ray_method_opts:
         raise TypeError("pass tensor_transport once")
 
     def mark(f: F) -> F:
+        if isinstance(f, (staticmethod, classmethod)):
+            raise TypeError(
+                f"@rdt.method marks methods of an actor's instance, not a {type(f).__name__}: "
+                "drop the @" + type(f).__name__ + " (an actor's results come from its instance)"
+            )
         if not callable(f):
             raise TypeError(f"@rdt.method decorates methods, not {type(f).__name__}")
         if inspect.isgeneratorfunction(f) or inspect.isasyncgenfunction(f):
@@ -177,7 +184,14 @@ def _user_methods(cls: type) -> dict[str, Callable[..., Any]]:
                 continue  # staticmethod, classmethod, properties, attributes
             if name.startswith("__") and name not in ("__init__", "__call__"):
                 continue
-            out[name] = getattr(attr, "__rdt_method__", attr)  # under an @rdt.method guard
+            inner = getattr(attr, "__rdt_method__", None)  # under an @rdt.method guard
+            if inner is not None:
+                # Options of a @ray.method above @rdt.method are on the guard: Ray reads
+                # them from the function under the wrappers, so they go there.
+                for key, value in vars(attr).items():
+                    if key.startswith("__ray_"):
+                        setattr(inner, key, value)
+            out[name] = inner if inner is not None else attr
     return out
 
 

@@ -193,3 +193,33 @@ def test_a_two_sided_transport_without_a_group_refuses_at_return():
     with pytest.raises(rdt.TransportUnavailableError, match="in no gloo group"):
         rdt.put(torch.ones(2), tensor_transport="gloo")  # the driver is in none either
     ray.kill(a)
+
+
+def test_method_misuses_are_refused_at_decoration_naming_the_fix():
+    with pytest.raises(TypeError, match=r"@rdt.method\('shm'\): name the transport, @rdt.method\(tensor_transport='shm'\)"):
+        rdt.method("shm")
+    with pytest.raises(TypeError, match=r"not a staticmethod: drop the @staticmethod"):
+
+        class A:
+            @rdt.method
+            @staticmethod
+            def make():
+                return torch.ones(1)
+
+
+def test_ray_method_options_above_rdt_method_are_kept():
+    """`@ray.method(num_returns=2)` over `@rdt.method` works as under it."""
+
+    @rdt.remote
+    class Two:
+        @ray.method(num_returns=2)
+        @rdt.method(tensor_transport="shm")
+        def pair(self):
+            return torch.ones(2), torch.full((3,), 2.0)
+
+    p = Two.remote()
+    try:
+        a, b = p.pair.remote()
+        assert rdt.get(a).tolist() == [1.0, 1.0] and rdt.get(b).tolist() == [2.0] * 3
+    finally:
+        ray.kill(p)
