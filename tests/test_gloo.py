@@ -11,7 +11,7 @@ import time
 import pytest
 import ray
 import torch
-from conftest import ON_NODE2
+from conftest import ON_NODE2, wait_until
 from helpers import checksum
 from probes import cancel_after
 
@@ -423,3 +423,36 @@ def test_gloo_listens_on_the_interface_gloo_socket_ifname_names():
         rdt.destroy_collective_group(g)
         ray.kill(a)
         ray.kill(b)
+
+
+def test_a_group_name_left_behind_by_dead_members_can_be_freed_by_name():
+    """A job that ended without destroying its group leaves the name claimed in the GCS:
+    creating it again says how to free it, and freeing it by name works once its members
+    are gone (never while they live: they must leave it)."""
+    a, b = GlooProducer.remote(), AsyncMember.remote()
+    g = rdt.create_collective_group([a, b], name="left-behind")
+    with pytest.raises(rdt.CollectiveGroupError, match=r"still has live members \(ranks 0, 1\)"):
+        rdt.destroy_collective_group("left-behind")
+    ray.kill(a)
+    ray.kill(b)
+    c, d = GlooProducer.remote(), AsyncMember.remote()
+    try:
+        with pytest.raises(
+            rdt.CollectiveGroupError,
+            match=r"named 'left-behind' exists: destroy it .*rdt.destroy_collective_group\('left-behind'\)",
+        ):
+            rdt.create_collective_group([c, d], name="left-behind")
+        wait_until(lambda: _freed_by_name("left-behind"), 30, lambda: "its members seen dead")
+        g = rdt.create_collective_group([c, d], name="left-behind")
+        rdt.destroy_collective_group(g)
+    finally:
+        ray.kill(c)
+        ray.kill(d)
+
+
+def _freed_by_name(name: str) -> bool:
+    try:
+        rdt.destroy_collective_group(name)
+        return True
+    except rdt.CollectiveGroupError:
+        return False  # Ray has not marked them dead yet

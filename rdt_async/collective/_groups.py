@@ -46,7 +46,10 @@ async def create_collective_group_async(
     name = name or f"{backend}-{secrets.token_hex(6)}"
     record = {"backend": backend, "actors": [a._actor_id.hex() for a in actors]}
     if await _io.to_thread(_records.claim, name, record, purpose=_io.CALLS):
-        raise CollectiveGroupError(f"a collective group named {name!r} exists; destroy it or pick another name")
+        raise CollectiveGroupError(
+            f"a collective group named {name!r} exists: destroy it (rdt.destroy_collective_group(group), or "
+            f"by its name once its members are gone: rdt.destroy_collective_group({name!r})) or pick another name"
+        )
     try:
         await _ping_all(actors, name)
         host, port = await call(actors[0], HostStore(name))
@@ -77,15 +80,36 @@ def create_collective_group(
 async def destroy_collective_group_async(group: CollectiveGroup | str, /) -> None:
     """Async twin of `destroy_collective_group`."""
     if isinstance(group, str):
-        raise TypeError("pass the CollectiveGroup that create_collective_group returned")
+        await _io.to_thread(_release_left_behind, group, purpose=_io.CALLS)
+        return
     await _leave_all(group.actors, group.name)
     await _io.to_thread(_records.release, group.name, purpose=_io.CALLS)
 
 
 @blocking_twin(destroy_collective_group_async)
 def destroy_collective_group(group: CollectiveGroup | str, /) -> None:
-    """Tear a group down on every live member and free its name (dead members are skipped)."""
+    """Tear a group down on every live member and free its name (dead members are skipped).
+
+    By name (a str): free the name of a group left behind, whose members are all dead
+    (its creator's job ended without destroying it); a group with live members must be
+    destroyed through its `CollectiveGroup`, so that they leave it.
+    Raises: CollectiveGroupError for a name whose group has live members.
+    """
     raise NotImplementedError  # never runs: blocking_twin replaces it
+
+
+def _release_left_behind(name: str) -> None:
+    """Free the name of a group whose members are all dead (its creator's job ended, say)."""
+    rec = _records.record(name)
+    if rec is None:
+        return
+    live = _records.live_members(rec)
+    if live:
+        raise CollectiveGroupError(
+            f"collective group {name!r} still has live members (ranks {', '.join(map(str, live))}): destroy it "
+            "with the CollectiveGroup that create_collective_group returned, so that they leave it"
+        )
+    _records.release(name)
 
 
 def _validate(actors: tuple[Any, ...], backend: str) -> None:

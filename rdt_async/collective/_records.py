@@ -28,6 +28,18 @@ def record(name: str) -> dict[str, Any] | None:
         return None
 
 
+def live_members(rec: dict[str, Any]) -> list[int]:
+    """The ranks of a record whose actors Ray does not know as dead."""
+    from ray._private import state
+
+    live = []
+    for rank, actor_id in enumerate(rec.get("actors", [])):
+        info = state.actors(actor_id) or {}
+        if info.get("State") != "DEAD":
+            live.append(rank)
+    return live
+
+
 def release(name: str) -> None:
     """Free `name` for a new group."""
     internal_kv._internal_kv_del(f"group/{name}", namespace=KV_NAMESPACE)
