@@ -42,6 +42,11 @@ def _producer(transport: str):
         def ping(self) -> str:
             return "pong"
 
+        def pid(self) -> int:
+            import os
+
+            return os.getpid()
+
     return Producer
 
 
@@ -168,16 +173,19 @@ def test_a_producer_that_ray_restarted_is_dead_for_its_objects(transport):
         assert ray.get(consumer.fetch_total.remote([ref]), timeout=60) == 2.0 * N
         ref = producer.make.remote()
         ray.wait([ref], timeout=60)
+        old = ray.get(producer.pid.remote(), timeout=30)
         ray.kill(producer, no_restart=False)  # Ray starts it again
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # until the new process serves
+        while time.monotonic() < deadline:  # until the new process serves (the old one may answer first)
             try:
-                if ray.get(producer.ping.remote(), timeout=10) == "pong":
+                if ray.get(producer.pid.remote(), timeout=10) != old:
                     break
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
                 time.sleep(0.2)
+        else:
+            pytest.fail("the producer did not come back")
         started = time.monotonic()
-        with pytest.raises(rdt.PeerDiedError, match=r"died"):
+        with pytest.raises(rdt.PeerDiedError, match=r"died|disconnected"):
             ray.get(consumer.total.remote(ref), timeout=60)
         assert time.monotonic() - started < 15
         assert ray.get(producer.ping.remote(), timeout=30) == "pong"  # the new one serves on

@@ -267,11 +267,11 @@ async def test_producer_stopped_then_killed_mid_fetch_fails_in_bounded_time(name
 async def test_shm_segment_left_by_a_dead_producer_is_refused():
     # A killed producer's segment lives until its guardian unlinks it: in that window a
     # fetch must fail, not serve a dead object.
-    from rdt_async.transports import shm
+    from rdt_async.transports import _segments, shm
 
     dead = subprocess.Popen(["true"])
     dead.wait()
-    name = f"{shm.PREFIX}{dead.pid}-{secrets.token_hex(12)}"
+    name = f"{shm.PREFIX}{dead.pid}-{_segments.pid_namespace()}-{secrets.token_hex(12)}"
     path = os.path.join(shm.SHM_DIR, name)
     want = torch.arange(16, dtype=torch.float32)
     with open(path, "wb") as f:
