@@ -150,6 +150,16 @@ class Store:
                     ready = self._release(key, _spans_of(stored))
                 _wake(ready)
 
+    @contextlib.contextmanager
+    def serving(self, obj_id: str, kept: dict[str, list[torch.Tensor]]) -> Iterator[list[torch.Tensor] | None]:
+        """For a transport's send from the tensors it `kept` (by object id): yield them, the
+        object held until the block ends, or None if it was freed. A free meanwhile makes
+        wait_tensor_freed wait for the send, which reads the producer's own storage, so no
+        write in place tears it. An object the store never held (a transport driven alone,
+        as in its contract tests) is served from `kept` as it is."""
+        with self.reading(obj_id) as stored:
+            yield None if stored is None and self.was_freed(obj_id) else kept.get(obj_id)
+
     # -- objects -----------------------------------------------------------------------
 
     def add(self, obj_id: str, stored: StoredObject) -> None:

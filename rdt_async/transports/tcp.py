@@ -157,11 +157,7 @@ def _answer(conn: socket.socket) -> bool:
     parts = list(_PART.iter_unpack(body[id_len:]))
     from .._store import store
 
-    # Held in the store while it is sent: a free meanwhile makes wait_tensor_freed wait for
-    # the send (it reads the producer's own storage), so no write in place tears it. (An
-    # object the store never held: a transport driven alone, as in its contract tests.)
-    with store.reading(obj_id) as stored:
-        tensors = None if stored is None and store.was_freed(obj_id) else _objects.get(obj_id)
+    with store.serving(obj_id, _objects) as tensors:  # held until sent: see Store.serving
         if tensors is None:
             conn.sendall(FREED)
             return True

@@ -228,19 +228,14 @@ class _Worker:
             self.served.discard(ep)
 
     def _send(self, ep: Any, message: bytes) -> None:
-        """Post the answer to a fetch request now; a task keeps it until it is sent.
-
-        The object is held in the store until then: a free meanwhile makes
-        wait_tensor_freed wait for the sends (UCX reads the producer's own storage).
-        """
+        """Post the answer to a fetch request now; a task keeps it until it is sent, and
+        the store holds the object until then (see Store.serving)."""
         from .._store import store
 
         base, posted, packed, obj_id = _unpack(message)
         held = contextlib.ExitStack()
         try:
-            stored = held.enter_context(store.reading(obj_id))
-            # (An object the store never held: a transport driven alone, as in its contract tests.)
-            tensors = None if stored is None and store.was_freed(obj_id) else _objects.get(obj_id)
+            tensors = held.enter_context(store.serving(obj_id, _objects))
             self._post_answer(ep, base, posted, packed, tensors, held)
         except BaseException:
             held.close()
