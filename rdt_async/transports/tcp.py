@@ -306,8 +306,7 @@ def _stream(fetch: _Fetch, meta: TcpMeta, obj_id: str, parts: list[tuple[int, in
     """
     try:
         return _stream_once(fetch, meta, obj_id, parts, dsts, reuse=True)
-    except _Stale as stale:
-        assert stale.__cause__ is not None
+    except _Stale:
         return _stream_once(fetch, meta, obj_id, parts, dsts, reuse=False)
 
 
