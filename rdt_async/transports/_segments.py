@@ -15,6 +15,7 @@ Capacities are powers of two from 1 MiB (tmpfs allocates only the pages written)
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import secrets
@@ -95,10 +96,13 @@ class Segment:
         return os.path.join(SHM_DIR, self.name)
 
 
+@functools.lru_cache(maxsize=1)
 def pid_namespace() -> str:
     """This process's PID namespace (its inode): with it in our files' names, a producer's
     guardian judges only files of its own namespace by their pid. Containers that share
-    /dev/shm (`--ipc=host`) but not PIDs see each other's pids as dead (or as others)."""
+    /dev/shm (`--ipc=host`) but not PIDs see each other's pids as dead (or as others).
+    Read once: a process never changes its own PID namespace (setns and unshare of one
+    move only the children it makes afterwards), so neither does a fork."""
     try:
         return str(os.stat("/proc/self/ns/pid").st_ino)
     except OSError:
