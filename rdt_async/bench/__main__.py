@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         args.repeat = min(args.repeat, 3)  # a kept storage moves on its 2nd return: the 3rd is steady
         args.e2e_sizes = "4K,1M,64M"
         args.e2e_fanouts = "4"
-        args.e2e_paths = args.e2e_paths or "rdt auto,rdt nixl,ray object store,ray object store zero-copy,ray rdt nixl"
+        args.e2e_paths = args.e2e_paths or ("rdt auto,rdt nixl,ray object store,ray object store zero-copy,"
+                                             "ray rdt nixl,physical limit")
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     only = set(filter(None, args.only.split(",")))
 
@@ -181,6 +182,8 @@ def checks(rows: list[dict[str, Any]]) -> dict[str, Any]:
                     and (o["shape"], o["size"], o["consumers"]) == (r["shape"], r["size"], r["consumers"])]
             if ours:
                 out[f"{key}_vs_fastest_auto_could_take"] = round(r["seconds"] / min(ours), 3)
+            if "vs_limit" in r:
+                out[f"{key}_vs_physical_limit"] = round(r["vs_limit"], 3)
     resp = [r for r in rows if r["bench"] == "responsiveness"]
     if resp:
         out["worst_ping_ms_while_arriving"] = round(max(r["worst_ping_ms"] for r in resp), 1)

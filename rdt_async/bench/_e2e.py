@@ -32,6 +32,7 @@ from ._units import human
 
 ZERO_COPY_ENV = {"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}}
 RAY_PATHS = ("ray object store", "ray object store zero-copy", "ray rdt nixl", "ray rdt gloo")
+LIMIT = "physical limit"  # the least a pass can cost on one node (see LimitProducer)
 # Paths whose actors load the CPU while idle, run apart from the others: Ray's NIXL agents
 # spin their progress threads (9 s of CPU in 5 idle seconds here, producer and consumer).
 ALONE = ("ray rdt nixl",)
@@ -119,6 +120,67 @@ class RayConsumer(_Reader):
     async def read_parts(self, refs: list[Any]) -> tuple[float, float, float]:
         t0 = time.perf_counter()
         return _read_parts(t0, await refs[0])
+
+
+class _SharedFile:
+    """A float32 tensor of `n` elements over a file in /dev/shm (MAP_SHARED), mapped once per process."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.maps: dict[int, torch.Tensor] = {}
+
+    def get(self, n: int) -> torch.Tensor:
+        if n not in self.maps:
+            import mmap
+            import os
+
+            fd = os.open(f"{self.prefix}-{n}", os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                if os.fstat(fd).st_size < n * 4:
+                    os.ftruncate(fd, n * 4)
+                self.maps[n] = torch.frombuffer(mmap.mmap(fd, n * 4), dtype=torch.float32)
+            finally:
+                os.close(fd)
+        return self.maps[n]
+
+
+@ray.remote
+class LimitProducer:
+    """The physical limit of a pass on one node: the producer does what no path can skip.
+
+    Kept: nothing (the bytes already sit in memory the consumer maps: zero-copy sharing).
+    Fresh: the user's own `torch.full` into fresh pages, and one warm copy into memory the
+    consumer maps (a tensor born in private memory must be copied once to be shared).
+    It returns only the size; the consumer reads every byte of the shared file.
+    """
+
+    def __init__(self, prefix: str) -> None:
+        self.file = _SharedFile(prefix)
+        self.filled: set[int] = set()
+
+    def make(self, n: int, shape: str) -> int:
+        if shape == "fresh" or n not in self.filled:
+            self.file.get(n).copy_(torch.full((n,), 1.0))
+            self.filled.add(n)
+        return n
+
+    def ready(self) -> bool:
+        return True
+
+
+@ray.remote
+class LimitConsumer(_Reader):
+    """An async actor that reads every byte of the producer's shared file (mapped once, warm)."""
+
+    def __init__(self, prefix: str) -> None:
+        self.file = _SharedFile(prefix)
+
+    async def read(self, n: int) -> tuple[float, float | None]:  # type: ignore[override]
+        return await super().read(self.file.get(n))
+
+    async def read_parts(self, refs: list[Any]) -> tuple[float, float, float]:
+        t0 = time.perf_counter()
+        return _read_parts(t0, self.file.get(await refs[0]))
 
 
 def _ray_rdt_classes(transport: str) -> tuple[Any, Any]:
@@ -212,6 +274,8 @@ def _make_path(name: str, fanout: int, hosts: int = 1) -> _Path | None:
             group = rdt.create_collective_group([producer, *consumers], backend="gloo")
             return _Path(name, producer, consumers, lambda: rdt.destroy_collective_group(group))
         return _Path(name, producer, consumers)
+    if name == LIMIT:
+        return _limit_path(fanout) if hosts == 1 else None  # across hosts the limit is the network's
     if name == "ray object store":
         return _Path(name, RayProducer.remote(), [RayConsumer.options(**where).remote() for _ in range(fanout)])
     if name == "ray object store zero-copy":
@@ -230,6 +294,21 @@ def _make_path(name: str, fanout: int, hosts: int = 1) -> _Path | None:
         communicator = create_collective_group([producer, *consumers], backend="torch_gloo")
         return _Path(name, producer, consumers, lambda: destroy_collective_group(communicator), loop=False)
     return _Path(name, producer, consumers, loop=False)
+
+
+def _limit_path(fanout: int) -> _Path:
+    import glob
+    import os
+    import secrets
+
+    prefix = f"/dev/shm/rdtbench-limit-{os.getpid()}-{secrets.token_hex(4)}"
+
+    def unlink() -> None:
+        for f in glob.glob(prefix + "-*"):
+            os.unlink(f)
+
+    producer = LimitProducer.remote(prefix)
+    return _Path(LIMIT, producer, [LimitConsumer.remote(prefix) for _ in range(fanout)], unlink)
 
 
 def _ours() -> list[str]:
@@ -257,7 +336,7 @@ def run(
     """
     progress = progress or Progress(False)
     rows: list[dict[str, Any]] = []
-    names = paths or _ours() + list(RAY_PATHS)
+    names = paths or _ours() + list(RAY_PATHS) + [LIMIT]
     together = [n for n in names if n not in ALONE]
     groups = ([together] if together else []) + [[n] for n in names if n in ALONE]
     progress.add(2 * len(sizes) * len(groups) + len(fanouts) * len(names))
@@ -345,23 +424,29 @@ def _worst_ms(passes: list[tuple[float, float | None]]) -> float | None:
 
 
 def _ratios(rows: list[dict[str, Any]]) -> None:
-    """Each row's time over the best Ray path's time for the same shape, size and consumers."""
+    """Each row's time over the best Ray path's time for the same shape, size and consumers
+    (`vs_best_ray`), and over the physical limit's where it ran (`vs_limit`)."""
     best: dict[tuple[Any, ...], float] = {}
+    limit: dict[tuple[Any, ...], float] = {}
     rows = [r for r in rows if "seconds" in r]
     for r in rows:
+        key = (r["shape"], r["size"], r["consumers"])
         if r["case"] in RAY_PATHS:
-            key = (r["shape"], r["size"], r["consumers"])
             best[key] = min(best.get(key, float("inf")), r["seconds"])
+        elif r["case"] == LIMIT:
+            limit[key] = r["seconds"]
     for r in rows:
-        base = best.get((r["shape"], r["size"], r["consumers"]))
-        if base:
-            r["vs_best_ray"] = r["seconds"] / base
+        key = (r["shape"], r["size"], r["consumers"])
+        if best.get(key):
+            r["vs_best_ray"] = r["seconds"] / best[key]
+        if limit.get(key) and r["case"] != LIMIT:
+            r["vs_limit"] = r["seconds"] / limit[key]
 
 
 def check_paths(spec: str) -> list[str] | None:
     """`--e2e-paths`, comma-separated, as the path names (any case); None for all.
     Raises SystemExit naming the known paths, before anything runs."""
-    known = _ours() + list(RAY_PATHS)
+    known = _ours() + list(RAY_PATHS) + [LIMIT]
     paths = [" ".join(p.split()).lower() for p in spec.split(",") if p.strip()]
     unknown = [p for p in paths if p not in known]
     if unknown:

@@ -34,7 +34,10 @@ def markdown(result: dict[str, Any]) -> str:
         across = " Consumers on a second host." if any(r.get("hosts", 1) == 2 for r in e2e) else ""
         out += ["", "## End to end", "",
                 "From the producing call until the consumer has read every element: warm median "
-                f"(ratio to the best Ray path of this run), then the first pass (cold).{across}", "",
+                f"(ratio to the best Ray path of this run), then the first pass (cold).{across} "
+                "`physical limit` (one node): the same calls, the producer's own work (a fresh "
+                "tensor: its allocation and one warm copy into shared memory) and one read of "
+                "every byte, nothing else.", "",
                 e2e_table(e2e, _time_cell)]
         if any(r.get("loop_stall_ms") is not None for r in e2e):
             out += ["", "The consumer's event-loop stall while the value arrived, worst warm pass, ms "
