@@ -63,7 +63,7 @@ def choose_transport(obj: RDTObject, node_id: str, without: frozenset[str] = fro
             loads_here=prepared & {"nixl", "cuda_ipc"},  # checked only if one wins: a check may import
             group=shared[0] if shared is not None else None,
         )
-        choice = _auto.choose_checked(facts, loads_here)
+        choice = _auto.choose_remembered(facts, loads_here)
         store.record_choice(obj.obj_id, choice)
         name = choice.transport
     if name == "shm" and obj.producer.node_id != node_id:

@@ -84,7 +84,7 @@ class Store:
         self._freed: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.fetches: collections.Counter[str] = collections.Counter()
         # The last choices `auto` made for fetches here, and why (transports/_auto.py).
-        self.choices: collections.deque[dict[str, Any]] = collections.deque(maxlen=32)
+        self.choices: collections.deque[tuple[str, Any]] = collections.deque(maxlen=32)  # (obj_id, Choice)
 
     # -- holds -------------------------------------------------------------------------
 
@@ -276,15 +276,16 @@ class Store:
     def record_choice(self, obj_id: str, choice: Any) -> None:
         """Keep what `auto` picked for a fetch of `obj_id` (an `_auto.Choice`), and why."""
         with self._lock:
-            self.choices.append({"obj_id": obj_id, **choice.as_dict()})
-        log.debug("rdt_async: auto picked %s for %s: %s", choice.transport, obj_id, choice.why)
+            self.choices.append((obj_id, choice))  # said as a dict when asked (`stats`)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("rdt_async: auto picked %s for %s: %s", choice.transport, obj_id, choice.why)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
             objects = list(self._objects.values())
             nbytes = self._bytes
             fetches = dict(self.fetches)
-            choices = list(self.choices)
+            choices = [{"obj_id": obj_id, **choice.as_dict()} for obj_id, choice in self.choices]
         return {
             "objects": len(objects),
             "bytes": nbytes,

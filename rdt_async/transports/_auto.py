@@ -144,6 +144,18 @@ def choose_checked(f: Facts, loads: Callable[[str], bool], costs: Mapping[str, C
         maybe.discard(choice.transport)
 
 
+def choose_remembered(f: Facts, loads: Callable[[str], bool]) -> Choice:
+    """`choose_checked` with the process's cost table, remembered per (facts, RDT_AUTO_COSTS):
+    a fetch like the last one (a weight sync) pays a dict lookup, not the cost model.
+    `loads` must answer the same for a name every time (as `_produce.loads_here` does)."""
+    return _remembered(f, os.environ.get("RDT_AUTO_COSTS", ""), loads)
+
+
+@functools.lru_cache(maxsize=512)
+def _remembered(f: Facts, costs_path: str, loads: Callable[[str], bool]) -> Choice:
+    return choose_checked(f, loads)
+
+
 def cost_table(gpu: bool) -> dict[str, Cost]:
     """The defaults, with what the file RDT_AUTO_COSTS names laid over them."""
     return {**(GPU_COSTS if gpu else CPU_COSTS), **_overrides(os.environ.get("RDT_AUTO_COSTS", ""), gpu)}

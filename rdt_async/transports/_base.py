@@ -296,9 +296,13 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     try:  # a killed process stays a zombie until its parent reaps it: dead all the same
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
+        try:
+            stat = os.read(fd, 4096)
+        finally:
+            os.close(fd)
+        return stat.rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
         return True  # no /proc (not Linux): the signal's answer stands
 
 

@@ -359,11 +359,13 @@ def _open_shared(info: TransferInfo[ShmMeta], sh: Shared) -> int:
             "runs as another user or /proc is restricted; use tensor_transport='object_store'"
         ) from exc
     st = os.fstat(fd)
-    if (st.st_dev, st.st_ino) != sh.inode or not pid_alive(sh.pid):
-        os.close(fd)
+    if (st.st_dev, st.st_ino) != sh.inode:  # (another file under that number: the pid was reused,
+        os.close(fd)                        # or the storage released and the number taken again)
         if not pid_alive(sh.pid):
             raise PeerDiedError(f"fetch over shm: the producer of {info.obj_id} died", obj_id=info.obj_id)
         raise ObjectFreedError(f"object {info.obj_id} was freed (its storage is gone)", obj_id=info.obj_id)
+    # Opened and the same file: its bytes are the object's, whether or not the producer
+    # is still alive at this instant (a dead process's descriptors are gone from /proc).
     return fd
 
 
@@ -412,7 +414,7 @@ def share_storages(tensors: Sequence[torch.Tensor], exclusive: Callable[[torch.T
     """
     for t in tensors:
         storage = t.untyped_storage()
-        if not _worth_sharing(t, storage) or storage.is_shared() or not exclusive(t):
+        if storage.is_shared() or not _worth_sharing(t, storage) or not exclusive(t):
             continue
         if storage not in _returned_once:  # maybe a fresh tensor: a copy into a warm segment
             _returned_once.add(storage)
@@ -444,7 +446,7 @@ def _worth_sharing(t: torch.Tensor, storage: torch.UntypedStorage) -> bool:
 def _shared(t: torch.Tensor) -> Shared | None:
     """Where `t` lies if its storage is shared by descriptor; None if it must be copied."""
     storage = t.untyped_storage()
-    if not _worth_sharing(t, storage) or not storage.is_shared():
+    if not storage.is_shared() or not _worth_sharing(t, storage):  # (is_shared first: is_pinned costs ~16 us)
         return None
     try:
         fd, nbytes = storage._share_fd_cpu_()  # already shared: its descriptor, no copy
