@@ -108,3 +108,22 @@ def test_the_bench_refuses_unknown_paths_before_it_runs():
     assert check_paths("") is None
     with pytest.raises(SystemExit, match=r"--e2e-paths: unknown 'ray objectstore'; the paths are: rdt auto, rdt shm"):
         check_paths("rdt auto,ray objectstore")
+
+
+def test_the_benchs_physical_limit_reads_every_byte_and_leaves_no_file(ray_session):
+    import glob
+
+    from rdt_async.bench._e2e import LIMIT, _make_path
+
+    path = _make_path(LIMIT, 2)
+    try:
+        for shape in ("kept", "fresh", "kept"):
+            took, stall = path.one_pass(1 << 18, shape, k=2)  # one_pass checks each consumer's sum
+            assert took > 0 and stall is not None
+        parts = path.parts(1 << 18, "fresh")
+        assert parts is not None and set(parts) == {"calls_s", "fetch_s", "read_s"}
+        assert len(glob.glob("/dev/shm/rdtbench-limit-*")) == 1  # one file a size, shared by all
+    finally:
+        path.close()
+    assert glob.glob("/dev/shm/rdtbench-limit-*") == []
+    assert _make_path(LIMIT, 1, hosts=2) is None  # across hosts the limit is the network's: no row

@@ -153,3 +153,25 @@ def test_progress_bar_shows_the_step_under_way(capsys):
         progress.skip(3)
     err = capsys.readouterr().err
     assert "e2e rdt auto kept 4 KiB" in err and "4/4" in err
+
+
+def test_rows_are_compared_with_the_best_ray_path_and_the_physical_limit_of_their_column():
+    from rdt_async.bench.__main__ import checks
+    from rdt_async.bench._e2e import LIMIT, _ratios, check_paths
+
+    rows = [_row("rdt auto", "kept", 64 * MIB, 0.012, 0.5), _row("ray object store", "kept", 64 * MIB, 0.240, 9.0),
+            _row("ray object store zero-copy", "kept", 64 * MIB, 0.020, 9.0), _row(LIMIT, "kept", 64 * MIB, 0.008, 0.2),
+            _row("rdt auto", "kept", 64 * MIB, 0.090, 2.0, consumers=8),
+            _row("ray object store zero-copy", "kept", 64 * MIB, 0.100, 9.0, consumers=8)]
+    for r in rows:
+        r.pop("vs_best_ray")
+    _ratios(rows)
+    auto, _, zero_copy, limit, fanned, _ = rows
+    assert auto["vs_best_ray"] == pytest.approx(0.6) and auto["vs_limit"] == pytest.approx(1.5)
+    assert zero_copy["vs_limit"] == pytest.approx(2.5) and "vs_limit" not in limit
+    assert limit["vs_best_ray"] == pytest.approx(0.4)  # the floor any path could reach, against Ray
+    assert "vs_limit" not in fanned  # no limit measured for that column
+    got = checks(rows)
+    assert got["e2e_auto_kept_64MiB_x1_vs_physical_limit"] == 1.5
+    assert "e2e_auto_kept_64MiB_x8_vs_physical_limit" not in got
+    assert check_paths(" Physical  Limit,rdt auto") == [LIMIT, "rdt auto"]
