@@ -248,6 +248,14 @@ def _wrap_method(f: Callable[..., Any]) -> Callable[..., Any]:
             args, kwargs = _fetch_args_blocking(args, kwargs)
             yield from f(self, *args, **kwargs)  # never a producer (see `method`)
 
+    elif f.__name__ == "__init__":
+
+        def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+            # An async actor runs __init__ on its loop, which serves nothing until it
+            # returns: blocking it for the arguments stalls no other call.
+            args, kwargs = _fetch_args_blocking(args, kwargs, on_loop_ok=True)
+            return f(self, *args, **kwargs)
+
     else:
 
         def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -278,10 +286,12 @@ async def _fetch_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tu
     return tuple(new_args), new_kwargs
 
 
-def _fetch_args_blocking(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _fetch_args_blocking(
+    args: tuple[Any, ...], kwargs: dict[str, Any], *, on_loop_ok: bool = False
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     if not _rdt_positions(args, kwargs):
         return args, kwargs
-    if _io.running_loop() is not None:
+    if not on_loop_ok and _io.running_loop() is not None:
         raise RuntimeError(
             "a sync method of an async actor received an RDT object: make the method "
             "`async def` so its arguments can be fetched without blocking the loop"

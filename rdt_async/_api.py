@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from . import _io, _object, _produce, _ray
-from ._errors import translating
+from ._errors import release_frames, translating
 from ._fetch import fetch_now, fetch_object
 from ._object import RDTObject
 from ._store import store
@@ -44,15 +44,39 @@ async def fetch_all(xs: Iterable[Any], /, *, device: str | torch.device | None =
     return await _all_or_none([asyncio.ensure_future(fetch(x, device=device)) for x in xs])
 
 
-async def _all_or_none(tasks: Sequence[asyncio.Future[Any]]) -> list[Any]:
-    """Await every task, results in order; one failure (or a cancel) cancels the rest."""
+async def _all_or_none(tasks: list[asyncio.Future[Any]]) -> list[Any]:
+    """Await every task, results in order; one failure (or a cancel) cancels the rest.
+
+    On failure `tasks` is emptied: the error's traceback keeps this frame, which must not
+    keep the values fetched meanwhile (and with them their producers' tensors).
+    """
     try:
         return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for t in tasks:
-            t.cancel()
+    except BaseException as exc:
+        # No name in this frame may keep a task or the error when it propagates: the
+        # error's traceback keeps the frame, a task keeps the error, a cycle that holds
+        # the callers' refs and values until the GC runs.
+        _cancel(tasks)
         await asyncio.gather(*tasks, return_exceptions=True)
+        _release(tasks, exc)
+        tasks.clear()
+        del exc
         raise
+
+
+def _cancel(tasks: Iterable[asyncio.Future[Any]]) -> None:
+    for t in tasks:
+        t.cancel()
+
+
+def _release(tasks: Iterable[asyncio.Future[Any]], exc: BaseException | None) -> None:
+    """Clear the frames of failed fetches: each holds its RDTObject in a cycle with its
+    exception, which would keep the producer's tensors until this process's GC ran."""
+    for t in tasks:
+        if t.done() and not t.cancelled() and t.exception() is not None:
+            release_frames(t.exception())  # type: ignore[arg-type]
+    if exc is not None:
+        release_frames(exc)
 
 
 async def fetch_objects(objs: list[RDTObject]) -> list[Any]:
@@ -68,8 +92,16 @@ async def fetch_objects(objs: list[RDTObject]) -> list[Any]:
         else:
             later[i] = got  # where the fetch goes on from
     if later:
-        tasks = [asyncio.ensure_future(fetch_object(objs[i], device=None, into=None, start=s)) for i, s in later.items()]
-        for i, value in zip(later, await _all_or_none(tasks)):
+        tasks: list[asyncio.Future[Any]] = [
+            asyncio.ensure_future(fetch_object(objs[i], device=None, into=None, start=s)) for i, s in later.items()
+        ]
+        try:
+            fetched = await _all_or_none(tasks)
+        except BaseException:
+            values.clear()  # (as `_all_or_none` does: this frame stays in the error's traceback)
+            later.clear()
+            raise
+        for i, value in zip(later, fetched):
             values[i] = value
     return values
 
@@ -89,10 +121,15 @@ async def as_completed(
             for t in sorted(done, key=tasks.__getitem__):
                 yield tasks[t], t.result()
     finally:
-        for t in pending:
-            t.cancel()
+        _cancel(pending)
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
+        _release(tasks, None)
+        # As in `_all_or_none`: an error's traceback may keep this frame, so its names
+        # must not keep the tasks (and their values).
+        tasks.clear()
+        pending = done = set()
+        t = None  # type: ignore[assignment]
 
 
 def get(
@@ -161,6 +198,11 @@ def free(x: Any, /) -> None:
     Never blocks for an RDTObject; an ObjectRef is resolved first with `ray.get` (a small
     object, but a blocking call): on an event loop, pass `await ref` instead.
     """
+    if _ray.is_ref(x) and _io.running_loop() is not None:
+        raise RuntimeError(
+            "rdt.free(ref) would block the event loop running in this thread to resolve the ref; "
+            "use `rdt.free(await ref)` here instead"
+        )
     obj = x if isinstance(x, RDTObject) else _ray.get_ref(x, None) if _ray.is_ref(x) else x
     if not isinstance(obj, RDTObject):
         raise TypeError(f"rdt.free() takes an RDT object or a ref to one, not {type(obj).__name__}")

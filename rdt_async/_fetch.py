@@ -157,6 +157,7 @@ async def fetch_object(obj: RDTObject, *, device: Any, into: Any, start: _Start 
     except BaseException as exc:
         _metrics.failed(name, exc)
         release_frames(exc)
+        del exc  # (a cycle through this frame otherwise: see _api._all_or_none)
         raise
     _record(obj, name, began)
     return _tree.unflatten(obj.skeleton, tensors)
@@ -249,6 +250,7 @@ def fetch_now(obj: RDTObject, *, device: Any, into: Any) -> tuple[bool, Any]:
         start = _start(obj, into, device)
     except BaseException as exc:
         _metrics.failed(obj.transport, exc)
+        del exc  # (a cycle through this frame otherwise: see _api._all_or_none)
         raise
     if not isinstance(start, _Done) or obj.nbytes > INLINE_COPY_BYTES:
         return False, start  # the transfer (or a large copy) belongs to the I/O loop
@@ -345,7 +347,35 @@ def _buffers(obj: RDTObject, into: Any) -> list[torch.Tensor] | None:
     for i, (b, s) in enumerate(zip(bufs, obj.specs)):
         if tuple(b.shape) != s.shape or b.dtype != s.dtype:
             raise ValueError(f"into= tensor {i} is {TensorSpec.of(b)}; the object's tensor {i} is {s}")
-    return bufs
+        if b.numel() > 1 and torch._debug_has_internal_overlap(b) == 1:
+            raise ValueError(
+                f"into= tensor {i} has elements that share memory (an expand() or a zero stride): "
+                "receive into a tensor with memory of its own, e.g. torch.empty_like(t)"
+            )
+    _check_disjoint(bufs)
+    # Parameters (requires_grad) receive as `param.data.copy_()` would: writes through a
+    # detached view of the same memory, outside autograd.
+    return [b.detach() if b.requires_grad else b for b in bufs]
+
+
+def _check_disjoint(bufs: list[torch.Tensor]) -> None:
+    """Refuse into= buffers that share bytes: one's arrival would overwrite another's."""
+    spans = []
+    for i, b in enumerate(bufs):
+        if b.numel() and b.layout == torch.strided:
+            start = b.data_ptr()
+            last = sum((n - 1) * abs(st) for n, st in zip(b.shape, b.stride()) if n > 0)
+            spans.append((str(b.device), start, start + (last + 1) * b.element_size(), i))
+    spans.sort()
+    reach: tuple[str, int, int] = ("", 0, -1)  # (device, furthest end so far, whose)
+    for dev, start, end, i in spans:
+        if dev == reach[0] and start < reach[1]:
+            first, second = sorted((reach[2], i))
+            raise ValueError(
+                f"into= tensors {first} and {second} share memory: each of the object's tensors needs a buffer of its own"
+            )
+        if dev != reach[0] or end > reach[1]:
+            reach = (dev, end, i)
 
 
 async def _copy(buffers: list[torch.Tensor], tensors: list[torch.Tensor], nbytes: int) -> list[torch.Tensor]:

@@ -132,7 +132,8 @@ def _fetched(transport: str, nbytes: int, seconds: float) -> None:
     if m is not None:
         tags = {"transport": transport}
         m.fetches.inc(1, tags=tags)
-        m.fetch_bytes.inc(nbytes, tags=tags)
+        if nbytes:  # (Ray refuses to add 0: an object of empty tensors)
+            m.fetch_bytes.inc(nbytes, tags=tags)
         m.fetch_seconds.observe(seconds, tags=tags)
 
 

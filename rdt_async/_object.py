@@ -249,6 +249,7 @@ def _on_ray_init() -> None:
     _anchors.new_session()
     for obj_id in store.object_ids():
         store.free(obj_id)
+    store.release_lent()
     _anchor_source.cache_clear()
     _handles.clear()
     _ray.new_session()

@@ -99,17 +99,17 @@ def produce(value: Any, transport: str, *, owner: Process | None = None) -> RDTO
 
     Runs on: producer. Blocking (copies into shared memory): call `produce_async` on a loop.
     """
-    skeleton, tensors = _tree.flatten(value)
-    with store.holding(tensors) as making:  # wait_tensor_freed waits from now on
+    skeleton, tensors = _flatten(value)
+    with store.holding(tensors):  # wait_tensor_freed waits from now on
         _cuda.settle(tensors)  # transports read outside this thread's streams: let them finish
         plan = _plan(transport, tensors)
-        return _finish(skeleton, tensors, transport, plan, owner, making)
+        return _finish(skeleton, tensors, transport, plan, owner)
 
 
 async def produce_async(value: Any, transport: str, *, owner: Process | None = None) -> RDTObject:
     """`produce`, with large exports, and a transport's first use, done off the running loop."""
-    skeleton, tensors = _tree.flatten(value)
-    with store.holding(tensors) as making:  # before the first await: wait_tensor_freed waits from now on
+    skeleton, tensors = _flatten(value)
+    with store.holding(tensors):  # before the first await: wait_tensor_freed waits from now on
         await _cuda.wait(_cuda.record(tensors))  # as in `produce`, with the loop free meanwhile
         plan = _plan(transport, tensors)
         cold = [t.name for t in plan if (os.getpid(), t.name) not in _warm]
@@ -117,8 +117,20 @@ async def produce_async(value: Any, transport: str, *, owner: Process | None = N
             await _io.to_thread(warm_up, cold, purpose=_io.CALLS)
         limit = min((t.inline_prepare_bytes for t in plan), default=Transport.inline_prepare_bytes)
         if sum(t.numel() * t.element_size() for t in tensors) > limit:
-            return await _io.to_thread(_finish, skeleton, tensors, transport, plan, owner, making)
-        return _finish(skeleton, tensors, transport, plan, owner, making)
+            return await _io.to_thread(_finish, skeleton, tensors, transport, plan, owner)
+        return _finish(skeleton, tensors, transport, plan, owner)
+
+
+def _flatten(value: Any) -> tuple[Any, list[torch.Tensor]]:
+    """`_tree.flatten`, with lazy conjugate and negative views resolved (a copy each).
+
+    Their bits live in the tensor, not its bytes: every transport moves bytes, so such a
+    view would arrive unconjugated (shm, gloo) or not at all (inline, tcp, object_store).
+    """
+    skeleton, tensors = _tree.flatten(value)
+    if any(t.is_conj() or t.is_neg() for t in tensors):
+        tensors = [t.resolve_conj().resolve_neg() for t in tensors]
+    return skeleton, tensors
 
 
 def warm_up(names: Iterable[str]) -> None:
@@ -192,9 +204,8 @@ def _finish(
     transport: str,
     plan: list[Transport[Any]],
     owner: Process | None,
-    making: int | None = None,
 ) -> RDTObject:
-    """Prepare the planned transports and record the object (`making`: its hold in the store)."""
+    """Prepare the planned transports and record the object."""
     owner = owner or here()
     specs = tuple(TensorSpec.of(t) for t in tensors)
     if not tensors:
@@ -208,12 +219,12 @@ def _finish(
         if shared:
             meta["groups"] = shared
         return RDTObject(obj_id, owner, transport, specs, skeleton, meta, {}, None)
-    if making is not None and any(t.name == "shm" for t in plan):
+    if any(t.name == "shm" for t in plan):
         from .transports import shm
 
-        # Storages returned again and again (a trainer's weights) go to shared memory
-        # once; every later export shares them without a copy (see transports/shm.py).
-        shm.share_storages(tensors, lambda t: store.can_move(t, making))
+        # A storage returned again and again (a trainer's weights) is exported without a
+        # copy once the user shared it; until then, say once how (see transports/shm.py).
+        shm.note_returned(tensors)
     prepared: dict[Transport[Any], Any] = {}
     # `auto` on several nodes, from an actor that serves requests: the copy into shared
     # memory waits for a consumer of this node to ask (most may be on other nodes).

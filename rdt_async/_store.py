@@ -50,6 +50,14 @@ def _spans(tensors: Sequence[torch.Tensor]) -> list[_Span]:
     return out
 
 
+def _lends(transport: Transport[Any], meta: Any) -> bool:
+    try:
+        return transport.lends_memory(meta)
+    except Exception:  # a transport's hook failing: hold, as the safe side
+        log.exception("rdt_async: %s.lends_memory failed", transport.name)
+        return True
+
+
 @dataclass
 class StoredObject:
     """What a producer keeps for one object."""
@@ -82,6 +90,9 @@ class Store:
         self._waiters: list[tuple[list[_Span], Callable[[], object]]] = []
         self._keys = itertools.count()
         self._freed: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # Objects freed explicitly whose consumers may still view the producer's memory
+        # (Transport.lends_memory): their holds, kept until their last ref goes.
+        self._lent: dict[str, list[_Span]] = {}
         self.fetches: collections.Counter[str] = collections.Counter()
         # The last choices `auto` made for fetches here, and why (transports/_auto.py).
         self.choices: collections.deque[tuple[str, Any]] = collections.deque(maxlen=32)  # (obj_id, Choice)
@@ -198,42 +209,43 @@ class Store:
         `last_ref`: every ref (so every consumer's view) is gone, not an explicit free:
         transports may reuse what they prepared. Runs on: producer.
         """
+        lends = False
         with self._lock:
             stored = self._objects.pop(obj_id, None)
             self._remember_freed(obj_id)
-            if stored is None:
-                return False
-            self._bytes -= stored.nbytes
-            held = len(self._objects), self._bytes
+            if stored is None:  # the last ref of an object freed explicitly: its lent bytes go now
+                lent = self._lent.pop(obj_id, None) if last_ref else None
+                ready = self._release(obj_id, lent) if lent is not None else []
+            else:
+                self._bytes -= stored.nbytes
+                held = len(self._objects), self._bytes
+                # Consumers may view these very bytes (Transport.lends_memory): after an
+                # explicit free they stay held until the last ref goes (free(last_ref=True)).
+                lends = not last_ref and any(_lends(t, m) for t, m in stored.prepared.items())
+                if lends:
+                    self._lent[obj_id] = _spans_of(stored)
+        if stored is None:
+            _wake(ready)
+            return False
         _metrics.held(*held)
         for transport, meta in stored.prepared.items():
             try:
                 (transport.recycle if last_ref else transport.garbage_collect)(obj_id, meta)
             except Exception:  # never let one transport keep the others' resources
                 log.exception("rdt_async: %s could not release object %s", transport.name, obj_id)
-        with self._lock:  # after the transports let go: a waiter may write the tensors next
-            ready = self._release(obj_id, _spans_of(stored))
-        _wake(ready)
+        if not lends:
+            with self._lock:  # after the transports let go: a waiter may write the tensors next
+                ready = self._release(obj_id, _spans_of(stored))
+            _wake(ready)
         return True
 
-    def can_move(self, tensor: torch.Tensor, key: int) -> bool:
-        """Whether `tensor`'s storage may move now, for the object being made under hold `key`.
-
-        Only where nothing reads its memory by address: besides `key`, the holds on it are
-        objects whose transports copied or read it through the store (none pins memory);
-        no send or collective reads it, no other call is making an object of it.
-        """
-        storage = tensor.untyped_storage()
-        names = ((str(tensor.device), storage.data_ptr()), ("storage", storage._cdata))
+    def release_lent(self) -> None:
+        """Let go of every object freed explicitly and still lent (a new Ray session: the
+        last refs of the old one will never be reported)."""
         with self._lock:
-            for name in names:
-                for k in self._held.get(name, {}):
-                    if k == key:
-                        continue
-                    obj = self._objects.get(k) if isinstance(k, str) else None
-                    if obj is None or any(t.pins_memory for t in obj.prepared):
-                        return False
-            return True
+            ready = [w for obj_id, spans in self._lent.items() for w in self._release(obj_id, spans)]
+            self._lent.clear()
+        _wake(ready)
 
     # -- wait_tensor_freed ---------------------------------------------------------------
 
@@ -286,8 +298,10 @@ class Store:
             nbytes = self._bytes
             fetches = dict(self.fetches)
             choices = [{"obj_id": obj_id, **choice.as_dict()} for obj_id, choice in self.choices]
+            lent = len(self._lent)
         return {
             "objects": len(objects),
+            "lent": lent,  # freed explicitly, their bytes still viewed by consumers (shm)
             "bytes": nbytes,
             "tensors": sum(len(o.tensors) for o in objects),
             "fetches": fetches,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -79,13 +80,15 @@ def _map_children(v: Any, fn: Any) -> Any:
         return tuple(fn(x) for x in v)
     if isinstance(v, tuple) and hasattr(v, "_fields"):  # namedtuple
         return t(*(fn(x) for x in v))
-    if isinstance(v, dict):  # OrderedDict, defaultdict and other dict subclasses
-        out = v.copy()
+    if isinstance(v, dict):  # OrderedDict, defaultdict and other dict subclasses: the same class
+        mapping = copy.copy(v)  # (with its attributes; no __init__ called)
         for k, x in v.items():
-            out[k] = fn(x)
-        return out
-    if isinstance(v, list):
-        return t(fn(x) for x in v)
+            mapping[k] = fn(x)
+        return mapping
+    if isinstance(v, list):  # list subclasses, whatever their __init__ takes
+        items = copy.copy(v)
+        items[:] = [fn(x) for x in v]
+        return items
     if dataclasses.is_dataclass(v) and not isinstance(v, type):
         out = object.__new__(t)
         if hasattr(v, "__dict__"):

@@ -1,8 +1,9 @@
-"""shm's shared storages: a tensor returned again and again is exported without a copy.
+"""shm's shared storages: a tensor the producer shared once is exported without a copy.
 
-Its storage moves into shared memory once; consumers map the producer's memory
-copy-on-write; a consumer's view holds the object, so `wait_tensor_freed` in the
-producer waits until every consumer has dropped what it fetched.
+The user puts it in shared memory (`share_memory_()`, as the docs say; rdt_async never
+moves a storage itself); consumers map the producer's memory copy-on-write; a consumer's
+view holds the object, so `wait_tensor_freed` in the producer waits until every
+consumer has dropped what it fetched, an explicit `rdt.free` included.
 """
 
 from __future__ import annotations
@@ -18,15 +19,17 @@ from conftest import wait_until
 
 import rdt_async as rdt
 from rdt_async.transports._base import TensorSpec, TransferInfo
-from rdt_async.transports.shm import SHARE_MIN_BYTES, Shared, ShmMeta, _map_shared, share_storages
+from rdt_async.transports.shm import SHARE_MIN_BYTES, Shared, ShmMeta, _map_shared
 
 N = 1 << 20  # float32 elements: 4 MiB, over SHARE_MIN_BYTES
 
 
 @rdt.remote
 class Trainer:
-    def __init__(self) -> None:
+    def __init__(self, share: bool = True) -> None:
         self.w = torch.arange(N, dtype=torch.float32)
+        if share:
+            self.w.share_memory_()  # once, at creation: every export then copies nothing
 
     @rdt.method(tensor_transport="shm")
     def publish(self):
@@ -49,6 +52,12 @@ class Trainer:
 
     def total(self) -> float:
         return float(self.w.double().sum())
+
+    def held(self) -> dict:
+        return rdt.store_stats()
+
+    def overwrite(self, v: float) -> None:
+        self.w.fill_(v)  # without waiting: what a consumer holds shows whether it was copied
 
 
 @rdt.remote
@@ -98,21 +107,61 @@ class Reader:
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 
-def test_a_kept_tensor_moves_once_then_exports_without_a_copy_and_arrives_exact():
+def test_a_tensor_shared_once_exports_without_a_copy_and_arrives_exact():
     t, r = Trainer.remote(), Reader.remote()
     try:
-        first = t.publish.remote()
-        assert ray.get(r.check.remote(first)) == {"w": float(N * (N - 1) // 2), "slice": True, "col": True}
         ptr, shared = ray.get(t.where.remote())
-        assert shared  # moved into shared memory at the first export
+        assert shared
         for _ in range(3):
             ref = t.publish.remote()
-            assert ray.get(r.check.remote(ref))["w"] == float(N * (N - 1) // 2)
-            assert ray.get(t.where.remote()) == (ptr, True)  # the same memory: nothing copied
+            assert ray.get(r.check.remote(ref)) == {"w": float(N * (N - 1) // 2), "slice": True, "col": True}
+            assert ray.get(t.where.remote()) == (ptr, True)  # the same memory: nothing copied, nothing moved
         assert ray.get(r.into.remote([t.publish.remote()]))  # into=: read, not mapped
     finally:
         ray.kill(t)
         ray.kill(r)
+
+
+def test_a_kept_tensor_not_shared_is_copied_at_each_return_and_never_moved():
+    # Moving a storage frees its old memory under anyone still reading it (another thread,
+    # a send): rdt_async leaves that to the user, and copies instead.
+    t, r = Trainer.remote(share=False), Reader.remote()
+    try:
+        ptr, shared = ray.get(t.where.remote())
+        assert not shared
+        kept = t.publish.remote()
+        assert ray.get(r.keep.remote(kept)) == float(N * (N - 1) // 2)
+        for _ in range(3):
+            assert ray.get(r.check.remote(t.publish.remote())) == {"w": float(N * (N - 1) // 2), "slice": True, "col": True}
+        assert ray.get(t.where.remote()) == (ptr, False)
+        ray.get(t.overwrite.remote(3.0))
+        assert ray.get(r.kept_total.remote()) == float(N * (N - 1) // 2)  # a snapshot
+        assert ray.get(r.check.remote(t.publish.remote()))["w"] == 3.0 * N
+    finally:
+        ray.kill(t)
+        ray.kill(r)
+
+
+def test_an_explicit_free_refuses_later_fetches_and_still_waits_for_the_views_out_there():
+    t, keeper, late = Trainer.remote(), Reader.remote(), Reader.remote()
+    try:
+        ref = t.publish.remote()
+        assert ray.get(keeper.keep.remote(ref)) == float(N * (N - 1) // 2)  # a view of the trainer's memory
+        rdt.free(ref)  # from the driver: the producer frees it (fire and forget)
+        wait_until(lambda: ray.get(t.held.remote())["lent"] == 1, 10)
+        with pytest.raises(rdt.ObjectFreedError, match="freed"):
+            ray.get(late.total.remote(ref))  # its descriptor is closed: no map of live memory
+        del ref
+        assert ray.get(t.wait_freed.remote(0.5)) == "held"  # the keeper still views version 0
+        stepping = t.step.remote(5.0)
+        assert ray.get(keeper.kept_total.remote()) == float(N * (N - 1) // 2)  # unchanged meanwhile
+        ray.get(keeper.drop.remote())
+        ray.get(stepping, timeout=30)  # the step ran once the view (the last ref) was gone
+        assert ray.get(t.held.remote())["lent"] == 0
+        assert ray.get(late.check.remote(t.publish.remote()))["w"] == 5.0 * N
+    finally:
+        for a in (t, keeper, late):
+            ray.kill(a)
 
 
 def test_wait_tensor_freed_waits_for_every_consumer_view_and_writes_reach_only_new_fetches():
@@ -151,7 +200,7 @@ def test_a_consumer_maps_a_file_again_through_its_kept_mapping_and_sees_only_the
     t, r = Trainer.remote(), Reader.remote()
     whole = float(N * (N - 1) // 2)
     try:
-        assert ray.get(r.check.remote(t.publish.remote()))["w"] == whole  # moves the storage
+        assert ray.get(r.check.remote(t.publish.remote()))["w"] == whole
         assert ray.get(r.scribble.remote(t.publish.remote())) == -1.0  # 4 MiB of private pages
         assert ray.get(r.check.remote(t.publish.remote())) == {"w": whole, "slice": True, "col": True}
         ray.get(t.step.remote(2.0))  # in place, once no view is left
@@ -181,8 +230,7 @@ def test_two_fetches_alive_at_once_never_share_a_mapping():
 def test_a_descriptor_that_names_another_file_now_is_refused():
     # The producer's fd number is checked against the storage's inode: a stale one
     # (the object freed, the number reused) must never map someone else's bytes.
-    w = torch.ones(SHARE_MIN_BYTES // 4)
-    share_storages([w], lambda _: True)
+    w = torch.ones(SHARE_MIN_BYTES // 4).share_memory_()
     fd, nbytes = w.untyped_storage()._share_fd_cpu_()
     st = os.fstat(fd)
     info = TransferInfo("x", (TensorSpec.of(w),), ShmMeta(None, 0, (0,)))

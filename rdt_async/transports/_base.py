@@ -266,6 +266,14 @@ class Transport(abc.ABC, Generic[M]):
         Runs on: producer. Must be quick and must not raise for a second call.
         """
 
+    def lends_memory(self, meta: M) -> bool:
+        """Whether consumers' views of the object read the producer's own tensors (a mapping
+        of its memory, not a copy): then after an explicit free the producer still holds
+        them for `wait_tensor_freed` until the object's last ref, and with it every such
+        view, is gone. Runs on: producer. Default: False.
+        """
+        return False
+
     def recycle(self, obj_id: str, meta: M) -> None:
         """Release what `prepare` made, once the object's last ref (and any view) is gone.
 

@@ -161,6 +161,7 @@ class _ScanArg(ctypes.Structure):
 
 _PAGE_IS_FILE = 1 << 2
 _PAGE_IS_PRESENT = 1 << 3
+_PAGE_IS_SWAPPED = 1 << 4
 _PAGEMAP_SCAN = (3 << 30) | (ctypes.sizeof(_ScanArg) << 16) | (ord("f") << 8) | 16  # _IOWR('f', 16, ...)
 _MADV_DONTNEED = 4
 _REGIONS = 64
@@ -217,8 +218,11 @@ def _written(addr: int, size: int) -> list[tuple[int, int]]:
     while start < end:
         arg = _ScanArg(
             size=ctypes.sizeof(_ScanArg), start=start, end=end, vec=ctypes.addressof(vec), vec_len=_REGIONS,
-            category_inverted=_PAGE_IS_FILE, category_mask=_PAGE_IS_PRESENT | _PAGE_IS_FILE,
-            return_mask=_PAGE_IS_PRESENT | _PAGE_IS_FILE,
+            # Not the file's page, and present or swapped out (a written page in swap is the
+            # consumer's too: missed, it would come back after a reuse).
+            category_inverted=_PAGE_IS_FILE, category_mask=_PAGE_IS_FILE,
+            category_anyof_mask=_PAGE_IS_PRESENT | _PAGE_IS_SWAPPED,
+            return_mask=_PAGE_IS_PRESENT | _PAGE_IS_SWAPPED | _PAGE_IS_FILE,
         )
         n = k.ioctl(k.pagemap, _PAGEMAP_SCAN, ctypes.byref(arg))
         if n < 0:

@@ -58,7 +58,11 @@ def from_wire(
         else:
             with warnings.catch_warnings():  # read-only: we copy out at once
                 warnings.simplefilter("ignore", UserWarning)
-                src = torch.frombuffer(arr, dtype=spec.dtype).view(spec.shape)
+                if arr.ctypes.data % 16 == 0:
+                    src = torch.frombuffer(arr, dtype=spec.dtype).view(spec.shape)
+                else:  # Ray hands small arrays back unaligned: read as bytes (complex128 crashed)
+                    src = torch.empty(spec.shape, dtype=spec.dtype)
+                    src.view(-1).view(torch.uint8).copy_(torch.frombuffer(arr, dtype=torch.uint8))
         if buffers is not None:
             out.append(buffers[i].copy_(src))
         elif (device := local_device(spec.device)).type == "cpu":

@@ -3,18 +3,18 @@
 Two ways a tensor's bytes reach a consumer of the same node, both mapped copy-on-write
 (MAP_PRIVATE: no copy at fetch time, a consumer's writes stay its own):
 
-- Shared storages. A storage of at least SHARE_MIN_BYTES is moved into shared memory
-  the second time it is returned (as `tensor.share_memory_()` does: one copy, its
-  address changes, every view of it follows), when nothing else holds it. From then on
-  every export of it copies nothing: the metadata names the producer's descriptor of
-  it, and a consumer maps it through /proc/<pid>/fd (checking the inode). Such a view
-  shows the producer's memory, so it keeps its object (the RDTObject rides on the
+- Shared storages. A storage of at least SHARE_MIN_BYTES that the user put in shared
+  memory (`tensor.share_memory_()`, once, e.g. a trainer's weights at creation) is
+  exported without a copy: the metadata names the producer's descriptor of it, and a
+  consumer maps it through /proc/<pid>/fd (checking the inode). rdt_async never moves a
+  storage itself (moving frees memory a concurrent reader may be reading); a storage
+  returned again unshared is copied, and the producer says once how to stop that. Such
+  a view shows the producer's memory, so it keeps its object (the RDTObject rides on the
   mapping): while any consumer holds one, the producer holds the tensor and
-  `wait_tensor_freed` waits. A trainer that waits before each in-place update never
-  changes what a consumer reads; a consumer that keeps a fetched tensor keeps that
-  version and holds up the update until it drops it.
-- A segment for the rest (smaller storages, a storage's first return, storages in use
-  elsewhere): the producer copies them once into a warm, recycled file under /dev/shm
+  `wait_tensor_freed` waits, even after an explicit `free`. A trainer that waits before
+  each in-place update never changes what a consumer reads; a consumer that keeps a
+  fetched tensor keeps that version and holds up the update until it drops it.
+- A segment for the rest (smaller storages, storages not in shared memory): the producer copies them once into a warm, recycled file under /dev/shm
   (mode 0600, a 96-bit random name; see _segments.py), a snapshot. Views of it hold the
   object too, so it is reused only once no view is left. A guardian process per
   producer unlinks what is left if the producer is killed.
@@ -30,13 +30,14 @@ import atexit
 import concurrent.futures
 import dataclasses
 import errno
+import fcntl
 import logging
 import os
 import subprocess
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,7 +85,7 @@ sweep(me)
 """
 
 
-# Storages from this size on are moved into shared memory and exported without a copy.
+# Storages from this size on, once in shared memory, are exported without a copy.
 SHARE_MIN_BYTES = 1 << 20
 
 
@@ -137,9 +138,12 @@ class ShmTransport(Transport[ShmMeta]):
         return ObjectFreedError if isinstance(exc, FileNotFoundError) else None
 
     def prepare(self, obj_id: str, tensors: Sequence[torch.Tensor]) -> ShmMeta:
-        shared = tuple(_shared(t) for t in tensors)
-        copied = [t for t, sh in zip(tensors, shared) if sh is None]
-        meta = self._segment(copied)
+        shared = _lend(tensors)
+        try:
+            meta = self._segment([t for t, sh in zip(tensors, shared) if sh is None])
+        except BaseException:
+            _close_lent(ShmMeta(None, 0, (), shared))
+            raise
         it = iter(meta.offsets)
         offsets = tuple(next(it) if sh is None else 0 for sh in shared)
         return ShmMeta(meta.segment, meta.size, offsets, shared if any(shared) else ())
@@ -151,12 +155,12 @@ class ShmTransport(Transport[ShmMeta]):
         (`auto` on a cluster of several): a copy no consumer of this node maps would cost
         every export for nothing. Shared storages are named now, as by `prepare`.
         """
-        shared = tuple(_shared(t) for t in tensors)
-        if all(sh is not None or not t.numel() for t, sh in zip(tensors, shared)):
+        if all(not t.numel() or _shared(t) is not None for t in tensors):
             return self.prepare(obj_id, tensors)  # nothing to copy
+        shared = _lend(tensors)
         with _lazy_lock:
             _lazy[obj_id] = _Lazy()
-        return ShmMeta(None, 0, (), shared, lazy=True)
+        return ShmMeta(None, 0, (), shared if any(shared) else (), lazy=True)
 
     async def send_multiple_tensors(
         self, obj_id: str, tensors: Sequence[torch.Tensor], meta: ShmMeta | None, request: Any
@@ -230,16 +234,21 @@ class ShmTransport(Transport[ShmMeta]):
         return await _io.to_thread_finished(_read_into, info, buffers)
 
     def garbage_collect(self, obj_id: str, meta: ShmMeta) -> None:
-        # Shared storages belong to their tensors: nothing to release here. A segment
-        # freed explicitly may still be viewed somewhere: unlinked, never reused.
+        # A segment freed explicitly may still be viewed somewhere: unlinked, never reused.
+        # The object's descriptors of shared storages close: a later fetch finds it freed.
+        _close_lent(meta)
         segment = _made(obj_id, meta)
         if segment is not None:
             _segments.pool.discard(segment)
 
     def recycle(self, obj_id: str, meta: ShmMeta) -> None:
+        _close_lent(meta)
         segment = _made(obj_id, meta)
         if segment is not None:
             _segments.pool.recycle(segment)  # no view of it is left anywhere
+
+    def lends_memory(self, meta: ShmMeta) -> bool:
+        return any(sh is not None for sh in meta.shared)  # consumers map the producer's storage
 
 
 def _made(obj_id: str, meta: ShmMeta) -> str | None:
@@ -336,7 +345,8 @@ def _map(info: TransferInfo[ShmMeta]) -> list[torch.Tensor]:
         if spec.nbytes == 0:
             out.append(torch.empty(spec.shape, dtype=spec.dtype))
         else:
-            out.append(base.view(spec.dtype).as_strided(spec.shape, sh.stride, sh.offset))
+            whole = base.numel() - base.numel() % spec.dtype.itemsize  # (a storage of 4 MiB + 3 bytes)
+            out.append(base[:whole].view(spec.dtype).as_strided(spec.shape, sh.stride, sh.offset))
     return out
 
 
@@ -405,55 +415,90 @@ def say_no_room(exc: TransportUnavailableError, then: str) -> None:
         log.warning("rdt_async: auto: %s; %s", exc, then)
 
 
-def share_storages(tensors: Sequence[torch.Tensor], exclusive: Callable[[torch.Tensor], bool]) -> None:
-    """Move the storages of `tensors` worth sharing into shared memory, where `exclusive`.
+def note_returned(tensors: Sequence[torch.Tensor]) -> None:
+    """Say once per process how to stop copying a large storage that is returned again.
 
-    Runs on: producer, inside the hold of the object being made. A storage goes on its
-    second return (one copy; later calls find it shared); one whose memory something
-    reads by address (a send, a registration) is left where it is and copied instead.
+    Runs on: producer. rdt_async never moves a storage into shared memory itself: moving
+    frees the old memory, which a concurrent reader (another thread, a send, a coroutine
+    while the export runs off the loop) may still be reading, and a moved storage can no
+    longer grow (torch). The user, who knows when nothing else touches the tensor, can.
     """
+    global _said_share
+    if _said_share:
+        return
     for t in tensors:
         storage = t.untyped_storage()
-        if storage.is_shared() or not _worth_sharing(t, storage) or not exclusive(t):
+        if storage.is_shared() or t.device.type != "cpu" or storage.nbytes() < SHARE_MIN_BYTES:
             continue
-        if storage not in _returned_once:  # maybe a fresh tensor: a copy into a warm segment
+        if storage not in _returned_once:
             _returned_once.add(storage)
             continue
-        with _share_lock:
-            if storage.is_shared():
-                continue
-            try:
-                storage._share_fd_cpu_()  # moves it: fresh shared pages, one copy, same storage
-            except Exception as exc:  # e.g. a storage torch cannot move: copied instead
-                log.debug("rdt_async: shm: storage not moved to shared memory: %s", exc)
+        _said_share = True
+        log.warning(
+            "rdt_async: a tensor of %.0f MiB returned again is copied into shared memory at every "
+            "return; call `tensor.share_memory_()` on it once (for instance in __init__, while "
+            "nothing else reads it), and its exports over shm copy nothing",
+            storage.nbytes() / (1 << 20),
+        )
+        return
 
 
-_share_lock = threading.Lock()
-# Storages returned once and not moved: the second return moves them (a tensor returned
-# again and again), while a fresh tensor each call is copied into a warm segment instead.
+_said_share = False
+# Storages returned once, for `note_returned`: the second return of one says how to share it.
 _returned_once: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
 
 
-def _worth_sharing(t: torch.Tensor, storage: torch.UntypedStorage) -> bool:
-    return (
-        t.device.type == "cpu"
-        and t.layout == torch.strided
-        and storage.nbytes() >= SHARE_MIN_BYTES
-        and not t.is_pinned()  # pinned memory would lose its pinning
-    )
+def _lend(tensors: Sequence[torch.Tensor]) -> tuple[Shared | None, ...]:
+    """Where each tensor lies if its storage is shared (None: copy it), through descriptors
+    of this object's own (one per storage, closed at its free: a fetch after that finds
+    nothing at the number and says freed)."""
+    found = [_shared(t) for t in tensors]
+    if not any(found):
+        return tuple(found)
+    own: dict[int, int] = {}
+    out: list[Shared | None] = []
+    try:
+        for sh in found:
+            if sh is not None:
+                if sh.fd not in own:
+                    own[sh.fd] = fcntl.fcntl(sh.fd, fcntl.F_DUPFD_CLOEXEC, 0)
+                sh = dataclasses.replace(sh, fd=own[sh.fd])
+            out.append(sh)
+    except OSError as exc:  # out of descriptors: copy them all instead
+        for fd in own.values():
+            os.close(fd)
+        log.debug("rdt_async: shm: no descriptor for a shared storage (%s): copied", exc)
+        return (None,) * len(tensors)
+    return tuple(out)
+
+
+def _close_lent(meta: ShmMeta) -> None:
+    for fd in {sh.fd for sh in meta.shared if sh is not None}:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 def _shared(t: torch.Tensor) -> Shared | None:
-    """Where `t` lies if its storage is shared by descriptor; None if it must be copied."""
+    """Where `t` lies if its storage is shared by descriptor; None if it must be copied.
+
+    Only storages that `share_memory_()` (torch's file-descriptor strategy) put in shared
+    memory; never one this call would move (`_share_fd_cpu_` moves what it finds elsewhere).
+    """
     storage = t.untyped_storage()
-    if not storage.is_shared() or not _worth_sharing(t, storage):  # (is_shared first: is_pinned costs ~16 us)
-        return None
+    if not storage.is_shared() or t.device.type != "cpu" or t.layout != torch.strided:
+        return None  # (is_shared first: it is the cheap test that fails for most tensors)
+    if t.is_conj() or t.is_neg() or storage.nbytes() < SHARE_MIN_BYTES:
+        return None  # a lazy conjugate or negation lives in the tensor, not its bytes: copy it resolved
     try:
-        fd, nbytes = storage._share_fd_cpu_()  # already shared: its descriptor, no copy
-    except Exception:  # shared some other way (file_system strategy): copy it
+        fd: int = storage._get_shared_fd()  # type: ignore[attr-defined]  # the descriptor it keeps; never moves it
+    except RuntimeError:  # shared another way (torch's file_system strategy)
+        return None
+    if fd < 0:  # mapped from a file that kept no descriptor (torch.from_file)
         return None
     st = os.fstat(fd)
-    return Shared(os.getpid(), fd, (st.st_dev, st.st_ino), nbytes, int(t.storage_offset()), tuple(t.stride()))
+    return Shared(os.getpid(), fd, (st.st_dev, st.st_ino), storage.nbytes(), int(t.storage_offset()), tuple(t.stride()))
 
 
 def _read_into(info: TransferInfo[ShmMeta], buffers: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -1,0 +1,245 @@
+"""Values that are easy to get wrong: lazy conjugates, unaligned bytes, odd storages,
+container subclasses, `into=` buffers a user really passes (parameters), and the
+mistakes a user can make with them, each refused where it is made.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import ray
+import torch
+from conftest import wait_until
+
+import rdt_async as rdt
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+BIG = 1 << 19  # complex64 elements: 4 MiB, over shm's sharing threshold
+
+
+class Config(dict):
+    """A dict subclass with an attribute of its own."""
+
+
+class Batch(list):
+    def __init__(self, items, tag):  # a list subclass whose __init__ takes more than items
+        super().__init__(items)
+        self.tag = tag
+
+
+def expected() -> dict:
+    c = torch.tensor([1 + 2j, -3 - 4j, 5j], dtype=torch.complex64)
+    return {"conj": c.conj().resolve_conj(), "neg": c.conj().imag.resolve_neg()}
+
+
+@rdt.remote
+class Producer:
+    def __init__(self) -> None:
+        self.big = torch.arange(BIG, dtype=torch.float32).to(torch.complex64) * (1 + 1j)
+        self.big.share_memory_()  # exported without a copy: a conj view of it must not be
+        self.arena = torch.zeros((4 << 20) + 3, dtype=torch.uint8).share_memory_()
+        self.arena[:16].view(torch.float32).copy_(torch.arange(4.0))
+
+    def _lazy(self):
+        c = torch.tensor([1 + 2j, -3 - 4j, 5j], dtype=torch.complex64)
+        return {"conj": c.conj(), "neg": c.conj().imag, "big": self.big.conj()}
+
+    @rdt.method
+    def lazy_auto(self):
+        return self._lazy()
+
+    @rdt.method(tensor_transport="object_store")
+    def lazy_object_store(self):
+        return self._lazy()
+
+    @rdt.method(tensor_transport="tcp")
+    def lazy_tcp(self):
+        return self._lazy()
+
+    @rdt.method(tensor_transport="object_store")
+    def odd_dtypes(self):
+        return [torch.ones(3, dtype=torch.bool), torch.tensor([1 + 2j, 3 - 4j, 5j, 6, 7], dtype=torch.complex128)]
+
+    @rdt.method
+    def odd_storage(self):
+        return self.arena[:16].view(torch.float32)  # a float32 view of a storage of 4 MiB + 3 bytes
+
+    @rdt.method
+    def containers(self):
+        cfg = Config(w=torch.ones(2))
+        cfg.version = 3
+        return {"cfg": cfg, "batch": Batch([torch.zeros(2), "x"], tag="t"), "dd": collections.defaultdict(int, a=torch.ones(1))}
+
+    @rdt.method
+    def weights(self, n: int):
+        return [torch.full((n,), 2.0), torch.full((n,), 3.0)]
+
+    def held(self) -> int:
+        return rdt.store_stats()["objects"]
+
+
+@rdt.remote
+class Consumer:
+    async def values(self, refs) -> dict:
+        out = {}
+        for i, ref in enumerate(refs):
+            v = await rdt.fetch(ref)
+            out[i] = {k: t.resolve_conj().resolve_neg() for k, t in v.items()} if isinstance(v, dict) else v
+        return out
+
+    async def into_params(self, refs, n: int) -> list:
+        params = [torch.nn.Parameter(torch.zeros(n)), torch.nn.Parameter(torch.zeros(n))]
+        await rdt.fetch(refs[0], into=params)  # model.parameters(), as a weight sync passes them
+        return [float(p.detach().sum()) for p in params] + [all(p.requires_grad for p in params)]
+
+    async def into_refused(self, refs, n: int) -> list[str]:
+        said = []
+        shared, wide = torch.zeros(n), torch.zeros(2 * n)
+        for into in ([torch.zeros(1).expand(n), torch.zeros(n)], [shared, shared], [wide[n // 2 : n // 2 + n], wide[:n]]):
+            try:
+                await rdt.fetch(refs[0], into=into)
+                said.append("accepted")
+            except ValueError as e:
+                said.append(str(e))
+        return said
+
+    async def free_on_loop(self, refs) -> str:
+        try:
+            rdt.free(refs[0])
+        except RuntimeError as e:
+            return str(e)
+        return "returned"
+
+    async def fail_all_without_gc(self, refs) -> str:
+        import gc
+
+        gc.disable()  # only references may free the objects, as between two collections
+        try:
+            await rdt.fetch_all(refs)
+        except rdt.ObjectFreedError as e:
+            return type(e).__name__
+        finally:
+            gc.enable()
+        return "fetched"
+
+
+@rdt.remote
+class Holder:
+    """An async actor whose constructor takes an RDT object."""
+
+    def __init__(self, weights) -> None:
+        self.total = float(sum(t.sum() for t in weights))
+
+    async def get(self) -> float:
+        return self.total
+
+
+@pytest.fixture(scope="module")
+def actors():
+    p, c = Producer.remote(), Consumer.remote()
+    yield p, c
+    ray.kill(p)
+    ray.kill(c)
+
+
+def test_lazy_conjugates_and_negations_arrive_resolved_over_every_path(actors):
+    p, c = actors
+    want = expected()
+    big = torch.arange(BIG, dtype=torch.float32).to(torch.complex64) * (1 - 1j)
+    for transport in ("auto", "object_store", "tcp"):
+        refs = [getattr(p, f"lazy_{transport}").remote() for _ in range(2)]
+        got = ray.get(c.values.remote(refs))
+        for v in got.values():
+            assert torch.equal(v["conj"], want["conj"]) and torch.equal(v["neg"], want["neg"]), transport
+            assert torch.equal(v["big"], big), transport
+
+
+def test_complex128_and_bool_over_the_object_store_arrive_exact(actors):
+    p, c = actors
+    got = ray.get(c.values.remote([p.odd_dtypes.remote()]))[0]
+    assert torch.equal(got[0], torch.ones(3, dtype=torch.bool))
+    assert torch.equal(got[1], torch.tensor([1 + 2j, 3 - 4j, 5j, 6, 7], dtype=torch.complex128))
+
+
+def test_a_view_of_a_shared_storage_of_odd_size_arrives_every_time(actors):
+    p, c = actors
+    for _ in range(3):
+        assert torch.equal(ray.get(c.values.remote([p.odd_storage.remote()]))[0], torch.arange(4.0))
+
+
+def test_container_subclasses_keep_their_class_and_attributes(actors):
+    p, _ = actors
+    v = rdt.get(p.containers.remote())
+    assert type(v["cfg"]) is Config and v["cfg"].version == 3 and torch.equal(v["cfg"]["w"], torch.ones(2))
+    assert type(v["batch"]) is Batch and v["batch"].tag == "t" and v["batch"][1] == "x"
+    assert type(v["dd"]) is collections.defaultdict and v["dd"]["missing"] == 0
+
+
+@pytest.mark.parametrize("n", [8, 1 << 20])  # inline, and shm
+def test_parameters_receive_into_as_a_weight_sync_passes_them(actors, n):
+    p, c = actors
+    assert ray.get(c.into_params.remote([p.weights.remote(n)], n)) == [2.0 * n, 3.0 * n, True]
+
+
+def test_into_buffers_that_share_memory_are_refused_naming_the_fix(actors):
+    p, c = actors
+    expanded, twice, overlapping = ray.get(c.into_refused.remote([p.weights.remote(8)], 8))
+    assert "into= tensor 0 has elements that share memory" in expanded and "torch.empty_like" in expanded
+    assert twice == overlapping == "into= tensors 0 and 1 share memory: each of the object's tensors needs a buffer of its own"
+
+
+def test_an_async_actor_takes_rdt_objects_in_its_constructor(actors):
+    p, _ = actors
+    h = Holder.remote(p.weights.remote(4))
+    try:
+        assert ray.get(h.get.remote(), timeout=60) == 20.0
+    finally:
+        ray.kill(h)
+
+
+def test_free_of_a_ref_on_a_loop_says_to_await_it_instead_of_hanging(actors):
+    p, c = actors
+    said = ray.get(c.free_on_loop.remote([p.weights.remote(1 << 20)]), timeout=30)
+    assert "rdt.free(await ref)" in said
+
+
+def test_a_failed_fetch_all_lets_the_producer_free_every_object_without_a_collection(actors):
+    p, c = actors
+    healthy, freed = p.weights.remote(1 << 20), p.weights.remote(1 << 20)
+    rdt.free(freed)
+    wait_until(lambda: ray.get(p.held.remote()) == 1, 10)
+    assert ray.get(c.fail_all_without_gc.remote([healthy, freed])) == "ObjectFreedError"
+    del healthy, freed
+    wait_until(lambda: ray.get(p.held.remote()) == 0, 10, lambda: f"{ray.get(p.held.remote())} objects held")
+
+
+def test_a_shared_storage_is_never_moved_by_a_return_racing_a_reader():
+    # Moving a storage into shared memory freed its old memory under a concurrent reader
+    # (the producer crashed); storages stay where the user put them.
+    @rdt.remote(max_concurrency=4)
+    class Busy:
+        def __init__(self) -> None:
+            self.w = torch.ones(16 << 20)
+
+        @rdt.method
+        def publish(self):
+            return self.w
+
+        def read(self, k: int) -> float:
+            return float(sum(float(self.w.sum()) for _ in range(k)))
+
+        def where(self) -> int:
+            return self.w.untyped_storage().data_ptr()
+
+    b = Busy.remote()
+    try:
+        ptr = ray.get(b.where.remote())
+        reading = b.read.remote(20)
+        for _ in range(4):
+            assert float(rdt.get(b.publish.remote()).sum()) == 16 << 20
+        assert ray.get(reading, timeout=60) == 20.0 * (16 << 20)
+        assert ray.get(b.where.remote()) == ptr
+    finally:
+        ray.kill(b)
