@@ -23,7 +23,9 @@ SERVERS, VERSIONS = 3, 4
 class Trainer:
     def __init__(self):
         self.version = 0
-        self.weights = [torch.zeros(WIDTH) for _ in range(LAYERS)]
+        # In shared memory once, before anything else reads them: every publish then
+        # exports them to servers on this node without a copy (rdt_async never moves them).
+        self.weights = [torch.zeros(WIDTH).share_memory_() for _ in range(LAYERS)]
 
     @rdt.method  # the tensors stay here; servers read them where they are
     def publish(self):

@@ -4,7 +4,8 @@ The clock starts at the driver's `producer.make.remote(n)` and stops when the
 consumer's method, which receives the ref as its argument, has summed every element:
 the producer's export, the transfer, the consumer's read and Ray's calls all count.
 Two producer shapes: a tensor it keeps and returns each step (a trainer publishing its
-weights) and a fresh tensor each call. The first pass of each (path, shape, size) is
+weights, put in shared memory once with `share_memory_()` as the docs recommend; the
+same code for every path) and a fresh tensor each call. The first pass of each (path, shape, size) is
 reported apart (cold: first touch of fresh memory, first use of a transport); the rest
 give the warm median. Every row carries its ratio to the best Ray path of the same run,
 and `loop_stall_ms`: the longest the consumer's event loop was held while the value
@@ -39,10 +40,13 @@ ALONE = ("ray rdt nixl",)
 
 
 def _value(kept: dict[int, torch.Tensor], n: int, shape: str) -> torch.Tensor:
+    """The producer's return: a fresh tensor, or one it keeps. The kept one is put in shared
+    memory once, as rdt_async's docs ask of a trainer's weights (every path runs this same
+    code; only shm reads it there without a copy)."""
     if shape == "fresh":
         return torch.full((n,), 1.0)
     if n not in kept:
-        kept[n] = torch.full((n,), 1.0)
+        kept[n] = torch.full((n,), 1.0).share_memory_()
     return kept[n]
 
 
