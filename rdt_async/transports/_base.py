@@ -165,6 +165,7 @@ class Transport(abc.ABC, Generic[M]):
         send_multiple_tensors(obj_id, tensors, meta, request) -> reply
         refuse(obj_id, request)        instead, once the object is gone
         garbage_collect(obj_id, meta)  on free()
+        lends_memory(meta) -> bool     on free(): views read the tensors themselves? hold them
         recycle(obj_id, meta)          when the last ref (and view) is gone
 
     One-sided transports (shm) read without the producer; two-sided ones (object_store,

@@ -326,7 +326,7 @@ def _defined_by(cls: type, attr: str) -> type | None:
 # What a subclass must write, for each abstract method of Transport, as the error shows it.
 _SIGNATURES = {"receive": "async def receive(self, info, buffers, channel) -> list[Tensor]"}
 _ASYNC = ("receive", "send_multiple_tensors", "refuse")  # awaited on the I/O loop
-_SYNC = ("prepare", "garbage_collect", "recycle", "check_tensors", "receive_nowait", "warm_up")
+_SYNC = ("prepare", "garbage_collect", "recycle", "lends_memory", "check_tensors", "receive_nowait", "warm_up")
 
 
 def _transport_problems(cls: type[Transport[Any]]) -> list[str]:
