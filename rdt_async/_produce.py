@@ -46,7 +46,10 @@ def _prepared_transports(name: str, tensors: Sequence[torch.Tensor]) -> list[Tra
                 "or return with tensor_transport='auto'",
             )
         return [transport]
-    _registry.get("object_store").check_tensors(tensors)  # what auto falls back to
+    try:
+        _registry.get("object_store").check_tensors(tensors)  # what auto falls back to
+    except TransportUnavailableError as exc:  # said as what the user asked for: auto
+        raise TransportUnavailableError(f"tensor_transport='auto' cannot move these tensors: {exc}") from exc
     if all(t.device.type == "cpu" for t in tensors):
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         if nbytes <= INLINE_AUTO_MAX_BYTES:
