@@ -33,7 +33,7 @@ from ._errors import (
 from ._membership import groups
 from ._object import RDTObject
 from ._produce import loads_here, shared_with_producer
-from ._store import log, store
+from ._store import _spans, log, store
 from .transports import _auto, _registry
 from .transports._base import FetchRequest, TensorSpec, TransferInfo, Transport, copy_into
 
@@ -362,10 +362,9 @@ def _check_disjoint(bufs: list[torch.Tensor]) -> None:
     """Refuse into= buffers that share bytes: one's arrival would overwrite another's."""
     spans = []
     for i, b in enumerate(bufs):
-        if b.numel() and b.layout == torch.strided:
-            start = b.data_ptr()
-            last = sum((n - 1) * abs(st) for n, st in zip(b.shape, b.stride()) if n > 0)
-            spans.append((str(b.device), start, start + (last + 1) * b.element_size(), i))
+        # The bytes each reaches, as the store reckons a hold's (`_spans`), by address.
+        for (device, base), start, end in _spans([b])[:1]:
+            spans.append((str(device), int(base) + start, int(base) + end, i))
     spans.sort()
     reach: tuple[str, int, int] = ("", 0, -1)  # (device, furthest end so far, whose)
     for dev, start, end, i in spans:

@@ -126,7 +126,6 @@ def _flush() -> None:  # on the I/O loop
             logging.getLogger("rdt_async").exception("rdt_async: recording a metric failed")
 
 
-
 def _fetched(transport: str, nbytes: int, seconds: float) -> None:
     m = _get()
     if m is not None:

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.only = args.only or "e2e"
-        args.repeat = min(args.repeat, 3)  # a kept storage moves on its 2nd return: the 3rd is steady
+        args.repeat = min(args.repeat, 3)  # the first pass is reported apart (cold): 3 warm ones
         args.e2e_sizes = "4K,1M,64M"
         args.e2e_fanouts = "4"
         args.e2e_paths = args.e2e_paths or ("rdt auto,rdt nixl,ray object store,ray object store zero-copy,"

@@ -14,8 +14,8 @@ Two ways a tensor's bytes reach a consumer of the same node, both mapped copy-on
   `wait_tensor_freed` waits, even after an explicit `free`. A trainer that waits before
   each in-place update never changes what a consumer reads; a consumer that keeps a
   fetched tensor keeps that version and holds up the update until it drops it.
-- A segment for the rest (smaller storages, storages not in shared memory): the producer copies them once into a warm, recycled file under /dev/shm
-  (mode 0600, a 96-bit random name; see _segments.py), a snapshot. Views of it hold the
+- A segment for the rest (smaller storages, storages not in shared memory): the
+  producer copies them once into a warm, recycled file under /dev/shm (mode 0600, a 96-bit random name; see _segments.py), a snapshot. Views of it hold the
   object too, so it is reused only once no view is left. A guardian process per
   producer unlinks what is left if the producer is killed.
 
@@ -138,7 +138,11 @@ class ShmTransport(Transport[ShmMeta]):
         return ObjectFreedError if isinstance(exc, FileNotFoundError) else None
 
     def prepare(self, obj_id: str, tensors: Sequence[torch.Tensor]) -> ShmMeta:
-        shared = _lend(tensors)
+        return self._prepare(tensors, [_shared(t) for t in tensors])
+
+    def _prepare(self, tensors: Sequence[torch.Tensor], found: list[Shared | None]) -> ShmMeta:
+        """`prepare`, with where each tensor's shared storage lies already found (`_shared`)."""
+        shared = _lend(found)
         try:
             meta = self._segment([t for t, sh in zip(tensors, shared) if sh is None])
         except BaseException:
@@ -155,9 +159,10 @@ class ShmTransport(Transport[ShmMeta]):
         (`auto` on a cluster of several): a copy no consumer of this node maps would cost
         every export for nothing. Shared storages are named now, as by `prepare`.
         """
-        if all(not t.numel() or _shared(t) is not None for t in tensors):
-            return self.prepare(obj_id, tensors)  # nothing to copy
-        shared = _lend(tensors)
+        found = [_shared(t) for t in tensors]
+        if all(not t.numel() or sh is not None for t, sh in zip(tensors, found)):
+            return self._prepare(tensors, found)  # nothing to copy
+        shared = _lend(found)
         with _lazy_lock:
             _lazy[obj_id] = _Lazy()
         return ShmMeta(None, 0, (), shared if any(shared) else (), lazy=True)
@@ -448,11 +453,10 @@ _said_share = False
 _returned_once: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
 
 
-def _lend(tensors: Sequence[torch.Tensor]) -> tuple[Shared | None, ...]:
-    """Where each tensor lies if its storage is shared (None: copy it), through descriptors
-    of this object's own (one per storage, closed at its free: a fetch after that finds
+def _lend(found: list[Shared | None]) -> tuple[Shared | None, ...]:
+    """`found` (each tensor's shared storage, or None: copy it) named through descriptors of
+    this object's own (one per storage, closed at its free: a fetch after that finds
     nothing at the number and says freed)."""
-    found = [_shared(t) for t in tensors]
     if not any(found):
         return tuple(found)
     own: dict[int, int] = {}
@@ -468,7 +472,7 @@ def _lend(tensors: Sequence[torch.Tensor]) -> tuple[Shared | None, ...]:
         for fd in own.values():
             os.close(fd)
         log.debug("rdt_async: shm: no descriptor for a shared storage (%s): copied", exc)
-        return (None,) * len(tensors)
+        return (None,) * len(found)
     return tuple(out)
 
 
