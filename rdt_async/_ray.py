@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from ._errors import RDTError, translating, unavailable
+from ._errors import RDTError, TransferError, translating, unavailable
 from .transports import _registry
 from .transports._base import pid_alive
 
@@ -121,8 +121,14 @@ class RayChannel:
     async def request_send(self, request: Any) -> Any:
         obj = self._obj
         with translating(f"{self._transport} fetch of {obj.obj_id}", obj.obj_id):
-            eager = obj.eager.get(self._transport)
+            eager = obj.eager.get(self._transport) if type(obj.eager) is dict else None
             if eager is not None:
+                if not is_ref(eager):  # a ref's fields are input: never await what one names
+                    raise TransferError(
+                        f"{self._transport} fetch of {obj.obj_id}: the ref's object-store reply is a "
+                        f"{type(eager).__name__}, not an ObjectRef; pass refs as rdt_async hands them out",
+                        obj_id=obj.obj_id,
+                    )
                 return await await_ref(eager)
             if not obj.producer.serves:
                 raise unavailable(

@@ -45,8 +45,8 @@ from typing import Any, ClassVar
 import torch
 
 from .. import _io
-from .._errors import TransportUnavailableError
-from ._base import Channel, TransferInfo, Transport
+from .._errors import TransferError, TransportUnavailableError
+from ._base import Channel, TensorSpec, TransferInfo, Transport
 
 log = logging.getLogger("rdt_async")
 
@@ -155,15 +155,18 @@ class RayManagerTransport(Transport[RayMeta]):
         Runs on: consumer (I/O loop). Cancelling aborts both sides if the manager can.
         """
         meta, token = info.meta, None
-        if meta is None:
-            if self.one_sided:
-                raise TransportUnavailableError(
-                    f"object {info.obj_id} carries no {self.name!r} metadata", obj_id=info.obj_id
-                )
+        if meta is not None:
+            _check_meta(info, meta)
+        elif self.one_sided:
+            raise TransportUnavailableError(
+                f"object {info.obj_id} carries no {self.name!r} metadata", obj_id=info.obj_id
+            )
+        else:
             token = secrets.token_hex(8)
         try:
             if token is not None:
                 meta = await channel.request_send(_Describe(token))
+                _check_meta(info, meta)
             comm = await _io.to_thread(
                 self._manager.get_communicator_metadata, meta.src_actor, _current_actor(), self.name
             )
@@ -182,7 +185,7 @@ class RayManagerTransport(Transport[RayMeta]):
             for fut in done:
                 if fut.exception() is not None:
                     raise fut.exception()  # type: ignore[misc]
-            return recv.result()
+            return _checked(info, recv.result(), self.name)
         except BaseException:
             await self._abort(info.obj_id, comm, recv, channel, token)
             raise
@@ -267,6 +270,56 @@ class RayManagerTransport(Transport[RayMeta]):
             lent = self._lent.pop(token, None) if token is not None else None
         if lent is not None:
             _io.pool().submit(self._collect, *lent)
+
+
+def _check_meta(info: TransferInfo[Any], meta: Any) -> None:
+    """Raise TransferError unless `meta` is a RayMeta whose tensors (where the manager's
+    metadata lists them, as Ray's `tensor_meta`) are the ref's. Runs on: consumer."""
+    why = None
+    if not isinstance(meta, RayMeta):
+        why = f"its metadata is a {type(meta).__name__}, not RayMeta"
+    else:
+        listed = getattr(meta.transport_meta, "tensor_meta", None)
+        if isinstance(listed, (list, tuple)):
+            try:
+                shapes = [(tuple(shape), dtype) for shape, dtype in listed]
+            except (TypeError, ValueError):
+                shapes = None
+            if shapes != [(s.shape, s.dtype) for s in info.specs]:
+                why = f"its manager's tensor_meta lists {_shown(shapes)}, the ref's tensors are {_shown(info.specs)}"
+    if why is not None:
+        raise TransferError(
+            f"fetch of {info.obj_id}: the ref's transport metadata is not this object's ({why}); "
+            "nothing was received. Pass refs as rdt_async hands them out, unaltered",
+            obj_id=info.obj_id,
+        )
+
+
+def _checked(info: TransferInfo[Any], tensors: list[Any], name: str) -> list[torch.Tensor]:
+    """Return the manager's tensors if they are the ref's (count, shape, dtype), else raise TransferError."""
+    for i, (t, spec) in enumerate(zip(tensors, info.specs)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
+            got = f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TransferError(
+                f"{name} fetch of {info.obj_id}: the manager returned {got} for tensor {i} ({spec}); "
+                "its metadata does not describe this object",
+                obj_id=info.obj_id,
+            )
+    if len(tensors) != len(info.specs):
+        raise TransferError(
+            f"{name} fetch of {info.obj_id}: the manager returned {len(tensors)} tensor(s) for "
+            f"{len(info.specs)}; its metadata does not describe this object",
+            obj_id=info.obj_id,
+        )
+    return tensors
+
+
+def _shown(specs: Any) -> str:
+    if specs is None:
+        return "(unreadable)"
+    return "[" + ", ".join(
+        str(s) if isinstance(s, TensorSpec) else f"{str(s[1]).removeprefix('torch.')}{list(s[0])}" for s in specs
+    ) + "]"
 
 
 def _retrieve(fut: asyncio.Future[Any] | concurrent.futures.Future[Any]) -> None:

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .._errors import TransportUnavailableError
-from ._base import Channel, TransferInfo, Transport
+from .._errors import TransferError, TransportUnavailableError
+from ._base import Channel, TensorSpec, TransferInfo, Transport
 
 AUTO_MAX_BYTES = 64 << 10  # what auto inlines
 MAX_BYTES = 1 << 20  # what an explicit tensor_transport="inline" accepts
@@ -44,6 +44,7 @@ class InlineTransport(Transport[tuple[bytes, ...]]):
     def receive_nowait(
         self, info: TransferInfo[tuple[bytes, ...]], buffers: list[torch.Tensor] | None
     ) -> list[torch.Tensor]:
+        check(info.obj_id, info.meta, info.specs)
         out = decode(info.meta, [(s.shape, s.dtype) for s in info.specs])
         return out if buffers is None else [b.copy_(t) for b, t in zip(buffers, out)]
 
@@ -51,6 +52,29 @@ class InlineTransport(Transport[tuple[bytes, ...]]):
         self, info: TransferInfo[tuple[bytes, ...]], buffers: list[torch.Tensor] | None, channel: Channel
     ) -> list[torch.Tensor]:
         return self.receive_nowait(info, buffers)
+
+
+def check(obj_id: str, meta: object, specs: Sequence[TensorSpec]) -> None:
+    """Raise TransferError unless `meta` holds one bytes object of each tensor's size.
+
+    Runs on: consumer, before the bytes are read.
+    """
+    why = None
+    if type(meta) is not tuple or len(meta) != len(specs):
+        n = len(meta) if isinstance(meta, (tuple, list)) else type(meta).__name__
+        why = f"it carries {n} tensor(s)' bytes for {len(specs)} tensor(s)"
+    else:
+        for i, (data, spec) in enumerate(zip(meta, specs)):
+            if type(data) is not bytes or len(data) != spec.nbytes:
+                size = f"{len(data)} bytes" if type(data) is bytes else f"a {type(data).__name__}"
+                why = f"tensor {i} ({spec}) is {spec.nbytes} bytes, but the ref carries {size}"
+                break
+    if why is not None:
+        raise TransferError(
+            f"inline fetch of {obj_id}: the ref's inline bytes do not match its tensors ({why}); "
+            "nothing was read. Pass refs as rdt_async hands them out, unaltered",
+            obj_id=obj_id,
+        )
 
 
 def decode(meta: Sequence[bytes], specs: Sequence[tuple[Sequence[int], torch.dtype]]) -> list[torch.Tensor]:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from .. import _cuda, _io
+from .._errors import TransferError
 from ._base import Channel, TensorSpec, TransferInfo, Transport, local_device
 
 
@@ -35,6 +36,7 @@ class ObjectStoreTransport(Transport[None]):
         self, info: TransferInfo[None], buffers: list[torch.Tensor] | None, channel: Channel
     ) -> list[torch.Tensor]:
         arrays = await channel.request_send(None)
+        check_wire(info.obj_id, arrays, info.specs)
         return await _io.to_thread_finished(_cuda.settled, from_wire, arrays, info.specs, buffers)
 
 
@@ -45,6 +47,34 @@ def to_wire(tensors: Sequence[torch.Tensor]) -> list[np.ndarray]:
         flat = t.detach().to("cpu").contiguous().reshape(-1)
         out.append(flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, np.uint8))
     return out
+
+
+def check_wire(obj_id: str, arrays: object, specs: Sequence[TensorSpec]) -> None:
+    """Raise TransferError unless `arrays` is what `to_wire` makes of tensors of `specs`:
+    a list of one flat uint8 array per tensor, each of its tensor's size.
+
+    The wire carries bytes only: a shape or dtype that keeps the size is not seen here.
+    Runs on: consumer, before anything is copied.
+    """
+    why = None
+    if type(arrays) is not list or len(arrays) != len(specs):
+        n = len(arrays) if isinstance(arrays, (list, tuple)) else type(arrays).__name__
+        why = f"{n} array(s) for {len(specs)} tensor(s)"
+    else:
+        for i, (arr, spec) in enumerate(zip(arrays, specs)):
+            if not isinstance(arr, np.ndarray) or arr.dtype != np.uint8 or arr.ndim != 1:
+                kind = f"{arr.dtype}{list(arr.shape)}" if isinstance(arr, np.ndarray) else type(arr).__name__
+                why = f"tensor {i} came as {kind}, not flat uint8 bytes"
+                break
+            if arr.size != spec.nbytes:
+                why = f"tensor {i} ({spec}) is {spec.nbytes} bytes, but {arr.size} came"
+                break
+    if why is not None:
+        raise TransferError(
+            f"object_store fetch of {obj_id}: what came does not match the ref's tensors ({why}); "
+            "the ref was altered, or its object-store reply is not this object's",
+            obj_id=obj_id,
+        )
 
 
 def from_wire(

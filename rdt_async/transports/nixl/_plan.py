@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ... import _alloc
-from .._base import TransferInfo, copy_into, local_device
+from .._base import TransferInfo, aligned_layout, copy_into, local_device
 from ._agent import Agent
 from ._liveness import check_slot
 from ._memory import Key, Registrations, dev_index, mem_type
@@ -26,6 +26,9 @@ from ._scratch import BOUNCE_BYTES, Scratch
 from ._xfer import Read, post, post_now
 
 ALIGN = 64  # offsets of tensors that share a fetched block or a bounce chunk
+# Fetched CPU tensors at most this large get a storage of their own (no shared block to
+# keep alive, or to ship when pickled); larger ones of one object share one block.
+OWN_BYTES = BOUNCE_BYTES
 
 Desc = tuple[int, int, int, str]  # a producer's tensor: address, nbytes, device index, memory type
 
@@ -47,11 +50,15 @@ class ReadPlan:
         self._scratch, self._memory = scratch, memory
         self.out: list[torch.Tensor] = []
         self._pairs: list[tuple[torch.Tensor, Desc]] = []  # destination bytes, remote tensor
+        own: list[bool] = []  # per pair: lands apart, copied into a storage of its own
         if tensors:
             self.out, dsts = _destinations(info, buffers)
-            self._pairs = [(d, s) for d, s in zip(dsts, info.meta.descs) if s is not None]
+            for d, s, spec in zip(dsts, info.meta.descs, info.specs):
+                if s is not None:
+                    self._pairs.append((d, s))
+                    own.append(buffers is None and _owns(spec))
         self._bounce = scratch.bounce.take() if tensors and _fits_bounce(self._pairs) else -1
-        self._lands = self._bounce_views() if self._bounce >= 0 else [d for d, _ in self._pairs]
+        self._lands = self._bounce_views() if self._bounce >= 0 else _lands_apart(self._pairs, own)
         self._landing = scratch.landing.take()
         self._lslot = (
             scratch.landing.view(self._landing) if self._landing >= 0
@@ -136,15 +143,16 @@ class ReadPlan:
         check_slot(self._lslot, self.info, error)
         if error is not None:
             raise error
-        if self._bounce >= 0:
-            copy_into([d for d, _ in self._pairs], self._lands)
+        apart = [(d, land) for (d, _), land in zip(self._pairs, self._lands) if land is not d]
+        if apart:
+            copy_into([d for d, _ in apart], [land for _, land in apart])
 
     def _tensor_reads(self) -> list[Read]:
         """The tensors' READs: one per local device and remote memory (and device)."""
         pairs = self._pairs
         if self._bounce >= 0 and all(s[3] == "DRAM" for _, s in pairs):
             # The usual small read, CPU into one CPU chunk: one request, no device to ask torch about.
-            local = [(d.data_ptr(), s[1], 0) for d, (_, s) in zip(self._lands, pairs)]
+            local = [(d.data_ptr(), d.numel(), 0) for d in self._lands]
             return [Read(local, [s[:3] for _, s in pairs])] if pairs else []
         groups: dict[tuple[torch.device, str, int], list[tuple[torch.Tensor, Desc]]] = {}
         for d, (_, s) in zip(self._lands, pairs):
@@ -152,7 +160,7 @@ class ReadPlan:
         reads = []
         for (_, remote_mem, _), group in groups.items():
             local_mem, index = mem_type(group[0][0]), dev_index(group[0][0])
-            reads.append(Read([(d.data_ptr(), s[1], index) for d, s in group], [s[:3] for _, s in group], local_mem, remote_mem))
+            reads.append(Read([(d.data_ptr(), d.numel(), index) for d, _ in group], [s[:3] for _, s in group], local_mem, remote_mem))
         return reads
 
     def _bounce_views(self) -> list[torch.Tensor]:
@@ -161,6 +169,30 @@ class ReadPlan:
             out.append(chunk[off : off + s[1]])
             off += -(-s[1] // ALIGN) * ALIGN
         return out
+
+
+def _owns(spec: Any) -> bool:
+    """Say whether a fetched tensor of `spec` gets a storage of its own (small, CPU)."""
+    return 0 < spec.nbytes <= OWN_BYTES and local_device(spec.device).type == "cpu"
+
+
+def _lands_apart(pairs: list[tuple[torch.Tensor, Desc]], own: list[bool]) -> list[torch.Tensor]:
+    """Where each READ lands without a bounce chunk: the destination itself, but for
+    tensors of their own, one block for them all (one registration, copied out after)."""
+    sizes = [d.numel() for (d, _), o in zip(pairs, own) if o]
+    if not sizes:
+        return [d for d, _ in pairs]
+    offsets, total = aligned_layout(sizes, ALIGN)
+    block = _alloc.empty((total,), torch.uint8)
+    at = iter(offsets)
+    out = []
+    for (d, _), o in zip(pairs, own):
+        if o:
+            i = next(at)
+            out.append(block[i : i + d.numel()])
+        else:
+            out.append(d)
+    return out
 
 
 def _fits_bounce(pairs: list[tuple[torch.Tensor, Desc]]) -> bool:
@@ -190,17 +222,21 @@ def _destinations(
 
 
 def _views_of_blocks(specs: Sequence[Any]) -> list[torch.Tensor]:
-    """Allocate one byte block per device and return each spec's tensor as a view of it."""
+    """Allocate one byte block per device and return each spec's tensor as a view of it
+    (small CPU tensors: a tensor of its own, see `_owns`)."""
     offsets: list[tuple[torch.device, int]] = []
     sizes: dict[torch.device, int] = {}
     for spec in specs:
         device = local_device(spec.device)
+        if _owns(spec):
+            offsets.append((device, -1))
+            continue
         offsets.append((device, sizes.get(device, 0)))
         sizes[device] = sizes.get(device, 0) + -(-spec.nbytes // ALIGN) * ALIGN
     blocks = {d: _alloc.empty((n,), torch.uint8, d) for d, n in sizes.items()}  # CPU: reused, warm
     out = []
     for spec, (device, off) in zip(specs, offsets):
-        if spec.nbytes == 0:
+        if spec.nbytes == 0 or off < 0:
             out.append(torch.empty(spec.shape, dtype=spec.dtype, device=device))
         else:
             out.append(blocks[device][off : off + spec.nbytes].view(spec.dtype).view(spec.shape))

@@ -25,6 +25,7 @@ from ..._errors import BackendError, ObjectFreedError, PeerDiedError, RDTError, 
 from .. import _ucx
 from .._base import Channel, TransferInfo, Transport, copy_into, pid_alive
 from ._agent import Agent, import_reason
+from ._check import check
 from ._liveness import Slots
 from ._memory import Registrations
 from ._meta import NixlMeta
@@ -139,6 +140,7 @@ class NixlTransport(Transport[NixlMeta]):
     async def receive(
         self, info: TransferInfo[NixlMeta], buffers: list[torch.Tensor] | None, channel: Channel
     ) -> list[torch.Tensor]:
+        check(info, _producer_pid(info))  # before anything reaches NIXL
         meta = info.meta
         here = await self._get_async()
         for again in (False, True):
@@ -224,8 +226,10 @@ class NixlTransport(Transport[NixlMeta]):
         I/O loop. Anything else (a busy agent, no free bounce chunk, a READ NIXL leaves in
         progress, an error) returns None and the fetch takes the usual path; a READ left in
         progress is finished and released on the I/O loop.
-        Raises: ObjectFreedError if the liveness slot says the object is gone.
+        Raises: ObjectFreedError if the liveness slot says the object is gone;
+        TransferError if the metadata does not hold together (`_check`).
         """
+        check(info, _producer_pid(info))
         meta = info.meta
         here = self._current()
         remote = None if here is None else here.peers.remote(meta.agent)
@@ -291,6 +295,13 @@ def _died(info: TransferInfo[NixlMeta]) -> PeerDiedError:
     return PeerDiedError(
         f"nixl fetch of {info.obj_id}: the producer (pid {meta.pid} on {meta.host}) died", obj_id=info.obj_id
     )
+
+
+def _producer_pid(info: TransferInfo[NixlMeta]) -> int | None:
+    """The pid in the process token of the ref's producer (`info.hold`), where there is one."""
+    token = getattr(getattr(info.hold, "producer", None), "token", None)
+    pid = token.split(":", 1)[0] if isinstance(token, str) else ""
+    return int(pid) if pid.isdigit() else None
 
 
 def _alive(meta: NixlMeta) -> bool:
