@@ -147,7 +147,7 @@ async def fetch_object(obj: RDTObject, *, device: Any, into: Any, start: _Start 
                     shm.say_no_room(exc, "fetching such objects another way")
                     name, meta = choose_transport(obj, _ray.node_id(), without=frozenset({"shm"}))
                     transport = _registry.get(name)
-                    info = TransferInfo(obj.obj_id, obj.specs, meta, hold=obj)
+                    info = TransferInfo(obj.obj_id, obj.specs, meta, hold=obj, producer_pid=obj.producer.pid)
                     tensors = await _transfer(obj, transport, info, buffers)
             buffers = None  # written
         if buffers:
@@ -279,6 +279,7 @@ _Start = _Done | tuple[Transport[Any], TransferInfo[Any], list[torch.Tensor] | N
 
 def _start(obj: RDTObject, into: Any, device: Any = None) -> _Start:
     """Check the fetch and do what needs no waiting; else return what to transfer with."""
+    _object.check(obj)  # everything a ref carries came from another process
     if store.was_freed(obj.obj_id):
         raise ObjectFreedError(f"object {obj.obj_id} was freed", obj_id=obj.obj_id)
     buffers = _buffers(obj, into)
@@ -294,7 +295,7 @@ def _start(obj: RDTObject, into: Any, device: Any = None) -> _Start:
     transport = _registry.get(name)
     if buffers is None and device is not None:
         buffers = _device_buffers(obj, transport, torch.device(device))
-    info = TransferInfo(obj.obj_id, obj.specs, meta, hold=obj)
+    info = TransferInfo(obj.obj_id, obj.specs, meta, hold=obj, producer_pid=obj.producer.pid)
     ready = _cuda.record(buffers or ())
     if not ready:  # device buffers wait for the caller's streams first: never now
         try:

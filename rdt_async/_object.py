@@ -19,6 +19,7 @@ import collections
 import functools
 import os
 import pickle
+import re
 import secrets
 import threading
 import weakref
@@ -30,9 +31,9 @@ import ray
 import torch
 
 from . import _io, _ray
-from ._errors import ObjectFreedError
+from ._errors import ObjectFreedError, TransferError
 from ._store import log, store
-from .transports._base import TensorSpec
+from .transports._base import TensorSpec, check_specs
 
 if not hasattr(ray._raylet.CoreWorker, "add_object_out_of_scope_callback"):  # type: ignore[attr-defined]
     raise ImportError(
@@ -89,6 +90,17 @@ class Process:
         _io.pool(_io.CALLS).submit(rebuilt)
 
     @property
+    def pid(self) -> int:
+        """The producer's process id on its node, from its token (`<pid>:<hex>`).
+
+        Raises: TransferError if the token is not one `here()` makes (it came from another process).
+        """
+        m = _TOKEN.fullmatch(self.token) if type(self.token) is str else None
+        if m is None:
+            raise TransferError(f"the ref's producer token {self.token!r} is not one a producer makes (<pid>:<hex>)")
+        return int(m[1])
+
+    @property
     def label(self) -> str:
         if self.actor_id is None:
             return f"driver/process {self.token.split(':')[0]}"
@@ -96,6 +108,23 @@ class Process:
 
 
 _handles: dict[str, Any] = {}  # process token -> ActorHandle rebuilt in this process
+_TOKEN = re.compile(r"([1-9][0-9]{0,9}):[0-9a-z]{1,32}")
+
+
+def check(obj: RDTObject) -> None:
+    """Refuse an RDTObject whose fields no producer makes: everything in it came from
+    another process (its specs size buffers and reads, its token names a process).
+
+    Runs on: consumer, before a fetch uses it.
+    Raises: TransferError naming the field.
+    """
+    if type(obj.obj_id) is not str or not _OBJ_ID.fullmatch(obj.obj_id):
+        raise TransferError(f"the ref's object id {obj.obj_id!r} is not one a producer makes")
+    check_specs(obj.specs, obj.obj_id)
+    obj.producer.pid  # noqa: B018  (checks the token)
+
+
+_OBJ_ID = re.compile(r"[0-9a-f]{24}")
 
 
 @functools.lru_cache(maxsize=1)

@@ -46,7 +46,7 @@ VERDICT_S = float(os.environ.get("RDT_PEER_VERDICT_S", "90"))
 
 def died_on_this_node(p: Process) -> bool:
     """Say whether the producer ran on this node and its process is gone (at once, no Ray)."""
-    return p.node_id == node_id() and not pid_alive(int(p.token.split(":")[0]))
+    return p.node_id == node_id() and not pid_alive(p.pid)
 
 
 async def producer_died(p: Process, *, timeout: float = PING_S) -> bool:

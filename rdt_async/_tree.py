@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from ._errors import TransferError
+
 
 class Slot:
     """Stands in the skeleton where tensor number `index` was."""
@@ -61,7 +63,10 @@ class _Unflatten:
 
     def walk(self, v: Any) -> Any:
         if isinstance(v, Slot):
-            return self.tensors[v.index]
+            i = v.index
+            if type(i) is not int or not 0 <= i < len(self.tensors):  # (a skeleton from another process)
+                raise TransferError(f"the value's skeleton names tensor {i!r} of {len(self.tensors)}")
+            return self.tensors[i]
         return _map_children(v, self.walk)
 
 

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -111,7 +112,7 @@ async def roundtrip(
     """
     transport.check_tensors(tensors)
     meta = transport.prepare(obj_id, tensors)
-    info = TransferInfo(obj_id, tuple(TensorSpec.of(t) for t in tensors), meta)
+    info = TransferInfo(obj_id, tuple(TensorSpec.of(t) for t in tensors), meta, producer_pid=os.getpid())
     try:
         out = transport.receive_nowait(info, buffers)
         if out is None:

@@ -9,6 +9,7 @@ consumer has dropped what it fetched, an explicit `rdt.free` included.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 
@@ -19,7 +20,7 @@ from conftest import wait_until
 
 import rdt_async as rdt
 from rdt_async.transports._base import TensorSpec, TransferInfo
-from rdt_async.transports.shm import SHARE_MIN_BYTES, Shared, ShmMeta, _map_shared
+from rdt_async.transports.shm import SHARE_MIN_BYTES, ShmMeta, _close_lent, _lend, _map_shared, _shared
 
 N = 1 << 20  # float32 elements: 4 MiB, over SHARE_MIN_BYTES
 
@@ -231,13 +232,15 @@ def test_a_descriptor_that_names_another_file_now_is_refused():
     # The producer's fd number is checked against the storage's inode: a stale one
     # (the object freed, the number reused) must never map someone else's bytes.
     w = torch.ones(SHARE_MIN_BYTES // 4).share_memory_()
-    fd, nbytes = w.untyped_storage()._share_fd_cpu_()
-    st = os.fstat(fd)
-    info = TransferInfo("x", (TensorSpec.of(w),), ShmMeta(None, 0, (0,)))
-    good = Shared(os.getpid(), fd, (st.st_dev, st.st_ino), nbytes, 0, (1,))
-    assert float(_map_shared(info, good).view(torch.float32).sum()) == w.numel()
-    with pytest.raises(rdt.ObjectFreedError, match="freed"):
-        _map_shared(info, Shared(os.getpid(), fd, (st.st_dev, st.st_ino + 1), nbytes, 0, (1,)))
+    (good,) = _lend([_shared(w)])  # as `prepare` lends it
+    assert good is not None
+    try:
+        info = TransferInfo("x", (TensorSpec.of(w),), ShmMeta(None, 0, (0,)), producer_pid=os.getpid())
+        assert float(_map_shared(info, good).view(torch.float32).sum()) == w.numel()
+        with pytest.raises(rdt.ObjectFreedError, match="freed"):
+            _map_shared(info, dataclasses.replace(good, inode=(good.inode[0], good.inode[1] + 1)))
+    finally:
+        _close_lent(ShmMeta(None, 0, (0,), (good,)))
 
 
 @rdt.remote
@@ -343,8 +346,8 @@ def test_a_lazy_export_racing_its_objects_free_leaves_no_segment(monkeypatch):
     made: list[str] = []
     take = _segments.pool.take
 
-    def take_then_free(nbytes: int) -> _segments.Segment:
-        seg = take(nbytes)
+    def take_then_free(nbytes: int, name: str) -> _segments.Segment:
+        seg = take(nbytes, name)
         made.append(seg.path)
         t.garbage_collect("racing", meta)  # the free, while the export copies
         return seg
@@ -441,10 +444,10 @@ def test_an_idle_segment_unlinked_by_someone_else_is_replaced_not_an_error():
     from rdt_async.transports import _segments
 
     pool = _segments.SegmentPool()
-    seg = pool.take(2 << 20)
+    seg = pool.take(2 << 20, _segments.name_for("a", _segments.new_key()))
     pool.recycle(seg.name)  # idle, warm, for the next export of its size
     os.unlink(seg.path)  # a tmp cleaner, or a hand
-    again = pool.take(2 << 20)
+    again = pool.take(2 << 20, _segments.name_for("b", _segments.new_key()))
     try:
         assert again is not seg and os.path.exists(again.path) and pool.created == 2
     finally:

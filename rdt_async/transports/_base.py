@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import functools
 import math
 import os
 import socket
@@ -14,7 +15,7 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 import torch
 
 from .. import _alloc, _io
-from .._errors import RDTError, TransportUnavailableError
+from .._errors import RDTError, TransferError, TransportUnavailableError
 
 M = TypeVar("M")
 
@@ -37,6 +38,75 @@ class TensorSpec:
         return f"{dtype}{list(self.shape)}@{self.device}"
 
 
+# Bounds on what a ref may describe: torch's own limit on dimensions, and bytes no machine has.
+MAX_DIMS = 64
+MAX_SPEC_BYTES = 1 << 50
+
+
+def check_specs(specs: Any, obj_id: str) -> None:
+    """Refuse tensor specs that no producer makes: they came from another process.
+
+    Runs on: consumer, before a fetch uses them (sizes buffers, checks `into=`, reads).
+    Raises: TransferError naming the tensor and the field.
+    """
+    if type(specs) is not tuple:
+        raise TransferError(f"object {obj_id}: its tensor specs are a {type(specs).__name__}, not a tuple", obj_id=obj_id)
+    total = 0
+    for i, s in enumerate(specs):
+        total += _checked_nbytes(s, i, obj_id)
+        if total > MAX_SPEC_BYTES:
+            raise TransferError(f"object {obj_id}: its tensors claim over {MAX_SPEC_BYTES} bytes in all", obj_id=obj_id)
+
+
+def _checked_nbytes(s: Any, i: int, obj_id: str) -> int:
+    """`s.nbytes`, once `s` is a spec a producer makes (a plain check first: it costs ~1 µs)."""
+    if type(s) is TensorSpec and type(s.shape) is tuple and len(s.shape) <= MAX_DIMS:
+        numel = 1
+        for n in s.shape:
+            if type(n) is not int or n < 0:
+                break
+            numel *= n
+        else:
+            dtype = s.dtype
+            if (
+                isinstance(dtype, torch.dtype)
+                and numel * dtype.itemsize <= MAX_SPEC_BYTES
+                and type(s.nbytes) is int
+                and s.nbytes == numel * dtype.itemsize
+                and type(s.device) is str
+                and _device_ok(s.device)
+            ):
+                return s.nbytes
+    raise TransferError(f"object {obj_id}: tensor {i}'s spec is not one a producer makes: {_wrong(s)}", obj_id=obj_id)
+
+
+def _wrong(s: Any) -> str:
+    """What is wrong with a spec `_checked_nbytes` refused."""
+    if type(s) is not TensorSpec:
+        return f"a {type(s).__name__}, not a TensorSpec"
+    shape, dtype = s.shape, s.dtype
+    if type(shape) is not tuple or len(shape) > MAX_DIMS or not all(type(n) is int and n >= 0 for n in shape):
+        return f"shape {shape!r} (a tuple of at most {MAX_DIMS} non-negative ints)"
+    if not isinstance(dtype, torch.dtype):
+        return f"dtype {dtype!r} (a torch.dtype)"
+    holds = math.prod(shape) * dtype.itemsize
+    if holds > MAX_SPEC_BYTES:
+        return f"shape {list(shape)} of {dtype} ({holds} bytes, over {MAX_SPEC_BYTES})"
+    if type(s.nbytes) is not int or s.nbytes != holds:
+        return f"nbytes {s.nbytes!r}, where shape {list(shape)} of {dtype} holds {holds}"
+    return f"device {s.device!r} (a device string such as 'cpu' or 'cuda:0')"
+
+
+@functools.lru_cache(maxsize=64)
+def _device_ok(device: str) -> bool:
+    if len(device) > 32:
+        return False
+    try:
+        return str(torch.device(device)) == device
+    except (RuntimeError, ValueError):
+        return False
+
+
 @dataclass(frozen=True)
 class TransferInfo(Generic[M]):
     """What a consumer knows of an object before it moves: id, specs, the metadata."""
@@ -47,6 +117,11 @@ class TransferInfo(Generic[M]):
     # The RDTObject itself, for transports that hand out views of the producer's memory:
     # a view keeps it (so its producer keeps the bytes and wait_tensor_freed waits).
     hold: Any = field(default=None, compare=False, repr=False)
+    # The producer's process id on its node, as the core knows it from the ref's producer
+    # (not from `meta`): transports that open the producer's files (shm, cuda_ipc) accept
+    # only files that process made for this object. None where whoever drives the transport
+    # made `meta` itself (a test, a benchmark): the pid `meta` names is taken as it stands.
+    producer_pid: int | None = None
 
 
 class Channel(Protocol):

@@ -92,6 +92,14 @@ def open_handle(handle: bytes, ordinal: int) -> int:
     return ptr.value
 
 
+def bytes_from(ptr: int, ordinal: int) -> int:
+    """How many bytes of its allocation (ours, or one mapped here) lie from `ptr` on."""
+    use_device(ordinal)
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    _check("cuMemGetAddressRange", _lib().cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr))
+    return int(base.value + size.value - ptr)
+
+
 def close_handle(ptr: int, ordinal: int) -> None:
     """Unmap what `open_handle` mapped."""
     use_device(ordinal)

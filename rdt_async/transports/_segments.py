@@ -4,8 +4,8 @@ Fresh pages fault in slowly (0.3-2.6 GiB/s on small VMs, against ~10 GiB/s for a
 into warm memory), so a producer returning a fresh tensor each step would pay first
 touch every time. A segment whose object went away with its last ref goes back to this
 pool -- consumers' views hold their object (see shm.py), so by then nobody maps it --
-keeping its pages and the producer's mapping, and takes a new random name on reuse (an
-old name then finds nothing). An object freed explicitly (`rdt.free`) may still be
+keeping its pages and the producer's mapping, and takes its new object's name on reuse
+(`name_for`: an old name then finds nothing). An object freed explicitly (`rdt.free`) may still be
 viewed: its segment is unlinked, never reused.
 
 Bounded (MAX_BYTES in all) and shrinking: a segment unused for RDT_SHM_IDLE_S seconds
@@ -16,9 +16,12 @@ Capacities are powers of two from 1 MiB (tmpfs allocates only the pages written)
 from __future__ import annotations
 
 import functools
+import hashlib
 import mmap
 import os
+import re
 import secrets
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -26,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import _io
+from .._errors import TransferError
 
 SHM_DIR = "/dev/shm"
 PREFIX = "rdt-"
@@ -122,8 +126,88 @@ def owner(name: str) -> tuple[int, str] | None:
     return int(parts[0]), parts[1]
 
 
-def _new_name() -> str:
-    return f"{name_prefix()}{secrets.token_hex(12)}"
+# A segment's name: `rdt-<pid>-<pid namespace>-<24 hex>`, the hex a keyed hash of its object's
+# id (see `name_for`). Anything else under /dev/shm is not a segment a consumer may open.
+SEGMENT_NAME = re.compile(r"rdt-([1-9][0-9]{0,9})-([0-9]{1,20})-([0-9a-f]{24})")
+KEY = re.compile(r"[0-9a-f]{32}")
+
+
+def new_key() -> str:
+    """A fresh per-object secret for `name_for` (128 random bits, hex)."""
+    return secrets.token_hex(16)
+
+
+def name_for(obj_id: str, key: str, pid: int | None = None, ns: str | None = None) -> str:
+    """The name process `pid` (of PID namespace `ns`; default: this process) gives the
+    segment of object `obj_id` whose metadata carries `key`.
+
+    Bound to the object and its secret: a consumer recomputes it from the ref, so a
+    ref opens only its own object's segment. The listing of /dev/shm shows names, not
+    keys, and a name cannot be made from another object's id or key.
+    """
+    digest = hashlib.blake2b(obj_id.encode("utf-8", "surrogatepass"), key=bytes.fromhex(key), digest_size=12)
+    return f"{PREFIX}{os.getpid() if pid is None else pid}-{pid_namespace() if ns is None else ns}-{digest.hexdigest()}"
+
+
+_dir: tuple[int, int, int] | None = None  # (pid, fd of SHM_DIR, its st_dev), opened once per process
+_dir_lock = threading.Lock()
+
+
+def shm_dir() -> tuple[int, int]:
+    """An fd of SHM_DIR (opened once per process) and its device."""
+    global _dir
+    d = _dir
+    if d is not None and d[0] == os.getpid():
+        return d[1], d[2]
+    with _dir_lock:
+        if _dir is None or _dir[0] != os.getpid():
+            fd = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            _dir = (os.getpid(), fd, os.fstat(fd).st_dev)
+        return _dir[1], _dir[2]
+
+
+def open_own(name: str, min_size: int, what: str, obj_id: str | None = None) -> int:
+    """Open `name` in SHM_DIR read-only, if it is a file a producer of ours made; return its fd.
+
+    Never follows a link, never waits (a FIFO), and refuses all but a regular file of this
+    user, on SHM_DIR's file system, with one name and at least `min_size` bytes. `name`
+    must have been checked to be a plain name of our format already.
+    Raises: FileNotFoundError; TransferError naming `what` and why it was refused.
+    """
+    dir_fd, dev = shm_dir()
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:  # ELOOP (a symbolic link), EACCES (another user's), ...
+        raise TransferError(f"{what}: refused {SHM_DIR}/{name}: {exc.strerror or exc}", obj_id=obj_id) from exc
+    try:
+        check_file(os.fstat(fd), dev, links=1, min_size=min_size, what=f"{what}: refused {SHM_DIR}/{name}", obj_id=obj_id)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_file(st: os.stat_result, dev: int, *, links: int, min_size: int, what: str, obj_id: str | None = None) -> None:
+    """Refuse a file that is not a regular one of this user on SHM_DIR's file system with
+    `links` names and at least `min_size` bytes.
+
+    Raises: TransferError starting with `what`.
+    """
+    if not stat.S_ISREG(st.st_mode):
+        why = "it is not a regular file"
+    elif st.st_dev != dev:
+        why = f"it is not on the file system of {SHM_DIR}"
+    elif st.st_uid != os.geteuid():
+        why = f"it belongs to uid {st.st_uid}, not to this process's {os.geteuid()}"
+    elif st.st_nlink != links:
+        why = f"it has {st.st_nlink} name(s), where a producer's file has {links}"
+    elif st.st_size < min_size:
+        why = f"it holds {st.st_size} bytes, fewer than the {min_size} its metadata claims"
+    else:
+        return
+    raise TransferError(f"{what}: {why}", obj_id=obj_id)
 
 
 def _capacity(nbytes: int) -> int:
@@ -140,8 +224,9 @@ class SegmentPool:
         self._sweeper = IdleSweep(self._sweep)
         self.created = 0  # segments made (not reused) so far
 
-    def take(self, nbytes: int) -> Segment:
-        """A segment of at least `nbytes`: an idle one of the right capacity, else a new one."""
+    def take(self, nbytes: int, name: str) -> Segment:
+        """A segment of at least `nbytes` named `name` (`name_for`): an idle one of the right
+        capacity, renamed, else a new one."""
         capacity = _capacity(nbytes)
         with self._lock:
             seg = next((s for s in self._idle if s.capacity == capacity), None)
@@ -149,14 +234,14 @@ class SegmentPool:
                 self._idle.remove(seg)
         if seg is not None:
             old = seg.path
-            seg.name = _new_name()
+            seg.name = name
             try:
                 os.rename(old, seg.path)  # same pages, same mapping: a name nobody holds
             except FileNotFoundError:  # someone unlinked it (a hand, a tmp cleaner): make another
                 _drop(seg)
                 seg = None
         if seg is None:
-            seg = self._create(capacity)
+            seg = self._create(capacity, name)
             self.created += 1
         if seg.reserved < nbytes:
             try:
@@ -168,8 +253,7 @@ class SegmentPool:
             self._used[seg.name] = seg
         return seg
 
-    def _create(self, capacity: int) -> Segment:
-        name = _new_name()
+    def _create(self, capacity: int, name: str) -> Segment:
         path = os.path.join(SHM_DIR, name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:

@@ -33,6 +33,7 @@ import concurrent.futures
 import functools
 import mmap
 import os
+import re
 import secrets
 import socket
 import threading
@@ -45,11 +46,14 @@ from typing import Any
 import torch
 
 from .. import _cuda, _io
-from .._errors import ObjectFreedError, PeerDiedError, TransportUnavailableError
+from .._errors import ObjectFreedError, PeerDiedError, TransferError, TransportUnavailableError
 from . import _cudadrv, _segments, shm
-from ._base import Channel, TransferInfo, Transport, or_none, pid_alive
+from ._base import MAX_SPEC_BYTES, Channel, TransferInfo, Transport, or_none, pid_alive
 
 SLOTS_PER_TABLE = 1024
+TOKEN_END = 1 << 62  # tokens are 1 .. TOKEN_END
+# A liveness table's name: `rdt-<pid>-<pid namespace>-ipc-<16 hex>` (`_take_slot`).
+TABLE_NAME = re.compile(r"rdt-([1-9][0-9]{0,9})-([0-9]{1,20})-ipc-[0-9a-f]{16}")
 TABLE_CACHE = 64  # liveness tables a consumer keeps mapped (one per producer, mostly)
 MAP_IDLE_S = 2.0  # a mapped segment no fetch uses is closed after this long
 LINGER_S, LINGER_BYTES_PER_S = 0.25, 10e9
@@ -104,9 +108,16 @@ class _Table:
     """A liveness table: SLOTS_PER_TABLE int64 words in a file under /dev/shm."""
 
     def __init__(self, name: str, *, create: bool) -> None:
+        """Make table `name` (producer), or open a producer's (consumer: `name` checked against
+        TABLE_NAME first; opened by `_segments.open_own`, never through a link).
+
+        Raises: FileNotFoundError; TransferError (consumer) if it is not a producer's table.
+        """
         self.name = name
-        path = os.path.join(shm.SHM_DIR, name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL if create else os.O_RDONLY, 0o600)
+        if create:
+            fd = os.open(os.path.join(shm.SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        else:
+            fd = _segments.open_own(name, SLOTS_PER_TABLE * 8, "cuda_ipc fetch: liveness table")
         try:
             if create:
                 os.ftruncate(fd, SLOTS_PER_TABLE * 8)
@@ -202,7 +213,7 @@ class CudaIpcTransport(Transport[CudaIpcMeta]):
                 self._free_slots = list(range((n + 1) * SLOTS_PER_TABLE - 1, n * SLOTS_PER_TABLE - 1, -1))
             slot = self._free_slots.pop()
             table = self._tables[slot // SLOTS_PER_TABLE]
-            token = secrets.randbits(62) + 1
+            token = secrets.randbelow(TOKEN_END) + 1
             table.words[slot % SLOTS_PER_TABLE] = token
         return table.name, slot % SLOTS_PER_TABLE, token
 
@@ -211,7 +222,7 @@ class CudaIpcTransport(Transport[CudaIpcMeta]):
     async def receive(
         self, info: TransferInfo[CudaIpcMeta], buffers: list[torch.Tensor] | None, channel: Channel
     ) -> list[torch.Tensor]:
-        meta = info.meta
+        meta = _checked(info)
         self._check_live(info)
         out = [
             b if b is not None else torch.empty(s.shape, dtype=s.dtype, device=_device_of(m))
@@ -300,6 +311,44 @@ class CudaIpcTransport(Transport[CudaIpcMeta]):
         return table
 
 
+def _checked(info: TransferInfo[Any]) -> CudaIpcMeta:
+    """Refuse metadata its producer did not make: the table's name, slot, token, and each
+    export's fields (its bytes are checked against the mapping once mapped: `_Use.mapped`).
+
+    Runs on: consumer, before anything is opened or mapped.
+    Raises: TransferError naming the field.
+    """
+    meta, specs, obj_id = info.meta, info.specs, info.obj_id
+
+    def bad(what: str) -> TransferError:
+        return TransferError(f"cuda_ipc fetch of {obj_id}: refused metadata: {what}", obj_id=obj_id)
+
+    if type(meta) is not CudaIpcMeta:
+        raise bad(f"a {type(meta).__name__}, not CudaIpcMeta")
+    pid = meta.pid if info.producer_pid is None else info.producer_pid
+    if type(meta.pid) is not int or meta.pid != pid or type(meta.host) is not str:
+        raise bad(f"pid {meta.pid!r} is not the producer's (process {pid})")
+    m = TABLE_NAME.fullmatch(meta.table) if type(meta.table) is str else None
+    if m is None or int(m[1]) != pid:
+        raise bad(f"liveness table {meta.table!r} is not one the producer (process {pid}) makes")
+    if type(meta.slot) is not int or not 0 <= meta.slot < SLOTS_PER_TABLE:
+        raise bad(f"slot {meta.slot!r} (0 to {SLOTS_PER_TABLE - 1})")
+    if type(meta.token) is not int or not 1 <= meta.token <= TOKEN_END:
+        raise bad(f"token {meta.token!r}")
+    if type(meta.tensors) is not tuple or len(meta.tensors) != len(specs):
+        raise bad(f"{len(meta.tensors) if type(meta.tensors) is tuple else meta.tensors!r} exports for {len(specs)} tensor(s)")
+    for i, (t, spec) in enumerate(zip(meta.tensors, specs)):
+        if t is None and spec.nbytes == 0:
+            continue
+        if type(t) is not IpcTensor or type(t.handle) is not bytes or len(t.handle) != _cudadrv.HANDLE_BYTES:
+            raise bad(f"tensor {i}'s export is not one a producer makes")
+        if type(t.device_uuid) is not str or len(t.device_uuid) > 64 or type(t.offset) is not int:
+            raise bad(f"tensor {i}'s device or offset")
+        if not 0 <= t.offset <= MAX_SPEC_BYTES or t.nbytes != spec.nbytes or type(t.nbytes) is not int:
+            raise bad(f"tensor {i} at offset {t.offset!r}, {t.nbytes!r} bytes, where its spec holds {spec.nbytes}")
+    return meta
+
+
 def _export(t: torch.Tensor, nbytes: int) -> IpcTensor:
     """Return the IPC export of `t`'s bytes (the handle of its allocation; no copy)."""
     index = t.device.index if t.device.index is not None else torch.cuda.current_device()
@@ -339,19 +388,19 @@ class _Mappings:
     def using(self, tensors: list[IpcTensor]) -> _Use:
         return _Use(self, tensors)
 
-    def acquire(self, m: IpcTensor) -> concurrent.futures.Future[int]:
-        """Count a user of `m`'s segment; the future gives its address here once mapped."""
+    def acquire(self, m: IpcTensor) -> concurrent.futures.Future[tuple[int, int]]:
+        """Count a user of `m`'s segment; the future gives its address here once mapped, and its size."""
         with self._lock:
             entry = self._maps.get(m.handle)
             if entry is None:
-                fut: concurrent.futures.Future[int] = concurrent.futures.Future()
+                fut: concurrent.futures.Future[tuple[int, int]] = concurrent.futures.Future()
                 entry = self._maps[m.handle] = [fut, 0, None, _map_index(m)]
                 _io.pool().submit(_open_into, fut, m.handle, entry[3], m.device_uuid)
             entry[1] += 1
             if entry[2] is not None:
                 entry[2].cancel()
                 entry[2] = None
-            mapped: concurrent.futures.Future[int] = entry[0]
+            mapped: concurrent.futures.Future[tuple[int, int]] = entry[0]
             return mapped
 
     def release(self, handle: bytes) -> None:
@@ -378,7 +427,7 @@ class _Mappings:
             del self._maps[handle]
         fut, index = entry[0], entry[3]
         if fut.done() and not fut.cancelled() and fut.exception() is None:
-            _io.pool().submit(_cudadrv.close_handle, fut.result(), index)  # a failure stays in its future
+            _io.pool().submit(_cudadrv.close_handle, fut.result()[0], index)  # a failure stays in its future
 
 
 class _Use:
@@ -397,8 +446,14 @@ class _Use:
         # Shielded: the mapping is shared with other fetches, and a cancel reaching its
         # future would leave the handle opened but never closed (and every later fetch of the
         # segment failing on a cancelled future).
-        addresses = [f.result() if f.done() else await asyncio.shield(asyncio.wrap_future(f)) for f in self._futures]
-        self.sources = [_wrap(a + m.offset, m.nbytes, _map_index(m)) for a, m in zip(addresses, self._tensors)]
+        mapped = [f.result() if f.done() else await asyncio.shield(asyncio.wrap_future(f)) for f in self._futures]
+        for (_, size), m in zip(mapped, self._tensors):
+            if m.offset + m.nbytes > size:  # the metadata came from another process
+                raise TransferError(
+                    f"cuda_ipc fetch: refused metadata: {m.nbytes} bytes at offset {m.offset} of a mapped "
+                    f"allocation of {size}"
+                )
+        self.sources = [_wrap(a + m.offset, m.nbytes, _map_index(m)) for (a, _), m in zip(mapped, self._tensors)]
 
     def __exit__(self, *exc: Any) -> None:
         self.sources = []
@@ -409,9 +464,15 @@ class _Use:
 _mappings = _Mappings()
 
 
-def _open_into(fut: concurrent.futures.Future[int], handle: bytes, index: int, uuid: str) -> None:
+def _open_into(fut: concurrent.futures.Future[tuple[int, int]], handle: bytes, index: int, uuid: str) -> None:
     try:
-        fut.set_result(_cudadrv.open_handle(handle, index))
+        address = _cudadrv.open_handle(handle, index)
+        try:
+            size = _cudadrv.bytes_from(address, index)
+        except BaseException:
+            _cudadrv.close_handle(address, index)
+            raise
+        fut.set_result((address, size))
     except _cudadrv.CudaDriverError as exc:
         fut.set_exception(
             TransportUnavailableError(

@@ -15,13 +15,20 @@ Two ways a tensor's bytes reach a consumer of the same node, both mapped copy-on
   each in-place update never changes what a consumer reads; a consumer that keeps a
   fetched tensor keeps that version and holds up the update until it drops it.
 - A segment for the rest (smaller storages, storages not in shared memory): the
-  producer copies them once into a warm, recycled file under /dev/shm (mode 0600, a 96-bit random name; see _segments.py), a snapshot. Views of it hold the
+  producer copies them once into a warm, recycled file under /dev/shm (mode 0600, named
+  for its object with a per-object secret; see _segments.py), a snapshot. Views of it hold the
   object too, so it is reused only once no view is left. A guardian process per
   producer unlinks what is left if the producer is killed.
 
 A consumer keeps its mapping of either kind of file once the last view is gone, and maps
 the next fetch of the same file through it, its own writes dropped first (_mappings.py):
 page tables already filled read at the speed of anonymous memory.
+
+A consumer trusts none of the metadata (it came from another process): it opens only the
+segment whose name the ref's producer makes for that object and secret, relative to
+/dev/shm, never through a link; it maps a shared storage only through a descriptor the
+producer lent for that object (attested by its file position, a secret of the object);
+and every size, offset and stride must lie within the file (`_checked`).
 """
 
 from __future__ import annotations
@@ -30,9 +37,10 @@ import atexit
 import concurrent.futures
 import dataclasses
 import errno
-import fcntl
 import logging
 import os
+import re
+import secrets
 import subprocess
 import sys
 import threading
@@ -44,9 +52,19 @@ from typing import Any
 import torch
 
 from .. import _io
-from .._errors import ObjectFreedError, PeerDiedError, RDTError, TransportUnavailableError
+from .._errors import ObjectFreedError, PeerDiedError, RDTError, TransferError, TransportUnavailableError
 from . import _mappings, _segments
-from ._base import Channel, TransferInfo, Transport, aligned_layout, copy_into, pid_alive, view_in
+from ._base import (
+    MAX_SPEC_BYTES,
+    Channel,
+    TensorSpec,
+    TransferInfo,
+    Transport,
+    aligned_layout,
+    copy_into,
+    pid_alive,
+    view_in,
+)
 
 log = logging.getLogger("rdt_async")
 
@@ -99,6 +117,14 @@ class Shared:
     nbytes: int  # the storage's
     offset: int  # the tensor's, in elements
     stride: tuple[int, ...]
+    # The file position of the descriptor lent for this object (KEY_MIN <= key < KEY_END,
+    # random): a consumer reads it in /proc/<pid>/fdinfo, so a descriptor the producer did
+    # not lend for this object is never mapped.
+    key: int = 0
+
+
+KEY_MIN, KEY_END = 1 << 40, 1 << 62  # far beyond any position a file of ours reaches
+MAX_FD = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -112,6 +138,7 @@ class ShmMeta:
     offsets: tuple[int, ...]
     shared: tuple[Shared | None, ...] = ()
     lazy: bool = False
+    key: str = ""  # the object's secret: the segment is named `_segments.name_for(obj_id, key)`
 
     @property
     def nbytes(self) -> int:
@@ -138,19 +165,19 @@ class ShmTransport(Transport[ShmMeta]):
         return ObjectFreedError if isinstance(exc, FileNotFoundError) else None
 
     def prepare(self, obj_id: str, tensors: Sequence[torch.Tensor]) -> ShmMeta:
-        return self._prepare(tensors, [_shared(t) for t in tensors])
+        return self._prepare(obj_id, tensors, [_shared(t) for t in tensors])
 
-    def _prepare(self, tensors: Sequence[torch.Tensor], found: list[Shared | None]) -> ShmMeta:
+    def _prepare(self, obj_id: str, tensors: Sequence[torch.Tensor], found: list[Shared | None]) -> ShmMeta:
         """`prepare`, with where each tensor's shared storage lies already found (`_shared`)."""
         shared = _lend(found)
         try:
-            meta = self._segment([t for t, sh in zip(tensors, shared) if sh is None])
+            meta = self._segment(obj_id, [t for t, sh in zip(tensors, shared) if sh is None])
         except BaseException:
             _close_lent(ShmMeta(None, 0, (), shared))
             raise
         it = iter(meta.offsets)
         offsets = tuple(next(it) if sh is None else 0 for sh in shared)
-        return ShmMeta(meta.segment, meta.size, offsets, shared if any(shared) else ())
+        return ShmMeta(meta.segment, meta.size, offsets, shared if any(shared) else (), key=meta.key)
 
     def prepare_lazily(self, obj_id: str, tensors: Sequence[torch.Tensor]) -> ShmMeta:
         """`prepare`, leaving the copy into a segment to the first consumer that asks for it.
@@ -161,7 +188,7 @@ class ShmTransport(Transport[ShmMeta]):
         """
         found = [_shared(t) for t in tensors]
         if all(not t.numel() or sh is not None for t, sh in zip(tensors, found)):
-            return self._prepare(tensors, found)  # nothing to copy
+            return self._prepare(obj_id, tensors, found)  # nothing to copy
         shared = _lend(found)
         with _lazy_lock:
             _lazy[obj_id] = _Lazy()
@@ -183,9 +210,10 @@ class ShmTransport(Transport[ShmMeta]):
             if state.done is not None:
                 return state.done
             shared = meta.shared or (None,) * len(tensors)
-            made = self._segment([t for t, sh in zip(tensors, shared) if sh is None])
+            made = self._segment(obj_id, [t for t, sh in zip(tensors, shared) if sh is None])
             it = iter(made.offsets)
-            done = ShmMeta(made.segment, made.size, tuple(next(it) if sh is None else 0 for sh in shared), meta.shared)
+            offsets = tuple(next(it) if sh is None else 0 for sh in shared)
+            done = ShmMeta(made.segment, made.size, offsets, meta.shared, key=made.key)
             with _lazy_lock:
                 freed = state.freed
                 if not freed:
@@ -196,14 +224,15 @@ class ShmTransport(Transport[ShmMeta]):
                 raise ObjectFreedError(f"object {obj_id} was freed while it was fetched", obj_id=obj_id)
             return done
 
-    def _segment(self, tensors: Sequence[torch.Tensor]) -> ShmMeta:
-        """Copy `tensors` into a warm segment of the pool (see _segments.py)."""
+    def _segment(self, obj_id: str, tensors: Sequence[torch.Tensor]) -> ShmMeta:
+        """Copy `tensors` into a warm segment of the pool, named for `obj_id` (see _segments.py)."""
         offsets, size = aligned_layout((t.numel() * t.element_size() for t in tensors), ALIGN)
         if size == 0:
             return ShmMeta(None, 0, tuple(offsets))
         ensure_guardian()
+        key = _segments.new_key()
         try:
-            seg = _segments.pool.take(size)
+            seg = _segments.pool.take(size, _segments.name_for(obj_id, key))
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
                 raise _no_room(size, exc) from exc
@@ -217,12 +246,12 @@ class ShmTransport(Transport[ShmMeta]):
         except BaseException:
             _segments.pool.discard(seg.name)
             raise
-        return ShmMeta(seg.name, size, tuple(offsets))
+        return ShmMeta(seg.name, size, tuple(offsets), key=key)
 
     def receive_nowait(
         self, info: TransferInfo[ShmMeta], buffers: list[torch.Tensor] | None
     ) -> list[torch.Tensor] | None:
-        if info.meta.lazy:
+        if _checked(info).lazy:
             return None  # the producer makes the segment first
         if info.meta.size > NOWAIT_BYTES or (buffers is not None and info.meta.nbytes > NOWAIT_BYTES):
             return None  # a copy would block: take the I/O loop path
@@ -232,8 +261,10 @@ class ShmTransport(Transport[ShmMeta]):
     async def receive(
         self, info: TransferInfo[ShmMeta], buffers: list[torch.Tensor] | None, channel: Channel
     ) -> list[torch.Tensor]:
-        if info.meta.lazy:
+        if _checked(info).lazy:
             info = dataclasses.replace(info, meta=await channel.request_send("export"))
+            if _checked(info).lazy:
+                raise TransferError(f"shm fetch of {info.obj_id}: the producer's export is still lazy", obj_id=info.obj_id)
         if buffers is None:
             return _map(info)  # each view keeps the private mapping alive
         return await _io.to_thread_finished(_read_into, info, buffers)
@@ -309,16 +340,96 @@ def ensure_guardian() -> None:
         _guardian = (proc, os.getpid())
 
 
+def _checked(info: TransferInfo[Any]) -> ShmMeta:
+    """Refuse metadata that its producer did not make for this object: types, the segment's
+    name, every size, offset and stride. Return the metadata.
+
+    Runs on: consumer, before anything is opened (microseconds: no system call).
+    Raises: TransferError naming the field.
+    """
+    meta, specs, obj_id = info.meta, info.specs, info.obj_id
+
+    def bad(what: str) -> TransferError:
+        return TransferError(f"shm fetch of {obj_id}: refused metadata: {what}", obj_id=obj_id)
+
+    if type(meta) is not ShmMeta:
+        raise bad(f"a {type(meta).__name__}, not ShmMeta")
+    lazy, shared, offsets, size = meta.lazy, meta.shared, meta.offsets, meta.size
+    if type(lazy) is not bool or type(shared) is not tuple or (shared and len(shared) != len(specs)):
+        raise bad(f"shared storages {shared!r} do not match its {len(specs)} tensor(s)")
+    if not lazy and (type(offsets) is not tuple or len(offsets) != len(specs)):
+        raise bad(f"offsets {offsets!r} do not match its {len(specs)} tensor(s)")
+    if type(size) is not int or not 0 <= size <= MAX_SPEC_BYTES:
+        raise bad(f"size {size!r}")
+    in_segment = False
+    for i, spec in enumerate(specs):
+        sh = shared[i] if shared else None
+        if sh is not None:
+            _check_shared(sh, spec, i, info.producer_pid, bad)
+        elif not lazy and spec.nbytes:
+            off = offsets[i]
+            if type(off) is not int or off < 0 or off % ALIGN or off + spec.nbytes > size:
+                raise bad(f"tensor {i} at offset {off!r} ({spec.nbytes} bytes) in a segment of {size}")
+            in_segment = True
+    if lazy or meta.segment is None:
+        if in_segment:
+            raise bad("tensors in a segment, and no segment")
+        return meta
+    _check_name(meta, obj_id, info.producer_pid, bad)
+    return meta
+
+
+def _check_name(meta: ShmMeta, obj_id: str, producer_pid: int | None, bad: Any) -> None:
+    """The segment's name must be the one the producer gives this object (`_segments.name_for`)."""
+    segment, key = meta.segment, meta.key
+    m = _segments.SEGMENT_NAME.fullmatch(segment) if type(segment) is str else None
+    if m is None:
+        raise bad(f"segment {segment!r} is not a name of ours ({PREFIX}<pid>-<pid namespace>-<24 hex>)")
+    pid = int(m[1])
+    if producer_pid is not None and pid != producer_pid:
+        raise bad(f"segment {segment!r} was made by process {pid}, not by the producer (process {producer_pid})")
+    if type(key) is not str or not _segments.KEY.fullmatch(key) or type(obj_id) is not str:
+        raise bad("the object's key is missing or malformed")
+    if segment != _segments.name_for(obj_id, key, pid, m[2]):
+        raise bad(f"segment {segment!r} is not the one its producer makes for object {obj_id}")
+
+
+def _check_shared(sh: Any, spec: TensorSpec, i: int, producer_pid: int | None, bad: Any) -> None:
+    """A shared storage's fields, and the tensor's view of it, within the storage."""
+    if type(sh) is not Shared:
+        raise bad(f"tensor {i}'s storage is a {type(sh).__name__}, not Shared")
+    fields = (sh.pid, sh.fd, sh.nbytes, sh.offset, sh.key)
+    if not all(type(x) is int for x in fields) or not all(type(x) is int for x in (*sh.inode, *sh.stride)):
+        raise bad(f"tensor {i}'s storage has fields that are not ints: {sh!r}")
+    if producer_pid is not None and sh.pid != producer_pid:
+        raise bad(f"tensor {i}'s storage is in process {sh.pid}, not in the producer (process {producer_pid})")
+    if not 0 <= sh.fd < MAX_FD or not KEY_MIN <= sh.key < KEY_END or len(sh.inode) != 2:
+        raise bad(f"tensor {i}'s storage descriptor {sh.fd}, key or inode is not one a producer lends")
+    if not 0 <= sh.nbytes <= MAX_SPEC_BYTES or len(sh.stride) != len(spec.shape) or sh.offset < 0:
+        raise bad(f"tensor {i}'s view {list(spec.shape)}, stride {sh.stride} of a storage of {sh.nbytes} bytes")
+    if spec.nbytes:
+        if min(sh.stride, default=0) < 0:
+            raise bad(f"tensor {i}'s stride {sh.stride} is negative")
+        last = sh.offset + sum((n - 1) * st for n, st in zip(spec.shape, sh.stride))
+        if (last + 1) * spec.dtype.itemsize > sh.nbytes:
+            raise bad(
+                f"tensor {i} ({list(spec.shape)}, stride {sh.stride}, offset {sh.offset}) reaches past its "
+                f"storage of {sh.nbytes} bytes"
+            )
+
+
 def _open(info: TransferInfo[ShmMeta]) -> int:
-    """Open the object's segment for reading; fail if its producer has died.
+    """Open the object's segment for reading (checked by `_checked` already); fail if its
+    producer has died.
 
     The segment outlives a killed producer until its guardian unlinks it. Once the fd
     is open the data stays readable, so a producer alive after the open means the
     fetch is good; a dead one fails the fetch at once, whatever the guardian's pace.
+    Raises: FileNotFoundError (freed), TransferError (not a file the producer made), PeerDiedError.
     """
     segment = info.meta.segment
     assert segment is not None
-    fd = os.open(os.path.join(SHM_DIR, segment), os.O_RDONLY)
+    fd = _segments.open_own(segment, info.meta.size, f"shm fetch of {info.obj_id}", info.obj_id)
     made_by = _segments.owner(segment)
     if made_by is not None and made_by[1] == _segments.pid_namespace() and not pid_alive(made_by[0]):
         os.close(fd)
@@ -358,30 +469,69 @@ def _map(info: TransferInfo[ShmMeta]) -> list[torch.Tensor]:
 def _open_shared(info: TransferInfo[ShmMeta], sh: Shared) -> int:
     """Open the producer's shared storage read-only, checking it is still the one meant.
 
-    Raises: PeerDiedError if the producer is gone; ObjectFreedError if the descriptor no
-    longer names that storage (the object was freed and its storage released).
+    The descriptor must be the one the producer lent for this object: its file position,
+    read in /proc/<pid>/fdinfo, is the object's key (`_lend`). Checked before the open, so
+    nothing else of the producer's is ever opened; a descriptor closed and its number
+    taken again after that check shows as another inode after the open.
+    Raises: TransferError (not a storage the producer lent); PeerDiedError if the producer
+    is gone; ObjectFreedError if the descriptor no longer names that storage (the object
+    was freed and its storage released, or the metadata names what was never lent for it).
     """
-    try:
-        fd = os.open(f"/proc/{sh.pid}/fd/{sh.fd}", os.O_RDONLY)
-    except FileNotFoundError:
+    def gone(what: str) -> RDTError:
         if not pid_alive(sh.pid):
-            raise PeerDiedError(f"fetch over shm: the producer of {info.obj_id} died", obj_id=info.obj_id) from None
-        raise ObjectFreedError(f"object {info.obj_id} was freed (its storage is gone)", obj_id=info.obj_id) from None
+            return PeerDiedError(f"fetch over shm: the producer of {info.obj_id} died", obj_id=info.obj_id)
+        return ObjectFreedError(f"object {info.obj_id} was freed ({what})", obj_id=info.obj_id)
+
+    try:
+        lent = _lent_key(sh.pid, sh.fd)
+        if lent != sh.key:  # (another file under that number: the pid reused, the object freed and
+            raise gone(     # the number taken again, or a ref naming what was never lent for it)
+                f"descriptor {sh.fd} of process {sh.pid} is not the one its producer lent for it"
+            )
+        fd = os.open(f"/proc/{sh.pid}/fd/{sh.fd}", os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise gone("its storage is gone") from None
     except PermissionError as exc:
         os_error = f"{type(exc).__name__}: {exc}"
         raise TransportUnavailableError(
             f"transport 'shm' cannot open the producer's shared storage ({os_error}): the producer "
             "runs as another user or /proc is restricted; use tensor_transport='object_store'"
         ) from exc
-    st = os.fstat(fd)
-    if (st.st_dev, st.st_ino) != sh.inode:  # (another file under that number: the pid was reused,
-        os.close(fd)                        # or the storage released and the number taken again)
-        if not pid_alive(sh.pid):
-            raise PeerDiedError(f"fetch over shm: the producer of {info.obj_id} died", obj_id=info.obj_id)
-        raise ObjectFreedError(f"object {info.obj_id} was freed (its storage is gone)", obj_id=info.obj_id)
+    except OSError as exc:  # (ENXIO: a socket)
+        raise TransferError(
+            f"shm fetch of {info.obj_id}: refused the shared storage /proc/{sh.pid}/fd/{sh.fd}: {exc.strerror or exc}",
+            obj_id=info.obj_id,
+        ) from exc
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != sh.inode:
+            raise gone("its storage is gone")
+        _segments.check_file(
+            st, _segments.shm_dir()[1], links=0, min_size=sh.nbytes, obj_id=info.obj_id,
+            what=f"shm fetch of {info.obj_id}: refused the shared storage /proc/{sh.pid}/fd/{sh.fd}",
+        )
+    except BaseException:
+        os.close(fd)
+        raise
     # Opened and the same file: its bytes are the object's, whether or not the producer
     # is still alive at this instant (a dead process's descriptors are gone from /proc).
     return fd
+
+
+_POS = re.compile(rb"pos:\s*([0-9]+)\n")
+
+
+def _lent_key(pid: int, fd: int) -> int | None:
+    """The file position of descriptor `fd` of process `pid` (the key it was lent with).
+
+    Raises: FileNotFoundError if there is no such descriptor; PermissionError.
+    """
+    f = os.open(f"/proc/{pid}/fdinfo/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        m = _POS.match(os.read(f, 256))
+    finally:
+        os.close(f)
+    return int(m[1]) if m else None
 
 
 def _map_shared(info: TransferInfo[ShmMeta], sh: Shared) -> torch.Tensor:
@@ -456,20 +606,26 @@ _returned_once: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
 def _lend(found: list[Shared | None]) -> tuple[Shared | None, ...]:
     """`found` (each tensor's shared storage, or None: copy it) named through descriptors of
     this object's own (one per storage, closed at its free: a fetch after that finds
-    nothing at the number and says freed)."""
+    nothing at the number and says freed).
+
+    Each is a new open of the storage's file, its position set to a random key that the
+    metadata carries: a consumer maps a descriptor only if it shows the key (`_open_shared`).
+    """
     if not any(found):
         return tuple(found)
-    own: dict[int, int] = {}
+    own: dict[int, tuple[int, int]] = {}
     out: list[Shared | None] = []
     try:
         for sh in found:
             if sh is not None:
                 if sh.fd not in own:
-                    own[sh.fd] = fcntl.fcntl(sh.fd, fcntl.F_DUPFD_CLOEXEC, 0)
-                sh = dataclasses.replace(sh, fd=own[sh.fd])
+                    fd = os.open(f"/proc/self/fd/{sh.fd}", os.O_RDONLY | os.O_CLOEXEC)
+                    own[sh.fd] = (fd, KEY_MIN + secrets.randbelow(KEY_END - KEY_MIN))
+                    os.lseek(fd, own[sh.fd][1], os.SEEK_SET)
+                sh = dataclasses.replace(sh, fd=own[sh.fd][0], key=own[sh.fd][1])
             out.append(sh)
-    except OSError as exc:  # out of descriptors: copy them all instead
-        for fd in own.values():
+    except OSError as exc:  # out of descriptors (or no /proc): copy them all instead
+        for fd, _ in own.values():
             os.close(fd)
         log.debug("rdt_async: shm: no descriptor for a shared storage (%s): copied", exc)
         return (None,) * len(found)

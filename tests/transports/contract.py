@@ -89,7 +89,7 @@ def _producer_main(conn: Any, transport_name: str, device: str) -> None:
                 meta = transport.prepare(obj_id, tensors)
                 objects[obj_id] = (tensors, meta)
                 specs = tuple(TensorSpec.of(t) for t in tensors)
-                conn.send(("ok", TransferInfo(obj_id, specs, meta)))
+                conn.send(("ok", TransferInfo(obj_id, specs, meta, producer_pid=os.getpid())))
             elif op == "send":
                 _, obj_id, request = msg
                 if obj_id not in objects:

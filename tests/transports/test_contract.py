@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -271,13 +270,15 @@ async def test_shm_segment_left_by_a_dead_producer_is_refused():
 
     dead = subprocess.Popen(["true"])
     dead.wait()
-    name = f"{shm.PREFIX}{dead.pid}-{_segments.pid_namespace()}-{secrets.token_hex(12)}"
+    key = _segments.new_key()
+    name = _segments.name_for("obj-dead", key, dead.pid)
     path = os.path.join(shm.SHM_DIR, name)
     want = torch.arange(16, dtype=torch.float32)
     with open(path, "wb") as f:
         f.write(want.numpy().tobytes())
     try:
-        info = TransferInfo("obj-dead", (TensorSpec.of(want),), shm.ShmMeta(name, 64, (0,)))
+        meta = shm.ShmMeta(name, 64, (0,), key=key)
+        info = TransferInfo("obj-dead", (TensorSpec.of(want),), meta, producer_pid=dead.pid)
         transport = shm.ShmTransport()
         with pytest.raises(rdt.PeerDiedError, match="producer of obj-dead died"):
             transport.receive_nowait(info, None)
@@ -455,6 +456,7 @@ async def test_cuda_ipc_a_fetch_cancelled_while_its_segment_is_first_mapped_leav
 
     monkeypatch.setattr(_cudadrv, "open_handle", open_handle)
     monkeypatch.setattr(_cudadrv, "close_handle", lambda ptr, index: closed.append(ptr))
+    monkeypatch.setattr(_cudadrv, "bytes_from", lambda ptr, index: 1 << 20)
     monkeypatch.setattr(cuda_ipc, "_map_index", lambda m: 0)
     monkeypatch.setattr(cuda_ipc, "_wrap", lambda address, nbytes, index: (address, nbytes))
     monkeypatch.setattr(cuda_ipc, "MAP_IDLE_S", 0.1)
