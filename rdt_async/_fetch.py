@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from . import _cuda, _io, _metrics, _object, _ray, _relay, _tree
+from . import _buffers, _cuda, _io, _metrics, _object, _ray, _relay, _tree
 from ._errors import (
     ObjectFreedError,
     PeerDiedError,
@@ -33,9 +33,9 @@ from ._errors import (
 from ._membership import groups
 from ._object import RDTObject
 from ._produce import loads_here, shared_with_producer
-from ._store import _spans, log, store
+from ._store import log, store
 from .transports import _auto, _registry
-from .transports._base import FetchRequest, TensorSpec, TransferInfo, Transport, copy_into
+from .transports._base import FetchRequest, TransferInfo, Transport, copy_into
 
 
 def choose_transport(obj: RDTObject, node_id: str, without: frozenset[str] = frozenset()) -> tuple[str, Any]:
@@ -282,13 +282,15 @@ def _start(obj: RDTObject, into: Any, device: Any = None) -> _Start:
     _object.check(obj)  # everything a ref carries came from another process
     if store.was_freed(obj.obj_id):
         raise ObjectFreedError(f"object {obj.obj_id} was freed", obj_id=obj.obj_id)
-    buffers = _buffers(obj, into)
+    buffers = _buffers.checked(obj.specs, into)  # before anything moves
     if device is not None:
         _check_device(torch.device(device))
     if not obj.specs:
         return _Done([], None, "none")
     if _object.is_local(obj):
         tensors = _object.resolve_local(obj)
+        if buffers is not None:
+            _buffers.check_apart(buffers, tensors)
         _warn_local(obj.obj_id)
         return _Done(tensors, buffers, "local")
     name, meta = choose_transport(obj, _ray.node_id())
@@ -332,50 +334,6 @@ def _record(obj: RDTObject, transport: str, began: float) -> None:
         store.fetches[transport] += 1
         _metrics.fetched(transport, obj.nbytes, time.perf_counter() - began)
         log.debug("rdt_async: fetched %s over %s (%d bytes)", obj.obj_id, transport, obj.nbytes)
-
-
-def _buffers(obj: RDTObject, into: Any) -> list[torch.Tensor] | None:
-    if into is None:
-        return None
-    skeleton, bufs = _tree.flatten(into)
-    if not bufs and obj.specs:
-        raise TypeError(f"into= holds no tensor ({type(into).__name__} {skeleton!r}); pass the tensors to receive into")
-    if len(bufs) != len(obj.specs):
-        raise ValueError(
-            f"into= holds {len(bufs)} tensor(s) but the object has {len(obj.specs)}: "
-            f"{', '.join(map(str, obj.specs))}"
-        )
-    for i, (b, s) in enumerate(zip(bufs, obj.specs)):
-        if tuple(b.shape) != s.shape or b.dtype != s.dtype:
-            raise ValueError(f"into= tensor {i} is {TensorSpec.of(b)}; the object's tensor {i} is {s}")
-        if b.numel() > 1 and torch._debug_has_internal_overlap(b) == 1:
-            raise ValueError(
-                f"into= tensor {i} has elements that share memory (an expand() or a zero stride): "
-                "receive into a tensor with memory of its own, e.g. torch.empty_like(t)"
-            )
-    _check_disjoint(bufs)
-    # Parameters (requires_grad) receive as `param.data.copy_()` would: writes through a
-    # detached view of the same memory, outside autograd.
-    return [b.detach() if b.requires_grad else b for b in bufs]
-
-
-def _check_disjoint(bufs: list[torch.Tensor]) -> None:
-    """Refuse into= buffers that share bytes: one's arrival would overwrite another's."""
-    spans = []
-    for i, b in enumerate(bufs):
-        # The bytes each reaches, as the store reckons a hold's (`_spans`), by address.
-        for (device, base), start, end in _spans([b])[:1]:
-            spans.append((str(device), int(base) + start, int(base) + end, i))
-    spans.sort()
-    reach: tuple[str, int, int] = ("", 0, -1)  # (device, furthest end so far, whose)
-    for dev, start, end, i in spans:
-        if dev == reach[0] and start < reach[1]:
-            first, second = sorted((reach[2], i))
-            raise ValueError(
-                f"into= tensors {first} and {second} share memory: each of the object's tensors needs a buffer of its own"
-            )
-        if dev != reach[0] or end > reach[1]:
-            reach = (dev, end, i)
 
 
 async def _copy(buffers: list[torch.Tensor], tensors: list[torch.Tensor], nbytes: int) -> list[torch.Tensor]:

@@ -468,12 +468,14 @@ def landing_buffers(
 ) -> list[torch.Tensor]:
     """Return where each tensor of a receive lands.
 
-    The caller's buffer where it is contiguous, else a fresh one (from the reuse cache
-    on CPU). Runs on: consumer.
+    The caller's buffer where it is contiguous and on `device` (a native library handed
+    memory of another device would fault or fail mid-transfer), else a fresh one (from
+    the reuse cache on CPU): `delivered` copies it over. Runs on: consumer.
     """
     given = or_none(buffers, len(specs))
+    kind = torch.device(device).type
     return [
-        b if b is not None and b.is_contiguous() else _alloc.empty(s.shape, s.dtype, device)
+        b if b is not None and b.is_contiguous() and b.device.type == kind else _alloc.empty(s.shape, s.dtype, device)
         for b, s in zip(given, specs)
     ]
 

@@ -1,0 +1,271 @@
+"""Check a fetch's `into=` buffers: every one is a tensor a transfer can write, or the call
+is refused before anything moves.
+
+Runs on: consumer, on the caller's thread, before a transport is chosen and before any
+message leaves for the producer. A mistake in a buffer therefore never starts half a
+transfer: a Gloo/NCCL pair never waits on receives that were not posted, a native
+library never meets memory it cannot write, and the process never faults.
+
+What a buffer must be, and why (docs/src/async.md says the same to users):
+- a dense (strided) tensor with memory of its own: not sparse, mkldnn, nested, quantized
+  (a transfer carries the values, not the quantizer), meta, or a wrapper subclass whose
+  storage is not real memory (FakeTensor, DTensor);
+- the object's tensor's shape and dtype;
+- no lazy conjugate or negation bit (transports write raw bytes, which such a view would
+  show conjugated or negated);
+- elements that do not share memory, within its storage's bytes (a storage resized after
+  the view was made), and memory this process may write (not a read-only mapping);
+- no two buffers sharing memory, and none sharing memory with an object of this process
+  other than its own tensor (a same-process fetch copies from the object's tensors).
+
+Parameters (`requires_grad`) receive as `param.data.copy_()` would; inference tensors as
+a write under `torch.inference_mode()` would: through a plain alias of the same memory,
+so every transport, on any thread, writes them alike.
+"""
+
+from __future__ import annotations
+
+import bisect
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from . import _tree
+from ._store import _spans
+from .transports._base import TensorSpec
+
+
+def checked(specs: Sequence[TensorSpec], into: Any) -> list[torch.Tensor] | None:
+    """Return the tensors to write for `into=` (None without it), each checked against `specs`.
+
+    Runs on: consumer, the caller's thread (microseconds a buffer; a storage not made by
+    torch's allocator is looked up in /proc/self/maps once).
+    Raises: TypeError for an `into=` without tensors; ValueError naming the buffer, what
+    is wrong with it and the fix.
+    """
+    if into is None:
+        return None
+    skeleton, bufs = _tree.flatten(into)
+    if not bufs and specs:
+        raise TypeError(f"into= holds no tensor ({type(into).__name__} {skeleton!r}); pass the tensors to receive into")
+    if len(bufs) != len(specs):
+        raise ValueError(f"into= holds {len(bufs)} tensor(s) but the object has {len(specs)}: {', '.join(map(str, specs))}")
+    maps = _Maps()
+    spans = [_check(i, b, s, maps) for i, (b, s) in enumerate(zip(bufs, specs))]
+    _check_disjoint(spans)
+    return [_writer(b) for b in bufs]
+
+
+def check_apart(buffers: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> None:
+    """Refuse buffers that share memory with the tensors of a same-process object they receive.
+
+    A buffer that is its own tensor (same memory, same layout) is fine: the copy changes
+    nothing. Any other overlap would overwrite a source before it is read.
+    Raises: ValueError.
+    """
+    mine = [_span(b) for b in buffers]
+    theirs = [_span(t) for t in tensors]
+    for i, (b, span) in enumerate(zip(buffers, mine)):
+        if span is None:
+            continue
+        for j, (t, other) in enumerate(zip(tensors, theirs)):
+            if other is None or span[0] != other[0] or span[2] <= other[1] or other[2] <= span[1]:
+                continue
+            if i == j and span == other and b.stride() == t.stride():
+                continue
+            raise ValueError(
+                f"into= tensor {i} shares memory with tensor {j} of the object it receives, which this "
+                "process produced: receive into a buffer of its own (e.g. torch.empty_like(t)), or use the "
+                "fetched value itself"
+            )
+
+
+# (device, first byte's address, one past the last byte's address), or None: no bytes.
+# The device is -1 for the CPU, a CUDA device's index, or the name of another.
+_Span = tuple[int | str, int, int]
+
+
+def _check(i: int, b: torch.Tensor, spec: TensorSpec, maps: _Maps) -> _Span | None:
+    """Refuse buffer `i` unless a transfer of `spec` can write it; return the bytes it reaches.
+
+    Every fetch into a model's parameters runs this for each: the usual path is a few
+    attribute reads, the costly checks (maps, overlap) are taken only where they can fail.
+    """
+    if b.is_nested or b.layout != torch.strided or b.is_quantized or b.is_meta:
+        raise ValueError(f"into= tensor {i} is {_kind(b)}: receive into a dense tensor with memory of its own, e.g. {_empty(spec)}")
+    if b.shape != spec.shape or b.dtype != spec.dtype:
+        raise ValueError(f"into= tensor {i} is {TensorSpec.of(b)}; the object's tensor {i} is {spec}")
+    if b.is_conj() or b.is_neg():
+        lazy = "conjugate (a .conj() view)" if b.is_conj() else "negation (a .conj().imag view)"
+        raise ValueError(
+            f"into= tensor {i} is a lazy {lazy}, which a transfer's raw bytes would fill wrongly: "
+            f"receive into a tensor without it, e.g. {_empty(spec)}, and take the view after"
+        )
+    n = b.numel()
+    if n == 0:
+        return None
+    if n > 1 and not b.is_contiguous() and torch._debug_has_internal_overlap(b) == 1:
+        raise ValueError(
+            f"into= tensor {i} has elements that share memory (an expand() or a zero stride): "
+            "receive into a tensor with memory of its own, e.g. torch.empty_like(t)"
+        )
+    try:
+        storage = b.untyped_storage()
+        base = storage.data_ptr()
+    except (RuntimeError, NotImplementedError):  # a wrapper subclass: no storage of its own
+        base = 0
+    if base == 0:
+        raise ValueError(
+            f"into= tensor {i} is a {type(b).__name__} without memory of its own to write: "
+            f"receive into a dense tensor with memory of its own, e.g. {_empty(spec)}"
+        )
+    item = b.element_size()
+    start = int(b.storage_offset()) * item
+    end = start + item * (1 + sum((int(d) - 1) * int(st) for d, st in zip(b.shape, b.stride())))  # the furthest element
+    held = storage.nbytes()
+    if end > held:
+        raise ValueError(
+            f"into= tensor {i} reaches {end} bytes into a storage of {held} (the storage shrank after "
+            f"the view was made, e.g. by resize_()): receive into a tensor its storage holds, e.g. {_empty(spec)}"
+        )
+    if b.is_cpu:
+        why = _unwritable(storage, base + start, base + end, maps)
+        if why == READ_ONLY:
+            raise ValueError(
+                f"into= tensor {i} lies in read-only memory (a mapping without write permission, e.g. "
+                "mmap.mmap(..., prot=mmap.PROT_READ) or np.memmap(..., mode='r')), which a write would "
+                f"kill this process for: receive into writable memory, e.g. {_empty(spec)}, or map it writable"
+            )
+        if why == RAY_STORE:
+            raise ValueError(
+                f"into= tensor {i} lies in Ray's object store (a zero-copy value of ray.get), whose objects "
+                f"are immutable and shared by every reader on the node: receive into memory of your own, "
+                f"e.g. {_empty(spec)} (or a .clone() of it)"
+            )
+        return (-1, base + start, base + end)
+    return (b.get_device() if b.is_cuda else str(b.device), base + start, base + end)
+
+
+def _kind(b: torch.Tensor) -> str:
+    """What kind of tensor `b` is, that no transfer can write."""
+    if b.is_nested:
+        return "a nested tensor"
+    if b.layout != torch.strided:
+        return f"a {str(b.layout).removeprefix('torch.')} tensor, not a dense (strided) one"
+    if b.is_quantized:
+        return f"quantized ({b.dtype}): a transfer carries the values, not the scale and zero point"
+    return "on the meta device, which holds no memory"
+
+
+def _empty(spec: TensorSpec) -> str:
+    return f"torch.empty({spec.shape!r}, dtype={spec.dtype})"
+
+
+def _span(t: torch.Tensor) -> _Span | None:
+    """The bytes `t` reaches, or None where it has none (no elements, no storage)."""
+    found = _spans([t])  # as the store reckons a hold's
+    if not found:
+        return None
+    (device, base), start, end = found[0]
+    key = -1 if t.is_cpu else t.get_device() if t.is_cuda else str(device)
+    return (key, int(base) + start, int(base) + end)
+
+
+def _check_disjoint(spans: list[_Span | None]) -> None:
+    """Refuse into= buffers that share bytes: one's arrival would overwrite another's."""
+    ordered = sorted((s, i) for i, s in enumerate(spans) if s is not None)
+    reach: tuple[int | str | None, int, int] = (None, 0, -1)  # (device, furthest end so far, whose)
+    for (dev, start, end), i in ordered:
+        if dev == reach[0] and start < reach[1]:
+            first, second = sorted((reach[2], i))
+            raise ValueError(
+                f"into= tensors {first} and {second} share memory: each of the object's tensors needs a buffer of its own"
+            )
+        if dev != reach[0] or end > reach[1]:
+            reach = (dev, end, i)
+
+
+def _writer(b: torch.Tensor) -> torch.Tensor:
+    """The tensor a transport writes for buffer `b`: `b`, or a plain alias of its memory."""
+    if b.is_inference():
+        # torch lets only code under inference_mode() write an inference tensor, and
+        # transports write on threads of their own: they get a plain tensor over the same
+        # memory, written as a write under inference_mode() would be.
+        alias = torch.empty(0, dtype=b.dtype, device=b.device)
+        return alias.set_(b.untyped_storage(), b.storage_offset(), b.shape, b.stride())
+    # Parameters (requires_grad) receive as `param.data.copy_()` would: writes through a
+    # detached view of the same memory, outside autograd.
+    return b.detach() if b.requires_grad else b
+
+
+# Storages not made by torch's allocator whose whole memory was found writable, checked
+# once each: a model's parameters fetched into at every step pay nothing after the first.
+_writable_storages: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
+
+_MAPS = "/proc/self/maps"
+READ_ONLY = "read-only"
+RAY_STORE = "in Ray's object store"
+
+
+def _unwritable(storage: torch.UntypedStorage, start: int, end: int, maps: _Maps) -> str | None:
+    """Why this process must not write the bytes [start, end) of `storage`, or None; touches none.
+
+    A storage torch allocated (resizable) is memory of this process's own. Others
+    (torch.frombuffer, torch.from_numpy, from_blob) may lie in a read-only mapping, where
+    a write kills the process with SIGSEGV, or in Ray's object store (a zero-copy value
+    of `ray.get`), whose objects every reader on the node maps: their mappings are read
+    from /proc/self/maps (once a call, whatever the number of such storages). Without
+    /proc (not Linux), nothing is refused.
+    """
+    if storage.resizable() or storage in _writable_storages:
+        return None
+    base = storage.data_ptr()
+    if maps.why(base, base + storage.nbytes()) is None:
+        _writable_storages.add(storage)
+        return None
+    return maps.why(start, end)  # a storage only partly unwritable: this view's own bytes
+
+
+class _Maps:
+    """This process's memory mappings, read from /proc/self/maps at the first question."""
+
+    def __init__(self) -> None:
+        self._ranges: list[tuple[int, int, bool, bool]] | None = None  # (lo, hi, writable, Ray's store)
+
+    def why(self, start: int, end: int) -> str | None:
+        """Why [start, end) is not writable memory of this process's own, or None."""
+        if self._ranges is None:
+            self._ranges = _read_maps()
+        ranges = self._ranges
+        if not ranges:
+            return None  # no /proc: nothing known, nothing refused
+        at = start
+        for lo, hi, writable, ray_store in ranges[max(0, bisect.bisect_right(ranges, (at,)) - 1) :]:
+            if hi <= at:
+                continue
+            if lo > at or not writable:
+                return READ_ONLY  # a hole (unmapped) or a mapping without write permission
+            if ray_store:
+                return RAY_STORE
+            at = hi
+            if at >= end:
+                return None
+        return READ_ONLY
+
+
+def _read_maps() -> list[tuple[int, int, bool, bool]]:
+    try:
+        with open(_MAPS, "rb") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        fields = line.split(None, 5)
+        lo, _, hi = fields[0].partition(b"-")
+        path = fields[5].strip() if len(fields) > 5 else b""
+        # Ray's store maps its files as <dir>/plasmaXXXXXX.
+        out.append((int(lo, 16), int(hi, 16), fields[1][1:2] == b"w", path.rsplit(b"/", 1)[-1].startswith(b"plasma")))
+    return out
