@@ -65,6 +65,8 @@ def e2e_table(rows: list[dict[str, Any]], cell: Callable[[dict[str, Any]], str])
     for r in rows:
         if "error" in r:
             out.append(f"| {r['case']} | failed: {r['error'].splitlines()[0][:160]} |")
+        elif "skipped" in r:
+            out.append(f"| {r['case']} | not run: {r['skipped']} |")
     return "\n".join(out)
 
 
