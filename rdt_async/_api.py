@@ -428,4 +428,8 @@ async def _resolve(x: Any) -> Any:
 
 
 def _not_rdt(x: Any, verb: str) -> TypeError:
-    return TypeError(f"rdt.{verb}() takes an ObjectRef or an RDTObject, not {type(x).__name__}")
+    many = ""
+    if isinstance(x, (list, tuple, set, dict)):
+        many = ("; for many, `await rdt.fetch_all(refs)`" if verb == "fetch"
+                else "; for many, `[rdt.get(r) for r in refs]`, or `await rdt.fetch_all(refs)` on a loop")
+    return TypeError(f"rdt.{verb}() takes an ObjectRef or an RDTObject, not {type(x).__name__}{many}")

@@ -56,6 +56,11 @@ def test_unsupported_device_fails_when_the_value_is_returned():
 def test_fetch_of_something_else_is_a_type_error():
     with pytest.raises(TypeError, match="ObjectRef or an RDTObject"):
         rdt.get(42)
+    refs = [ray.put(1), ray.put(2)]
+    with pytest.raises(TypeError, match=re.escape("not list; for many, `[rdt.get(r) for r in refs]`, or `await rdt.fetch_all(refs)` on a loop")):
+        rdt.get(refs)
+    with pytest.raises(TypeError, match=re.escape("rdt.fetch() takes an ObjectRef or an RDTObject, not tuple; for many, `await rdt.fetch_all(refs)`")):
+        asyncio.run(rdt.fetch(tuple(refs)))
     with pytest.raises(TypeError, match="RDT object"):
         rdt.free(ray.put(1))
 
