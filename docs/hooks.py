@@ -1,9 +1,9 @@
 """MkDocs hooks: the benchmarks page and the files the benchmark run generates.
 
 `python -m rdt_async.bench --quick --out docs/src/benchmarks` writes the table
-(results.md) and the plots that docs/src/benchmarks.md embeds. They are not kept in the
-repository, so a fresh checkout has none: each missing one is replaced by a note that
-says how to make it, and the strict build passes either way. A results.md that is there
+(results.md) and the plots that docs/src/benchmarks.md embeds (also inside its tabs). The
+repository keeps the latest run's; where one is missing (a renamed plot, a deleted file)
+it is replaced by a note that says how to make it, and the strict build passes either way. A results.md that is there
 is included with its headings moved under the page's own section ("# " becomes "### ").
 """
 
@@ -15,15 +15,16 @@ import re
 PAGE = "benchmarks.md"
 REGENERATE = "python -m rdt_async.bench --quick --out docs/src/benchmarks"
 DEMOTE = 2  # heading levels added to an included results.md
-_IMAGE = re.compile(r"^!\[(?P<alt>[^\]]*)\]\((?P<path>benchmarks/[^)\s]+)\)\s*$", re.M)
+_IMAGE = re.compile(r"^(?P<indent>[ \t]*)!\[(?P<alt>[^\]]*)\]\((?P<path>benchmarks/[^)\s]+)\)[ \t]*$", re.M)
 _SNIPPET = re.compile(r'^--8<-- "(?P<path>benchmarks/[^"]+\.md)"\s*$', re.M)
 _FENCE = re.compile(r"^\s*(```|~~~)")
 
 
-def _missing(path: str, what: str) -> str:
+def _missing(path: str, what: str, indent: str = "") -> str:
+    """A note in place of a missing file, indented as the line it replaces (in a tab, say)."""
     return (
-        f'!!! note "Not generated in this build: {path}"\n'
-        f"    The {what} comes from the benchmark run; make it with `{REGENERATE}`, then build again.\n"
+        f'{indent}!!! note "Not generated in this build: {path}"\n'
+        f"{indent}    The {what} comes from the benchmark run; make it with `{REGENERATE}`, then build again.\n"
     )
 
 
@@ -46,7 +47,7 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
 
     def image(m: re.Match[str]) -> str:
         found = os.path.isfile(os.path.join(docs_dir, m["path"]))
-        return m[0] if found else _missing(m["path"], f"plot ({m['alt']})")
+        return m[0] if found else _missing(m["path"], f"plot ({m['alt']})", m["indent"])
 
     def snippet(m: re.Match[str]) -> str:
         path = os.path.join(docs_dir, m["path"])

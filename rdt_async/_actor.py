@@ -232,20 +232,20 @@ def _wrap_method(f: Callable[..., Any]) -> Callable[..., Any]:
     if inspect.iscoroutinefunction(f):
 
         async def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
-            args, kwargs = await _fetch_args(args, kwargs)
+            args, kwargs = await _fetch_args(args, kwargs, f)
             return await produce_async(await f(self, *args, **kwargs))
 
     elif inspect.isasyncgenfunction(f):
 
         async def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
-            args, kwargs = await _fetch_args(args, kwargs)
+            args, kwargs = await _fetch_args(args, kwargs, f)
             async for value in f(self, *args, **kwargs):
                 yield value  # never a producer (see `method`)
 
     elif inspect.isgeneratorfunction(f):
 
         def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
-            args, kwargs = _fetch_args_blocking(args, kwargs)
+            args, kwargs = _fetch_args_blocking(args, kwargs, f)
             yield from f(self, *args, **kwargs)  # never a producer (see `method`)
 
     elif f.__name__ == "__init__":
@@ -253,13 +253,13 @@ def _wrap_method(f: Callable[..., Any]) -> Callable[..., Any]:
         def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
             # An async actor runs __init__ on its loop, which serves nothing until it
             # returns: blocking it for the arguments stalls no other call.
-            args, kwargs = _fetch_args_blocking(args, kwargs, on_loop_ok=True)
+            args, kwargs = _fetch_args_blocking(args, kwargs, f, on_loop_ok=True)
             return f(self, *args, **kwargs)
 
     else:
 
         def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
-            args, kwargs = _fetch_args_blocking(args, kwargs)
+            args, kwargs = _fetch_args_blocking(args, kwargs, f)
             return produce(f(self, *args, **kwargs))
 
     return functools.wraps(f)(wrapped)  # with `f`'s attributes: its Ray method options
@@ -271,13 +271,18 @@ def _rdt_positions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int | 
     return found
 
 
-async def _fetch_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Fetch top-level RDTObject arguments concurrently."""
+async def _fetch_args(
+    args: tuple[Any, ...], kwargs: dict[str, Any], f: Callable[..., Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Fetch top-level RDTObject arguments of method `f` concurrently (a warning names `f`'s line)."""
     where = _rdt_positions(args, kwargs)
     if not where:
         return args, kwargs
     new_args, new_kwargs = list(args), dict(kwargs)
-    values = await _api.fetch_objects([args[w] if isinstance(w, int) else kwargs[w] for w in where])
+    code = f.__code__
+    values = await _api.fetch_objects(
+        [args[w] if isinstance(w, int) else kwargs[w] for w in where], (code.co_filename, code.co_firstlineno, f.__globals__)
+    )
     for w, v in zip(where, values):
         if isinstance(w, int):
             new_args[w] = v
@@ -287,7 +292,7 @@ async def _fetch_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tu
 
 
 def _fetch_args_blocking(
-    args: tuple[Any, ...], kwargs: dict[str, Any], *, on_loop_ok: bool = False
+    args: tuple[Any, ...], kwargs: dict[str, Any], f: Callable[..., Any], *, on_loop_ok: bool = False
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     if not _rdt_positions(args, kwargs):
         return args, kwargs
@@ -296,7 +301,7 @@ def _fetch_args_blocking(
             "a sync method of an async actor received an RDT object: make the method "
             "`async def` so its arguments can be fetched without blocking the loop"
         )
-    return _io.submit(_fetch_args(args, kwargs)).result()
+    return _io.submit(_fetch_args(args, kwargs, f)).result()
 
 
 def _control_methods(is_async: bool) -> dict[str, Any]:

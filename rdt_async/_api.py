@@ -7,21 +7,111 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
+import functools
+import inspect
+import math
+import os
+import sys
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
-from typing import Any
+import types
+import warnings
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 import torch
 
 from . import _io, _object, _produce, _ray
-from ._errors import release_frames, translating
+from ._errors import RDTError, one_chain, release_frames, translating
 from ._fetch import fetch_now, fetch_object
 from ._object import RDTObject
 from ._store import store
 from .transports import _registry
 from .transports._base import SETTLE_S
 
+F = TypeVar("F", bound=Callable[..., Any])
 
+
+def _timeout_belongs_to_the_caller(fn: F) -> F:
+    """`fn` (an async verb), refusing a `timeout=` at the call with the way to bound it.
+
+    Without this, Python's own "unexpected keyword argument 'timeout'" does not say that
+    the caller bounds a fetch with `asyncio.timeout`. Costs one call per fetch.
+    """
+    verb = fn.__name__
+    use = "async for i, value in" if verb == "as_completed" else "await"
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if "timeout" in kwargs:
+            raise TypeError(
+                f"rdt.{verb}() takes no timeout: the caller bounds it, "
+                f"`async with asyncio.timeout({kwargs['timeout']!r}): {use} rdt.{verb}(...)` "
+                "(the transfer is aborted when it expires); rdt.get() takes timeout= in sync code"
+            )
+        return fn(*args, **kwargs)
+
+    if verb != "as_completed":  # still a coroutine function, to asyncio and inspect alike
+        marker = getattr(asyncio.coroutines, "_is_coroutine", None)  # Python 3.11
+        if marker is not None:
+            call._is_coroutine = marker  # type: ignore[attr-defined]
+        mark = getattr(inspect, "markcoroutinefunction", None)  # Python >= 3.12
+        if mark is not None:
+            mark(call)
+    return call  # type: ignore[return-value]
+
+
+# Where the user called `fetch_all` / `as_completed` (file, line, module globals): the
+# fetches run in tasks, whose frames lead back to asyncio, not to the user's line.
+_CALLER: contextvars.ContextVar[tuple[str, int, dict[str, Any]] | None] = contextvars.ContextVar(
+    "rdt_caller", default=None
+)
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _user_line() -> tuple[str, int, dict[str, Any]] | None:
+    """(file, line, module globals) of the first frame outside rdt_async on this stack."""
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame = frame.f_back
+    return None if frame is None else (frame.f_code.co_filename, frame.f_lineno, frame.f_globals)
+
+
+def _warn_shared(obj: RDTObject, where: tuple[str, int, dict[str, Any]] | None) -> None:
+    """Warn at `where` that the producer fetches back an object another process fetched.
+
+    The fetch itself warns too (once per object), at the first frame outside rdt_async:
+    the user's line for a direct `await rdt.fetch` or `rdt.get`, but asyncio's or Ray's
+    for a fetch in a task or a method's auto-fetched argument; those warn here first.
+    """
+    if where is None or not _object.is_local(obj):
+        return
+    stored = store.get(obj.obj_id)
+    if stored is None or not stored.served or stored.warned:
+        return
+    stored.warned = True
+    filename, lineno, module_globals = where
+    warnings.warn_explicit(
+        _produce.shared_with_producer(obj.obj_id), UserWarning, filename, lineno,
+        module=module_globals.get("__name__"), registry=module_globals.setdefault("__warningregistry__", {}),
+        module_globals=module_globals,
+    )
+
+
+def _check_timeout(timeout: Any, verb: str) -> float | None:
+    """`timeout` as seconds (None: no limit). Raises TypeError or ValueError naming the fix."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"rdt.{verb}(timeout=...) takes seconds as a number, or None to wait without limit; "
+                        f"not {type(timeout).__name__} {timeout!r}")
+    if math.isnan(timeout) or timeout < 0:
+        raise ValueError(f"rdt.{verb}(timeout={timeout!r}): a timeout is seconds >= 0 (0: do not wait), "
+                         "or None to wait without limit")
+    return None if math.isinf(timeout) else float(timeout)
+
+
+@_timeout_belongs_to_the_caller
 async def fetch(x: Any, /, *, device: str | torch.device | None = None, into: Any = None) -> Any:
     """Return the value of an RDT object with real tensors.
 
@@ -31,17 +121,41 @@ async def fetch(x: Any, /, *, device: str | torch.device | None = None, into: An
     fetch (or an enclosing `asyncio.timeout`) aborts the transfer.
 
     Runs on: consumer.
-    Raises: ObjectFreedError, TransferError and its subclasses, TransportUnavailableError.
+    Raises: ObjectFreedError, TransferError and its subclasses, TransportUnavailableError;
+    TypeError for a `timeout=` (bound the fetch with `asyncio.timeout`).
     """
     obj = await _resolve(x)
     if not isinstance(obj, RDTObject):
         return obj
-    return await fetch_object(obj, device=device, into=into)
+    _warn_shared(obj, _CALLER.get())
+    try:
+        return await fetch_object(obj, device=device, into=into)
+    except RDTError as exc:
+        one_chain(exc)
+        raise
 
 
+@_timeout_belongs_to_the_caller
 async def fetch_all(xs: Iterable[Any], /, *, device: str | torch.device | None = None) -> list[Any]:
-    """Fetch many objects concurrently; results in order. One failure cancels the rest."""
-    return await _all_or_none([asyncio.ensure_future(fetch(x, device=device)) for x in xs])
+    """Fetch many objects concurrently; results in order. One failure cancels the rest.
+
+    Raises: what `fetch` raises; TypeError for a single ref (use `fetch`) or a `timeout=`.
+    """
+    _check_many(xs, "fetch_all")
+    caller = _CALLER.set(_user_line())  # the tasks copy it: a warning names the user's line
+    try:
+        tasks: list[asyncio.Future[Any]] = [asyncio.ensure_future(fetch(x, device=device)) for x in xs]
+    finally:
+        _CALLER.reset(caller)
+    return await _all_or_none(tasks)
+
+
+def _check_many(xs: Any, verb: str) -> None:
+    if _ray.is_ref(xs) or isinstance(xs, (RDTObject, str, bytes)) or not isinstance(xs, Iterable):
+        raise TypeError(
+            f"rdt.{verb}() takes an iterable of ObjectRefs or RDTObjects, not {type(xs).__name__}; "
+            f"for one, `await rdt.fetch(ref)`"
+        )
 
 
 async def _all_or_none(tasks: list[asyncio.Future[Any]]) -> list[Any]:
@@ -79,13 +193,22 @@ def _release(tasks: Iterable[asyncio.Future[Any]], exc: BaseException | None) ->
         release_frames(exc)
 
 
-async def fetch_objects(objs: list[RDTObject]) -> list[Any]:
+async def fetch_objects(objs: list[RDTObject], where: tuple[str, int, dict[str, Any]] | None = None) -> list[Any]:
     """Fetch RDT objects in hand (a method's arguments): those that cannot block (inline,
     small local maps) on this thread at once, the others concurrently; one failure
-    cancels the rest."""
+    cancels the rest. `where`: the method's (file, line, globals), for warnings."""
+    try:
+        return await _fetch_objects(objs, where)
+    except RDTError as exc:
+        one_chain(exc)
+        raise
+
+
+async def _fetch_objects(objs: list[RDTObject], where: tuple[str, int, dict[str, Any]] | None) -> list[Any]:
     values: list[Any] = [None] * len(objs)
     later: dict[int, Any] = {}
     for i, obj in enumerate(objs):
+        _warn_shared(obj, where)
         done, got = fetch_now(obj, device=None, into=None)
         if done:
             values[i] = got
@@ -106,14 +229,21 @@ async def fetch_objects(objs: list[RDTObject]) -> list[Any]:
     return values
 
 
+@_timeout_belongs_to_the_caller
 async def as_completed(
     xs: Iterable[Any], /, *, device: str | torch.device | None = None
 ) -> AsyncIterator[tuple[int, Any]]:
     """Fetch many objects concurrently; yield `(index, value)` as each lands.
 
     Leaving the loop early cancels the fetches still in flight.
+    Raises: what `fetch` raises; TypeError for a single ref (use `fetch`) or a `timeout=`.
     """
-    tasks = {asyncio.ensure_future(fetch(x, device=device)): i for i, x in enumerate(xs)}
+    _check_many(xs, "as_completed")
+    caller = _CALLER.set(_user_line())  # as in fetch_all
+    try:
+        tasks = {asyncio.ensure_future(fetch(x, device=device)): i for i, x in enumerate(xs)}
+    finally:
+        _CALLER.reset(caller)
     pending = set(tasks)
     try:
         while pending:
@@ -138,8 +268,18 @@ def get(
     """Blocking twin of `fetch`, for the driver and sync actors.
 
     Raises: RuntimeError on a thread that runs an event loop (use `await rdt.fetch`),
-    TimeoutError after `timeout` seconds (the transfer is aborted), and what `fetch` raises.
+    TimeoutError after `timeout` seconds (the transfer is aborted), TypeError or ValueError
+    for a timeout that is not seconds >= 0 or None, and what `fetch` raises.
     """
+    timeout = _check_timeout(timeout, "get")
+    try:
+        return _get(x, timeout, device, into)
+    except RDTError as exc:
+        one_chain(exc)
+        raise
+
+
+def _get(x: Any, timeout: float | None, device: str | torch.device | None, into: Any) -> Any:
     loop = _io.running_loop()
     if loop is not None:
         raise RuntimeError(
@@ -234,9 +374,10 @@ def wait_tensor_freed_sync(tensor: torch.Tensor, /, *, timeout: float | None = N
 
     Runs on: producer. Raises: TypeError for a non-tensor; RuntimeError on a thread that
     runs an event loop (use `await rdt.wait_tensor_freed` there); TimeoutError after
-    `timeout` seconds.
+    `timeout` seconds; TypeError or ValueError for a timeout that is not seconds >= 0 or None.
     """
     _check_tensor(tensor, "wait_tensor_freed_sync")
+    timeout = _check_timeout(timeout, "wait_tensor_freed_sync")
     if _io.running_loop() is not None:
         raise RuntimeError(
             "rdt.wait_tensor_freed_sync() would block the event loop running in this thread; "
@@ -287,4 +428,8 @@ async def _resolve(x: Any) -> Any:
 
 
 def _not_rdt(x: Any, verb: str) -> TypeError:
-    return TypeError(f"rdt.{verb}() takes an ObjectRef or an RDTObject, not {type(x).__name__}")
+    many = ""
+    if isinstance(x, (list, tuple, set, dict)):
+        many = ("; for many, `await rdt.fetch_all(refs)`" if verb == "fetch"
+                else "; for many, `[rdt.get(r) for r in refs]`, or `await rdt.fetch_all(refs)` on a loop")
+    return TypeError(f"rdt.{verb}() takes an ObjectRef or an RDTObject, not {type(x).__name__}{many}")

@@ -52,6 +52,14 @@ class CollectiveGroupError(RDTError):
     """A collective group cannot be created, used or destroyed."""
 
 
+class NotFetchedError(TypeError, AttributeError):
+    """An RDTObject used as its value (indexed, iterated, its tensor or dict attributes read).
+
+    A TypeError, as for any wrong use of a type; an AttributeError too, so that
+    `hasattr(obj, "shape")` stays False rather than raising.
+    """
+
+
 class NativeErrors(Protocol):
     """What `translate` asks of a transport (`Transport.native_error`)."""
 
@@ -121,7 +129,28 @@ def translating(
         err = translate(exc, what, obj_id, user_code=user_code, transport=transport)
         if err is exc:
             raise
+        exc.__suppress_context__ = True  # what the native error met on its way is internal: one chain
         raise err from exc
+
+
+def one_chain(exc: BaseException) -> None:
+    """Leave `exc` one chain to show: itself, and the native error that caused it, if any.
+
+    An error re-raised inside rdt_async as another of ours (a transport's failure found to
+    be a death: PeerDiedError from BackendError from the native error) says the inner one
+    in its message already: its cause becomes the native error at the bottom, whose own
+    context (the retries and re-raises it passed through) is not shown. Errors that are
+    not ours are left alone. Costs nothing unless a fetch failed.
+    """
+    if not isinstance(exc, RDTError):
+        return
+    cause = exc.__cause__
+    while isinstance(cause, RDTError):
+        cause = cause.__cause__
+    exc.__cause__ = cause
+    exc.__suppress_context__ = True
+    if cause is not None:
+        cause.__suppress_context__ = True
 
 
 def release_frames(exc: BaseException) -> None:

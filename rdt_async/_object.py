@@ -31,7 +31,7 @@ import ray
 import torch
 
 from . import _io, _ray
-from ._errors import ObjectFreedError, TransferError
+from ._errors import NotFetchedError, ObjectFreedError, TransferError
 from ._store import log, store
 from .transports._base import TensorSpec, check_specs
 
@@ -178,6 +178,37 @@ class RDTObject:
             f"{self.nbytes} bytes, transport={self.transport}, held by {self.producer.label}; "
             "get the value with `await rdt.fetch(obj)` or `rdt.get(obj)`)"
         )
+
+    # Used as its value (a plain `@ray.remote` consumer handed it, a `ray.get` of its ref):
+    # say what it is and how to get the value, at the line that made the mistake.
+
+    def _not_the_value(self, what: str) -> NotFetchedError:
+        return NotFetchedError(
+            f"{what} of an RDTObject: it is a reference to {len(self.specs)} tensor(s) held by "
+            f"{self.producer.label}, not the value. Get the value with `await rdt.fetch(obj)` "
+            "(`rdt.get(obj)` in sync code), or make the receiving actor an `@rdt.remote` actor: "
+            "its methods receive top-level RDT arguments already fetched"
+        )
+
+    def __getitem__(self, key: Any) -> Any:
+        raise self._not_the_value(f"[{key!r}]")
+
+    def __iter__(self) -> Any:
+        raise self._not_the_value("iteration")
+
+    def __len__(self) -> int:
+        raise self._not_the_value("len()")
+
+    def __bool__(self) -> bool:
+        return True  # (not `len()`: an object is there)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for names not found otherwise. Private names, and fields not set yet (an
+        # object being unpickled), are a plain AttributeError: pickle, copy and hasattr
+        # probe them.
+        if name.startswith("_") or name in RDTObject.__dataclass_fields__ or hasattr(RDTObject, name):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        raise self._not_the_value(f".{name}")
 
 
 class _Anchors:

@@ -20,7 +20,8 @@ from rdt_async.bench._report import markdown, write_out
 
 MIB = 1 << 20
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-PLOTS = ("e2e_throughput.png", "e2e_latency.png", "loop_stall.png")
+# One plot per figure: each measure for each panel (a shape with one consumer, fan-out).
+PLOTS = tuple(f"{m}-{p}.png" for m in ("e2e_throughput", "e2e_latency", "loop_stall") for p in ("kept", "fresh", "fanout"))
 
 
 def _row(case: str, shape: str, size: int, seconds: float, stall: float | None, consumers: int = 1) -> dict:
@@ -67,15 +68,17 @@ def _png_size(path) -> tuple[int, int]:
 def test_markdown_holds_the_e2e_tables_the_other_rows_and_the_checks():
     md = markdown(_result())
     lines = md.splitlines()
-    assert "| path | kept 4 KiB | kept 1 MiB | kept 64 MiB | kept 64 MiB to 4 | fresh 4 KiB | fresh 1 MiB | fresh 64 MiB |" in lines
+    # One table per shape (no page cuts the last column of 8): kept with its fan-out, then fresh.
+    assert [line for line in lines if line.startswith("| path |")] == [
+        "| path | kept 4 KiB | kept 1 MiB | kept 64 MiB | kept 64 MiB to 4 |", "| path | fresh 4 KiB | fresh 1 MiB | fresh 64 MiB |"] * 2
     auto = next(line for line in lines if line.startswith("| rdt auto | ") and " ms" in line)
     cells = [c.strip() for c in auto.strip("|").split("|")]
     assert cells[3] == "16.4 ms (0.50x), cold 87.9"  # kept 64 MiB: 3 ms + 64 MiB / 5 GB/s, Ray twice that
     assert cells[4] == "36 ms (0.50x)"  # fan-out: no cold pass
     stalls = [line for line in lines if line.startswith("| ray object store | ") and " ms" not in line]
-    assert stalls == ["| ray object store | 85.5 | 85.5 | 85.5 | 85.5 | 85.5 | 85.5 | 85.5 |"]
-    assert "| ray rdt nixl | — | — | — | — | — | — | — |" in lines  # a sync consumer: no loop
-    assert "| ray rdt gloo | failed: RuntimeError: no group |" in lines
+    assert stalls == ["| ray object store | 85.5 | 85.5 | 85.5 | 85.5 |", "| ray object store | 85.5 | 85.5 | 85.5 |"]
+    assert "| ray rdt nixl | — | — | — | — |" in lines and "| ray rdt nixl | — | — | — |" in lines  # a sync consumer: no loop
+    assert lines.count("| ray rdt gloo | failed: RuntimeError: no group |") == 2  # under the first table of each
     assert "## pass" in lines and "| rdt auto | 4 KiB | 0.002442 |" in lines
     assert "| e2e_auto_kept_64MiB_x1_vs_best_ray | 0.333 |" in lines
 
@@ -90,7 +93,7 @@ def test_out_dir_holds_json_markdown_and_plots(tmp_path):
     assert (out / "results.md").read_text() == markdown(result)
     for name in PLOTS:
         width, height = _png_size(out / name)
-        assert width > 600 and height > 300, name
+        assert width >= 800 and height >= 500, name  # one plot per figure, at a docs page's width
         try:
             from PIL import Image
         except ImportError:
@@ -175,3 +178,26 @@ def test_rows_are_compared_with_the_best_ray_path_and_the_physical_limit_of_thei
     assert got["e2e_auto_kept_64MiB_x1_vs_physical_limit"] == 1.5
     assert "e2e_auto_kept_64MiB_x8_vs_physical_limit" not in got
     assert check_paths(" Physical  Limit,rdt auto") == [LIMIT, "rdt auto"]
+
+
+def test_paths_that_did_not_run_are_rows_that_say_why():
+    rows = [{"bench": "e2e", "case": "rdt nixl", "hosts": 1, "skipped": "nixl is not installed (`pip install 'rdt_async[nixl]'` adds it)"},
+            {"bench": "ucxx", "case": "every case", "skipped": "ucxx is not installed"}]
+    md = markdown({"rows": rows})
+    assert "| rdt nixl | not run: nixl is not installed (`pip install 'rdt_async[nixl]'` adds it) |" in md.splitlines()
+    assert "| every case |  | ucxx is not installed |" in md.splitlines()
+    from rdt_async.bench.__main__ import checks
+
+    assert checks(rows) == {}  # (a row with no size once failed here)
+
+
+def test_the_physical_limit_is_drawn_unlike_every_path(tmp_path):
+    pytest.importorskip("matplotlib")
+    from rdt_async.bench._plots import LIMIT, _style, panels, plot_e2e
+
+    limit, ray_path, ours = _style(LIMIT, "C3"), _style("ray object store", "C3"), _style("rdt auto", "C0")
+    assert (limit["color"], limit["linestyle"]) == ("black", ":")
+    assert {ray_path["linestyle"], ours["linestyle"]} == {"--", "-"} and ray_path["color"] != "black"
+    rows = _result()["rows"] + [_row(LIMIT, shape, size, 0.002, 0.1) for shape in ("kept", "fresh") for size in (4 << 10, MIB)]
+    assert [p[0] for p in panels([r for r in rows if r["bench"] == "e2e" and "seconds" in r])] == ["kept", "fresh", "fanout"]
+    assert len(plot_e2e(rows, str(tmp_path))) == 9

@@ -24,12 +24,12 @@ pytest.importorskip("mkdocstrings_handlers.python", reason="the docs extra is no
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-# The pages the site must have (docs/src/<name>.md -> <name>/index.html).
+# The pages the site must have (docs/src/<name>.md -> <name>.html: browsable from disk).
 PAGES = (
     "index", "concepts", "async", "transports", "collectives", "custom-transport",
     "migrating", "troubleshooting", "benchmarks", "api",
 )
-BENCH_FILES = ("e2e_throughput.png", "e2e_latency.png", "loop_stall.png")
+BENCH_FILES = tuple(f"{m}-{p}.png" for m in ("e2e_throughput", "e2e_latency", "loop_stall") for p in ("kept", "fresh", "fanout"))
 
 
 def public_names() -> list[str]:
@@ -70,7 +70,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def page(site: Path, name: str) -> str:
-    path = site / "index.html" if name == "index" else site / name / "index.html"
+    path = site / f"{name}.html"
     assert path.is_file(), f"the site has no page {name!r} ({path.relative_to(site)} missing)"
     return path.read_text()
 
@@ -79,6 +79,26 @@ def test_the_site_builds_strictly_outside_the_repository(site: Path) -> None:
     assert (site / "index.html").is_file() and (site / "sitemap.xml").is_file()
     stray = [str(p.relative_to(ROOT)) for p in DOCS.rglob("*.html")]
     assert not stray, f"build output in the repository: {stray}"
+
+
+_LINK = re.compile(r'(?:href|src)="([^"]+)"')
+
+
+def test_the_site_opens_from_disk_every_link_a_file(site: Path) -> None:
+    """Opened as files (no server), every link and image of every page lands on a file of
+    the site, never a directory (a browser shows a directory as a listing)."""
+    broken = []
+    for html in site.rglob("*.html"):
+        if html.parent.name == "search" or "404" in html.name:
+            continue
+        for link in _LINK.findall(html.read_text()):
+            if re.match(r"[a-z][a-z0-9+.-]*:", link) or link.startswith(("#", "//")):
+                continue  # another site, mailto:, data:, or an anchor of this page
+            target = (html.parent / link.split("#")[0].split("?")[0]).resolve()
+            if not target.is_file():
+                broken.append(f"{html.relative_to(site)}: {link} ({'a directory' if target.is_dir() else 'missing'})")
+    assert not broken, "\n".join(broken[:40])
+    assert 'href="concepts.html"' in page(site, "index")
 
 
 def test_every_page_is_built(site: Path) -> None:
@@ -109,7 +129,7 @@ def test_benchmarks_page_says_how_to_make_what_is_missing_or_embeds_it(site: Pat
     for name in (*BENCH_FILES, "results.md"):
         made = (DOCS / "src" / "benchmarks" / name).is_file()
         if name.endswith(".png"):
-            assert (f'src="{name}"' in bench) == made, f"benchmarks/{name}: embedded {not made}, on disk {made}"
+            assert (f'src="benchmarks/{name}"' in bench) == made, f"benchmarks/{name}: embedded {not made}, on disk {made}"
         if not made:
             assert f"Not generated in this build: benchmarks/{name}" in bench
 
@@ -120,6 +140,19 @@ def _png() -> bytes:
 
     header = (1).to_bytes(4, "big") * 2 + bytes([8, 6, 0, 0, 0])
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 5)) + chunk(b"IEND", b"")
+
+
+def test_benchmarks_page_without_the_generated_files_says_how_to_make_each(tmp_path: Path) -> None:
+    """A build without the bench's files (some plots sit inside tabs) gives a note for each."""
+    copy = tmp_path / "repo"
+    shutil.copytree(DOCS, copy / "docs", ignore=shutil.ignore_patterns("benchmarks"))
+    for name in ("rdt_async", "examples"):
+        (copy / name).symlink_to(ROOT / name)
+    out = tmp_path / "site"
+    check_built(build(copy / "docs" / "mkdocs.yml", out, cwd=tmp_path))
+    bench = text(page(out, "benchmarks"))
+    for name in (*BENCH_FILES, "results.md"):
+        assert f"Not generated in this build: benchmarks/{name}" in bench, name
 
 
 def test_benchmarks_page_embeds_generated_results(tmp_path: Path) -> None:
@@ -142,5 +175,5 @@ def test_benchmarks_page_embeds_generated_results(tmp_path: Path) -> None:
     assert "stand-in row" in bench and "Not generated" not in bench
     assert bench.count("<h1") == 1 and '<h3 id="rdt_async-bench-stand-in"' in bench, "results.md's headings not demoted"
     for name in BENCH_FILES:
-        assert f'src="{name}"' in bench and (out / "benchmarks" / name).is_file()
-    assert not (out / "benchmarks" / "results" / "index.html").exists(), "results.md became a page of its own"
+        assert f'src="benchmarks/{name}"' in bench and (out / "benchmarks" / name).is_file()
+    assert not (out / "benchmarks" / "results.html").exists(), "results.md became a page of its own"

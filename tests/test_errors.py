@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 
 import pytest
 import ray
 import torch
-from helpers import SyncProducer
+from helpers import AsyncConsumer, SyncProducer
 
 import rdt_async as rdt
 
@@ -55,6 +56,11 @@ def test_unsupported_device_fails_when_the_value_is_returned():
 def test_fetch_of_something_else_is_a_type_error():
     with pytest.raises(TypeError, match="ObjectRef or an RDTObject"):
         rdt.get(42)
+    refs = [ray.put(1), ray.put(2)]
+    with pytest.raises(TypeError, match=re.escape("not list; for many, `[rdt.get(r) for r in refs]`, or `await rdt.fetch_all(refs)` on a loop")):
+        rdt.get(refs)
+    with pytest.raises(TypeError, match=re.escape("rdt.fetch() takes an ObjectRef or an RDTObject, not tuple; for many, `await rdt.fetch_all(refs)`")):
+        asyncio.run(rdt.fetch(tuple(refs)))
     with pytest.raises(TypeError, match="RDT object"):
         rdt.free(ray.put(1))
 
@@ -223,3 +229,206 @@ def test_ray_method_options_above_rdt_method_are_kept():
         assert rdt.get(a).tolist() == [1.0, 1.0] and rdt.get(b).tolist() == [2.0] * 3
     finally:
         ray.kill(p)
+
+
+def test_get_refuses_a_timeout_that_is_not_seconds_at_the_call():
+    # Before: -5 reported a timeout, '5' "unsupported operand type(s) for +: 'float' and 'str'".
+    p = SyncProducer.remote()
+    ref = p.value_shm.remote(torch.ones(4))
+    for bad in (-5, -0.001, float("nan")):
+        with pytest.raises(ValueError, match=r"rdt\.get\(timeout=.*\): a timeout is seconds >= 0 \(0: do not wait\), or None"):
+            rdt.get(ref, timeout=bad)
+    for bad in ("5", True, [5]):
+        with pytest.raises(TypeError, match=r"rdt\.get\(timeout=\.\.\.\) takes seconds as a number, or None .*; not "):
+            rdt.get(ref, timeout=bad)
+    assert rdt.get(ref, timeout=float("inf")).tolist() == [1.0] * 4  # no limit
+    assert rdt.get(ref, timeout=30).tolist() == [1.0] * 4
+    t = torch.ones(2)
+    with pytest.raises(ValueError, match=r"rdt\.wait_tensor_freed_sync\(timeout=-1\): a timeout is seconds >= 0"):
+        rdt.wait_tensor_freed_sync(t, timeout=-1)
+    with pytest.raises(TypeError, match=r"rdt\.wait_tensor_freed_sync\(timeout=\.\.\.\) takes seconds as a number"):
+        rdt.wait_tensor_freed_sync(t, timeout="1")
+    ray.kill(p)
+
+
+def test_the_async_verbs_refuse_a_timeout_at_the_call_naming_asyncio_timeout():
+    # Before: "fetch() got an unexpected keyword argument 'timeout'", no word of asyncio.timeout.
+    import inspect
+
+    ref = ray.put(1)
+    with pytest.raises(TypeError, match=re.escape(
+            "rdt.fetch() takes no timeout: the caller bounds it, `async with asyncio.timeout(5): await rdt.fetch(...)`")):
+        rdt.fetch(ref, timeout=5)  # at the call: nothing to await
+    with pytest.raises(TypeError, match=re.escape("`async with asyncio.timeout(2.5): await rdt.fetch_all(...)`")):
+        rdt.fetch_all([ref], timeout=2.5)
+    with pytest.raises(TypeError, match=re.escape("`async with asyncio.timeout(1): async for i, value in rdt.as_completed(...)`")):
+        rdt.as_completed([ref], timeout=1)
+    # Still coroutine functions with their own signatures (the docs and tools read them).
+    assert asyncio.iscoroutinefunction(rdt.fetch) and asyncio.iscoroutinefunction(rdt.fetch_all)
+    assert str(inspect.signature(rdt.fetch)) == "(x: 'Any', /, *, device: 'str | torch.device | None' = None, into: 'Any' = None) -> 'Any'"
+    assert asyncio.run(rdt.fetch(ref)) == 1
+
+
+def test_fetch_all_and_as_completed_refuse_a_single_ref_naming_fetch():
+    ref = ray.put(1)
+
+    async def main():
+        with pytest.raises(TypeError, match=r"rdt\.fetch_all\(\) takes an iterable of ObjectRefs or RDTObjects, not ObjectRef; "
+                                            r"for one, `await rdt\.fetch\(ref\)`"):
+            await rdt.fetch_all(ref)
+        with pytest.raises(TypeError, match=r"rdt\.as_completed\(\) takes an iterable .*, not str"):
+            async for _ in rdt.as_completed("refs"):
+                pass
+        return await rdt.fetch_all([ref, ref])
+
+    assert asyncio.run(main()) == [1, 1]
+
+
+@ray.remote
+def _plain_consumer(value, use: str):
+    """A task of plain Ray, handed an rdt ref: it sees the RDTObject, as documented."""
+    if use == "index":
+        return value["w"]
+    if use == "iter":
+        return list(value)
+    if use == "len":
+        return len(value)
+    if use == "attr":
+        return value.shape
+    return [hasattr(value, "shape"), bool(value), value.nbytes, type(value).__name__]
+
+
+def test_a_plain_ray_consumer_using_an_rdt_object_as_its_value_is_told_to_fetch_it():
+    # Before: "'RDTObject' object is not subscriptable", "object of type 'RDTObject' has no len()", ...
+    p = SyncProducer.remote()
+    ref = p.make.remote(8)
+    fix = (r"it is a reference to 1 tensor\(s\) held by actor \w{8}, not the value\. Get the value with "
+           r"`await rdt\.fetch\(obj\)` \(`rdt\.get\(obj\)` in sync code\), or make the receiving actor an "
+           r"`@rdt\.remote` actor: its methods receive top-level RDT arguments already fetched")
+    for use, what in (("index", r"\['w'\]"), ("iter", "iteration"), ("len", r"len\(\)"), ("attr", r"\.shape")):
+        with pytest.raises(TypeError, match=f"{what} of an RDTObject: {fix}"):
+            ray.get(_plain_consumer.remote(ref, use), timeout=60)
+    # hasattr, truth, its own attributes and pickling still work as for any object
+    assert ray.get(_plain_consumer.remote(ref, "other"), timeout=60) == [False, True, 8 * 4, "RDTObject"]
+    obj = ray.get(ref)
+    import copy
+    import pickle
+
+    for copied in (copy.copy(obj), pickle.loads(pickle.dumps(obj))):
+        assert (copied.obj_id, copied.specs, copied.producer) == (obj.obj_id, obj.specs, obj.producer)
+    with pytest.raises(AttributeError, match="no attribute '_private'"):
+        obj._private  # noqa: B018
+    assert rdt.get(obj)["w"].shape == (8,)
+    ray.kill(p)
+
+
+@rdt.remote
+class _TcpProducer:
+    @rdt.method(tensor_transport="tcp")
+    def make(self):
+        return {"w": torch.full((1 << 18,), 2.0)}
+
+
+@rdt.remote
+class _Consumer:
+    async def total(self, value) -> float:  # fetched before the method runs
+        return float(value["w"].sum())
+
+    async def fetch_total(self, refs) -> float:
+        return float((await rdt.fetch(refs[0]))["w"].sum())
+
+
+def test_peer_died_inside_an_actor_shows_one_chain_the_native_cause():
+    # Before: three chained tracebacks (the socket's reset, tcp's internal _Stale retry, the
+    # refused reconnect), each with rdt_async's internal frames.
+    p, c = _TcpProducer.remote(), _Consumer.remote()
+    assert ray.get(c.fetch_total.remote([p.make.remote()]), timeout=60) == 2.0 * (1 << 18)  # a connection to reuse
+    refs = [p.make.remote(), p.make.remote()]
+    ray.wait(refs, num_returns=2, timeout=60)
+    ray.kill(p)
+    time.sleep(1)
+    for call in (c.fetch_total.remote([refs[0]]), c.total.remote(refs[1])):
+        with pytest.raises(rdt.PeerDiedError) as info:
+            ray.get(call, timeout=60)
+        shown = str(info.value)
+        assert "During handling of the above exception" not in shown, shown
+        assert shown.count("The above exception was the direct cause") <= 1, shown
+        assert "_Stale" not in shown, shown
+        assert "rdt_async.PeerDiedError: tcp fetch of" in shown or "PeerDiedError" in shown
+    ray.kill(c)
+
+
+def test_one_chain_keeps_the_native_cause_below_our_error():
+    from rdt_async._errors import one_chain
+
+    try:
+        try:
+            try:
+                raise ConnectionResetError("reset")
+            except ConnectionResetError:
+                raise ConnectionRefusedError("refused")  # noqa: B904  (as a retry meets it)
+        except ConnectionRefusedError as native:
+            try:
+                raise rdt.BackendError("tcp fetch of x failed") from native
+            except rdt.BackendError as inner:
+                raise rdt.PeerDiedError("tcp fetch of x: the producer died (BackendError: ...)") from inner
+    except rdt.PeerDiedError as exc:
+        one_chain(exc)
+        assert type(exc.__cause__) is ConnectionRefusedError and exc.__suppress_context__
+        assert exc.__cause__.__suppress_context__  # its retry's reset is not shown
+        import traceback
+
+        shown = "".join(traceback.format_exception(exc))
+        assert "ConnectionResetError" not in shown and "BackendError: tcp fetch" not in shown
+        assert shown.count("The above exception was the direct cause") == 1
+
+
+@rdt.remote
+class _SelfFetcher:
+    @rdt.method(tensor_transport="object_store")  # sent from these tensors when another process fetches
+    def make(self):
+        self.t = torch.arange(4.0)
+        return self.t
+
+    async def record(self) -> None:
+        import warnings
+
+        self.caught = []
+        warnings.simplefilter("always")
+        warnings.showwarning = lambda message, category, filename, lineno, *a: self.caught.append(
+            (str(message), filename, lineno))
+
+    async def take(self, value) -> bool:  # its argument is fetched before it runs
+        return value is self.t
+
+    async def fetch_all_back(self, refs) -> bool:
+        values = await rdt.fetch_all(refs)
+        return values[0] is self.t
+
+    async def caught_warnings(self) -> list:
+        return self.caught
+
+
+def _line_of(text: str) -> int:
+    with open(__file__) as f:
+        return next(n for n, line in enumerate(f, 1) if line.rstrip() == text)
+
+
+def test_the_producer_fetching_back_warns_at_the_users_line_from_tasks_and_arguments():
+    # Before: the warning pointed at asyncio/events.py (a task's fetch) or at Ray's worker (an
+    # argument's), not at the user's code.
+    p, c = _SelfFetcher.remote(), AsyncConsumer.remote()
+    ray.get(p.record.remote())
+    for method, line in (("take", _line_of("    async def take(self, value) -> bool:  # its argument is fetched before it runs")),
+                         ("fetch_all_back", _line_of("        values = await rdt.fetch_all(refs)"))):
+        ref = p.make.remote()
+        assert ray.get(c.checksums.remote(ref), timeout=60) == [6.0]  # another process fetches it
+        assert ray.get(getattr(p, method).remote(ref if method == "take" else [ref]), timeout=60) is True
+        caught = ray.get(p.caught_warnings.remote())
+        assert len(caught) == 1, caught
+        message, filename, lineno = caught[0]
+        assert "fetched both by the process that produced it" in message
+        assert (filename, lineno) == (__file__, line), (method, caught)
+        ray.get(p.record.remote())
+    ray.kill(p)
+    ray.kill(c)

@@ -111,7 +111,8 @@ OTHERS = ("memcpy", "fetch", "pass", "metrics", "responsiveness", "gloo", "colle
 
 
 def _other(bench: str, sizes: list[int], repeat: int) -> list[dict[str, Any]]:
-    """The rows of one of the benches besides e2e (none where its library is not installed)."""
+    """The rows of one of the benches besides e2e (where its library is not installed, one
+    row that says so)."""
     from . import _core
 
     if bench == "memcpy":
@@ -133,17 +134,18 @@ def _other(bench: str, sizes: list[int], repeat: int) -> list[dict[str, Any]]:
         from . import _collectives
 
         return _collectives.run(sizes, repeat)
+    if bench in ("nixl", "ucxx") and importlib.util.find_spec(bench) is None:
+        return [{"bench": bench, "case": "every case",
+                 "skipped": f"{bench} is not installed (`pip install 'rdt_async[{bench}]'` adds it)"}]
     if bench == "nixl":
-        try:
-            from . import _nixl
-        except ImportError:
-            return []
+        from . import _nixl
+
         return _nixl.run(sizes, repeat)
-    if bench == "ucxx" and importlib.util.find_spec("ucxx") is not None:
+    if bench == "ucxx":
         from . import _ucxx
 
         return _ucxx.run(sizes, repeat)
-    return []
+    raise ValueError(f"unknown bench {bench!r}")
 
 
 AUTO_CAN = ("rdt shm", "rdt tcp", "rdt nixl", "rdt ucxx", "rdt object_store")  # what both ends can use without a group
@@ -152,7 +154,7 @@ AUTO_CAN = ("rdt shm", "rdt tcp", "rdt nixl", "rdt ucxx", "rdt object_store")  #
 def checks(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The issue's targets, as ratios against baselines measured in this run."""
     out: dict[str, Any] = {}
-    rows = [r for r in rows if "error" not in r]
+    rows = [r for r in rows if "error" not in r and "skipped" not in r]
     by = {(r["bench"], r["case"], r["size"]): r for r in rows}
     size = 256 << 20
     into, memcpy = by.get(("fetch", "rdt auto, into=", size)), by.get(("memcpy", "torch copy_, 1 thread, warm", size))

@@ -264,14 +264,21 @@ class _Path:
 REMOTE = {"num_cpus": 0, "resources": {"remote": 1}}  # the second host of `--hosts 2`
 
 
-def _make_path(name: str, fanout: int, hosts: int = 1) -> _Path | None:
+def unavailable(name: str, hosts: int = 1) -> str | None:
+    """Why path `name` cannot run here (a package not installed, one host only), or None."""
+    package = {"rdt nixl": "nixl", "rdt ucxx": "ucxx", "ray rdt nixl": "nixl"}.get(name)
+    if package is not None and importlib.util.find_spec(package) is None:
+        return f"{package} is not installed (`pip install 'rdt_async[{package}]'` adds it)"
+    if hosts == 2 and name in ("rdt shm", LIMIT):  # across hosts the limit is the network's
+        return "one host only"
+    return None
+
+
+def _make_path(name: str, fanout: int, hosts: int = 1) -> _Path:
+    """The path's actors. See `unavailable` first: it says why a path cannot run here."""
     where = REMOTE if hosts == 2 else {}
     if name.startswith("rdt "):
         transport = name[4:]
-        if transport in ("nixl", "ucxx") and importlib.util.find_spec(transport) is None:
-            return None
-        if transport == "shm" and hosts == 2:
-            return None  # one host only
         producer = _rdt_producer(transport).remote()
         consumers = [Consumer.options(**where).remote() for _ in range(fanout if transport != "gloo" else 1)]
         if transport == "gloo":
@@ -279,7 +286,7 @@ def _make_path(name: str, fanout: int, hosts: int = 1) -> _Path | None:
             return _Path(name, producer, consumers, lambda: rdt.destroy_collective_group(group))
         return _Path(name, producer, consumers)
     if name == LIMIT:
-        return _limit_path(fanout) if hosts == 1 else None  # across hosts the limit is the network's
+        return _limit_path(fanout)
     if name == "ray object store":
         return _Path(name, RayProducer.remote(), [RayConsumer.options(**where).remote() for _ in range(fanout)])
     if name == "ray object store zero-copy":
@@ -287,8 +294,6 @@ def _make_path(name: str, fanout: int, hosts: int = 1) -> _Path | None:
         consumers = [RayConsumer.options(**opts, **where).remote() for _ in range(fanout)]
         return _Path(name, RayProducer.options(**opts).remote(), consumers)
     transport = name.rsplit(" ", 1)[1]
-    if transport == "nixl" and importlib.util.find_spec("nixl") is None:
-        return None
     producer_cls, consumer_cls = _ray_rdt_classes(transport)
     producer = producer_cls.remote()
     consumers = [consumer_cls.options(**where).remote() for _ in range(fanout if transport != "gloo" else 1)]
@@ -346,7 +351,7 @@ def run(
     progress.add(2 * len(sizes) * len(groups) + len(fanouts) * len(names))
     for group in groups:
         rows += _in_turns(group, sizes, repeat, hosts, progress)
-    failed = {r["case"] for r in rows if "error" in r}  # reported once, not set up again
+    failed = {r["case"] for r in rows if "error" in r or "skipped" in r}  # reported once, not set up again
     for name in names:
         if name in failed:
             progress.skip(len(fanouts))
@@ -357,7 +362,12 @@ def run(
 
 
 def _setup(name: str, fanout: int, hosts: int, progress: Progress) -> tuple[_Path | None, dict[str, Any] | None]:
-    """The path's actors, or None and the row that says why it cannot run here."""
+    """The path's actors, or None and the row that says why it cannot run here: `skipped`
+    (not installed, one host only), or `error` (it failed to set up)."""
+    why = unavailable(name, hosts)
+    if why is not None:
+        progress.note(f"e2e {name}: not run: {why}")
+        return None, {"bench": "e2e", "case": name, "hosts": hosts, "skipped": why}
     try:
         return _make_path(name, fanout, hosts), None
     except Exception as e:  # a path that cannot run here (Ray's RDT gloo across hosts) is a result too
@@ -377,6 +387,9 @@ def _in_turns(names: list[str], sizes: list[int], repeat: int, hosts: int, progr
                 rows.append(failed)
             if path is not None:
                 live[name] = path
+        if not live:  # every path of the group is missing here: its rows say why
+            progress.skip(2 * len(sizes))
+            return rows
         for shape in ("kept", "fresh"):
             for size in sizes:
                 n = max(1, size // 4)  # float32 elements

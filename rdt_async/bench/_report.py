@@ -37,18 +37,31 @@ def markdown(result: dict[str, Any]) -> str:
                 f"(ratio to the best Ray path of this run), then the first pass (cold).{across} "
                 "`physical limit` (one node): the same calls, the producer's own work (a fresh "
                 "tensor: its allocation and one warm copy into shared memory) and one read of "
-                "every byte, nothing else.", "",
-                e2e_table(e2e, _time_cell)]
+                "every byte, nothing else. One table per producer shape: a page shows every column.",
+                *_by_shape(e2e, _time_cell)]
         if any(r.get("loop_stall_ms") is not None for r in e2e):
             out += ["", "The consumer's event-loop stall while the value arrived, worst warm pass, ms "
-                    "(—: a sync actor, Ray 2.60's RDT consumer: no loop; its other calls wait until the value is in):", "",
-                    e2e_table(e2e, _stall_cell)]
+                    "(—: a sync actor, Ray 2.60's RDT consumer: no loop; its other calls wait until the value is in):",
+                    *_by_shape(e2e, _stall_cell)]
     for bench in dict.fromkeys(r["bench"] for r in rows if r["bench"] != "e2e"):
         out += ["", f"## {bench}", "", rows_table([r for r in rows if r["bench"] == bench])]
     if result.get("checks"):
         out += ["", "## Checks", "", "| check | value |", "| --- | --- |"]
         out += [f"| {k} | {v} |" for k, v in result["checks"].items()]
     return "\n".join(out) + "\n"
+
+
+def _by_shape(rows: list[dict[str, Any]], cell: Callable[[dict[str, Any]], str]) -> list[str]:
+    """Markdown lines: an e2e table per producer shape (kept, then fresh), each after a blank line;
+    the paths that did not run are said under the first only."""
+    shapes = list(dict.fromkeys(r["shape"] for r in rows if "seconds" in r))
+    if not shapes:  # no path ran: the rows that say why
+        return ["", e2e_table(rows, cell)]
+    out = []
+    for i, shape in enumerate(shapes):
+        mine = [r for r in rows if r.get("shape") == shape or (i == 0 and "seconds" not in r)]
+        out += ["", e2e_table(mine, cell)]
+    return out
 
 
 def e2e_table(rows: list[dict[str, Any]], cell: Callable[[dict[str, Any]], str]) -> str:
@@ -65,6 +78,8 @@ def e2e_table(rows: list[dict[str, Any]], cell: Callable[[dict[str, Any]], str])
     for r in rows:
         if "error" in r:
             out.append(f"| {r['case']} | failed: {r['error'].splitlines()[0][:160]} |")
+        elif "skipped" in r:
+            out.append(f"| {r['case']} | not run: {r['skipped']} |")
     return "\n".join(out)
 
 
