@@ -64,6 +64,9 @@ def cluster():
     # Idle warm segments go after 1 s (not 10): the leak check below waits for them.
     os.environ["RDT_SHM_IDLE_S"] = "1"
     ray.init(address=c.address, runtime_env={"env_vars": {"PYTHONPATH": path, "RDT_SHM_IDLE_S": "1"}})
+    from rdt_async import _ray
+
+    _ray.hand_node_ip()  # as a first produce would: tests that drive a transport alone listen where it does
     try:
         if hosts is None:
             print(f"\nnode2 runs on this host, not across hosts: {why}")
