@@ -35,26 +35,30 @@ from ._object import RDTObject
 from ._produce import loads_here, shared_with_producer
 from ._store import log, store
 from .transports import _auto, _registry
-from .transports._base import FetchRequest, TransferInfo, Transport, copy_into
+from .transports._base import FetchRequest, TransferInfo, Transport, Unreachable, copy_into
 
 
-def choose_transport(obj: RDTObject, node_id: str, without: frozenset[str] = frozenset()) -> tuple[str, Any]:
+def choose_transport(
+    obj: RDTObject, node_id: str, without: frozenset[str] = frozenset(), fell_back: tuple[tuple[str, str], ...] = ()
+) -> tuple[str, Any]:
     """Pick the transport for a fetch of `obj` by a process on `node_id`.
 
     `auto`: small CPU objects -> inline (the bytes came with the ref); otherwise the
     candidate both ends can use (shm and cuda_ipc on one node, nixl where prepared and
     loadable here, a group both ends are in, the object store) that the cost model of
-    transports/_auto.py expects to finish first; the choice and its reasons are kept
-    in `rdt.store_stats()["auto"]`. A one-sided transport that cannot reach this node
+    transports/_auto.py expects to finish first, leaving out paths that could not reach
+    the producer's node lately (`_avoided`); the choice and its reasons are kept in
+    `rdt.store_stats()["auto"]`. A one-sided transport that cannot reach this node
     falls back to object_store. Gloo/NCCL objects go over a group both ends share,
     else object_store.
-    `without`: prepared transports `auto` must not pick (one that failed this fetch).
-    Returns the transport's name and the metadata its fetch needs.
+    `without`: prepared transports `auto` must not pick (those that failed this fetch,
+    `fell_back`: each with why). Returns the transport's name and the metadata its fetch needs.
     """
     name = obj.transport
     shared = _shared_group(obj)
     if name == _registry.AUTO:
-        prepared = frozenset(obj.meta) - {"groups"} - without
+        avoided = _avoided(obj.producer.node_id) & frozenset(obj.meta) if _avoid else frozenset()
+        prepared = frozenset(obj.meta) - {"groups"} - without - avoided
         facts = _auto.Facts(
             nbytes=obj.nbytes,
             gpu=any(not s.device.startswith("cpu") for s in obj.specs),
@@ -64,6 +68,9 @@ def choose_transport(obj: RDTObject, node_id: str, without: frozenset[str] = fro
             group=shared[0] if shared is not None else None,
         )
         choice = _auto.choose_remembered(facts, loads_here)
+        if avoided or fell_back:
+            note = f"; {', '.join(sorted(avoided))} left out: could not reach that node lately" if avoided else ""
+            choice = dataclasses.replace(choice, why=choice.why + note, fell_back=fell_back)
         store.record_choice(obj.obj_id, choice)
         name = choice.transport
     if name == "shm" and obj.producer.node_id != node_id:
@@ -128,27 +135,17 @@ async def fetch_object(obj: RDTObject, *, device: Any, into: Any, start: _Start 
                 # The first consumer of the node lands the bytes in its `into=` buffers, else in a
                 # memfd it hands over (DIRECT) or where its transport puts them; the others map
                 # the memfd (copied into where needed), and those with `into=` copy from it.
-                transfer = functools.partial(_transfer, obj, transport, info, buffers)
+                used = [name]  # the path the read took, where auto fell back (`_fetch_over`)
+                transfer = functools.partial(_fetch_over, obj, transport, info, buffers, used)
                 direct = name in _relay.DIRECT and buffers is None
-                into = functools.partial(_transfer, obj, transport, info) if direct else None
-                tensors, relayed = await _relay.fetch(obj.obj_id, obj.specs, transfer, into)
+                into = functools.partial(_fetch_over, obj, transport, info, used=used) if direct else None
+                tensors, relayed = await _relay.fetch(obj.obj_id, obj.specs, _only(transfer), _only(into))
+                name = "relay" if relayed else used[0]
                 if relayed:
-                    name = "relay"
                     if buffers is not None:
                         tensors = await _copy(buffers, tensors, obj.nbytes)  # (the mapping goes with `tensors`)
             else:
-                try:
-                    tensors = await _transfer(obj, transport, info, buffers)
-                except TransportUnavailableError as exc:
-                    if obj.transport != _registry.AUTO or name != "shm":
-                        raise
-                    from .transports import shm  # the producer had no room for its lazy export
-
-                    shm.say_no_room(exc, "fetching such objects another way")
-                    name, meta = choose_transport(obj, _ray.node_id(), without=frozenset({"shm"}))
-                    transport = _registry.get(name)
-                    info = TransferInfo(obj.obj_id, obj.specs, meta, hold=obj, producer_pid=obj.producer.pid)
-                    tensors = await _transfer(obj, transport, info, buffers)
+                tensors, name = await _fetch_over(obj, transport, info, buffers)
             buffers = None  # written
         if buffers:
             tensors = await _copy(buffers, tensors, obj.nbytes)
@@ -161,6 +158,112 @@ async def fetch_object(obj: RDTObject, *, device: Any, into: Any, start: _Start 
         raise
     _record(obj, name, began)
     return _tree.unflatten(obj.skeleton, tensors)
+
+
+# (producer's node, transport) -> until when (time.monotonic) `auto` leaves that path out for
+# that node's objects: it could not reach the node (`_fetch_over`).
+AVOID_S = 300.0
+_avoid: dict[tuple[str, str], float] = {}
+
+
+def _avoided(node: str) -> frozenset[str]:
+    now = time.monotonic()
+    for key in [k for k, until in _avoid.items() if until <= now]:
+        del _avoid[key]
+    return frozenset(t for (n, t) in _avoid if n == node)
+
+
+def _unusable(exc: BaseException) -> str | None:
+    """Why the path a fetch took cannot be used with its producer, or None (the fetch failed).
+
+    A transport that cannot serve the fetch here (not loadable, no room), or one that could
+    not reach the producer before anything moved (`Unreachable`: no route, refused, no answer).
+    """
+    if isinstance(exc, TransportUnavailableError):
+        return str(exc)
+    if isinstance(exc, (PeerDiedError, ObjectFreedError)) or not isinstance(exc, TransferError):
+        return None
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, Unreachable):
+            return str(cause)
+        cause = cause.__cause__
+    return None
+
+
+async def _fetch_over(
+    obj: RDTObject,
+    transport: Transport[Any],
+    info: TransferInfo[Any],
+    buffers: list[torch.Tensor] | None = None,
+    used: list[str] | None = None,
+) -> tuple[list[torch.Tensor], str]:
+    """`_transfer`, and where `auto` chose a path that cannot be used with this producer,
+    the next candidate, and at the last the object store. Return the tensors and the path.
+
+    The one fallback of a fetch: the reason goes into `store_stats()["auto"]`, is logged
+    once per node and path, and `auto` leaves a path that could not reach a node out of
+    that node's fetches for `AVOID_S`. A transport named explicitly fails instead.
+    """
+    fell_back: list[tuple[str, str]] = []
+    while True:
+        try:
+            tensors = await _transfer(obj, transport, info, buffers)
+        except (TransportUnavailableError, TransferError) as exc:
+            why = _unusable(exc) if obj.transport == _registry.AUTO else None
+            if why is None or transport.name == "object_store":
+                raise
+            _note_unusable(obj, transport.name, exc, why)
+            fell_back.append((transport.name, why))
+            without = frozenset(t for t, _ in fell_back)
+            name, meta = choose_transport(obj, _ray.node_id(), without=without, fell_back=tuple(fell_back))
+            if name in without:
+                raise
+            transport = _registry.get(name)
+            info = TransferInfo(obj.obj_id, obj.specs, meta, hold=obj, producer_pid=obj.producer.pid)
+            del exc
+            continue
+        if used is not None:
+            used[0] = transport.name
+        return tensors, transport.name
+
+
+def _note_unusable(obj: RDTObject, name: str, exc: BaseException, why: str) -> None:
+    """Say, once per node and path, that `auto` falls back from `name`; leave it out a while."""
+    if name == "shm" and isinstance(exc, TransportUnavailableError):
+        from .transports import shm  # the producer had no room for its lazy export
+
+        shm.say_no_room(exc, "fetching such objects another way")
+        return
+    key = (obj.producer.node_id, name)
+    if isinstance(exc, TransferError):  # could not reach the node: not this object's doing
+        fresh = key not in _avoid or _avoid[key] <= time.monotonic()
+        _avoid[key] = time.monotonic() + AVOID_S
+    else:
+        fresh = key not in _warned
+        _warned.add(key)
+    if fresh:
+        log.warning(
+            "rdt_async: auto could not use %s with %s (node %s): %s; fetching over the next path. auto "
+            "leaves %s out for that node's objects for %g s", name, obj.producer.label, obj.producer.node_id[:12],
+            why, name, AVOID_S,
+        )
+
+
+_warned: set[tuple[str, str]] = set()
+
+
+def _only(
+    fetch: Any,
+) -> Any:
+    """`_fetch_over` as the relay calls a transfer: the tensors alone."""
+    if fetch is None:
+        return None
+
+    async def tensors(*args: Any) -> list[torch.Tensor]:
+        return (await fetch(*args))[0]  # type: ignore[no-any-return]
+
+    return tensors
 
 
 async def _transfer(

@@ -6,6 +6,18 @@ network stack (one veth link to the head, which a test can take down), hostname,
 /dev/shm and its own Ray temp dir. It shares the process table, the file system and the
 CPU with this host, so timings are a LAN with no wire limit, not a real network.
 
+Two topologies (`TOPOLOGIES`):
+
+- `flat`: each host's veth link is its default route, through the head (this namespace):
+  every address of the head is reachable from every host, whichever one a process
+  advertises. The head's node IP is the first link's near end.
+- `split`: the hosts and the head share a "data network" (a bridge here, 10.<key>.0.0/24,
+  the head at .1) that carries Ray's node IPs and is nobody's default route; the hosts
+  have no default route at all. From a host only the data network's addresses are
+  reachable: an address picked from the head's default route (its real network) is not
+  (`Network is unreachable`), as on clusters whose node IPs sit on a second NIC, IPoIB,
+  or a container or VPN network. Hosts reach each other on the bridge (no forwarding).
+
 Needs root (namespaces, veth, mounts). `Hosts.unavailable()` says why not, for a skip.
 """
 
@@ -23,6 +35,7 @@ import uuid
 from collections.abc import Iterator
 
 _PREFIX = "rdt"
+TOPOLOGIES = ("flat", "split")
 
 
 def _sh(*args: str) -> None:
@@ -30,13 +43,28 @@ def _sh(*args: str) -> None:
 
 
 class Hosts:
-    """This namespace is the head host (`head_ip`); `add` starts a Ray node on a new host."""
+    """This namespace is the head host (`head_ip`); `add` starts a Ray node on a new host.
 
-    def __init__(self) -> None:
+    `topology`: "flat" or "split" (see the module's docstring).
+    """
+
+    def __init__(self, topology: str = "flat") -> None:
+        if topology not in TOPOLOGIES:
+            raise ValueError(f"topology={topology!r}: give one of {', '.join(TOPOLOGIES)}")
+        self.topology = topology
         self._key = _free_key()  # 10.<key>.<n>.0/24 per host: concurrent sessions differ
         self._nodes: dict[str, _Node] = {}
-        self._first = self._link(1)
-        self.head_ip = self._first.root_ip  # the first link's near end: every host routes to it
+        self._bridge: _Bridge | None = None
+        if topology == "split":
+            self._bridge = _Bridge(f"{_PREFIX}{self._key}d", f"10.{self._key}.0")
+            self._bridge.create()
+        try:
+            self._first = self._link(1)
+        except BaseException:
+            if self._bridge is not None:
+                self._bridge.delete()
+            raise
+        self.head_ip = self._first.root_ip  # the first link's near end (split: the bridge's): every host reaches it
 
     @staticmethod
     def unavailable() -> str | None:
@@ -57,7 +85,7 @@ class Hosts:
         return None
 
     def _link(self, n: int) -> _Link:
-        link = _Link(f"{_PREFIX}{self._key}h{n}", f"10.{self._key}.{n}")
+        link = _Link(f"{_PREFIX}{self._key}h{n}", f"10.{self._key}.{n}", self._bridge, n)
         link.create()
         return link
 
@@ -95,6 +123,8 @@ class Hosts:
         for name in list(self._nodes):
             self.remove(name)
         self._first.delete()
+        if self._bridge is not None:
+            self._bridge.delete()
 
 
 def _free_key() -> int:
@@ -107,24 +137,56 @@ def _free_key() -> int:
     raise RuntimeError("no free network-namespace key: remove stale /run/netns/rdt* namespaces (`ip netns del`)")
 
 
-class _Link:
-    """Namespace `name` and a veth pair: `root_ip` here, `ns_ip` there, default route through it."""
+class _Bridge:
+    """The split topology's data network: a bridge here, `ip` (`net`.1) the head's address on it."""
 
-    def __init__(self, name: str, net: str) -> None:
-        self.name, self.root_ip, self.ns_ip = name, f"{net}.1", f"{net}.2"
+    def __init__(self, dev: str, net: str) -> None:
+        self.dev, self.net, self.ip = dev, net, f"{net}.1"
+
+    def create(self) -> None:
+        _sh("ip", "link", "add", self.dev, "type", "bridge")
+        try:
+            _sh("ip", "addr", "add", f"{self.ip}/24", "dev", self.dev)
+            _sh("ip", "link", "set", self.dev, "up")
+        except BaseException:
+            self.delete()
+            raise
+
+    def delete(self) -> None:
+        subprocess.run(["ip", "link", "del", self.dev], capture_output=True)
+
+
+class _Link:
+    """Namespace `name` and a veth pair: `root_ip` here, `ns_ip` there.
+
+    Flat: the pair is a /24 of its own (`net`) and the namespace's default route. Split:
+    the near end is a port of `bridge` (the head's address there is `root_ip`), the far
+    end is host `n` on the bridge's network, and the namespace has no default route.
+    """
+
+    def __init__(self, name: str, net: str, bridge: _Bridge | None = None, n: int = 1) -> None:
+        self.name, self.bridge = name, bridge
+        if bridge is None:
+            self.root_ip, self.ns_ip = f"{net}.1", f"{net}.2"
+        else:
+            self.root_ip, self.ns_ip = bridge.ip, f"{bridge.net}.{n + 1}"
         self.root_dev, self.ns_dev = f"{name}a", f"{name}b"
 
     def create(self) -> None:
         _sh("ip", "netns", "add", self.name)
         _sh("ip", "link", "add", self.root_dev, "type", "veth", "peer", "name", self.ns_dev)
         _sh("ip", "link", "set", self.ns_dev, "netns", self.name)
-        _sh("ip", "addr", "add", f"{self.root_ip}/24", "dev", self.root_dev)
+        if self.bridge is None:
+            _sh("ip", "addr", "add", f"{self.root_ip}/24", "dev", self.root_dev)
+        else:
+            _sh("ip", "link", "set", self.root_dev, "master", self.bridge.dev)
         _sh("ip", "link", "set", self.root_dev, "up")
         ns = ("ip", "netns", "exec", self.name)
         _sh(*ns, "ip", "addr", "add", f"{self.ns_ip}/24", "dev", self.ns_dev)
         _sh(*ns, "ip", "link", "set", self.ns_dev, "up")
         _sh(*ns, "ip", "link", "set", "lo", "up")
-        _sh(*ns, "ip", "route", "add", "default", "via", self.root_ip)
+        if self.bridge is None:
+            _sh(*ns, "ip", "route", "add", "default", "via", self.root_ip)
 
     def set_up(self, up: bool) -> None:
         """Take the link down (a partition) or bring it back."""
@@ -235,10 +297,11 @@ def _default_object_store_bytes() -> int:
 
 
 @contextlib.contextmanager
-def ray_cluster(hosts: int, remote_resource: str = "remote") -> Iterator[Hosts | None]:
+def ray_cluster(hosts: int, remote_resource: str = "remote", topology: str = "flat") -> Iterator[Hosts | None]:
     """A Ray cluster for the bench: this host alone, or with a second one across a veth link.
 
-    With two hosts, actors asking for `remote_resource` run on the second host.
+    With two hosts, actors asking for `remote_resource` run on the second host;
+    `topology` is how the hosts are joined ("flat" or "split", see `Hosts`).
     """
     import ray
 
@@ -254,7 +317,7 @@ def ray_cluster(hosts: int, remote_resource: str = "remote") -> Iterator[Hosts |
         raise SystemExit(f"--hosts 2 needs network namespaces: {why}")
     from ray.cluster_utils import Cluster
 
-    made = Hosts()
+    made = Hosts(topology)
     cluster = None
     try:
         # The object store a user's `ray start` gets, not Cluster's 150 MiB test default:

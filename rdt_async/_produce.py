@@ -198,6 +198,7 @@ _warm: set[tuple[int, str]] = set()  # (pid, transport) whose warm_up ran
 def _plan(transport: str, tensors: list[torch.Tensor]) -> list[Transport[Any]]:
     if not tensors:
         return []
+    _ray.hand_node_ip()  # what listeners advertise (a dict lookup after the first)
     return _prepared_transports(transport, tensors)
 
 
@@ -243,6 +244,11 @@ def _finish(
                     from .transports import shm
 
                     shm.say_no_room(exc, "objects of this process go through the object store instead")
+            elif transport == _registry.AUTO:
+                try:
+                    prepared[t] = t.prepare(obj_id, tensors)
+                except TransportUnavailableError as exc:  # (no free port in RDT_PORT_RANGE): another path
+                    _say_skipped(t.name, exc)
             else:
                 prepared[t] = t.prepare(obj_id, tensors)
         eager = _eager_replies(tensors, transport, owner, list(prepared))
@@ -261,6 +267,16 @@ def _finish(
     if shared:
         meta["groups"] = shared
     return RDTObject(obj_id, owner, transport, specs, skeleton, meta, eager, anchor)
+
+
+_skipped: set[tuple[int, str]] = set()  # (pid, transport) whose failed prepare was said
+
+
+def _say_skipped(name: str, exc: Exception) -> None:
+    """Say once per process that `auto` prepares objects without `name`, and why."""
+    if (os.getpid(), name) not in _skipped:
+        _skipped.add((os.getpid(), name))
+        log.warning("rdt_async: auto prepares objects of this process without %s (%s); consumers take another path", name, exc)
 
 
 def _eager_replies(

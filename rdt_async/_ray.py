@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from ._errors import RDTError, TransferError, translating, unavailable
-from .transports import _registry
+from .transports import _net, _registry
 from .transports._base import pid_alive
 
 if TYPE_CHECKING:
@@ -28,6 +28,7 @@ def new_session() -> None:
     """A `ray.init` in this process: forget what was cached of the last session."""
     global _nodes_seen
     node_id.cache_clear()
+    hand_node_ip.cache_clear()
     _nodes_seen = (0.0, False)
 
 
@@ -153,6 +154,13 @@ def is_ref(x: Any) -> bool:
 def node_id() -> str:
     """This process's node (cached; a new session clears it)."""
     return ray.get_runtime_context().get_node_id()
+
+
+@functools.lru_cache(maxsize=1)
+def hand_node_ip() -> None:
+    """Tell the transports the address Ray knows this node by: what their listeners
+    advertise to other nodes (`transports/_net.py`). Once per session; before a listener opens."""
+    _net.set_node_ip(ray.util.get_node_ip_address() if ray.is_initialized() else None)
 
 
 def get_ref(ref: Any, timeout: float | None) -> Any:

@@ -5,6 +5,11 @@ pair, with its own hostname, boot id, /dev/shm and Ray temp dir (rdt_async._host
 Where namespaces cannot be made (not root, not Linux), it is a second Ray node on this
 host, and the session says so; RDT_TEST_ONE_HOST=1 asks for that.
 
+RDT_TEST_TOPOLOGY picks how the hosts are joined (rdt_async._hosts): `split` (the
+default, the stricter: Ray's node IPs on a data network that is no host's default route,
+nothing else routable between the hosts), `flat` (every host routes everything through
+the head), or `three` (split, with a third host that takes actors asking for "node3").
+
 Ray is imported only when a test asks for the cluster: the transport contract suite
 (tests/transports) runs without it, as on the GPU machine, where Ray is not installed.
 """
@@ -20,6 +25,9 @@ import time
 import pytest
 
 OBJECT_STORE_BYTES = 2 << 30  # each node's; memory is taken only as objects arrive
+TOPOLOGY = os.environ.get("RDT_TEST_TOPOLOGY", "split")
+if TOPOLOGY not in ("flat", "split", "three"):
+    raise pytest.UsageError(f"RDT_TEST_TOPOLOGY={TOPOLOGY!r}: give flat, split or three")
 
 
 @pytest.fixture(scope="session")
@@ -34,7 +42,11 @@ def cluster():
     from rdt_async._hosts import Hosts
 
     why = "RDT_TEST_ONE_HOST=1" if os.environ.get("RDT_TEST_ONE_HOST") == "1" else Hosts.unavailable()
-    hosts = None if why else Hosts()
+    hosts = None if why else Hosts(TOPOLOGY if TOPOLOGY != "three" else "split")
+    if hosts is not None and hosts.topology == "split":
+        # The split rig's data network is a Linux bridge, whose address UCX's TCP leaves
+        # out unless told (ucxx, nixl): set before any node starts, so every process has it.
+        os.environ["UCX_TCP_BRIDGE_ENABLE"] = "y"
     # Ray declares a host that stops answering dead after ~10 s, not its default ~30-60 s
     # (test_partition cuts a host off and waits for that verdict).
     health = {"health_check_period_ms": 1000, "health_check_timeout_ms": 1000, "health_check_failure_threshold": 10}
@@ -52,13 +64,20 @@ def cluster():
     # Idle warm segments go after 1 s (not 10): the leak check below waits for them.
     os.environ["RDT_SHM_IDLE_S"] = "1"
     ray.init(address=c.address, runtime_env={"env_vars": {"PYTHONPATH": path, "RDT_SHM_IDLE_S": "1"}})
+    from rdt_async import _ray
+
+    _ray.hand_node_ip()  # as a first produce would: tests that drive a transport alone listen where it does
     try:
         if hosts is None:
             print(f"\nnode2 runs on this host, not across hosts: {why}")
             c.add_node(num_cpus=0, resources={"node2": 1000}, **store)
+            if TOPOLOGY == "three":
+                c.add_node(num_cpus=0, resources={"node3": 1000}, **store)
             c.wait_for_nodes()
         else:
             hosts.add("node2", c.address, {"node2": 1000})
+            if TOPOLOGY == "three":
+                hosts.add("node3", c.address, {"node3": 1000})
         c.hosts = hosts
         yield c
     finally:
@@ -114,6 +133,7 @@ def _wait_until(cond, timeout: float, what=lambda: "condition"):
 
 
 ON_NODE2 = {"num_cpus": 0, "resources": {"node2": 1}}
+ON_NODE3 = {"num_cpus": 0, "resources": {"node3": 1}}  # RDT_TEST_TOPOLOGY=three only
 wait_until = _wait_until
 rdt_segments = _rdt_segments
 

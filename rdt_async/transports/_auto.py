@@ -78,10 +78,15 @@ class Choice:
     transport: str
     why: str
     estimates: Mapping[str, float] = dataclasses.field(default_factory=dict)  # seconds, candidates only
+    # Paths this fetch tried first and could not use with its producer: (transport, why).
+    fell_back: tuple[tuple[str, str], ...] = ()
 
     def as_dict(self) -> dict[str, object]:
-        return {"transport": self.transport, "why": self.why,
-                "estimates_ms": {k: round(v * 1e3, 3) for k, v in self.estimates.items()}}
+        out: dict[str, object] = {"transport": self.transport, "why": self.why,
+                                  "estimates_ms": {k: round(v * 1e3, 3) for k, v in self.estimates.items()}}
+        if self.fell_back:
+            out["fell_back"] = [{"transport": t, "why": why} for t, why in self.fell_back]
+        return out
 
 
 def candidates(f: Facts) -> list[str]:

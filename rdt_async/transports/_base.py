@@ -7,7 +7,6 @@ import asyncio
 import functools
 import math
 import os
-import socket
 from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
@@ -449,18 +448,13 @@ def int_setting(env: str, default: int, minimum: int, meaning: str) -> int:
     return value
 
 
-def advertised_host(env: str) -> str:
-    """The address other nodes reach this process at: `env`'s value if set, else the
-    address of the route out (loopback where there is none). For transports that listen."""
-    hint = os.environ.get(env)
-    if hint:
-        return hint
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("10.255.255.255", 9))  # no packet is sent: this only picks a route
-            return str(s.getsockname()[0])
-        except OSError:
-            return "127.0.0.1"
+class Unreachable(ConnectionError):
+    """Raised by `receive` where the producer cannot be reached at the address its metadata
+    names (no route, refused, no answer to a connect), before anything was transferred.
+
+    The core then takes another path where `auto` chose this one, or fails naming the
+    address and the setting to change (the message says both).
+    """
 
 
 def landing_buffers(

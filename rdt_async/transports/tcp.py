@@ -7,8 +7,9 @@ connections at once (default 4, one per `STREAM_MIN_BYTES`), each served by its 
 thread on both sides (the GIL is released in `send`/`recv_into`).
 
 A producer that prepares `tcp` listens once (a thread accepting connections, one thread
-per connection) on an ephemeral port; its address and a random 128-bit token travel in
-the `RDTObject`. A connection starts with the token, so only who holds a ref of this
+per connection) on an ephemeral port (one of `RDT_PORT_RANGE` where set) of the address
+its node is known by (Ray's node IP, or `RDT_TCP_HOST` / `RDT_ADVERTISE_HOST`: see
+`_net`); that address and a random 128-bit token travel in the `RDTObject`. A connection starts with the token, so only who holds a ref of this
 producer is served (nothing is encrypted: see Network and trust in the docs). A consumer
 keeps up to `IDLE_CONNECTIONS` idle connections per producer for reuse, each closed once
 unused for `IDLE_S`. A peer whose host vanished is given up on after ~30 s either way:
@@ -47,8 +48,8 @@ import torch
 
 from .. import _io
 from .._errors import ObjectFreedError, PeerDiedError, RDTError, TransferError
-from . import _segments
-from ._base import Channel, TransferInfo, Transport, advertised_host, delivered, int_setting, landing_buffers
+from . import _net, _segments
+from ._base import Channel, TransferInfo, Transport, Unreachable, delivered, int_setting, landing_buffers
 
 MAGIC = b"RDT1"
 HELD, FREED = b"\x01", b"\x02"
@@ -58,6 +59,9 @@ CONNECT_S = 10.0  # connecting and the token's arrival
 IDLE_CONNECTIONS = 16  # kept per producer, for reuse
 IDLE_S = 60.0  # an idle connection is closed after this long unused
 USER_TIMEOUT_S = 30.0  # bytes sent and unacknowledged this long: the peer is gone
+HOST_ENV = "RDT_TCP_HOST"
+TOKEN_BYTES = 16
+MAX_PARTS = 1 << 20  # byte ranges one request may ask for (a consumer asks one per tensor and stream)
 _HEAD = struct.Struct("<HI")  # obj_id length, number of parts
 _PART = struct.Struct("<IQQ")  # tensor index, byte offset, byte count
 
@@ -73,6 +77,27 @@ class TcpMeta:
     host: str
     port: int
     token: bytes
+
+
+def check_meta(meta: object, obj_id: str) -> TcpMeta:
+    """Return `meta` if it is a TcpMeta a producer could have made: an IP literal (never a
+    name to resolve), a port in 1..65535, a token of the exact length.
+
+    Runs on: consumer, before it connects anywhere. Raises: TransferError saying what is wrong.
+    """
+    why = None
+    if not isinstance(meta, TcpMeta):
+        why = f"not tcp metadata: {type(meta).__name__}"
+    elif not _net.is_ip(meta.host):
+        why = f"host {meta.host!r} is not an IP address"
+    elif type(meta.port) is not int or not 1 <= meta.port <= 65535:
+        why = f"port {meta.port!r} is not in 1..65535"
+    elif type(meta.token) is not bytes or len(meta.token) != TOKEN_BYTES:
+        why = f"the token is not {TOKEN_BYTES} bytes"
+    if why is not None:
+        raise TransferError(f"tcp fetch of {obj_id}: the ref's tcp metadata is malformed ({why}); nothing was read", obj_id=obj_id)
+    return meta  # type: ignore[return-value]
+
 
 
 def _raw(t: torch.Tensor) -> memoryview:
@@ -115,10 +140,9 @@ class _Server:
     """This process's listener: an accepting thread, and a thread per connection."""
 
     def __init__(self) -> None:
-        self.token = secrets.token_bytes(16)
-        host = os.environ.get("RDT_TCP_HOST")
-        self.sock = socket.create_server((host or "", 0), backlog=128)
-        self.meta = TcpMeta(host or advertised_host("RDT_TCP_HOST"), self.sock.getsockname()[1], self.token)
+        self.token = secrets.token_bytes(TOKEN_BYTES)
+        self.sock, where = _net.tcp_listener(HOST_ENV, "transport 'tcp'")
+        self.meta = TcpMeta(where.host, self.sock.getsockname()[1], self.token)
         self.pid = os.getpid()
         threading.Thread(target=self._accept, name="rdt-tcp-accept", daemon=True).start()
 
@@ -152,6 +176,8 @@ def _answer(conn: socket.socket) -> bool:
     except ConnectionResetError:
         return False
     id_len, nparts = _HEAD.unpack(head)
+    if nparts > MAX_PARTS:
+        raise ConnectionAbortedError(f"a request for {nparts} byte ranges")
     body = _recv_exact(conn, id_len + nparts * _PART.size)
     obj_id = body[:id_len].decode()
     parts = list(_PART.iter_unpack(body[id_len:]))
@@ -226,8 +252,12 @@ def _connect(meta: TcpMeta, reuse: bool = True) -> tuple[socket.socket, bool]:
                 return pool.pop()[0], True  # the most recently used
     try:
         sock = socket.create_connection((meta.host, meta.port), timeout=CONNECT_S)
-    except TimeoutError as exc:  # not the caller's deadline: a transfer error (the core asks Ray about the producer)
-        raise ConnectionError(f"no answer from the producer at {meta.host}:{meta.port} in {CONNECT_S:g} s") from exc
+    except OSError as exc:  # not the caller's deadline: a transfer error (the core asks Ray about the producer)
+        why = f"no answer in {CONNECT_S:g} s" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
+        raise Unreachable(
+            f"cannot reach the producer's tcp listener at {_hostport(meta)} ({why}); where the producer runs, "
+            f"{_net.settings_hint(HOST_ENV)}, or open that port (RDT_PORT_RANGE confines it)"
+        ) from exc
     try:
         sock.sendall(MAGIC + meta.token)
         sock.settimeout(None)
@@ -236,6 +266,10 @@ def _connect(meta: TcpMeta, reuse: bool = True) -> tuple[socket.socket, bool]:
         sock.close()
         raise
     return sock, False
+
+
+def _hostport(meta: TcpMeta) -> str:
+    return f"[{meta.host}]:{meta.port}" if ":" in meta.host else f"{meta.host}:{meta.port}"
 
 
 def _keep(meta: TcpMeta, sock: socket.socket) -> None:
@@ -386,7 +420,7 @@ class TcpTransport(Transport[TcpMeta]):
     def native_error(cls, exc: BaseException) -> type[RDTError] | None:
         if isinstance(exc, ConnectionRefusedError):
             return PeerDiedError  # nothing listens there any more: the producer is gone
-        if isinstance(exc, OSError):
+        if isinstance(exc, OSError):  # (Unreachable too: the core asks Ray whether the producer died)
             return TransferError  # the core asks Ray whether the producer died
         return None
 
@@ -404,6 +438,7 @@ class TcpTransport(Transport[TcpMeta]):
     async def receive(
         self, info: TransferInfo[TcpMeta], buffers: list[torch.Tensor] | None, channel: Channel
     ) -> list[torch.Tensor]:
+        check_meta(info.meta, info.obj_id)
         mine = None if buffers is None else [b if b.device.type == "cpu" else None for b in buffers]
         dsts = landing_buffers(info.specs, mine)
         raws = [_raw(d) if d.numel() else memoryview(b"") for d in dsts]

@@ -42,6 +42,7 @@ import importlib
 import importlib.util
 import os
 import secrets
+import socket
 import sys
 import threading
 from collections.abc import Sequence
@@ -52,9 +53,16 @@ import numpy as np
 import torch
 
 from .. import _io
-from .._errors import BackendError, ObjectFreedError, PeerDiedError, RDTError, TransportUnavailableError
-from . import _ucx
-from ._base import Channel, TransferInfo, Transport, advertised_host, delivered, landing_buffers
+from .._errors import (
+    BackendError,
+    ObjectFreedError,
+    PeerDiedError,
+    RDTError,
+    TransferError,
+    TransportUnavailableError,
+)
+from . import _net, _ucx
+from ._base import Channel, TransferInfo, Transport, delivered, landing_buffers
 
 INSTALL_HINT = "pip install 'rdt_async[ucxx]'"
 POLL_S = 0.0005  # progress period while requests are in flight (events also progress)
@@ -64,6 +72,7 @@ PROGRESS_STEPS = 64  # UCX progress calls per wake-up at most; more wait for the
 PACKED_BYTES = 64 << 10  # objects up to this size come with their status in one message
 TAG_STRIDE = 1 << 20  # tags per transfer: status, then one per tensor
 HELD, FREED = 0, 1
+HOST_ENV = "RDT_UCXX_HOST"
 
 
 @functools.cache
@@ -105,6 +114,24 @@ class UcxxMeta:
 
     host: str
     port: int
+
+
+def check_meta(meta: object, obj_id: str) -> UcxxMeta:
+    """Return `meta` if it is a UcxxMeta a producer could have made: an IPv4 literal (never
+    a name to resolve), a port in 1..65535.
+
+    Runs on: consumer, before it connects anywhere. Raises: TransferError saying what is wrong.
+    """
+    why = None
+    if not isinstance(meta, UcxxMeta):
+        why = f"not ucxx metadata: {type(meta).__name__}"
+    elif not _net.is_ip(meta.host) or ":" in meta.host:
+        why = f"host {meta.host!r} is not an IPv4 address"
+    elif type(meta.port) is not int or not 1 <= meta.port <= 65535:
+        why = f"port {meta.port!r} is not in 1..65535"
+    if why is not None:
+        raise TransferError(f"ucxx fetch of {obj_id}: the ref's ucxx metadata is malformed ({why}); nothing was read", obj_id=obj_id)
+    return meta  # type: ignore[return-value]
 
 
 class _Peer:
@@ -203,10 +230,32 @@ class _Worker:
     # -- producer -------------------------------------------------------------
 
     def listen(self) -> UcxxMeta:
+        """Open this process's request listener (once); return what its refs advertise.
+
+        UCXX's listener binds a port on every IPv4 interface (0.0.0.0), not an address:
+        what it advertises is `_net.address`'s (Ray's node IP unless set), IPv4 only.
+        Raises: TransportUnavailableError (an IPv6 address; no free port in RDT_PORT_RANGE).
+        """
         if self.address is None:
-            self.listener = self.u.UCXListener.create(self.worker, 0, self._accept, deliver_endpoint=True)
-            self.address = UcxxMeta(advertised_host("RDT_UCXX_HOST"), int(self.listener.port))
+            where = _net.address(HOST_ENV)
+            if where.family != socket.AF_INET:
+                raise TransportUnavailableError(
+                    f"transport 'ucxx' cannot listen for {where.host} ({where.source}): UCXX's listener binds "
+                    f"IPv4 only (0.0.0.0); set {HOST_ENV} to an IPv4 address of this host, or use tcp"
+                )
+            self.listener = _net.in_range(self._listener, lambda e: isinstance(e, self.u.UCXBusyError), "transport 'ucxx'")
+            self.address = UcxxMeta(where.host, int(self.listener.port))
         return self.address
+
+    def _listener(self, port: int) -> Any:
+        if port:  # in RDT_PORT_RANGE: skip ports taken (UCX logs an ERROR for each busy one it tries)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as UCX binds
+                try:
+                    probe.bind(("0.0.0.0", port))
+                except OSError:
+                    raise self.u.UCXBusyError(f"port {port} is taken") from None
+        return self.u.UCXListener.create(self.worker, port, self._accept, deliver_endpoint=True)
 
     def _accept(self, ep: Any) -> None:  # inside progress(): only schedule
         self.served.add(ep)
@@ -421,6 +470,7 @@ class UcxxTransport(Transport[UcxxMeta]):
     async def receive(
         self, info: TransferInfo[UcxxMeta], buffers: list[torch.Tensor] | None, channel: Channel
     ) -> list[torch.Tensor]:
+        check_meta(info.meta, info.obj_id)
         if len(info.specs) >= TAG_STRIDE - 1:
             raise ValueError(f"ucxx moves at most {TAG_STRIDE - 2} tensors per object")
         w = await _worker_async()

@@ -1,0 +1,199 @@
+"""Where rdt_async's listeners bind, the address they advertise, and the ports they may take.
+
+Ray-free: the core hands in the address Ray knows this node by (`set_node_ip`, at a
+process's first produce), which is the address other nodes reach this one at. On a
+cluster whose node IPs sit on a data network (a second NIC, IPoIB, a container or VPN
+network) that is not the default route, the address of the route out is the wrong one:
+from another host it may be unreachable, or reached over a slower network.
+
+The address a listener of transport X advertises, first found of:
+
+    RDT_X_HOST            (one transport: RDT_TCP_HOST, RDT_UCXX_HOST)
+    RDT_ADVERTISE_HOST    (every transport)
+    Ray's node IP         (handed in by the core)
+    the route out         (outside Ray: the source address of the default route)
+
+and it binds that address (every interface where it is the route out's, which is only
+a guess, or where the address is not one of this host's: behind NAT). Each must be an IP
+literal: metadata carries no names, so a consumer never resolves one. `RDT_PORT_RANGE`
+(`LOW-HIGH`) confines every port rdt_async listens on to that range.
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import logging
+import os
+import random
+import socket
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TypeVar
+
+from .._errors import TransportUnavailableError
+
+ADVERTISE_ENV = "RDT_ADVERTISE_HOST"
+PORT_RANGE_ENV = "RDT_PORT_RANGE"
+NODE_IP = "Ray's node IP"
+ROUTE_OUT = "the address of the route out"
+
+log = logging.getLogger("rdt_async")
+T = TypeVar("T")
+
+_node_ip: str | None = None
+
+
+def set_node_ip(ip: str | None) -> None:
+    """Hand in the address Ray knows this node by (None: not in a Ray session).
+
+    Runs on: either side, by the core (`_ray`), before a listener is opened.
+    """
+    global _node_ip
+    _node_ip = None if ip is None else ip_literal(ip, "Ray's node IP address")
+
+
+def ip_literal(host: str, what: str) -> str:
+    """Return `host` as a canonical IP literal; no name is ever resolved.
+
+    Raises: ValueError naming `what` (the setting or field it came from).
+    """
+    if not is_ip(host):
+        raise ValueError(f"{what}={host!r}: give an IP address (such as 10.0.0.5 or fd00::5), not a name")
+    return str(ipaddress.ip_address(host))
+
+
+def is_ip(host: object) -> bool:
+    """Whether `host` is a string holding an IP address (v4 or v6, no brackets)."""
+    if not isinstance(host, str):
+        return False
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class Address:
+    """Where a transport's listener binds and what it advertises, and which setting said so."""
+
+    host: str  # advertised: an IP literal
+    bind: str  # "" for every interface
+    source: str  # the setting (or NODE_IP, ROUTE_OUT) that gave `host`
+
+    @property
+    def family(self) -> socket.AddressFamily:
+        return socket.AF_INET6 if ":" in self.host else socket.AF_INET
+
+
+def address(env: str) -> Address:
+    """Where a listener of the transport whose own setting is `env` binds, and what it advertises.
+
+    Raises: ValueError naming the setting whose value is not an IP address.
+    """
+    for name in (env, ADVERTISE_ENV):
+        raw = os.environ.get(name)
+        if raw:
+            host = ip_literal(raw, name)
+            return Address(host, host, name)
+    if _node_ip is not None:
+        return Address(_node_ip, _node_ip, NODE_IP)
+    return Address(route_out(), "", ROUTE_OUT)
+
+
+def route_out() -> str:
+    """The source address of this host's default route (loopback where there is none)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 9))  # no packet is sent: this only picks a route
+            return str(s.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
+def settings_hint(env: str) -> str:
+    """What a user sets to change the address transport `env` advertises."""
+    return f"set {env} (this transport) or {ADVERTISE_ENV} (every transport) to an address of this host the peer can reach"
+
+
+def port_range() -> tuple[int, int] | None:
+    """The range `RDT_PORT_RANGE` confines listeners to, or None (the kernel picks).
+
+    Raises: ValueError naming the setting when it is not `LOW-HIGH` within 1..65535.
+    """
+    raw = os.environ.get(PORT_RANGE_ENV, "").strip()
+    if not raw:
+        return None
+    low, _, high = raw.partition("-")
+    try:
+        lo, hi = int(low), int(high)
+    except ValueError:
+        lo = hi = 0
+    if not 1 <= lo <= hi <= 65535:
+        raise ValueError(f"{PORT_RANGE_ENV}={raw!r}: give LOW-HIGH, two ports in 1..65535 (e.g. 20000-20100)")
+    return lo, hi
+
+
+def ports() -> Iterator[int]:
+    """Ports to try for one listener: 0 (the kernel picks), or each port of the range once
+    from a random one (processes starting together then rarely try the same port)."""
+    span = port_range()
+    if span is None:
+        yield 0
+        return
+    lo, hi = span
+    n = hi - lo + 1
+    first = random.randrange(n)
+    for i in range(n):
+        yield lo + (first + i) % n
+
+
+def in_range(open_port: Callable[[int], T], taken: Callable[[BaseException], bool], what: str) -> T:
+    """Return `open_port(port)` for the first port of `ports()` it does not find `taken`.
+
+    Raises: TransportUnavailableError naming RDT_PORT_RANGE when every port of the range is taken.
+    """
+    for port in ports():
+        try:
+            return open_port(port)
+        except Exception as exc:
+            if port == 0 or not taken(exc):
+                raise
+    raise TransportUnavailableError(
+        f"{what} cannot listen: every port of {PORT_RANGE_ENV}={os.environ.get(PORT_RANGE_ENV)} is taken; "
+        f"widen {PORT_RANGE_ENV} (each producing process that listens takes one port per transport), or unset it"
+    )
+
+
+def _in_use(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in (errno.EADDRINUSE, errno.EACCES)
+
+
+def tcp_listener(env: str, what: str, backlog: int = 128) -> tuple[socket.socket, Address]:
+    """A listening TCP socket where `address(env)` says, on a port `ports()` allows.
+
+    Runs on: producer. Raises: TransportUnavailableError (no free port in the range, or
+    the address cannot be listened on), ValueError (a setting that is not an address).
+    """
+    where = address(env)
+    bind = where.bind
+
+    def open_port(port: int) -> socket.socket:
+        nonlocal bind
+        try:
+            return socket.create_server((bind, port), family=where.family, backlog=backlog)
+        except OSError as exc:
+            if exc.errno != errno.EADDRNOTAVAIL or not bind:
+                raise
+            # Not an address of this host (NAT in front of it): every interface, then.
+            log.warning("rdt_async: %s is not an address of this host (%s); %s listens on every interface", bind, where.source, what)
+            bind = ""
+            return socket.create_server((bind, port), family=where.family, backlog=backlog)
+
+    try:
+        return in_range(open_port, _in_use, what), where
+    except OSError as exc:
+        raise TransportUnavailableError(
+            f"{what} cannot listen on {where.host or 'every interface'} ({where.source}): {exc}; {settings_hint(env)}"
+        ) from exc

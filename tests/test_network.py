@@ -1,0 +1,289 @@
+"""Any cluster, not only ours: what listeners advertise and bind, the ports they take, what a
+consumer accepts from a ref's address, and `auto` falling back where its path cannot reach.
+
+The cross-host tests run on the topology RDT_TEST_TOPOLOGY names (conftest.py); on `split`
+(the default) Ray's node IPs are on a data network that is no host's default route.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib.util
+import logging
+import socket
+
+import pytest
+import ray
+import torch
+from conftest import ON_NODE2
+
+import rdt_async as rdt
+from rdt_async.transports import _net, tcp
+from rdt_async.transports._base import FetchRequest, TensorSpec, TransferInfo
+
+UCXX = importlib.util.find_spec("ucxx") is not None
+N = 16 << 20  # 64 MiB of float32
+
+
+@rdt.remote
+class Producer:
+    @rdt.method(tensor_transport="auto")
+    def make(self, n: int, v: float):
+        return {"w": torch.full((n,), v)}
+
+    @rdt.method(tensor_transport="tcp")
+    def make_tcp(self, n: int, v: float):
+        return {"w": torch.full((n,), v)}
+
+    @rdt.method(tensor_transport="ucxx")
+    def make_ucxx(self, n: int, v: float):
+        return {"w": torch.full((n,), v)}
+
+    def node_ip(self) -> str:
+        return ray.util.get_node_ip_address()
+
+    def tcp_address(self) -> tuple[str, int]:
+        meta = tcp._listening().meta
+        return meta.host, meta.port
+
+    def ucxx_address(self) -> tuple[str, int]:
+        import os
+
+        from rdt_async.transports import ucxx
+
+        meta = ucxx._workers[os.getpid()].address
+        return meta.host, meta.port
+
+
+class _Said(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@rdt.remote
+class Consumer:
+    def __init__(self) -> None:
+        self.said = _Said()
+        logging.getLogger("rdt_async").addHandler(self.said)
+
+    async def read(self, refs) -> tuple[list[float], dict, list[dict], list[str]]:
+        before = collections.Counter(rdt.store_stats()["fetches"])
+        sums = [float((await rdt.fetch(r))["w"].sum()) for r in refs]
+        used = collections.Counter(rdt.store_stats()["fetches"]) - before
+        return sums, dict(used), rdt.store_stats()["auto"][-len(refs):], list(self.said.lines)
+
+    async def read_error(self, refs) -> str:
+        try:
+            await rdt.fetch(refs[0])
+        except rdt.RDTError as e:
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+
+
+def _split(cluster) -> None:
+    if cluster.hosts is None or cluster.hosts.topology != "split":
+        pytest.skip("needs the split topology (RDT_TEST_TOPOLOGY=split or three, network namespaces)")
+
+
+# -- addresses ----------------------------------------------------------------------------
+
+
+def test_auto_across_hosts_reads_64_mib_both_ways_over_tcp_at_rays_node_ips(ray_session):
+    """The bug of issue 29: on split, tcp advertised the head's default-route address, which
+    the other host cannot reach (`OSError: [Errno 101] Network is unreachable`)."""
+    head, far = Producer.remote(), Producer.options(**ON_NODE2).remote()
+    here_reader, far_reader = Consumer.remote(), Consumer.options(**ON_NODE2).remote()
+    sums, used, choices, _ = ray.get(far_reader.read.remote([head.make.remote(N, 1.0)]))
+    assert sums == [float(N)] and used == {"tcp": 1}, choices
+    sums, used, choices, _ = ray.get(here_reader.read.remote([far.make.remote(N, 2.0)]))
+    assert sums == [2.0 * N] and used == {"tcp": 1}, choices
+    for p in (head, far):
+        host, port = ray.get(p.tcp_address.remote())
+        assert host == ray.get(p.node_ip.remote()) and 0 < port < 65536
+
+
+@pytest.mark.skipif(not UCXX, reason="ucxx is not installed")
+def test_ucxx_advertises_rays_node_ip_and_reads_across_hosts(ray_session):
+    head = Producer.remote()
+    reader = Consumer.options(**ON_NODE2).remote()
+    sums, used, _, _ = ray.get(reader.read.remote([head.make_ucxx.remote(1 << 20, 3.0)]))
+    assert sums == [3.0 * (1 << 20)] and used == {"ucxx": 1}
+    host, _ = ray.get(head.ucxx_address.remote())
+    assert host == ray.get(head.node_ip.remote())
+
+
+def test_settings_must_be_ip_addresses(monkeypatch):
+    monkeypatch.setenv("RDT_ADVERTISE_HOST", "head.example")
+    with pytest.raises(ValueError, match=r"RDT_ADVERTISE_HOST='head.example': give an IP address"):
+        _net.address("RDT_TCP_HOST")
+    monkeypatch.setenv("RDT_TCP_HOST", "10.1.2.3")
+    assert _net.address("RDT_TCP_HOST") == _net.Address("10.1.2.3", "10.1.2.3", "RDT_TCP_HOST")  # the transport's own wins
+    monkeypatch.delenv("RDT_TCP_HOST")
+    monkeypatch.setenv("RDT_ADVERTISE_HOST", "fd00::7")
+    assert _net.address("RDT_UCXX_HOST").host == "fd00::7"
+
+
+def test_a_tcp_listener_binds_the_address_it_advertises_ipv6_too(monkeypatch):
+    for host, family in (("127.0.0.1", socket.AF_INET), ("::1", socket.AF_INET6)):
+        monkeypatch.setenv("RDT_TCP_HOST", host)
+        sock, where = _net.tcp_listener("RDT_TCP_HOST", "transport 'tcp'")
+        with sock:
+            assert sock.family == family and sock.getsockname()[0] == host and where.host == host
+
+
+# -- ports --------------------------------------------------------------------------------
+
+
+def test_listeners_take_ports_of_rdt_port_range_and_say_when_it_is_exhausted(monkeypatch):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        monkeypatch.setenv("RDT_TCP_HOST", "127.0.0.1")
+        monkeypatch.setenv("RDT_PORT_RANGE", f"{port}-{port}")
+        with pytest.raises(rdt.TransportUnavailableError, match=rf"transport 'tcp' cannot listen: every port of RDT_PORT_RANGE={port}-{port} is taken; widen RDT_PORT_RANGE"):
+            _net.tcp_listener("RDT_TCP_HOST", "transport 'tcp'")
+        monkeypatch.setenv("RDT_PORT_RANGE", f"{port}-{port + 1}")  # one more: that one it takes
+        try:
+            sock, _ = _net.tcp_listener("RDT_TCP_HOST", "transport 'tcp'")
+        except rdt.TransportUnavailableError:
+            pytest.skip(f"port {port + 1} is taken on this machine")
+        with sock:
+            assert sock.getsockname()[1] == port + 1
+    for bad in ("20000", "20100-20000", "0-10", "a-b", "1-70000"):
+        monkeypatch.setenv("RDT_PORT_RANGE", bad)
+        with pytest.raises(ValueError, match=rf"RDT_PORT_RANGE='{bad}': give LOW-HIGH"):
+            _net.port_range()
+
+
+@rdt.remote
+class Confined:
+    """A producer whose RDT_PORT_RANGE holds one port, which a socket of its own holds."""
+
+    def __init__(self) -> None:
+        import os
+
+        self.taken = socket.create_server(("", 0))
+        port = self.taken.getsockname()[1]
+        os.environ["RDT_PORT_RANGE"] = f"{port}-{port}"
+
+    @rdt.method(tensor_transport="auto")
+    def make(self, n: int, v: float):
+        return {"w": torch.full((n,), v)}
+
+    @rdt.method(tensor_transport="tcp")
+    def make_tcp(self, n: int, v: float):
+        return {"w": torch.full((n,), v)}
+
+
+def test_a_producer_whose_port_range_is_exhausted_still_serves_auto_and_explicit_tcp_says_why(ray_session):
+    producer = Confined.remote()
+    reader = Consumer.options(**ON_NODE2).remote()
+    sums, used, _, _ = ray.get(reader.read.remote([producer.make.remote(1 << 20, 2.0)]))
+    assert sums == [2.0 * (1 << 20)] and used == {"object_store": 1}  # tcp could not listen: the next path
+    with pytest.raises(rdt.TransportUnavailableError, match=r"transport 'tcp' cannot listen: every port of RDT_PORT_RANGE=\d+-\d+ is taken"):
+        ray.get(producer.make_tcp.remote(10, 1.0))
+
+
+# -- auto degrades, it does not fail ---------------------------------------------------------
+
+
+def test_auto_falls_back_where_tcp_cannot_reach_the_producer_and_says_why_once(ray_session):
+    """The producer advertises an address of its host the consumer's host has no route to
+    (the head's default route, on split): auto's tcp fails to connect, the fetch takes the
+    object store, says why in store_stats()["auto"] and in one log line, and leaves tcp
+    out for that node's later objects. An explicit tcp fetch fails, naming address and setting."""
+    _split(ray_session)
+    out = _net.route_out()
+    if out.startswith("127."):
+        pytest.skip("this host has no default route to advertise")
+    head = Producer.options(runtime_env={"env_vars": {"RDT_TCP_HOST": out}}).remote()
+    reader = Consumer.options(**ON_NODE2).remote()
+    sums, used, choices, said = ray.get(reader.read.remote([head.make.remote(N, 1.0), head.make.remote(N, 2.0)]))
+    assert sums == [float(N), 2.0 * N] and used == {"object_store": 2}
+    first, second = choices
+    assert first["transport"] == "object_store" and [f["transport"] for f in first["fell_back"]] == ["tcp"]
+    assert "Network is unreachable" in first["fell_back"][0]["why"] and out in first["fell_back"][0]["why"]
+    assert second["transport"] == "object_store" and "tcp left out: could not reach that node lately" in second["why"]
+    assert len([s for s in said if "auto could not use tcp" in s]) == 1, said
+    error = ray.get(reader.read_error.remote([head.make_tcp.remote(10, 1.0)]))
+    assert error.startswith("TransferError: tcp fetch of") and f"cannot reach the producer's tcp listener at {out}:" in error
+    assert "RDT_TCP_HOST" in error and "RDT_ADVERTISE_HOST" in error
+
+
+# -- a ref's address is input (issue 28) ---------------------------------------------------
+
+
+def _fetch(transport, meta, obj_id: str = "crafted") -> list[torch.Tensor]:
+    info = TransferInfo(obj_id, (TensorSpec((4,), torch.float32, "cpu", 16),), meta)
+    return FetchRequest.start(transport, info).result(10)
+
+
+@pytest.mark.parametrize(
+    ("meta", "why"),
+    [
+        (tcp.TcpMeta("localhost", 1, bytes(16)), "host 'localhost' is not an IP address"),
+        (tcp.TcpMeta("../../etc/passwd", 1, bytes(16)), "host '../../etc/passwd' is not an IP address"),
+        (tcp.TcpMeta(2130706433, 1, bytes(16)), "host 2130706433 is not an IP address"),  # an int is an address to ipaddress
+        (tcp.TcpMeta("127.0.0.1", 0, bytes(16)), "port 0 is not in 1..65535"),
+        (tcp.TcpMeta("127.0.0.1", 70000, bytes(16)), "port 70000 is not in 1..65535"),
+        (tcp.TcpMeta("127.0.0.1", "80", bytes(16)), "port '80' is not in 1..65535"),
+        (tcp.TcpMeta("127.0.0.1", True, bytes(16)), "port True is not in 1..65535"),
+        (tcp.TcpMeta("127.0.0.1", 1, bytes(15)), "the token is not 16 bytes"),
+        (tcp.TcpMeta("127.0.0.1", 1, "x" * 16), "the token is not 16 bytes"),
+        (("127.0.0.1", 1, bytes(16)), "not tcp metadata: tuple"),
+    ],
+)
+def test_crafted_tcp_metadata_is_refused_before_anything_connects(meta, why):
+    with socket.socket() as listener:  # where a name resolving to loopback would connect: nobody may
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        listener.settimeout(0.05)
+        with pytest.raises(rdt.TransferError, match=rf"tcp fetch of crafted: the ref's tcp metadata is malformed \({_re(why)}\); nothing was read"):
+            _fetch(tcp.TcpTransport(), meta)
+        with pytest.raises(TimeoutError):
+            listener.accept()
+
+
+@pytest.mark.parametrize(
+    ("meta", "why"),
+    [
+        (("localhost", 13337), "host 'localhost' is not an IPv4 address"),
+        (("fd00::1", 13337), "host 'fd00::1' is not an IPv4 address"),  # UCXX listens on IPv4 only
+        (("127.0.0.1", 0), "port 0 is not in 1..65535"),
+        (("127.0.0.1", 65536), "port 65536 is not in 1..65535"),
+        (("127.0.0.1", 1.5), "port 1.5 is not in 1..65535"),
+    ],
+)
+def test_crafted_ucxx_metadata_is_refused_before_ucx_loads(meta, why):
+    import sys
+
+    from rdt_async.transports import ucxx
+
+    with pytest.raises(rdt.TransferError, match=rf"ucxx fetch of crafted: the ref's ucxx metadata is malformed \({_re(why)}\)"):
+        _fetch(ucxx.UcxxTransport(), ucxx.UcxxMeta(*meta))
+    assert "ucxx._lib.libucxx" not in sys.modules  # refused before UCXX (and its UCX) loaded here
+
+
+def test_a_tcp_request_for_too_many_ranges_is_dropped_before_it_is_read():
+    t = tcp.TcpTransport()
+    meta = t.prepare("ranges", [torch.ones(4)])
+    try:
+        with socket.create_connection((meta.host, meta.port), timeout=10) as sock:
+            sock.sendall(tcp.MAGIC + meta.token + tcp._HEAD.pack(6, 0xFFFFFFFF) + b"ranges")
+            try:
+                assert sock.recv(1) == b""  # closed: no 80 GiB body awaited, nothing allocated
+            except ConnectionResetError:
+                pass  # closed with our bytes unread: the same
+    finally:
+        t.garbage_collect("ranges", meta)
+
+
+def _re(text: str) -> str:
+    import re
+
+    return re.escape(text)
