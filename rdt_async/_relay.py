@@ -12,6 +12,11 @@ them, and to those who ask while the claim lasts (RDT_RELAY_KEEP_S after the rea
 default 2 s) and someone still maps it; they map it copy-on-write: no copy, and a
 consumer's writes stay its own (one fetching `into=` copies from it and lets it go).
 Nobody asking costs the first consumer nothing. Both ends check that the other runs as the same user (SO_PEERCRED).
+What an asker receives is input: it maps only one memfd, sealed against shrinking and
+growing (the first consumer seals each it makes: nobody can cut it under a mapping, a
+SIGBUS), as large as the layout of its own ref's specs; its answer must be exactly the
+object asked for and its size. Anything else (garbage, more descriptors, none, an early
+close) and it reads for itself, closing every descriptor it was sent.
 
 Memfds are warm and pooled (`_Memfds`): one is reused only once nobody maps it any
 more (`_Lease`), so no consumer can see another object's bytes. When the first
@@ -25,14 +30,17 @@ Runs on: consumer. Off with RDT_RELAY=0; objects under RELAY_MIN_BYTES are not r
 
 from __future__ import annotations
 
+import array
 import asyncio
 import dataclasses
+import fcntl
 import json
 import logging
 import mmap
 import os
 import select
 import socket
+import stat
 import struct
 import sys
 import threading
@@ -52,6 +60,11 @@ MAX_IDLE_BYTES = 1 << 30  # warm memfds kept for reuse, in all
 COLD_WAIT_S = 0.02  # a consumer with no warm memory for an object lets a warm one claim it first
 COLD_STEP_S = 0.004
 ASK_MIN_S = 30.0  # an asker waits at least this long for the claimer's read (see _ask_bound)
+MAX_ANSWER = 512  # bytes of the claimer's answer an asker reads (it sends ~60)
+# A memfd's size is fixed once made (a pooled one is reused at its capacity): sealed, so
+# nobody holding it (or reopening it through /proc) can shrink it under an asker's
+# mapping -- a read past a file's end is a SIGBUS -- and an asker takes only one so sealed.
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 log = logging.getLogger("rdt_async")
 # Transports that never cross nodes, or whose bytes are already in hand.
 LOCAL = frozenset({"shm", "local", "inline", "none", "cuda_ipc"})
@@ -239,9 +252,10 @@ class _Memfds:
             for i, m in enumerate(self.idle):
                 if m.capacity == cap:
                     return self.idle.pop(i)
-        fd = os.memfd_create("rdt-relay", os.MFD_CLOEXEC)
+        fd = os.memfd_create("rdt-relay", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, cap)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
             mm = mmap.mmap(fd, cap, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
@@ -470,16 +484,21 @@ async def _ask(obj_id: str, specs: Sequence[TensorSpec]) -> Any:
         finally:
             loop.remove_reader(sock.fileno())
         try:
-            msg, fds, _, _ = socket.recv_fds(sock, 1024, 1)
+            msg, fds, flags = _receive(sock)
         except OSError:
             return None
-        if not msg or len(fds) != 1:
+        if not msg and not fds:
             return None  # its read failed, was cancelled, or its process died
-        answer: dict[str, Any] = json.loads(msg)
         offsets, size = _layout(specs)
-        if answer.get("obj_id") != obj_id or answer.get("size") != size:
+        why = _refusal(msg, fds, flags, obj_id, size)
+        if why is not None:
+            log.warning("rdt_async: the consumer of this node holding object %s answered %s; reading it myself", obj_id, why)
             return None
-        views = _private(fds[0], specs, offsets, sock)
+        try:
+            views = _private(fds[0], specs, offsets, sock)
+        except (OSError, ValueError) as exc:
+            log.warning("rdt_async: could not map the memfd of object %s (%s); reading it myself", obj_id, exc)
+            return None
         kept = True
         return views
     finally:
@@ -487,3 +506,60 @@ async def _ask(obj_id: str, specs: Sequence[TensorSpec]) -> Any:
             sock.close()
         for fd in fds:
             os.close(fd)
+
+
+def _receive(sock: socket.socket) -> tuple[bytes, list[int], int]:
+    """One answer of the claimer: its bytes, every descriptor that came with them (the
+    caller closes each, used or not), and recvmsg's flags (MSG_CTRUNC: the kernel dropped
+    descriptors beyond the one expected).
+
+    Raises:
+        OSError: the connection failed.
+    """
+    fds = array.array("i")
+    msg, ancdata, flags, _ = sock.recvmsg(MAX_ANSWER, socket.CMSG_SPACE(fds.itemsize), socket.MSG_CMSG_CLOEXEC)
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    return msg, list(fds), flags
+
+
+def _refusal(msg: bytes, fds: list[int], flags: int, obj_id: str, size: int) -> str | None:
+    """What is wrong with a claimer's answer for `obj_id` (`size` bytes at the relay's
+    layout, reckoned from our own specs), or None: it must be exactly the answer `_Server`
+    sends, with one memfd that `_sealed_memfd` accepts."""
+    if len(fds) != 1 or flags & socket.MSG_CTRUNC:
+        return f"with {len(fds)}{'+' if flags & socket.MSG_CTRUNC else ''} descriptors, not one memfd"
+    try:
+        answer = json.loads(msg)
+    except (ValueError, RecursionError):
+        return f"with bytes that are not an answer ({msg[:64]!r})"
+    if (
+        type(answer) is not dict
+        or answer.keys() != {"obj_id", "size"}
+        or type(answer["obj_id"]) is not str
+        or type(answer["size"]) is not int
+    ):
+        return f"with bytes that are not an answer ({msg[:64]!r})"
+    if answer["obj_id"] != obj_id or answer["size"] != size:
+        return f"for object {answer['obj_id'][:64]!r} of {answer['size']} bytes, not {obj_id!r} of {size}"
+    return _sealed_memfd(fds[0], size)
+
+
+def _sealed_memfd(fd: int, size: int) -> str | None:
+    """What is wrong with `fd` as the memfd of an object of `size` bytes, or None: a
+    readable memfd sealed against shrinking (nothing can cut it under our mapping: no
+    SIGBUS), as large as the object and no larger than the pool makes one for it."""
+    mode = fcntl.fcntl(fd, fcntl.F_GETFL)
+    if mode & os.O_PATH or mode & os.O_ACCMODE == os.O_WRONLY:
+        return "with a descriptor we cannot read"
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)  # EINVAL: not a memfd (a pipe, a file on disk)
+    except OSError:
+        seals = 0
+    st = os.fstat(fd)  # after the seals: a sealed size is final
+    if not stat.S_ISREG(st.st_mode) or seals & SEALS != SEALS:
+        return "with a descriptor that is not a sealed memfd"
+    if not size <= st.st_size <= _Memfds.capacity(size):
+        return f"with a memfd of {st.st_size} bytes, not {size} to {_Memfds.capacity(size)}"
+    return None
