@@ -145,12 +145,13 @@ def one_chain(exc: BaseException) -> None:
     if not isinstance(exc, RDTError):
         return
     cause = exc.__cause__
-    while isinstance(cause, RDTError):
-        cause = cause.__cause__
+    while isinstance(cause, RDTError) or getattr(cause, "says_its_cause", False):
+        cause = cause.__cause__  # (a transport's wrapper that repeats the native error: Unreachable)
     exc.__cause__ = cause
     exc.__suppress_context__ = True
-    if cause is not None:
+    while cause is not None:  # the native error, and what it was raised from: no retries shown
         cause.__suppress_context__ = True
+        cause = cause.__cause__
 
 
 def release_frames(exc: BaseException) -> None:

@@ -113,7 +113,7 @@ def test_the_bench_refuses_unknown_paths_before_it_runs():
 def test_the_benchs_physical_limit_reads_every_byte_and_leaves_no_file(ray_session):
     import glob
 
-    from rdt_async.bench._e2e import LIMIT, _make_path
+    from rdt_async.bench._e2e import LIMIT, _make_path, unavailable
 
     path = _make_path(LIMIT, 2)
     try:
@@ -126,4 +126,5 @@ def test_the_benchs_physical_limit_reads_every_byte_and_leaves_no_file(ray_sessi
     finally:
         path.close()
     assert glob.glob("/dev/shm/rdtbench-limit-*") == []
-    assert _make_path(LIMIT, 1, hosts=2) is None  # across hosts the limit is the network's: no row
+    assert unavailable(LIMIT, hosts=1) is None
+    assert unavailable(LIMIT, hosts=2) == "one host only"  # across hosts the limit is the network's: a row saying so

@@ -456,6 +456,8 @@ class Unreachable(ConnectionError):
     address and the setting to change (the message says both).
     """
 
+    says_its_cause = True  # its message repeats the native error: shown errors skip it (_errors.one_chain)
+
 
 def landing_buffers(
     specs: Sequence[TensorSpec], buffers: Sequence[torch.Tensor | None] | None, device: str = "cpu"
