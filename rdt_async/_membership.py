@@ -28,7 +28,8 @@ class Group:
     rank: int
     size: int
     pg: Any
-    store: Any = None  # the TCPStore: rank 0 hosts it and must keep it alive
+    store: Any = None  # the rendezvous store: NCCL reads it again for each new communicator
+    members: tuple[str, ...] = ()  # who holds each rank (actor ids), where the creator said
     broken: str | None = None
     _next_tag: int = 1
     _tag_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -80,6 +81,7 @@ class Groups:
                 group.pg.shutdown()
         except Exception:
             pass
+        _close_store(group)
         return True
 
     def get(self, name: str) -> Group | None:
@@ -103,6 +105,7 @@ class Groups:
         if group is None:
             return False
         self.mark_broken(name, why)
+        _close_store(group)  # a wait on it (NCCL making a communicator) ends too
         try:
             group.pg.abort()
         except Exception:
@@ -125,6 +128,12 @@ class Groups:
         """Return the groups of this process that are marked broken."""
         with self._lock:
             return [g for g in self._groups.values() if g.broken]
+
+
+def _close_store(group: Group) -> None:
+    close = getattr(group.store, "close", None)
+    if close is not None:
+        close()
 
 
 groups = Groups()

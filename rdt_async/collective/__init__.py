@@ -1,9 +1,11 @@
 """Collective groups: standalone Gloo/NCCL process groups over rdt.remote actors.
 
 A group is made from the driver or any actor: its name is claimed in Ray's GCS (so a
-name is unique in the cluster, and any process can read who holds which rank), rank 0
-hosts the rendezvous store on its node's address, and every member joins concurrently
-through its `rdt` concurrency group, so members busy in user methods still join.
+name is unique in the cluster, and any process can read who holds which rank), the
+members meet through the group's rendezvous keys in the GCS key-value store (behind
+Ray's own authentication; no port is opened for it), and every member joins
+concurrently through its `rdt` concurrency group, so members busy in user methods
+still join.
 Members keep their process group in the membership registry (`rdt_async._membership`);
 transfers between members then go over it.
 
@@ -30,7 +32,7 @@ order).
 
 Where each part lives:
 
-    _groups.py    create/destroy a group (caller)         _records.py  group names in the GCS
+    _groups.py    create/destroy a group (caller)         _records.py  group names, rendezvous keys in the GCS
     _ops.py       allreduce and friends (caller)          _checks.py   the caller's checks
     _launch.py    send the parts, wait, break on failure  _messages.py what callers send
     _member.py    answer a message (member)               _kernels.py  the collectives on a pg

@@ -1,8 +1,10 @@
 """Creating and destroying collective groups. Runs on: the caller (driver or any actor).
 
-The group's name is claimed in Ray's GCS (`_records`), rank 0 hosts the rendezvous
-store on its node's address, and every member joins concurrently through its `rdt`
-concurrency group, so members busy in user methods still join.
+The group's name is claimed in Ray's GCS (`_records`), and every member joins
+concurrently through its `rdt` concurrency group, so members busy in user methods still
+join. They meet through the group's rendezvous keys in the GCS (no store of torch's, no
+port opened for it), which the caller deletes when the group is destroyed or its
+creation fails.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import ray
 from .. import _io
 from .._errors import CollectiveGroupError
 from . import _records
-from ._messages import HostStore, Join, Leave, Ping, call
+from ._messages import Join, Leave, Ping, call
 from ._twins import blocking_twin
 
 BACKENDS = ("gloo", "nccl")
@@ -42,22 +44,23 @@ async def create_collective_group_async(
 ) -> CollectiveGroup:
     """Async twin of `create_collective_group`; never blocks the loop."""
     actors = tuple(actors)
-    _validate(actors, backend)
+    _validate(actors, backend, name)
     name = name or f"{backend}-{secrets.token_hex(6)}"
-    record = {"backend": backend, "actors": [a._actor_id.hex() for a in actors]}
+    members = tuple(a._actor_id.hex() for a in actors)
+    record = {"backend": backend, "actors": list(members)}
     if await _io.to_thread(_records.claim, name, record, purpose=_io.CALLS):
         raise CollectiveGroupError(
             f"a collective group named {name!r} exists: destroy it (rdt.destroy_collective_group(group), or "
             f"by its name once its members are gone: rdt.destroy_collective_group({name!r})) or pick another name"
         )
+    creation = secrets.token_hex(8)
     try:
         await _ping_all(actors, name)
-        host, port = await call(actors[0], HostStore(name))
         await asyncio.gather(
-            *(call(a, Join(name, backend, rank, len(actors), host, port, timeout_s)) for rank, a in enumerate(actors))
+            *(call(a, Join(name, backend, rank, len(actors), members, creation, timeout_s)) for rank, a in enumerate(actors))
         )
     except BaseException as exc:
-        await asyncio.shield(asyncio.ensure_future(_undo(actors, name)))  # a second cancel leaves it running
+        await asyncio.shield(asyncio.ensure_future(_undo(actors, name, creation)))  # a second cancel leaves it running
         if isinstance(exc, (CollectiveGroupError, asyncio.CancelledError)):
             raise  # (a cancel, or the caller's timeout, stays one)
         raise CollectiveGroupError(f"creating collective group {name!r} failed: {cause(exc)}") from exc
@@ -83,7 +86,7 @@ async def destroy_collective_group_async(group: CollectiveGroup | str, /) -> Non
         await _io.to_thread(_release_left_behind, group, purpose=_io.CALLS)
         return
     await _leave_all(group.actors, group.name)
-    await _io.to_thread(_records.release, group.name, purpose=_io.CALLS)
+    await _io.to_thread(_forget, group.name, purpose=_io.CALLS)
 
 
 @blocking_twin(destroy_collective_group_async)
@@ -109,10 +112,25 @@ def _release_left_behind(name: str) -> None:
             f"collective group {name!r} still has live members (ranks {', '.join(map(str, live))}): destroy it "
             "with the CollectiveGroup that create_collective_group returned, so that they leave it"
         )
+    _forget(name)
+
+
+def _forget(name: str) -> None:
+    """Delete the group's rendezvous keys, then free its name (in that order: a new group
+    of that name never meets them)."""
+    _records.purge(name)
     _records.release(name)
 
 
-def _validate(actors: tuple[Any, ...], backend: str) -> None:
+NAME_LIMIT = 256  # characters of a group's name
+
+
+def _validate(actors: tuple[Any, ...], backend: str, name: str | None) -> None:
+    if name is not None and (not isinstance(name, str) or len(name) > NAME_LIMIT):
+        raise CollectiveGroupError(
+            f"a group's name is a str of at most {NAME_LIMIT} characters, not {type(name).__name__} "
+            f"{str(name)[:40]!r}; or leave name=None for a random one"
+        )
     if backend not in BACKENDS:
         raise CollectiveGroupError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
     if len(actors) < 2:
@@ -128,10 +146,10 @@ def _validate(actors: tuple[Any, ...], backend: str) -> None:
         raise CollectiveGroupError("an actor appears twice in the group")
 
 
-async def _undo(actors: Sequence[Any], name: str) -> None:
-    """A creation that did not finish: members leave, the name is free again."""
-    await _leave_all(actors, name)
-    await _io.to_thread(_records.release, name, purpose=_io.CALLS)
+async def _undo(actors: Sequence[Any], name: str, creation: str) -> None:
+    """A creation that did not finish: members leave (or never join), its keys go, the name is free again."""
+    await _leave_all(actors, name, creation)
+    await _io.to_thread(_forget, name, purpose=_io.CALLS)
 
 
 async def _ping_all(actors: tuple[Any, ...], name: str) -> None:
@@ -148,11 +166,11 @@ async def _ping_all(actors: tuple[Any, ...], name: str) -> None:
     await asyncio.gather(*(ping(i, a) for i, a in enumerate(actors)))
 
 
-async def _leave_all(actors: Sequence[Any], name: str) -> None:
+async def _leave_all(actors: Sequence[Any], name: str, creation: str | None = None) -> None:
     async def leave(a: Any) -> None:
         try:
             async with asyncio.timeout(PING_TIMEOUT_S):
-                await call(a, Leave(name))
+                await call(a, Leave(name, creation))
         except Exception:
             pass  # dead or unreachable: nothing left to tear down there
 

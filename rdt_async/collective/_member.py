@@ -22,8 +22,8 @@ from .._membership import groups
 from .._object import RDTObject
 from .._store import store
 from ..transports import inline
-from . import _buffers, _kernels
-from ._messages import Break, HostStore, Join, Leave, Message, Part, Ping
+from . import _buffers, _kernels, _records
+from ._messages import Break, Join, Leave, Message, Part, Ping
 
 
 def serve(msg: Message) -> Any:
@@ -33,15 +33,22 @@ def serve(msg: Message) -> Any:
     match msg:
         case Ping():
             return True
-        case HostStore(name=name):
-            host = ray.util.get_node_ip_address()
-            return host, gloo.host_store(name, host)
         case Join():
-            gloo.join(msg.name, msg.backend, msg.rank, msg.size, msg.host, msg.port, msg.timeout_s)
+            gloo.join(
+                msg.name,
+                msg.backend,
+                msg.rank,
+                msg.size,
+                kv=_records.GroupKV(msg.name, msg.creation),
+                host=ray.util.get_node_ip_address(),  # Gloo listens on this node's Ray address only
+                attempt=msg.creation,
+                members=msg.members,
+                timeout_s=msg.timeout_s,
+            )
             return True
-        case Leave(name=name):
+        case Leave(name=name, creation=creation):
             _buffers.drop(name)
-            return gloo.leave(name)
+            return gloo.leave(name, creation)
         case Break(name=name, why=why):
             return groups.abort(name, why)
         case Part():

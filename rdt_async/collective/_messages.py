@@ -2,7 +2,7 @@
 
 A caller sends a message to a member's `rdt__group` control method (its `rdt`
 concurrency group); the member answers it in `_member.serve`. Group lifecycle:
-`Ping`, `HostStore`, `Join`, `Leave`, `Break`. A collective: one `Part` per member,
+`Ping`, `Join`, `Leave`, `Break`. A collective: one `Part` per member,
 of the collective's own type (`Allreduce`, `ReduceScatter`, `Allgather`, `Broadcast`),
 which carries only what that collective needs.
 """
@@ -26,30 +26,26 @@ class Ping:
 
 
 @dataclass(frozen=True)
-class HostStore:
-    """Host the rendezvous store of group `name` (rank 0); answer (host, port)."""
-
-    name: str
-
-
-@dataclass(frozen=True)
 class Join:
-    """Join group `name` as `rank` of `size` through the store at host:port; answer True."""
+    """Join group `name` as `rank` of `size`, meeting the others through the group's
+    rendezvous keys of this `creation` in the GCS; answer True."""
 
     name: str
     backend: str
     rank: int
     size: int
-    host: str
-    port: int
+    members: tuple[str, ...]  # actor ids by rank
+    creation: str  # random, per creation: its rendezvous keys' own part
     timeout_s: float
 
 
 @dataclass(frozen=True)
 class Leave:
-    """Leave group `name`; answer whether this member was in it."""
+    """Leave group `name` (or give up its `creation`, whose join may not have begun there
+    yet); answer whether this member was in it."""
 
     name: str
+    creation: str | None = None
 
 
 @dataclass(frozen=True)
@@ -105,7 +101,7 @@ class Broadcast(Part):
     keep: bool = True  # produce a result here (bystanders do not)
 
 
-Message = Ping | HostStore | Join | Leave | Break | Part
+Message = Ping | Join | Leave | Break | Part
 
 
 def send(actor: Any, msg: Message) -> Any:

@@ -1,5 +1,12 @@
-"""Group records in Ray's GCS: a name is claimed once in the cluster, and any process
-can read who holds which rank. Blocking calls: run them off the loop (`_io.to_thread`).
+"""Group records and rendezvous keys in Ray's GCS key-value store (behind Ray's own auth).
+
+A name is claimed once in the cluster (`group/<name>`), and any process can read who
+holds which rank. A group's members meet through its rendezvous keys
+(`rdv/<name in hex>/<creation>/...`, a `GroupKV` per member): the name is hex-encoded
+so that no name reaches into another group's keys (hex has no `/`), and each creation
+has its own random part so that a name used again never meets keys left by an earlier
+group. The creator deletes them all (`purge`) when the group is destroyed or its
+creation fails. Blocking calls: run them off the loop (`_io.to_thread`).
 """
 
 from __future__ import annotations
@@ -43,3 +50,36 @@ def live_members(rec: dict[str, Any]) -> list[int]:
 def release(name: str) -> None:
     """Free `name` for a new group."""
     internal_kv._internal_kv_del(f"group/{name}", namespace=KV_NAMESPACE)
+
+
+def rendezvous_prefix(name: str) -> str:
+    """Where the rendezvous keys of every creation of group `name` live (no other name's are under it)."""
+    return f"rdv/{name.encode().hex()}/"
+
+
+def purge(name: str) -> int:
+    """Delete every rendezvous key of group `name`; return how many there were."""
+    return int(internal_kv._internal_kv_del(rendezvous_prefix(name), del_by_prefix=True, namespace=KV_NAMESPACE))
+
+
+class GroupKV:
+    """One creation of a group's rendezvous keys, in the GCS (the `KV` of `transports._kvstore`).
+
+    Runs on: member (the thread that makes its process group; NCCL: the one that uses it).
+    """
+
+    def __init__(self, name: str, creation: str) -> None:
+        self._prefix = f"{rendezvous_prefix(name)}{creation}/"
+
+    def put(self, key: str, value: bytes, *, overwrite: bool = True) -> bool:
+        return bool(internal_kv._internal_kv_put(self._prefix + key, value, overwrite, namespace=KV_NAMESPACE))
+
+    def get(self, key: str) -> bytes | None:
+        value = internal_kv._internal_kv_get(self._prefix + key, namespace=KV_NAMESPACE)
+        return bytes(value) if value is not None else None
+
+    def delete(self, key: str) -> bool:
+        return bool(internal_kv._internal_kv_del(self._prefix + key, namespace=KV_NAMESPACE))
+
+    def count(self, prefix: str) -> int:
+        return len(internal_kv._internal_kv_list(self._prefix + prefix, namespace=KV_NAMESPACE))

@@ -1,9 +1,12 @@
 """`gloo`: two-sided, receiver-driven transfers over standalone Gloo process groups.
 
-Groups are standalone `ProcessGroupGloo`s over a `PrefixStore` (no global default
-group), so a process may be in any number of groups at once: `host_store` and `join`
-make a member's process group (NCCL's too), and record it in the membership registry
-(`rdt_async._membership.groups`, also `groups` here). A transfer:
+Groups are standalone `ProcessGroupGloo`s (no global default group), so a process may
+be in any number of groups at once: `join` makes a member's process group (NCCL's too)
+over a rendezvous store whose keys live in a key-value service the caller hands in
+(`_kvstore`: Ray's GCS for collective groups; no port is opened for it), and records
+it in the membership registry (`rdt_async._membership.groups`, also `groups` here).
+Gloo's own listener binds the member's node address (or GLOO_SOCKET_IFNAME's interface)
+on a port the kernel picks. A transfer:
 
     consumer                                    producer (its `rdt` group)
     --------                                    --------
@@ -24,6 +27,8 @@ one landing in buffers of its own returns at once.
 from __future__ import annotations
 
 import asyncio
+import collections
+import math
 import os
 import threading
 from collections.abc import Sequence
@@ -35,83 +40,112 @@ import torch
 import torch.distributed as dist
 
 from .. import _cuda, _io
-from .._errors import CollectiveGroupError, ObjectFreedError, PeerDiedError, RDTError
+from .._errors import CollectiveGroupError, ObjectFreedError, PeerDiedError, RDTError, TransferError
 from .._membership import TAG_LIMIT as TAG_LIMIT
 from .._membership import Group as Group
 from .._membership import groups as groups
 from ._base import Channel, TransferInfo, Transport, delivered, landing_buffers
+from ._kvstore import KV, KVStore, StoreClosedError
 
-HELD, FREED = 1, 2  # the status message that comes before an object's tensors
+HELD, FREED, MISMATCH = 1, 2, 3  # the status message that comes before an object's tensors
 REPLY_AFTER_FAILURE_S = 10.0  # how long a failed receive waits for Ray's word on the producer
 DRAIN_S = 30.0  # how long a cancelled fetch waits for receives that write caller buffers
 
-_hosted: dict[str, Any] = {}  # rank 0's rendezvous stores, from host_store until join
-_hosted_lock = threading.Lock()
+# Joins under way: group name -> (attempt, its rendezvous store), which `leave` closes;
+# and attempts left before their join began here, which that join then refuses (so that
+# nothing writes a key after the caller deleted them).
+_joining: dict[str, tuple[str, KVStore]] = {}
+_abandoned: collections.deque[str] = collections.deque(maxlen=1024)
+_joining_lock = threading.Lock()
 
 
-def host_store(name: str, host: str) -> int:
-    """Start the rendezvous store of a new group here (rank 0); return its port."""
-    # TCPStore and PrefixStore are torch.distributed's, re-exported untyped from its C module.
-    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))  # type: ignore[attr-defined]
-    with _hosted_lock:
-        _hosted[name] = store
-    return int(store.port)
-
-
-def join(name: str, backend: str, rank: int, size: int, host: str, port: int, timeout_s: float) -> None:
+def join(
+    name: str,
+    backend: str,
+    rank: int,
+    size: int,
+    *,
+    kv: KV,
+    host: str,
+    attempt: str,
+    members: Sequence[str] = (),
+    timeout_s: float,
+) -> None:
     """Make this process's process group of a collective group and record it in `groups`.
 
-    Blocks until every member joined: call it off the loop.
-    Raises: CollectiveGroupError (already in a group of that name, a bad backend, no GPU).
+    The members meet through `kv` (this `attempt`'s keys, scoped by the caller; no port
+    is opened for it); Gloo's listener binds `host` (this process's node address) or the
+    interface GLOO_SOCKET_IFNAME names. `members`: who holds each rank (checked against a
+    ref's producer). Blocks until every member joined: call it off the loop.
+    Raises: CollectiveGroupError (already in a group of that name, a bad backend, no GPU,
+    or the attempt was left meanwhile); the backend's error if the rendezvous fails.
     """
     if groups.get(name) is not None:
         raise CollectiveGroupError(f"this process is already in a group named {name!r}")
-    with _hosted_lock:
-        store = _hosted.pop(name, None)
-    if store is None:
-        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))  # type: ignore[attr-defined]
-    prefixed = dist.PrefixStore(f"rdt/{name}", store)  # type: ignore[attr-defined]
-    if backend == "gloo":
-        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private, untyped
-        opts._timeout = timedelta(seconds=timeout_s)
-        opts._devices = [_listener_device(host, rank)]
-        pg: Any = dist.ProcessGroupGloo(prefixed, rank, size, opts)
-    elif backend == "nccl":
-        if not torch.cuda.is_available():
-            raise CollectiveGroupError("backend 'nccl' needs a CUDA GPU in every member; use backend='gloo'")
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timedelta(seconds=timeout_s)
-        pg = dist.ProcessGroupNCCL(prefixed, rank, size, opts)
-    else:
+    if backend not in ("gloo", "nccl"):
         raise CollectiveGroupError(f"unknown backend {backend!r}; use 'gloo' or 'nccl'")
-    groups.add(Group(name, backend, rank, size, pg, store))
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise CollectiveGroupError("backend 'nccl' needs a CUDA GPU in every member; use backend='gloo'")
+    store = KVStore(kv, timeout_s, f"rendezvous of group {name!r} (rank {rank} of {size})")
+    with _joining_lock:
+        if attempt in _abandoned:
+            _abandoned.remove(attempt)
+            raise CollectiveGroupError(f"the creation of group {name!r} was given up before this member joined")
+        if name in _joining:
+            raise CollectiveGroupError(f"this process is already joining a group named {name!r}")
+        _joining[name] = (attempt, store)
+    try:
+        if backend == "gloo":
+            opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private, untyped
+            opts._timeout = timedelta(seconds=timeout_s)
+            opts._devices = [_listener_device(host)]
+            pg: Any = dist.ProcessGroupGloo(store, rank, size, opts)
+        else:
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timedelta(seconds=timeout_s)
+            pg = dist.ProcessGroupNCCL(store, rank, size, opts)  # reads the store again per communicator
+    except Exception as exc:
+        if store_closed(exc):
+            raise CollectiveGroupError(f"group {name!r} was torn down while this member joined it") from exc
+        raise
+    finally:
+        with _joining_lock:
+            _joining.pop(name, None)
+    groups.add(Group(name, backend, rank, size, pg, store, members=tuple(members)))
 
 
-def leave(name: str) -> bool:
-    """Leave group `name` (a store hosted for it included); False if this process was not in it."""
-    with _hosted_lock:
-        _hosted.pop(name, None)
+def leave(name: str, attempt: str | None = None) -> bool:
+    """Leave group `name`, ending a join of it under way; False if this process was not in it.
+
+    `attempt`: the creation being given up, where its join may not have begun here yet:
+    that join is refused when it comes.
+    """
+    with _joining_lock:
+        joining = _joining.get(name)
+        if joining is not None and attempt is not None and joining[0] != attempt:
+            joining = None  # a later creation's join: not the one given up
+        if joining is None and attempt is not None and groups.get(name) is None:
+            _abandoned.append(attempt)
+    if joining is not None:
+        joining[1].close()  # returns once no write of it is under way
     return groups.leave(name)
 
 
-def _listener_device(host: str, rank: int) -> Any:
-    """Gloo's listener: on GLOO_SOCKET_IFNAME's interface where set, else where `host` routes."""
+def store_closed(exc: BaseException) -> bool:
+    """Whether `exc`, from making a process group, says its rendezvous store was closed."""
+    return isinstance(exc, StoreClosedError) or "StoreClosedError" in str(exc)
+
+
+def _listener_device(host: str) -> Any:
+    """Gloo's listener: on GLOO_SOCKET_IFNAME's interface where set, else on `host` only.
+
+    Gloo binds this address with port 0 (the kernel picks the port: Gloo has no setting
+    for it) and tells the other members that address through the store.
+    """
     iface = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
     if iface:
         return dist.ProcessGroupGloo.create_device(interface=iface)
-    return dist.ProcessGroupGloo.create_device(hostname=host if rank == 0 else _my_host(host))
-
-
-def _my_host(hint: str) -> str:
-    import socket
-
-    # Bind where the store's host routes from: the address this node uses to reach it.
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((hint, 9))
-            return str(s.getsockname()[0])
-        except OSError:
-            return hint
+    return dist.ProcessGroupGloo.create_device(hostname=host)
 
 
 async def wait_works(works: Sequence[Any]) -> None:
@@ -161,12 +195,11 @@ class GlooTransport(Transport[GlooMeta]):
     async def receive(
         self, info: TransferInfo[GlooMeta], buffers: list[torch.Tensor] | None, channel: Channel
     ) -> list[torch.Tensor]:
-        group = groups.require(info.meta.group)
+        group, src = checked_source(info, _device(self))  # before anything is posted
         dsts = landing_buffers(info.specs, buffers, _device(self))
         base = group.tags(len(dsts) + 1)
         status = torch.zeros(1, dtype=torch.int64, device=_device(self))
-        src = info.meta.src
-        request = {
+        request: dict[str, Any] = {
             "group": group.name,
             "dst": group.rank,
             "tag": base,
@@ -174,6 +207,7 @@ class GlooTransport(Transport[GlooMeta]):
         }
         reply: asyncio.Future[Any] | None = None
         waiting: asyncio.Future[None] | None = None
+        clean = False  # a failure that left the pair as it was (every posted receive completed)
         try:
             # Posting raises at once where the pair is already closed (a dead producer).
             works = [group.pg.recv([status], src, base)]
@@ -191,8 +225,17 @@ class GlooTransport(Transport[GlooMeta]):
                 if reply.done() and not reply.cancelled() and reply.exception() is not None:
                     reply.result()
                 raise
-            if int(status.item()) != HELD:
-                await reply  # raises ObjectFreedError
+            state = int(status.item())
+            if state != HELD:
+                said = await reply  # FREED: raises ObjectFreedError
+                if state == MISMATCH:
+                    clean = True
+                    raise TransferError(
+                        f"{self.name} fetch of {info.obj_id}: its ref describes tensors "
+                        f"{_says(request['specs'])}, but its producer holds {said}: the ref was altered, or "
+                        "is not this object's; nothing was received (the group is unharmed)",
+                        obj_id=info.obj_id,
+                    )
                 raise ObjectFreedError(f"object {info.obj_id} was freed before it was fetched", obj_id=info.obj_id)
         except asyncio.CancelledError:
             if waiting is not None and (
@@ -203,7 +246,7 @@ class GlooTransport(Transport[GlooMeta]):
                 await _drain(group, waiting)
             raise
         except BaseException as exc:
-            if not isinstance(exc, (asyncio.CancelledError, ObjectFreedError)):
+            if not clean and not isinstance(exc, (asyncio.CancelledError, ObjectFreedError)):
                 groups.mark_broken(group.name, f"a transfer failed: {type(exc).__name__}")
             raise
         finally:
@@ -215,12 +258,18 @@ class GlooTransport(Transport[GlooMeta]):
 
     async def send_multiple_tensors(
         self, obj_id: str, tensors: Sequence[torch.Tensor], meta: Any, request: dict[str, Any]
-    ) -> None:
-        await self._send(request, tensors, HELD)
+    ) -> str | None:
+        """Send the object's tensors; where the consumer's ref described other tensors, send
+        status MISMATCH and zeros of what it described instead, and answer what is held."""
+        group, dst, base, specs = checked_request(request)
+        held = [(tuple(t.shape), t.dtype) for t in tensors]
+        if specs != held:
+            await self._send(group, dst, base, _zeros(specs, _device(self)), MISMATCH)
+            return _says(held)
+        await self._send(group, dst, base, tensors, HELD)
+        return None
 
-    async def _send(self, request: dict[str, Any], tensors: Sequence[torch.Tensor], state: int) -> None:
-        group = groups.require(request["group"])
-        dst, base = request["dst"], request["tag"]
+    async def _send(self, group: Group, dst: int, base: int, tensors: Sequence[torch.Tensor], state: int) -> None:
         srcs = [t.contiguous() for t in tensors]
         works = [group.pg.send([torch.full((1,), state, dtype=torch.int64, device=_device(self))], dst, base)]
         works += [group.pg.send([t], dst, base + 1 + i) for i, t in enumerate(srcs) if t.numel()]
@@ -232,8 +281,115 @@ class GlooTransport(Transport[GlooMeta]):
 
     async def refuse(self, obj_id: str, request: dict[str, Any]) -> None:
         """The object is gone: status FREED, and zeros to complete the consumer's receives."""
-        zeros = [torch.zeros(shape, dtype=dtype, device=_device(self)) for shape, dtype in request["specs"]]
-        await self._send(request, zeros, FREED)
+        group, dst, base, specs = checked_request(request)
+        await self._send(group, dst, base, _zeros(specs, _device(self)), FREED)
+
+
+def checked_source(info: TransferInfo[GlooMeta], device: str) -> tuple[Group, int]:
+    """Check what a ref says of its group and producer, before anything is posted.
+
+    The ref came from another process: its group must be one this process is in (and
+    usable), its producer's rank a rank of that group other than ours, held by the
+    object's producer, and its tensors described sanely. A receive posted from the wrong
+    rank, or of the wrong size, could only end by breaking the group.
+    Runs on: consumer (microseconds).
+    Raises: CollectiveGroupError (not in the group, or it is broken); TransferError.
+    """
+    meta = info.meta
+    what = f"fetch of {info.obj_id} over group {meta.group!r}"
+    if not isinstance(meta.group, str):
+        raise TransferError(f"fetch of {info.obj_id}: its ref names no group ({meta.group!r})", obj_id=info.obj_id)
+    group = groups.require(meta.group)
+    src = meta.src
+    if type(src) is not int or not 0 <= src < group.size:
+        raise TransferError(
+            f"{what}: its ref says the producer is rank {src!r}, not a rank of this group of {group.size} "
+            "(the ref was altered); nothing was received",
+            obj_id=info.obj_id,
+        )
+    if src == group.rank:
+        raise TransferError(
+            f"{what}: its ref says the producer is rank {src}, this process's own rank (the ref was altered); "
+            "nothing was received",
+            obj_id=info.obj_id,
+        )
+    producer = getattr(getattr(info.hold, "producer", None), "actor_id", None)  # the RDTObject's, where there is one
+    if group.members and producer is not None and group.members[src] != producer:
+        raise TransferError(
+            f"{what}: rank {src} is actor {group.members[src][:8]}, not the object's producer {str(producer)[:8]} "
+            "(the ref was altered); nothing was received",
+            obj_id=info.obj_id,
+        )
+    for spec in info.specs:
+        shape = spec.shape
+        if (
+            not isinstance(spec.dtype, torch.dtype)
+            or not isinstance(shape, tuple)
+            or not all(type(d) is int and d >= 0 for d in shape)
+            or str(spec.device).split(":")[0] != device
+        ):
+            raise TransferError(
+                f"{what}: its ref describes a tensor as {spec.dtype!r}{list(shape) if isinstance(shape, tuple) else shape!r}"
+                f"@{spec.device} (the ref was altered); nothing was received",
+                obj_id=info.obj_id,
+            )
+    return group, src
+
+
+def checked_request(request: Any) -> tuple[Group, int, int, list[tuple[tuple[int, ...], torch.dtype]]]:
+    """Check a consumer's request before anything is sent; return (group, dst, first tag, specs).
+
+    Runs on: producer.
+    Raises: CollectiveGroupError (not in the group, or it is broken); TransferError for a
+    request no consumer of ours makes (nothing is sent then).
+    """
+    if not isinstance(request, dict) or not isinstance(request.get("group"), str):
+        raise TransferError(f"a gloo send was asked without a group: {str(request)[:100]!r}")
+    group = groups.require(request["group"])
+    dst: Any = request.get("dst")
+    base: Any = request.get("tag")
+    specs: Any = request.get("specs")
+    ok = (
+        type(dst) is int
+        and 0 <= dst < group.size
+        and dst != group.rank
+        and isinstance(specs, list)
+        and all(_is_spec(s) for s in specs)
+        and type(base) is int
+        and 1 <= base
+        and base + 1 + len(specs) <= TAG_LIMIT
+    )
+    if not ok:
+        raise TransferError(
+            f"a gloo send over group {group.name!r} (rank {group.rank} of {group.size}) was asked for "
+            f"rank {dst!r}, tag {base!r}, {len(specs) if isinstance(specs, list) else specs!r} tensors: "
+            "not a request this transport makes; nothing was sent"
+        )
+    return group, dst, base, [(tuple(shape), dtype) for shape, dtype in specs]
+
+
+def _is_spec(spec: Any) -> bool:
+    return (
+        isinstance(spec, tuple)
+        and len(spec) == 2
+        and isinstance(spec[1], torch.dtype)
+        and isinstance(spec[0], tuple)
+        and all(type(d) is int and d >= 0 for d in spec[0])
+    )
+
+
+def _zeros(specs: Sequence[tuple[tuple[int, ...], torch.dtype]], device: str) -> list[torch.Tensor]:
+    """Zeros of each spec, as views of one buffer (the largest): only sent, never written."""
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
+    block = torch.zeros(max(sizes, default=0), dtype=torch.uint8, device=device)
+    return [
+        block[:size].view(dtype).view(shape) for (shape, dtype), size in zip(specs, sizes)
+    ]
+
+
+def _says(specs: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> str:
+    """Specs as a reader would write them: float32[4, 2], int64[3]."""
+    return "[" + ", ".join(f"{str(dtype).removeprefix('torch.')}{list(shape)}" for shape, dtype in specs) + "]"
 
 
 async def _drain(group: Group, waiting: asyncio.Future[None]) -> None:
@@ -277,6 +433,7 @@ class NcclTransport(GlooTransport):
         # NCCL ignores tags and runs a pair's point-to-point ops on one stream in the
         # order they are posted: one transfer per (group, producer) at a time, so that
         # each send meets the receive it was meant for. Runs on the I/O loop only.
+        checked_source(info, "cuda")  # (a key of _pairs, too)
         lock = self._pairs.setdefault((info.meta.group, info.meta.src), asyncio.Lock())
         async with lock:
             return await super().receive(info, buffers, channel)
