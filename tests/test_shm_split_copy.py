@@ -34,13 +34,15 @@ def odd_tensors(seed: int) -> list[torch.Tensor]:
         torch.randint(0, 2, (1 << 20,), generator=g).bool(),
         torch.randn(70001, generator=g, dtype=torch.complex64).conj().resolve_conj(),
         torch.randint(-(1 << 15), 1 << 15, (4097,), generator=g, dtype=torch.int16),
+        torch.tensor(1 - 2j, dtype=torch.complex64).conj(),  # a lazy conjugate, 0-d, as `prepare` may get it
+        torch.randn(3001, generator=g, dtype=torch.complex64).conj().imag,  # a lazy negation, strided
     ]
 
 
 def same(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
     assert [(t.shape, t.dtype) for t in got] == [(t.shape, t.dtype) for t in want]
     for g, w in zip(got, want):
-        assert torch.equal(g, w), (w.shape, w.dtype)
+        assert torch.equal(g, w.resolve_conj().resolve_neg()), (w.shape, w.dtype)
 
 
 def test_the_threshold_and_cores_split_the_copies_tested_here():

@@ -332,12 +332,13 @@ def _parts(
         if not nbytes:
             continue
         src = t.detach()
-        if src.is_contiguous():
+        if src.is_contiguous() and not (src.is_conj() or src.is_neg()):
             dst = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=off)
             src, unit = src.view(-1).view(torch.uint8), 1
-        else:
-            dst = torch.frombuffer(mm, dtype=t.dtype, count=t.numel(), offset=off).view(t.shape)
-            unit = nbytes // t.shape[0]
+        else:  # (a lazy conjugate or negation too: `copy_` resolves it, a byte view would not)
+            src = src.reshape(1) if src.dim() == 0 else src
+            dst = torch.frombuffer(mm, dtype=t.dtype, count=t.numel(), offset=off).view(src.shape)
+            unit = nbytes // src.shape[0]
         rows, at = src.shape[0], 0
         while at < rows:
             take = rows - at if len(parts) == n else min(rows - at, max(1, -(-(target - filled) // unit)))
