@@ -30,11 +30,17 @@ log = logging.getLogger("rdt_async")
 COPIES = "copies"  # memory copies and native transfers: exports, shm reads, NIXL under CMA
 CALLS = "calls"  # blocking calls into Ray and the GCS (actor handles, records, anchors), transports' set-up
 SHM_READ = "shm-read"  # the second half of a split shm read (shm.SPLIT_READ_BYTES)
+SHM_WRITE = "shm-write"  # the other parts of a split copy into a segment (shm.SPLIT_WRITE_BYTES)
+# A split copy runs on this many cores: its caller's thread and SHM_WRITE's threads. Ray
+# starts workers with OMP_NUM_THREADS=1, so a `copy_` alone uses one core.
+COPY_CORES = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 GLOO = "gloo"  # Gloo waits in flight
 GROUP = "group"  # collective operations a member serves (each blocks for a whole collective)
 ADAPTER = "adapter"  # a Ray TensorTransportManager's blocking receives
 ABORTS = "aborts"  # aborting those receives (never queued behind them)
-POOLS: dict[str, int] = {COPIES: 4, CALLS: 4, SHM_READ: 1, GLOO: 16, GROUP: 8, ADAPTER: 4, ABORTS: 2}
+POOLS: dict[str, int] = {
+    COPIES: 4, CALLS: 4, SHM_READ: 1, SHM_WRITE: max(1, COPY_CORES - 1), GLOO: 16, GROUP: 8, ADAPTER: 4, ABORTS: 2
+}
 POOL_SIZE = POOLS[COPIES]
 
 _lock = threading.Lock()

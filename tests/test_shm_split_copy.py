@@ -1,0 +1,133 @@
+"""shm's copy into a segment, split across threads from SPLIT_WRITE_BYTES on: every byte
+arrives, whatever the tensors' sizes, dtypes, strides, and whether the pool is free."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import ray
+import torch
+
+import rdt_async as rdt
+from rdt_async import _io
+from rdt_async.testing import roundtrip
+from rdt_async.transports import shm
+
+
+def odd_tensors(seed: int) -> list[torch.Tensor]:
+    """Tensors whose bytes a split copy could get wrong: odd sizes (cut mid-element and
+    mid-row), non-contiguous ones, empty ones, a 0-d one, several dtypes; over 8 MiB in all."""
+    g = torch.Generator().manual_seed(seed)
+    big = torch.randn((1 << 21) + 7, generator=g)  # 8 MiB + 28 bytes: alone over the threshold
+    rows = torch.randint(0, 1 << 30, (1001, 777), generator=g, dtype=torch.int64)
+    return [
+        big,
+        torch.randint(0, 255, (3 << 20,), generator=g, dtype=torch.uint8)[1:],  # odd length, odd offset
+        rows.t(),  # non-contiguous: split along its first dimension
+        rows[::3, 1::2],  # strided both ways
+        torch.randn(5, 0, 3, generator=g),  # empty
+        torch.tensor(3.5, dtype=torch.float64),  # 0-d
+        torch.randn(333, 1025, generator=g, dtype=torch.float64).to(torch.bfloat16),
+        torch.randint(0, 2, (1 << 20,), generator=g).bool(),
+        torch.randn(70001, generator=g, dtype=torch.complex64).conj().resolve_conj(),
+        torch.randint(-(1 << 15), 1 << 15, (4097,), generator=g, dtype=torch.int16),
+        torch.tensor(1 - 2j, dtype=torch.complex64).conj(),  # a lazy conjugate, 0-d, as `prepare` may get it
+        torch.randn(3001, generator=g, dtype=torch.complex64).conj().imag,  # a lazy negation, strided
+    ]
+
+
+def same(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    assert [(t.shape, t.dtype) for t in got] == [(t.shape, t.dtype) for t in want]
+    for g, w in zip(got, want):
+        assert torch.equal(g, w.resolve_conj().resolve_neg()), (w.shape, w.dtype)
+
+
+def test_the_threshold_and_cores_split_the_copies_tested_here():
+    assert sum(t.nbytes for t in odd_tensors(0)) >= 2 * shm.SPLIT_WRITE_BYTES
+    assert 1 <= _io.COPY_CORES <= 4 and _io.POOLS[_io.SHM_WRITE] == max(1, _io.COPY_CORES - 1)
+
+
+@pytest.mark.parametrize("parts", [2, 3, 4, 7])
+def test_the_parts_cover_every_byte_once_in_about_equal_shares(parts):
+    import mmap
+
+    values = odd_tensors(1)
+    offsets, size = shm.aligned_layout((t.nbytes for t in values), shm.ALIGN)
+    mm = mmap.mmap(-1, size)
+    cut = shm._parts(mm, values, offsets, parts)
+    assert len(cut) == parts
+    shares = [sum(d.nbytes for d, _ in p) for p in cut]
+    assert sum(shares) == sum(t.nbytes for t in values)
+    cut_at = max(t.nbytes // t.shape[0] for t in values if t.dim() and t.numel() and not t.is_contiguous())
+    assert max(shares) - min(shares) <= parts * max(cut_at, 4096)  # each cut at a row or a page
+    for p in cut:
+        shm._copy_part(p)
+    assert cut == [[]] * parts  # the views of the mapping are dropped as they are copied
+    got = [
+        torch.frombuffer(mm, dtype=t.dtype, count=t.numel(), offset=o).view(t.shape) if t.numel() else t
+        for t, o in zip(values, offsets)
+    ]
+    same(got, values)
+    del got, cut
+    mm.close()
+
+
+def test_a_split_export_arrives_exact_through_a_segment():
+    values = odd_tensors(2)
+    same(asyncio.run(roundtrip(shm.ShmTransport(), values, obj_id="split-copy")), values)
+    one = [odd_tensors(3)[0]]  # one tensor over the threshold, fetched into a buffer
+    into = [torch.zeros_like(one[0])]
+    same(asyncio.run(roundtrip(shm.ShmTransport(), one, buffers=into, obj_id="split-copy-into")), one)
+
+
+def test_a_busy_write_pool_never_holds_an_export_up():
+    """The pool's threads are all busy (other exports): the caller copies every part itself."""
+    if _io.COPY_CORES < 2:
+        pytest.skip("one core: copies are never split")
+    release = threading.Event()
+    busy = [_io.pool(_io.SHM_WRITE).submit(release.wait, 60) for _ in range(_io.POOLS[_io.SHM_WRITE])]
+    try:
+        values = odd_tensors(4)
+        start = time.monotonic()
+        got = asyncio.run(roundtrip(shm.ShmTransport(), values, obj_id="split-copy-busy"))
+        assert time.monotonic() - start < 30
+        same(got, values)
+    finally:
+        release.set()
+        for f in busy:
+            f.result()
+
+
+@rdt.remote
+class Producer:
+    def __init__(self, seed: int) -> None:
+        self.values = odd_tensors(seed)  # kept plain (not share_memory_()): copied at each return
+
+    @rdt.method(tensor_transport="shm")
+    def publish(self):
+        return self.values
+
+    @rdt.method
+    def publish_auto(self):
+        return {"values": self.values}
+
+
+@rdt.remote
+class Consumer:
+    async def fetch(self, value) -> list[torch.Tensor]:  # fetched as the call's argument
+        return [t.clone() for t in (value if isinstance(value, list) else value["values"])]
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_a_kept_tensor_returned_by_an_actor_arrives_exact():
+    p, c = Producer.remote(7), Consumer.remote()
+    try:
+        want = odd_tensors(7)
+        for method in (p.publish, p.publish_auto, p.publish):  # a warm segment the second time
+            same(ray.get(c.fetch.remote(method.remote())), want)
+    finally:
+        ray.kill(p)
+        ray.kill(c)
