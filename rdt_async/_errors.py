@@ -145,7 +145,7 @@ def one_chain(exc: BaseException) -> None:
     if not isinstance(exc, RDTError):
         return
     cause = exc.__cause__
-    while isinstance(cause, RDTError) or getattr(cause, "says_its_cause", False):
+    while cause is not None and (isinstance(cause, RDTError) or getattr(cause, "says_its_cause", False)):
         cause = cause.__cause__  # (a transport's wrapper that repeats the native error: Unreachable)
     exc.__cause__ = cause
     exc.__suppress_context__ = True
