@@ -5,6 +5,7 @@ node's address only, and a ref's group metadata is checked before anything is po
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 
@@ -72,7 +73,10 @@ class Member:
         backend, _ = obj.meta["groups"][group]
         crafted = [dataclasses.replace(obj, meta={**obj.meta, "groups": {group: (backend, r)}}) for r in ranks]
         for shape, dtype in shapes:
-            spec = dataclasses.replace(obj.specs[0], shape=tuple(shape), dtype=dtype)
+            numel = math.prod(shape) if min(shape, default=0) >= 0 else 0
+            nbytes = numel * dtype.itemsize if min(shape, default=0) >= 0 else obj.specs[0].nbytes
+            # (a consistent spec: the core's spec check lets it through to the group's own)
+            spec = dataclasses.replace(obj.specs[0], shape=tuple(shape), dtype=dtype, nbytes=nbytes)
             crafted.append(dataclasses.replace(obj, specs=(spec, *obj.specs[1:])))
         out = []
         for c in crafted:
@@ -229,7 +233,8 @@ def test_a_crafted_ref_is_refused_before_anything_is_posted_and_the_group_stays_
             r"producer holds \[float32\[1000\], int64\[6\]\]: the ref was altered, or is not this object's; nothing "
             r"was received \(the group is unharmed\)",
             r"TransferError: .* describes tensors \[float64\[1000\], int64\[6\]\], but its producer holds \[float32\[1000\]",
-            r"TransferError: .* its ref describes a tensor as torch.float32\[-3\]@cpu \(the ref was altered\)",
+            r"TransferError: .*(its ref describes a tensor as torch.float32\[-3\]@cpu \(the ref was altered\)"
+            r"|tensor 0's spec is not one a producer makes: shape \(-3,\))",
         ]
         assert len(errors) == len(expected)
         import re

@@ -260,10 +260,13 @@ def test_a_send_to_a_host_that_vanished_gives_up_and_lets_the_tensors_go(monkeyp
     consumer = None
     try:
         link = hosts._first
+        # The listener binds the address it advertises (Ray's node IP, or the default
+        # route's): the consumer's host reaches it through its link to this one.
+        subprocess.run(["ip", "netns", "exec", link.name, "ip", "route", "add", f"{meta.host}/32", "via", link.root_ip], check=True)
         request = tcp._HEAD.pack(6, 1) + b"vanish" + tcp._PART.pack(0, 0, 64 << 20)
         code = (
             "import socket, sys, time\n"
-            f"s = socket.create_connection(({link.root_ip!r}, {meta.port}))\n"
+            f"s = socket.create_connection(({meta.host!r}, {meta.port}))\n"
             f"s.sendall({tcp.MAGIC + meta.token!r} + {request!r})\n"
             "assert s.recv(1) == b'\\x01'\n"
             "print('reading stopped', flush=True)\n"
