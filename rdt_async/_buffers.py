@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import bisect
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -47,6 +47,11 @@ def checked(specs: Sequence[TensorSpec], into: Any) -> list[torch.Tensor] | None
     """
     if into is None:
         return None
+    if isinstance(into, Iterator):  # model.parameters(): flattening would see one opaque leaf
+        raise TypeError(
+            f"into= is an iterator ({type(into).__name__}), which rdt_async cannot look into without "
+            "using it up; pass a list: into=list(model.parameters())"
+        )
     skeleton, bufs = _tree.flatten(into)
     if not bufs and specs:
         raise TypeError(f"into= holds no tensor ({type(into).__name__} {skeleton!r}); pass the tensors to receive into")

@@ -275,3 +275,16 @@ def test_a_buffer_on_another_device_is_not_handed_to_the_native_receive():
     landed = landing_buffers([spec, spec], [mine, elsewhere], "cpu")
     assert landed[0] is mine
     assert landed[1] is not elsewhere and landed[1].device.type == "cpu" and landed[1].shape == (4,)
+
+
+def test_an_iterator_of_buffers_is_refused_naming_a_list():
+    """`into=model.parameters()` (a generator) was refused as "holds no tensor"."""
+    from rdt_async import _buffers
+    from rdt_async.transports._base import TensorSpec
+
+    model = torch.nn.Linear(4, 2)
+    specs = tuple(TensorSpec.of(p.detach()) for p in model.parameters())
+    with pytest.raises(TypeError, match=r"into= is an iterator \(generator\).*into=list\(model.parameters\(\)\)"):
+        _buffers.checked(specs, model.parameters())
+    got = _buffers.checked(specs, list(model.parameters()))
+    assert got is not None and [tuple(t.shape) for t in got] == [(2, 4), (2,)]
