@@ -44,7 +44,7 @@ from .._errors import CollectiveGroupError, ObjectFreedError, PeerDiedError, RDT
 from .._membership import TAG_LIMIT as TAG_LIMIT
 from .._membership import Group as Group
 from .._membership import groups as groups
-from ._base import Channel, TransferInfo, Transport, delivered, landing_buffers
+from ._base import Channel, TransferInfo, Transport, check_specs, delivered, landing_buffers
 from ._kvstore import KV, KVStore, StoreClosedError
 
 HELD, FREED, MISMATCH = 1, 2, 3  # the status message that comes before an object's tensors
@@ -320,17 +320,12 @@ def checked_source(info: TransferInfo[GlooMeta], device: str) -> tuple[Group, in
             "(the ref was altered); nothing was received",
             obj_id=info.obj_id,
         )
+    check_specs(info.specs, info.obj_id)  # (the core checked them too; a transport driven alone did not)
     for spec in info.specs:
-        shape = spec.shape
-        if (
-            not isinstance(spec.dtype, torch.dtype)
-            or not isinstance(shape, tuple)
-            or not all(type(d) is int and d >= 0 for d in shape)
-            or str(spec.device).split(":")[0] != device
-        ):
+        if str(spec.device).split(":")[0] != device:
             raise TransferError(
-                f"{what}: its ref describes a tensor as {spec.dtype!r}{list(shape) if isinstance(shape, tuple) else shape!r}"
-                f"@{spec.device} (the ref was altered); nothing was received",
+                f"{what}: its ref describes a tensor as {spec.dtype!r}{list(spec.shape)}@{spec.device} (the ref was altered); "
+                "nothing was received",
                 obj_id=info.obj_id,
             )
     return group, src

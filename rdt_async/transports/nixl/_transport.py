@@ -140,7 +140,7 @@ class NixlTransport(Transport[NixlMeta]):
     async def receive(
         self, info: TransferInfo[NixlMeta], buffers: list[torch.Tensor] | None, channel: Channel
     ) -> list[torch.Tensor]:
-        check(info, _producer_pid(info))  # before anything reaches NIXL
+        check(info, info.producer_pid)  # before anything reaches NIXL
         meta = info.meta
         here = await self._get_async()
         for again in (False, True):
@@ -229,7 +229,7 @@ class NixlTransport(Transport[NixlMeta]):
         Raises: ObjectFreedError if the liveness slot says the object is gone;
         TransferError if the metadata does not hold together (`_check`).
         """
-        check(info, _producer_pid(info))
+        check(info, info.producer_pid)
         meta = info.meta
         here = self._current()
         remote = None if here is None else here.peers.remote(meta.agent)
@@ -295,13 +295,6 @@ def _died(info: TransferInfo[NixlMeta]) -> PeerDiedError:
     return PeerDiedError(
         f"nixl fetch of {info.obj_id}: the producer (pid {meta.pid} on {meta.host}) died", obj_id=info.obj_id
     )
-
-
-def _producer_pid(info: TransferInfo[NixlMeta]) -> int | None:
-    """The pid in the process token of the ref's producer (`info.hold`), where there is one."""
-    token = getattr(getattr(info.hold, "producer", None), "token", None)
-    pid = token.split(":", 1)[0] if isinstance(token, str) else ""
-    return int(pid) if pid.isdigit() else None
 
 
 def _alive(meta: NixlMeta) -> bool:
