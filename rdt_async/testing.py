@@ -59,7 +59,6 @@ class MockTransport(Transport[MockMeta]):
 
     devices = ("cpu", "cuda")
     one_sided = True
-    pins_memory = False  # a copy is taken at prepare
 
     def prepare(self, obj_id: str, tensors: Sequence[torch.Tensor]) -> MockMeta:
         return MockMeta(tuple(encode(t.cpu()) for t in tensors))

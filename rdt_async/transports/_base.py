@@ -9,7 +9,7 @@ import math
 import os
 from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Generic, Protocol, TypeVar
+from typing import Any, ClassVar, Generic, Literal, Protocol, TypeVar
 
 import torch
 
@@ -251,10 +251,23 @@ class Transport(abc.ABC, Generic[M]):
     devices: ClassVar[tuple[str, ...]] = ("cpu",)
     one_sided: ClassVar[bool] = True
     can_abort: ClassVar[bool] = True
-    # True if what `prepare` made reads the tensors' memory by address later, outside a
-    # send the store sees (NIXL registrations, a listener of its own): their storages
-    # then must not move while the object lives (shm moves storages into shared memory).
-    pins_memory: ClassVar[bool] = True
+    # What the core asks a transport, never its name (each a question with a default):
+    # Where a consumer may be: "node" (a process of the producer's node: shared memory,
+    # CUDA IPC, local files) or "cluster" (any process that reaches the producer). A fetch
+    # from another node of a node-local object goes through the object store, `auto` takes
+    # a node-local path on the producer's node only, and the node relay never relays one.
+    reach: ClassVar[Literal["node", "cluster"]] = "cluster"
+    # True if `prepare` puts the bytes themselves in the metadata (inline): the ref is a
+    # snapshot, the producer keeps nothing, and `auto` takes it over every other path.
+    carries_bytes: ClassVar[bool] = False
+    # True if objects move over a collective group whose backend is the transport's name
+    # (gloo, nccl): a producer in no such group is refused, and a consumer outside the
+    # producer's groups reads through the object store.
+    needs_group: ClassVar[bool] = False
+    # True if `receive` lands the bytes straight in `buffers` when given, and a cancelled
+    # receive returns at once and never writes them afterwards (tcp): the node relay's
+    # first consumer then reads into the memory it hands the others, with no copy.
+    fills_buffers: ClassVar[bool] = False
     # Bytes above which the producer prepares off the caller's loop.
     inline_prepare_bytes: ClassVar[int] = 1 << 20
     # True if `receive` writes into caller buffers on any of `devices`, whatever device
@@ -266,6 +279,15 @@ class Transport(abc.ABC, Generic[M]):
     def unavailable_reason(cls) -> str | None:
         """Return why this transport cannot be used in this process, or None."""
         return None
+
+    @classmethod
+    def exports_here(cls) -> bool:
+        """Say whether this process's tensors can be prepared (exported) for this transport.
+
+        Runs on: producer, once per process, before `auto` plans an object over it.
+        Default: whether the transport is available here (`unavailable_reason`).
+        """
+        return cls.unavailable_reason() is None
 
     def warm_up(self) -> None:
         """Load native libraries and create this process's state now (blocking).
@@ -300,6 +322,14 @@ class Transport(abc.ABC, Generic[M]):
         Runs on: producer.
         """
         return None  # type: ignore[return-value]
+
+    def prepare_lazily(self, obj_id: str, tensors: Sequence[torch.Tensor]) -> M:
+        """`prepare`, leaving costly work (a copy) to the first consumer that asks for it.
+
+        Runs on: producer, where `auto` prepares the object for other nodes as well, from an
+        actor that serves requests: most consumers may never take this path. Default: `prepare`.
+        """
+        return self.prepare(obj_id, tensors)
 
     def receive_nowait(self, info: TransferInfo[M], buffers: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
         """Return the tensors at once if that cannot block (tiny local copies), else None.

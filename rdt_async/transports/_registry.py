@@ -37,6 +37,8 @@ BUILTIN: dict[str, str] = {
     "nccl": "rdt_async.transports.gloo:NcclTransport",
 }
 AUTO = "auto"
+# The path that always works, where a chosen one cannot reach the consumer (Ray's object store).
+FALLBACK = "object_store"
 # Names no registration may take: the built-ins, shipped or planned (compared case-blind).
 RESERVED = frozenset({AUTO, "inline", "shm", "object_store", "nixl", "cuda_ipc", "ucxx", "tcp", "gloo", "nccl"})
 ENTRY_POINT_GROUP = "rdt_async.transports"
@@ -205,6 +207,17 @@ def available() -> dict[str, bool | str]:
 
 
 # -- lookup: this process, the built-ins, the cluster, installed packages -----------------
+
+
+def known_class(name: str) -> type[Transport[Any]] | None:
+    """The class of a built-in transport, or of one registered in this process, else None.
+
+    Asks no other process and scans no package: for names that came from another process
+    (an object's metadata), which only transports this process knows may answer for.
+    """
+    if isinstance(name, str) and (name in _classes or name in BUILTIN):
+        return _lookup(name)
+    return None
 
 
 def _lookup(name: str) -> type[Transport[Any]] | None:

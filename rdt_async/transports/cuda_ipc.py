@@ -138,6 +138,7 @@ class CudaIpcTransport(Transport[CudaIpcMeta]):
     name = "cuda_ipc"
     devices = ("cuda",)
     one_sided = True
+    reach = "node"
     inline_prepare_bytes = 1 << 62  # an export copies nothing: never worth a thread hop
 
     def __init__(self) -> None:
@@ -148,8 +149,8 @@ class CudaIpcTransport(Transport[CudaIpcMeta]):
         self._mapped: OrderedDict[str, _Table] = OrderedDict()  # the consumer's view of producers' tables
         self._streams: dict[int, torch.cuda.Stream] = {}
 
-    @staticmethod
-    def exports_here() -> bool:
+    @classmethod
+    def exports_here(cls) -> bool:
         """Say whether this process's tensors can be exported: CUDA, and cudaMalloc'd memory.
 
         PyTorch's expandable segments and cudaMallocAsync allocate memory that CUDA IPC

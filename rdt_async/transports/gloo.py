@@ -185,7 +185,7 @@ class GlooTransport(Transport[GlooMeta]):
     devices: ClassVar[tuple[str, ...]] = ("cpu",)
     matches_in_order = False  # Gloo matches a send to its receive by tag
     one_sided = False
-    pins_memory = False
+    needs_group = True  # a group of backend `name` both ends are in
     can_abort = False
 
     @classmethod

@@ -25,7 +25,6 @@ class ObjectStoreTransport(Transport[None]):
     name = "object_store"
     devices = ("cpu", "cuda")
     one_sided = False
-    pins_memory = False
 
     async def send_multiple_tensors(
         self, obj_id: str, tensors: Sequence[torch.Tensor], meta: None, request: Any

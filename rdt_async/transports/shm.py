@@ -158,7 +158,7 @@ class ShmTransport(Transport[ShmMeta]):
     name = "shm"
     devices = ("cpu",)
     one_sided = True
-    pins_memory = False
+    reach = "node"
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -172,6 +172,7 @@ class ShmTransport(Transport[ShmMeta]):
         return ObjectFreedError if isinstance(exc, FileNotFoundError) else None
 
     def prepare(self, obj_id: str, tensors: Sequence[torch.Tensor]) -> ShmMeta:
+        note_returned(tensors)
         return self._prepare(obj_id, tensors, [_shared(t) for t in tensors])
 
     def _prepare(self, obj_id: str, tensors: Sequence[torch.Tensor], found: list[Shared | None]) -> ShmMeta:
@@ -193,6 +194,7 @@ class ShmTransport(Transport[ShmMeta]):
         (`auto` on a cluster of several): a copy no consumer of this node maps would cost
         every export for nothing. Shared storages are named now, as by `prepare`.
         """
+        note_returned(tensors)
         found = [_shared(t) for t in tensors]
         if all(not t.numel() or sh is not None for t, sh in zip(tensors, found)):
             return self._prepare(obj_id, tensors, found)  # nothing to copy
@@ -634,16 +636,6 @@ def _no_room(size: int, exc: OSError) -> TransportUnavailableError:
         "tensor_transport='object_store'"
     )
 
-
-_said_no_room = False
-
-
-def say_no_room(exc: TransportUnavailableError, then: str) -> None:
-    """Log, once per process, that `auto` found no room in /dev/shm (`exc`) and what it does `then`."""
-    global _said_no_room
-    if not _said_no_room:
-        _said_no_room = True
-        log.warning("rdt_async: auto: %s; %s", exc, then)
 
 
 def note_returned(tensors: Sequence[torch.Tensor]) -> None:

@@ -415,6 +415,7 @@ class TcpTransport(Transport[TcpMeta]):
     name = "tcp"
     devices = ("cpu",)
     one_sided = True  # no Ray call: the request travels to the producer's listener
+    fills_buffers = True  # straight into them; a cancel shuts the sockets first
 
     @classmethod
     def native_error(cls, exc: BaseException) -> type[RDTError] | None:
