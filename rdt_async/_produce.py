@@ -32,6 +32,8 @@ from .transports import _registry
 from .transports._base import TensorSpec, Transport
 from .transports.inline import AUTO_MAX_BYTES as INLINE_AUTO_MAX_BYTES
 
+_registry.hand_store(store)  # transports that answer requests themselves serve from it
+
 
 def _prepared_transports(name: str, tensors: Sequence[torch.Tensor]) -> list[Transport[Any]]:
     """Transports to prepare at return time for a method asking for `name`."""

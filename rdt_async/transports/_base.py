@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import functools
 import math
 import os
-from collections.abc import Generator, Iterable, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Literal, Protocol, TypeVar
 
@@ -146,6 +147,34 @@ class NoChannel:
 NO_CHANNEL = NoChannel()
 
 
+class Keeper(Protocol):
+    """The producer's store, as a transport that answers requests itself (a listener of its
+    own: tcp, ucxx) serves from it.
+
+    The core hands it to every transport it drives (`Transport.store`), as it hands
+    `receive` a Channel; a transport never imports the core's store.
+    """
+
+    def serving(
+        self, obj_id: str, kept: dict[str, list[torch.Tensor]]
+    ) -> contextlib.AbstractContextManager[list[torch.Tensor] | None]:
+        """Yield the tensors the transport `kept` for `obj_id`, the object held until the
+        block ends (a free meanwhile waits for the send), or None if it was freed."""
+        ...
+
+
+class NoStore:
+    """The store of a transport driven outside the core (a test, a benchmark): what the
+    transport kept is served as it stands."""
+
+    @contextlib.contextmanager
+    def serving(self, obj_id: str, kept: dict[str, list[torch.Tensor]]) -> Iterator[list[torch.Tensor] | None]:
+        yield kept.get(obj_id)
+
+
+NO_STORE = NoStore()
+
+
 # How long a cancelled fetch waits for its transport's cleanup (transports bound their own).
 SETTLE_S = 60.0
 
@@ -268,6 +297,9 @@ class Transport(abc.ABC, Generic[M]):
     # receive returns at once and never writes them afterwards (tcp): the node relay's
     # first consumer then reads into the memory it hands the others, with no copy.
     fills_buffers: ClassVar[bool] = False
+    # The producer's store, handed in by the core when it creates the transport (NO_STORE
+    # where it is driven alone): a transport that serves requests itself serves from it.
+    store: Keeper = NO_STORE
     # Bytes above which the producer prepares off the caller's loop.
     inline_prepare_bytes: ClassVar[int] = 1 << 20
     # True if `receive` writes into caller buffers on any of `devices`, whatever device

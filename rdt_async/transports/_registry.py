@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import torch
 
 from .._errors import TransportUnavailableError
-from ._base import Transport
+from ._base import NO_STORE, Keeper, Transport
 
 # name -> "module:Class", imported on first use so that optional backends stay unloaded.
 BUILTIN: dict[str, str] = {
@@ -69,6 +69,16 @@ _instances: dict[str, Transport[Any]] = {}
 _registrations: dict[str, Registration] = {}
 _resolver: Resolver | None = None
 _publisher: Publisher | None = None
+_store: Keeper = NO_STORE
+
+
+def hand_store(store: Keeper) -> None:
+    """Hand every transport this process creates the producer's store (the core does, at import)."""
+    global _store
+    with _lock:
+        _store = store
+        for inst in _instances.values():
+            inst.store = store
 
 
 def set_cluster_hooks(*, resolve: Resolver, publish: Publisher) -> None:
@@ -190,6 +200,7 @@ def get(name: str) -> Transport[Any]:
                 raise TransportUnavailableError(
                     f"transport {name!r} could not be created: {type(exc).__name__}: {exc}"
                 ) from exc
+            inst.store = _store
             _instances[name] = inst
         return inst
 
