@@ -30,12 +30,13 @@ from ._errors import (
     release_frames,
     translating,
 )
+from ._local import copy_into
 from ._membership import groups
 from ._object import RDTObject
 from ._produce import loads_here, shared_with_producer
 from ._store import log, store
 from .transports import _auto, _registry
-from .transports._base import FetchRequest, TransferInfo, Transport, Unreachable, copy_into
+from .transports._base import FetchRequest, TransferInfo, Transport, Unreachable
 
 
 def choose_transport(

@@ -52,8 +52,9 @@ import torch
 
 from . import _io
 from ._errors import TransportUnavailableError
+from ._local import aligned_layout, view_in
 from .transports import _mappings, _registry, _segments
-from .transports._base import TensorSpec, aligned_layout, view_in
+from .transports._base import TensorSpec
 
 RELAY_MIN_BYTES = 1 << 20
 ALIGN = 64

@@ -22,9 +22,8 @@ from .transports._base import (
     TensorSpec,
     TransferInfo,
     Transport,
-    delivered,
-    local_device,
 )
+from .transports._kit import delivered, local_device
 from .transports.inline import decode, encode
 
 __all__ = ["LoopbackChannel", "MockMeta", "MockTransport", "roundtrip"]

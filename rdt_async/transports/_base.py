@@ -7,14 +7,13 @@ import asyncio
 import contextlib
 import functools
 import math
-import os
-from collections.abc import Generator, Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Literal, Protocol, TypeVar
 
 import torch
 
-from .. import _alloc, _io
+from .. import _io
 from .._errors import RDTError, TransferError, TransportUnavailableError
 
 M = TypeVar("M")
@@ -432,84 +431,6 @@ class Transport(abc.ABC, Generic[M]):
         return None
 
 
-def pid_alive(pid: int) -> bool:
-    """Say whether process `pid` of this node may be alive (one owned by another user counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a killed process stays a zombie until its parent reaps it: dead all the same
-        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
-        try:
-            stat = os.read(fd, 4096)
-        finally:
-            os.close(fd)
-        return stat.rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
-    except (OSError, IndexError):
-        return True  # no /proc (not Linux): the signal's answer stands
-
-
-def aligned_layout(sizes: Iterable[int], align: int = 64) -> tuple[list[int], int]:
-    """Offsets of blocks of `sizes` bytes laid end to end, each starting at a multiple of
-    `align`, and the bytes they span in all."""
-    offsets, end = [], 0
-    for n in sizes:
-        offsets.append(end)
-        end += -(-n // align) * align
-    return offsets, end
-
-
-def view_in(buffer: Any, spec: TensorSpec, offset: int) -> torch.Tensor:
-    """A tensor of `spec` over `buffer` (an mmap) from byte `offset`, sharing its memory;
-    a new empty one where it has no elements or there is no buffer."""
-    numel = math.prod(spec.shape)
-    if numel == 0 or buffer is None:
-        return torch.empty(spec.shape, dtype=spec.dtype)
-    return torch.frombuffer(buffer, dtype=spec.dtype, count=numel, offset=offset).view(spec.shape)
-
-
-def copy_into(buffers: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Copy each source into its buffer (a blocking call: run it in the pool)."""
-    for dst, src in zip(buffers, sources):
-        dst.copy_(src)
-    return list(buffers)
-
-
-def local_device(device: str) -> torch.device:
-    """Where a fetched tensor produced on `device` lands here: the same device where this
-    process has it, else its current CUDA device, or the CPU in a process without CUDA."""
-    d = torch.device(device)
-    if d.type != "cuda":
-        return d
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    if d.index is None or d.index >= torch.cuda.device_count():
-        return torch.device("cuda", torch.cuda.current_device())
-    return d
-
-
-def or_none(buffers: Sequence[torch.Tensor | None] | None, n: int) -> Sequence[torch.Tensor | None]:
-    """The caller's `into=` buffers, or None for each of the `n` tensors."""
-    return buffers if buffers else [None] * n
-
-
-def int_setting(env: str, default: int, minimum: int, meaning: str) -> int:
-    """The integer environment variable `env` (`default` if unset), at least `minimum`.
-
-    Raises: ValueError naming the variable and `meaning` (what to give) otherwise.
-    """
-    raw = os.environ.get(env, str(default))
-    try:
-        value = int(raw)
-    except ValueError:
-        value = minimum - 1
-    if value < minimum:
-        raise ValueError(f"{env}={raw!r}: give {meaning}")
-    return value
-
-
 class Unreachable(ConnectionError):
     """Raised by `receive` where the producer cannot be reached at the address its metadata
     names (no route, refused, no answer to a connect), before anything was transferred.
@@ -519,30 +440,3 @@ class Unreachable(ConnectionError):
     """
 
     says_its_cause = True  # its message repeats the native error: shown errors skip it (_errors.one_chain)
-
-
-def landing_buffers(
-    specs: Sequence[TensorSpec], buffers: Sequence[torch.Tensor | None] | None, device: str = "cpu"
-) -> list[torch.Tensor]:
-    """Return where each tensor of a receive lands.
-
-    The caller's buffer where it is contiguous and on `device` (a native library handed
-    memory of another device would fault or fail mid-transfer), else a fresh one (from
-    the reuse cache on CPU): `delivered` copies it over. Runs on: consumer.
-    """
-    given = or_none(buffers, len(specs))
-    kind = torch.device(device).type
-    return [
-        b if b is not None and b.is_contiguous() and b.device.type == kind else _alloc.empty(s.shape, s.dtype, device)
-        for b, s in zip(given, specs)
-    ]
-
-
-def delivered(buffers: list[torch.Tensor] | None, landed: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Return the caller's buffers, filled from where they did not land, or `landed`."""
-    if buffers is None:
-        return landed
-    for b, d in zip(buffers, landed):
-        if b is not d:
-            b.copy_(d)
-    return list(buffers)

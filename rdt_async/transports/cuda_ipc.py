@@ -47,8 +47,10 @@ import torch
 
 from .. import _cuda, _io
 from .._errors import ObjectFreedError, PeerDiedError, TransferError, TransportUnavailableError
+from .._local import pid_alive
 from . import _cudadrv, _segments, shm
-from ._base import MAX_SPEC_BYTES, Channel, TransferInfo, Transport, or_none, pid_alive
+from ._base import MAX_SPEC_BYTES, Channel, TransferInfo, Transport
+from ._kit import or_none
 
 SLOTS_PER_TABLE = 1024
 TOKEN_END = 1 << 62  # tokens are 1 .. TOKEN_END

@@ -44,7 +44,8 @@ from .._errors import CollectiveGroupError, ObjectFreedError, PeerDiedError, RDT
 from .._membership import TAG_LIMIT as TAG_LIMIT
 from .._membership import Group as Group
 from .._membership import groups as groups
-from ._base import Channel, TransferInfo, Transport, check_specs, delivered, landing_buffers
+from ._base import Channel, TransferInfo, Transport, check_specs
+from ._kit import delivered, landing_buffers
 from ._kvstore import KV, KVStore, StoreClosedError
 
 HELD, FREED, MISMATCH = 1, 2, 3  # the status message that comes before an object's tensors

@@ -16,7 +16,8 @@ import torch
 
 from .. import _cuda, _io
 from .._errors import TransferError
-from ._base import Channel, TensorSpec, TransferInfo, Transport, local_device
+from ._base import Channel, TensorSpec, TransferInfo, Transport
+from ._kit import local_device
 
 
 class ObjectStoreTransport(Transport[None]):

@@ -53,6 +53,7 @@ import torch
 
 from .. import _io
 from .._errors import ObjectFreedError, PeerDiedError, RDTError, TransferError, TransportUnavailableError
+from .._local import aligned_layout, copy_into, pid_alive, view_in
 from . import _mappings, _segments
 from ._base import (
     MAX_SPEC_BYTES,
@@ -60,10 +61,6 @@ from ._base import (
     TensorSpec,
     TransferInfo,
     Transport,
-    aligned_layout,
-    copy_into,
-    pid_alive,
-    view_in,
 )
 
 log = logging.getLogger("rdt_async")

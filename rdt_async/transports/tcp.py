@@ -56,10 +56,8 @@ from ._base import (
     TransferInfo,
     Transport,
     Unreachable,
-    delivered,
-    int_setting,
-    landing_buffers,
 )
+from ._kit import delivered, int_setting, landing_buffers
 
 MAGIC = b"RDT1"
 HELD, FREED = b"\x01", b"\x02"

@@ -62,7 +62,8 @@ from .._errors import (
     TransportUnavailableError,
 )
 from . import _net, _ucx
-from ._base import NO_STORE, Channel, Keeper, TransferInfo, Transport, delivered, landing_buffers
+from ._base import NO_STORE, Channel, Keeper, TransferInfo, Transport
+from ._kit import delivered, landing_buffers
 
 INSTALL_HINT = "pip install 'rdt_async[ucxx]'"
 POLL_S = 0.0005  # progress period while requests are in flight (events also progress)
