@@ -39,6 +39,7 @@ class SpoolTransport(rdt.Transport[SpoolMeta]):
 
     devices = ("cpu",)
     one_sided = True
+    reach = "node"  # files of this node: a consumer on another reads through the object store
     root = os.path.join(tempfile.gettempdir(), "rdt-spool")
 
     def prepare(self, obj_id: str, tensors: Sequence[torch.Tensor]) -> SpoolMeta:

@@ -30,12 +30,13 @@ from ._errors import (
     release_frames,
     translating,
 )
+from ._local import copy_into
 from ._membership import groups
 from ._object import RDTObject
 from ._produce import loads_here, shared_with_producer
 from ._store import log, store
 from .transports import _auto, _registry
-from .transports._base import FetchRequest, TransferInfo, Transport, Unreachable, copy_into
+from .transports._base import FetchRequest, TransferInfo, Transport, Unreachable
 
 
 def choose_transport(
@@ -64,8 +65,10 @@ def choose_transport(
             gpu=any(not s.device.startswith("cpu") for s in obj.specs),
             same_node=obj.producer.node_id == node_id,
             prepared=prepared,
-            loads_here=prepared & {"nixl", "cuda_ipc"},  # checked only if one wins: a check may import
+            loads_here=prepared,  # a guess: checked only if one wins (a check may import)
             group=shared[0] if shared is not None else None,
+            node_local=frozenset(n for n in prepared if _reach(n) == "node"),
+            in_ref=frozenset(n for n in prepared if _carries_bytes(n)),
         )
         choice = _auto.choose_remembered(facts, loads_here)
         if avoided or fell_back:
@@ -73,14 +76,27 @@ def choose_transport(
             choice = dataclasses.replace(choice, why=choice.why + note, fell_back=fell_back)
         store.record_choice(obj.obj_id, choice)
         name = choice.transport
-    if name == "shm" and obj.producer.node_id != node_id:
-        name = "object_store"
-    if name in ("gloo", "nccl"):
+    cls = _registry.transport_class(name)
+    if cls.reach == "node" and obj.producer.node_id != node_id:
+        return _registry.FALLBACK, None  # (auto never picks one from another node)
+    if cls.needs_group:
         if shared is None or shared[0] != name:
             _raise_if_broken(obj)  # a group we share is broken: say so, do not fall back
-            return "object_store", None  # the consumer is outside the producer's groups
+            return _registry.FALLBACK, None  # the consumer is outside the producer's groups
         return name, shared[1]
     return name, obj.meta.get(name)
+
+
+def _reach(name: str) -> str:
+    """`Transport.reach` of a prepared transport (a name from the ref: only one this process
+    knows answers; another is no candidate anyway, as it cannot load here)."""
+    cls = _registry.known_class(name)
+    return "cluster" if cls is None else cls.reach
+
+
+def _carries_bytes(name: str) -> bool:
+    cls = _registry.known_class(name)
+    return cls is not None and cls.carries_bytes
 
 
 def _shared_group(obj: RDTObject) -> tuple[str, Any] | None:
@@ -91,7 +107,7 @@ def _shared_group(obj: RDTObject) -> tuple[str, Any] | None:
     ours = groups.memberships()
     devices = {s.device.split(":")[0] for s in obj.specs}
     for name, (backend, rank) in theirs.items():
-        if name in ours and ours[name][0] == backend and devices <= {"cpu" if backend == "gloo" else "cuda"}:
+        if name in ours and ours[name][0] == backend and devices <= set(_registry.transport_class(backend).devices):
             from .transports.gloo import GlooMeta  # loaded already: this process is in a group
 
             return backend, GlooMeta(name, rank)
@@ -137,7 +153,7 @@ async def fetch_object(obj: RDTObject, *, device: Any, into: Any, start: _Start 
                 # the memfd (copied into where needed), and those with `into=` copy from it.
                 used = [name]  # the path the read took, where auto fell back (`_fetch_over`)
                 transfer = functools.partial(_fetch_over, obj, transport, info, buffers, used)
-                direct = name in _relay.DIRECT and buffers is None
+                direct = transport.fills_buffers and buffers is None
                 into = functools.partial(_fetch_over, obj, transport, info, used=used) if direct else None
                 tensors, relayed = await _relay.fetch(obj.obj_id, obj.specs, _only(transfer), _only(into))
                 name = "relay" if relayed else used[0]
@@ -211,7 +227,7 @@ async def _fetch_over(
             tensors = await _transfer(obj, transport, info, buffers)
         except (TransportUnavailableError, TransferError) as exc:
             why = _unusable(exc) if obj.transport == _registry.AUTO else None
-            if why is None or transport.name == "object_store":
+            if why is None or transport.name == _registry.FALLBACK:
                 raise
             _note_unusable(obj, transport.name, exc, why)
             fell_back.append((transport.name, why))
@@ -230,11 +246,6 @@ async def _fetch_over(
 
 def _note_unusable(obj: RDTObject, name: str, exc: BaseException, why: str) -> None:
     """Say, once per node and path, that `auto` falls back from `name`; leave it out a while."""
-    if name == "shm" and isinstance(exc, TransportUnavailableError):
-        from .transports import shm  # the producer had no room for its lazy export
-
-        shm.say_no_room(exc, "fetching such objects another way")
-        return
     key = (obj.producer.node_id, name)
     if isinstance(exc, TransferError):  # could not reach the node: not this object's doing
         fresh = key not in _avoid or _avoid[key] <= time.monotonic()

@@ -32,13 +32,15 @@ from .transports import _registry
 from .transports._base import TensorSpec, Transport
 from .transports.inline import AUTO_MAX_BYTES as INLINE_AUTO_MAX_BYTES
 
+_registry.hand_store(store)  # transports that answer requests themselves serve from it
+
 
 def _prepared_transports(name: str, tensors: Sequence[torch.Tensor]) -> list[Transport[Any]]:
     """Transports to prepare at return time for a method asking for `name`."""
     if name != _registry.AUTO:
         transport = _registry.get(name)
         transport.check_tensors(tensors)
-        if name in ("gloo", "nccl") and not any(b == name for b, _ in groups.memberships().values()):
+        if transport.needs_group and not any(b == name for b, _ in groups.memberships().values()):
             raise unavailable(
                 name,
                 f"this process is in no {name} group, so every fetch would go through the object "
@@ -47,7 +49,7 @@ def _prepared_transports(name: str, tensors: Sequence[torch.Tensor]) -> list[Tra
             )
         return [transport]
     try:
-        _registry.get("object_store").check_tensors(tensors)  # what auto falls back to
+        _registry.get(_registry.FALLBACK).check_tensors(tensors)  # what auto falls back to
     except TransportUnavailableError as exc:  # said as what the user asked for: auto
         raise TransportUnavailableError(f"tensor_transport='auto' cannot move these tensors: {exc}") from exc
     if all(t.device.type == "cpu" for t in tensors):
@@ -92,7 +94,7 @@ def loads_here(name: str) -> bool:
 def _cuda_ipc_here() -> bool:
     """Say whether this process can export CUDA tensors over cuda_ipc (checked once)."""
     try:
-        return _registry.transport_class("cuda_ipc").exports_here()  # type: ignore[attr-defined, no-any-return]
+        return _registry.transport_class("cuda_ipc").exports_here()
     except Exception:
         return False
 
@@ -215,42 +217,28 @@ def _finish(
     if not tensors:
         return RDTObject(secrets.token_hex(12), owner, transport, specs, skeleton, {}, {}, None)
     obj_id = secrets.token_hex(12)
-    if plan and all(t.name == "inline" for t in plan):
+    if plan and all(t.carries_bytes for t in plan):
         # The bytes ride in the ref, a snapshot: nothing to keep here, no anchor to make.
-        meta = {"inline": plan[0].prepare(obj_id, tensors)}
+        meta = {t.name: t.prepare(obj_id, tensors) for t in plan}
         _recent.add(obj_id, tensors)
         shared = groups.memberships()
         if shared:
             meta["groups"] = shared
         return RDTObject(obj_id, owner, transport, specs, skeleton, meta, {}, None)
-    if any(t.name == "shm" for t in plan):
-        from .transports import shm
-
-        # A storage returned again and again (a trainer's weights) is exported without a
-        # copy once the user shared it; until then, say once how (see transports/shm.py).
-        shm.note_returned(tensors)
     prepared: dict[Transport[Any], Any] = {}
-    # `auto` on several nodes, from an actor that serves requests: the copy into shared
-    # memory waits for a consumer of this node to ask (most may be on other nodes).
-    lazy = transport == _registry.AUTO and owner.serves and any(t.name == "tcp" for t in plan)
+    # `auto` on several nodes, from an actor that serves requests: node-local exports (a
+    # copy into shared memory) wait for a consumer of this node to ask (most may be on others).
+    lazy = transport == _registry.AUTO and owner.serves and any(t.reach == "cluster" for t in plan)
     try:
         for t in plan:
-            if lazy and t.name == "shm":
-                prepared[t] = t.prepare_lazily(obj_id, tensors)  # type: ignore[attr-defined]
-            elif t.name == "shm" and transport == _registry.AUTO:
+            prepare = t.prepare_lazily if lazy and t.reach == "node" else t.prepare
+            if transport == _registry.AUTO:
                 try:
-                    prepared[t] = t.prepare(obj_id, tensors)
-                except TransportUnavailableError as exc:  # no room in /dev/shm
-                    from .transports import shm
-
-                    shm.say_no_room(exc, "objects of this process go through the object store instead")
-            elif transport == _registry.AUTO:
-                try:
-                    prepared[t] = t.prepare(obj_id, tensors)
-                except TransportUnavailableError as exc:  # (no free port in RDT_PORT_RANGE): another path
+                    prepared[t] = prepare(obj_id, tensors)
+                except TransportUnavailableError as exc:  # (no room in /dev/shm, no free port): another path
                     _say_skipped(t.name, exc)
             else:
-                prepared[t] = t.prepare(obj_id, tensors)
+                prepared[t] = prepare(obj_id, tensors)
         eager = _eager_replies(tensors, transport, owner, list(prepared))
     except BaseException:
         for t, meta in prepared.items():
@@ -285,18 +273,18 @@ def _eager_replies(
     """For producers with no `rdt` group (the driver), put the object-store reply now.
 
     Only where a consumer may need it: explicit object_store, or auto when nothing
-    prepared (`plan`) reaches every consumer: inline, tcp and nixl reach other nodes,
-    shm and cuda_ipc only this one (shm is not prepared where /dev/shm has no room).
+    prepared (`plan`) reaches every consumer: node-local transports (shm, cuda_ipc) reach
+    only this node (and shm is not prepared where /dev/shm has no room).
     """
-    if owner.serves or transport not in ("object_store", _registry.AUTO):
+    if owner.serves or transport not in (_registry.FALLBACK, _registry.AUTO):
         return {}
     if transport == _registry.AUTO:
-        reach = {"inline", "tcp", "nixl"} if _ray.several_nodes() else {"inline", "tcp", "nixl", "shm", "cuda_ipc"}
-        if any(t.name in reach for t in plan):
+        several = _ray.several_nodes()
+        if any(t.reach == "cluster" or not several for t in plan):
             return {}
     from .transports.object_store import to_wire
 
-    return {"object_store": _ray.put(to_wire(tensors))}
+    return {_registry.FALLBACK: _ray.put(to_wire(tensors))}
 
 
 async def serve_send(obj_id: str, transport: str, request: Any) -> Any:

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from ._errors import RDTError, TransferError, translating, unavailable
+from ._local import pid_alive
 from .transports import _net, _registry
-from .transports._base import pid_alive
 
 if TYPE_CHECKING:
     from ._object import Process, RDTObject

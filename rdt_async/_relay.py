@@ -51,8 +51,10 @@ from typing import Any
 import torch
 
 from . import _io
-from .transports import _mappings, _segments
-from .transports._base import TensorSpec, aligned_layout, view_in
+from ._errors import TransportUnavailableError
+from ._local import aligned_layout, view_in
+from .transports import _mappings, _registry, _segments
+from .transports._base import TensorSpec
 
 RELAY_MIN_BYTES = 1 << 20
 ALIGN = 64
@@ -66,11 +68,6 @@ MAX_ANSWER = 512  # bytes of the claimer's answer an asker reads (it sends ~60)
 # mapping -- a read past a file's end is a SIGBUS -- and an asker takes only one so sealed.
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 log = logging.getLogger("rdt_async")
-# Transports that never cross nodes, or whose bytes are already in hand.
-LOCAL = frozenset({"shm", "local", "inline", "none", "cuda_ipc"})
-# Transports that read into given buffers, and whose cancel returns at once and never writes
-# them afterwards: the first consumer lands their bytes straight in the memfd it hands over.
-DIRECT = frozenset({"tcp"})
 
 
 def _keep_s() -> float:
@@ -78,15 +75,24 @@ def _keep_s() -> float:
 
 
 def eligible(specs: Sequence[TensorSpec], transport: str, producer_node: str, node: str) -> bool:
-    """Whether a fetch of these tensors over `transport` may go through the node relay."""
+    """Whether a fetch of these tensors over `transport` may go through the node relay: not
+    one that never crosses nodes (`Transport.reach`), nor one whose bytes came with the ref."""
     return (
         producer_node != node
-        and transport not in LOCAL
+        and _crosses_nodes(transport)
         and sys.platform == "linux"
         and os.environ.get("RDT_RELAY", "1") != "0"
         and sum(s.nbytes for s in specs) >= RELAY_MIN_BYTES
         and all(torch.device(s.device).type == "cpu" for s in specs)
     )
+
+
+def _crosses_nodes(name: str) -> bool:
+    try:
+        cls = _registry.transport_class(name)
+    except TransportUnavailableError:  # (not a transport: "local", "none")
+        return False
+    return cls.reach == "cluster" and not cls.carries_bytes
 
 
 def _layout(specs: Sequence[TensorSpec]) -> tuple[list[int], int]:

@@ -31,7 +31,7 @@ log = logging.getLogger("rdt_async")
 
 # The bytes a tensor covers: its storage and a byte range in it. A storage is named twice:
 # by its address (two storages over the same memory) and by the storage itself (its
-# memory may move: shm moves a returned storage into shared memory, once).
+# memory may move: `share_memory_()` moves a storage into shared memory).
 _Span = tuple[tuple[str, int], int, int]
 
 

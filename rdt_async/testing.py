@@ -22,9 +22,8 @@ from .transports._base import (
     TensorSpec,
     TransferInfo,
     Transport,
-    delivered,
-    local_device,
 )
+from .transports._kit import delivered, local_device
 from .transports.inline import decode, encode
 
 __all__ = ["LoopbackChannel", "MockMeta", "MockTransport", "roundtrip"]
@@ -59,7 +58,6 @@ class MockTransport(Transport[MockMeta]):
 
     devices = ("cpu", "cuda")
     one_sided = True
-    pins_memory = False  # a copy is taken at prepare
 
     def prepare(self, obj_id: str, tensors: Sequence[torch.Tensor]) -> MockMeta:
         return MockMeta(tuple(encode(t.cpu()) for t in tensors))

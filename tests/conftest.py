@@ -1,11 +1,11 @@
 """One two-host Ray cluster on this machine, shared by the whole session.
 
 The second node runs on its own host: a network namespace joined to this one by a veth
-pair, with its own hostname, boot id, /dev/shm and Ray temp dir (rdt_async._hosts).
+pair, with its own hostname, boot id, /dev/shm and Ray temp dir (rdt_async.bench._hosts).
 Where namespaces cannot be made (not root, not Linux), it is a second Ray node on this
 host, and the session says so; RDT_TEST_ONE_HOST=1 asks for that.
 
-RDT_TEST_TOPOLOGY picks how the hosts are joined (rdt_async._hosts): `split` (the
+RDT_TEST_TOPOLOGY picks how the hosts are joined (rdt_async.bench._hosts): `split` (the
 default, the stricter: Ray's node IPs on a data network that is no host's default route,
 nothing else routable between the hosts), `flat` (every host routes everything through
 the head), or `three` (split, with a third host that takes actors asking for "node3").
@@ -39,7 +39,7 @@ def cluster():
     import ray
     from ray.cluster_utils import Cluster
 
-    from rdt_async._hosts import Hosts
+    from rdt_async.bench._hosts import Hosts
 
     why = "RDT_TEST_ONE_HOST=1" if os.environ.get("RDT_TEST_ONE_HOST") == "1" else Hosts.unavailable()
     hosts = None if why else Hosts(TOPOLOGY if TOPOLOGY != "three" else "split")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -12,8 +13,11 @@ from rdt_async.transports._auto import Cost, Facts
 MiB = 1 << 20
 
 
-def facts(nbytes=64 * MiB, *, same_node=False, gpu=False, prepared=("shm", "nixl"), loads=("nixl",), group=None):
-    return Facts(nbytes, gpu, same_node, frozenset(prepared), frozenset(loads), group)
+def facts(nbytes=64 * MiB, *, same_node=False, gpu=False, prepared=("shm", "nixl"), loads=None, group=None):
+    # What the consumer states from the transports' declared capabilities (_fetch.choose_transport).
+    prepared = frozenset(prepared)
+    loads = prepared if loads is None else frozenset(loads)
+    return Facts(nbytes, gpu, same_node, prepared, loads, group, prepared & {"shm", "cuda_ipc"}, prepared & {"inline"})
 
 
 def test_small_objects_take_the_bytes_that_came_with_the_ref():
@@ -25,6 +29,10 @@ def test_candidates_are_only_what_both_ends_can_use():
     assert _auto.candidates(facts(same_node=True)) == ["shm", "nixl", "object_store"]
     assert _auto.candidates(facts(same_node=False)) == ["nixl", "object_store"]  # shm is one host only
     assert _auto.candidates(facts(loads=())) == ["object_store"]  # nixl prepared, not loadable here
+    # A node-local path of someone else's is one host only too: capabilities, not names.
+    mine = Facts(MiB, False, False, frozenset({"mine", "tcp"}), frozenset({"mine", "tcp"}), None, frozenset({"mine"}))
+    assert _auto.candidates(mine) == ["tcp", "object_store"]
+    assert _auto.candidates(dataclasses.replace(mine, same_node=True)) == ["mine", "tcp", "object_store"]
     assert _auto.candidates(facts(prepared=("shm",), group="gloo")) == ["gloo", "object_store"]
     assert _auto.candidates(facts(gpu=True, same_node=True, prepared=("cuda_ipc",), loads=())) == ["object_store"]
 
@@ -95,9 +103,9 @@ def test_loadability_is_asked_only_of_a_winner_that_needs_it():
         return name != "nixl"  # prepared by the producer, but this process cannot load it
 
     same_node = facts(same_node=True)
-    assert _auto.choose_checked(same_node, loads).transport == "shm" and asked == []  # no import for shm
+    assert _auto.choose_checked(same_node, loads).transport == "shm" and asked == ["shm"]  # not nixl: an import
     other = _auto.choose_checked(facts(), loads)
-    assert (other.transport, asked) == ("object_store", ["nixl"])
+    assert (other.transport, asked) == ("object_store", ["shm", "nixl"])
     assert set(other.estimates) == {"object_store"}
 
 

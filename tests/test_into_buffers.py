@@ -21,7 +21,8 @@ import ray
 import torch
 
 import rdt_async as rdt
-from rdt_async.transports._base import TensorSpec, landing_buffers
+from rdt_async.transports._base import TensorSpec
+from rdt_async.transports._kit import landing_buffers
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

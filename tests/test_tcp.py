@@ -247,7 +247,7 @@ def test_a_send_to_a_host_that_vanished_gives_up_and_lets_the_tensors_go(monkeyp
     import sys
     import weakref
 
-    from rdt_async._hosts import Hosts
+    from rdt_async.bench._hosts import Hosts
 
     why = Hosts.unavailable()
     if why:

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         _auto.cost_table(False)  # a bad RDT_AUTO_COSTS says so now, not in every auto pass
     except ValueError as e:
         raise SystemExit(str(e)) from e
-    from .._hosts import ray_cluster
+    from ._hosts import ray_cluster
 
     rows: list[dict[str, Any]] = []
     others = [b for b in OTHERS if want(b)]

@@ -339,7 +339,7 @@ def run(
     not a path run early against one run late on a machine that has changed meanwhile;
     the paths in ALONE, whose idle actors burn CPU, run by themselves afterwards.
     Fan-out runs path by path (8 consumers of every path at once would not fit 2 cores).
-    `hosts=2`: the consumers run on the second host (see _hosts.ray_cluster). Each row's
+    `hosts=2`: the consumers run on the second host (see bench/_hosts.py: ray_cluster). Each row's
     `loop_stall_ms` is the worst stall of the consumers' loops while the warm passes'
     values arrived (None where the consumer is a sync actor: Ray's RDT paths).
     """

@@ -1,1 +1,1 @@
-"""Transports: the interface in `_base`, one module per transport, names in `_registry`."""
+"""Transports: the interface in `_base`, a toolkit for writing one in `_kit`, one module per transport, names in `_registry`."""

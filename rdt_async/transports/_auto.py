@@ -20,6 +20,8 @@ import os
 import statistics
 from collections.abc import Callable, Iterable, Mapping
 
+from ._registry import FALLBACK
+
 GiB = 1 << 30
 
 
@@ -71,6 +73,8 @@ class Facts:
     prepared: frozenset[str]  # transports the producer prepared the object for
     loads_here: frozenset[str]  # of those, the ones this process can use (see choose_checked)
     group: str | None = None  # backend of a usable group both ends are in
+    node_local: frozenset[str] = frozenset()  # of `prepared`, those that reach one node only
+    in_ref: frozenset[str] = frozenset()  # of `prepared`, those whose bytes came with the ref
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,26 +94,22 @@ class Choice:
 
 
 def candidates(f: Facts) -> list[str]:
-    """Every transport both ends can use for this object (object_store always can)."""
-    out = []
-    if "shm" in f.prepared and f.same_node and not f.gpu:
-        out.append("shm")
-    if "cuda_ipc" in f.prepared and f.same_node and "cuda_ipc" in f.loads_here:
-        out.append("cuda_ipc")
-    if "nixl" in f.prepared and "nixl" in f.loads_here:
-        out.append("nixl")
-    if "tcp" in f.prepared and not f.gpu:
-        out.append("tcp")
+    """Every transport both ends can use for this object: what the producer prepared that
+    loads here (node-local ones on its node only, first), a shared group, and the object
+    store, which always can."""
+    usable = [n for n in f.prepared & f.loads_here if f.same_node or n not in f.node_local]
+    out = sorted(usable, key=lambda n: (n not in f.node_local, n))
     if f.group is not None:
         out.append(f.group)
-    out.append("object_store")
+    out.append(FALLBACK)
     return out
 
 
 def choose(f: Facts, costs: Mapping[str, Cost] | None = None) -> Choice:
     """The candidate expected to finish first; ties go to the earlier one in `candidates`."""
-    if "inline" in f.prepared:
-        return Choice("inline", "small: the bytes came with the ref")
+    carried = sorted(f.prepared & f.in_ref)
+    if carried:
+        return Choice(carried[0], "small: the bytes came with the ref")
     table = costs if costs is not None else cost_table(f.gpu)
     where = "node" if f.same_node else "hosts"
     estimates = {}
@@ -118,7 +118,7 @@ def choose(f: Facts, costs: Mapping[str, Cost] | None = None) -> Choice:
         if cost is not None:
             estimates[name] = cost.seconds(f.nbytes)
     if not estimates:
-        return Choice("object_store", f"no cost known for {candidates(f)} ({where}): the object store always works")
+        return Choice(FALLBACK, f"no cost known for {candidates(f)} ({where}): the object store always works")
     best = min(estimates, key=lambda n: estimates[n])
     ranked = " < ".join(f"{n} {estimates[n] * 1e3:.3g} ms" for n in sorted(estimates, key=lambda n: estimates[n]))
     place = "this node" if f.same_node else "another node"

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import functools
 import math
-import os
-from collections.abc import Generator, Iterable, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Generic, Protocol, TypeVar
+from typing import Any, ClassVar, Generic, Literal, Protocol, TypeVar
 
 import torch
 
-from .. import _alloc, _io
+from .. import _io
 from .._errors import RDTError, TransferError, TransportUnavailableError
 
 M = TypeVar("M")
@@ -146,6 +146,34 @@ class NoChannel:
 NO_CHANNEL = NoChannel()
 
 
+class Keeper(Protocol):
+    """The producer's store, as a transport that answers requests itself (a listener of its
+    own: tcp, ucxx) serves from it.
+
+    The core hands it to every transport it drives (`Transport.store`), as it hands
+    `receive` a Channel; a transport never imports the core's store.
+    """
+
+    def serving(
+        self, obj_id: str, kept: dict[str, list[torch.Tensor]]
+    ) -> contextlib.AbstractContextManager[list[torch.Tensor] | None]:
+        """Yield the tensors the transport `kept` for `obj_id`, the object held until the
+        block ends (a free meanwhile waits for the send), or None if it was freed."""
+        ...
+
+
+class NoStore:
+    """The store of a transport driven outside the core (a test, a benchmark): what the
+    transport kept is served as it stands."""
+
+    @contextlib.contextmanager
+    def serving(self, obj_id: str, kept: dict[str, list[torch.Tensor]]) -> Iterator[list[torch.Tensor] | None]:
+        yield kept.get(obj_id)
+
+
+NO_STORE = NoStore()
+
+
 # How long a cancelled fetch waits for its transport's cleanup (transports bound their own).
 SETTLE_S = 60.0
 
@@ -251,10 +279,26 @@ class Transport(abc.ABC, Generic[M]):
     devices: ClassVar[tuple[str, ...]] = ("cpu",)
     one_sided: ClassVar[bool] = True
     can_abort: ClassVar[bool] = True
-    # True if what `prepare` made reads the tensors' memory by address later, outside a
-    # send the store sees (NIXL registrations, a listener of its own): their storages
-    # then must not move while the object lives (shm moves storages into shared memory).
-    pins_memory: ClassVar[bool] = True
+    # What the core asks a transport, never its name (each a question with a default):
+    # Where a consumer may be: "node" (a process of the producer's node: shared memory,
+    # CUDA IPC, local files) or "cluster" (any process that reaches the producer). A fetch
+    # from another node of a node-local object goes through the object store, `auto` takes
+    # a node-local path on the producer's node only, and the node relay never relays one.
+    reach: ClassVar[Literal["node", "cluster"]] = "cluster"
+    # True if `prepare` puts the bytes themselves in the metadata (inline): the ref is a
+    # snapshot, the producer keeps nothing, and `auto` takes it over every other path.
+    carries_bytes: ClassVar[bool] = False
+    # True if objects move over a collective group whose backend is the transport's name
+    # (gloo, nccl): a producer in no such group is refused, and a consumer outside the
+    # producer's groups reads through the object store.
+    needs_group: ClassVar[bool] = False
+    # True if `receive` lands the bytes straight in `buffers` when given, and a cancelled
+    # receive returns at once and never writes them afterwards (tcp): the node relay's
+    # first consumer then reads into the memory it hands the others, with no copy.
+    fills_buffers: ClassVar[bool] = False
+    # The producer's store, handed in by the core when it creates the transport (NO_STORE
+    # where it is driven alone): a transport that serves requests itself serves from it.
+    store: Keeper = NO_STORE
     # Bytes above which the producer prepares off the caller's loop.
     inline_prepare_bytes: ClassVar[int] = 1 << 20
     # True if `receive` writes into caller buffers on any of `devices`, whatever device
@@ -266,6 +310,15 @@ class Transport(abc.ABC, Generic[M]):
     def unavailable_reason(cls) -> str | None:
         """Return why this transport cannot be used in this process, or None."""
         return None
+
+    @classmethod
+    def exports_here(cls) -> bool:
+        """Say whether this process's tensors can be prepared (exported) for this transport.
+
+        Runs on: producer, once per process, before `auto` plans an object over it.
+        Default: whether the transport is available here (`unavailable_reason`).
+        """
+        return cls.unavailable_reason() is None
 
     def warm_up(self) -> None:
         """Load native libraries and create this process's state now (blocking).
@@ -300,6 +353,14 @@ class Transport(abc.ABC, Generic[M]):
         Runs on: producer.
         """
         return None  # type: ignore[return-value]
+
+    def prepare_lazily(self, obj_id: str, tensors: Sequence[torch.Tensor]) -> M:
+        """`prepare`, leaving costly work (a copy) to the first consumer that asks for it.
+
+        Runs on: producer, where `auto` prepares the object for other nodes as well, from an
+        actor that serves requests: most consumers may never take this path. Default: `prepare`.
+        """
+        return self.prepare(obj_id, tensors)
 
     def receive_nowait(self, info: TransferInfo[M], buffers: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
         """Return the tensors at once if that cannot block (tiny local copies), else None.
@@ -370,84 +431,6 @@ class Transport(abc.ABC, Generic[M]):
         return None
 
 
-def pid_alive(pid: int) -> bool:
-    """Say whether process `pid` of this node may be alive (one owned by another user counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a killed process stays a zombie until its parent reaps it: dead all the same
-        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
-        try:
-            stat = os.read(fd, 4096)
-        finally:
-            os.close(fd)
-        return stat.rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
-    except (OSError, IndexError):
-        return True  # no /proc (not Linux): the signal's answer stands
-
-
-def aligned_layout(sizes: Iterable[int], align: int = 64) -> tuple[list[int], int]:
-    """Offsets of blocks of `sizes` bytes laid end to end, each starting at a multiple of
-    `align`, and the bytes they span in all."""
-    offsets, end = [], 0
-    for n in sizes:
-        offsets.append(end)
-        end += -(-n // align) * align
-    return offsets, end
-
-
-def view_in(buffer: Any, spec: TensorSpec, offset: int) -> torch.Tensor:
-    """A tensor of `spec` over `buffer` (an mmap) from byte `offset`, sharing its memory;
-    a new empty one where it has no elements or there is no buffer."""
-    numel = math.prod(spec.shape)
-    if numel == 0 or buffer is None:
-        return torch.empty(spec.shape, dtype=spec.dtype)
-    return torch.frombuffer(buffer, dtype=spec.dtype, count=numel, offset=offset).view(spec.shape)
-
-
-def copy_into(buffers: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Copy each source into its buffer (a blocking call: run it in the pool)."""
-    for dst, src in zip(buffers, sources):
-        dst.copy_(src)
-    return list(buffers)
-
-
-def local_device(device: str) -> torch.device:
-    """Where a fetched tensor produced on `device` lands here: the same device where this
-    process has it, else its current CUDA device, or the CPU in a process without CUDA."""
-    d = torch.device(device)
-    if d.type != "cuda":
-        return d
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    if d.index is None or d.index >= torch.cuda.device_count():
-        return torch.device("cuda", torch.cuda.current_device())
-    return d
-
-
-def or_none(buffers: Sequence[torch.Tensor | None] | None, n: int) -> Sequence[torch.Tensor | None]:
-    """The caller's `into=` buffers, or None for each of the `n` tensors."""
-    return buffers if buffers else [None] * n
-
-
-def int_setting(env: str, default: int, minimum: int, meaning: str) -> int:
-    """The integer environment variable `env` (`default` if unset), at least `minimum`.
-
-    Raises: ValueError naming the variable and `meaning` (what to give) otherwise.
-    """
-    raw = os.environ.get(env, str(default))
-    try:
-        value = int(raw)
-    except ValueError:
-        value = minimum - 1
-    if value < minimum:
-        raise ValueError(f"{env}={raw!r}: give {meaning}")
-    return value
-
-
 class Unreachable(ConnectionError):
     """Raised by `receive` where the producer cannot be reached at the address its metadata
     names (no route, refused, no answer to a connect), before anything was transferred.
@@ -457,30 +440,3 @@ class Unreachable(ConnectionError):
     """
 
     says_its_cause = True  # its message repeats the native error: shown errors skip it (_errors.one_chain)
-
-
-def landing_buffers(
-    specs: Sequence[TensorSpec], buffers: Sequence[torch.Tensor | None] | None, device: str = "cpu"
-) -> list[torch.Tensor]:
-    """Return where each tensor of a receive lands.
-
-    The caller's buffer where it is contiguous and on `device` (a native library handed
-    memory of another device would fault or fail mid-transfer), else a fresh one (from
-    the reuse cache on CPU): `delivered` copies it over. Runs on: consumer.
-    """
-    given = or_none(buffers, len(specs))
-    kind = torch.device(device).type
-    return [
-        b if b is not None and b.is_contiguous() and b.device.type == kind else _alloc.empty(s.shape, s.dtype, device)
-        for b, s in zip(given, specs)
-    ]
-
-
-def delivered(buffers: list[torch.Tensor] | None, landed: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Return the caller's buffers, filled from where they did not land, or `landed`."""
-    if buffers is None:
-        return landed
-    for b, d in zip(buffers, landed):
-        if b is not d:
-            b.copy_(d)
-    return list(buffers)

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import torch
 
 from .._errors import TransportUnavailableError
-from ._base import Transport
+from ._base import NO_STORE, Keeper, Transport
 
 # name -> "module:Class", imported on first use so that optional backends stay unloaded.
 BUILTIN: dict[str, str] = {
@@ -37,6 +37,8 @@ BUILTIN: dict[str, str] = {
     "nccl": "rdt_async.transports.gloo:NcclTransport",
 }
 AUTO = "auto"
+# The path that always works, where a chosen one cannot reach the consumer (Ray's object store).
+FALLBACK = "object_store"
 # Names no registration may take: the built-ins, shipped or planned (compared case-blind).
 RESERVED = frozenset({AUTO, "inline", "shm", "object_store", "nixl", "cuda_ipc", "ucxx", "tcp", "gloo", "nccl"})
 ENTRY_POINT_GROUP = "rdt_async.transports"
@@ -67,6 +69,16 @@ _instances: dict[str, Transport[Any]] = {}
 _registrations: dict[str, Registration] = {}
 _resolver: Resolver | None = None
 _publisher: Publisher | None = None
+_store: Keeper = NO_STORE
+
+
+def hand_store(store: Keeper) -> None:
+    """Hand every transport this process creates the producer's store (the core does, at import)."""
+    global _store
+    with _lock:
+        _store = store
+        for inst in _instances.values():
+            inst.store = store
 
 
 def set_cluster_hooks(*, resolve: Resolver, publish: Publisher) -> None:
@@ -188,6 +200,7 @@ def get(name: str) -> Transport[Any]:
                 raise TransportUnavailableError(
                     f"transport {name!r} could not be created: {type(exc).__name__}: {exc}"
                 ) from exc
+            inst.store = _store
             _instances[name] = inst
         return inst
 
@@ -205,6 +218,17 @@ def available() -> dict[str, bool | str]:
 
 
 # -- lookup: this process, the built-ins, the cluster, installed packages -----------------
+
+
+def known_class(name: str) -> type[Transport[Any]] | None:
+    """The class of a built-in transport, or of one registered in this process, else None.
+
+    Asks no other process and scans no package: for names that came from another process
+    (an object's metadata), which only transports this process knows may answer for.
+    """
+    if isinstance(name, str) and (name in _classes or name in BUILTIN):
+        return _lookup(name)
+    return None
 
 
 def _lookup(name: str) -> type[Transport[Any]] | None:

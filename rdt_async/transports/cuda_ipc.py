@@ -47,8 +47,10 @@ import torch
 
 from .. import _cuda, _io
 from .._errors import ObjectFreedError, PeerDiedError, TransferError, TransportUnavailableError
+from .._local import pid_alive
 from . import _cudadrv, _segments, shm
-from ._base import MAX_SPEC_BYTES, Channel, TransferInfo, Transport, or_none, pid_alive
+from ._base import MAX_SPEC_BYTES, Channel, TransferInfo, Transport
+from ._kit import or_none
 
 SLOTS_PER_TABLE = 1024
 TOKEN_END = 1 << 62  # tokens are 1 .. TOKEN_END
@@ -138,6 +140,7 @@ class CudaIpcTransport(Transport[CudaIpcMeta]):
     name = "cuda_ipc"
     devices = ("cuda",)
     one_sided = True
+    reach = "node"
     inline_prepare_bytes = 1 << 62  # an export copies nothing: never worth a thread hop
 
     def __init__(self) -> None:
@@ -148,8 +151,8 @@ class CudaIpcTransport(Transport[CudaIpcMeta]):
         self._mapped: OrderedDict[str, _Table] = OrderedDict()  # the consumer's view of producers' tables
         self._streams: dict[int, torch.cuda.Stream] = {}
 
-    @staticmethod
-    def exports_here() -> bool:
+    @classmethod
+    def exports_here(cls) -> bool:
         """Say whether this process's tensors can be exported: CUDA, and cudaMalloc'd memory.
 
         PyTorch's expandable segments and cudaMallocAsync allocate memory that CUDA IPC

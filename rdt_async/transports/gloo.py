@@ -44,7 +44,8 @@ from .._errors import CollectiveGroupError, ObjectFreedError, PeerDiedError, RDT
 from .._membership import TAG_LIMIT as TAG_LIMIT
 from .._membership import Group as Group
 from .._membership import groups as groups
-from ._base import Channel, TransferInfo, Transport, check_specs, delivered, landing_buffers
+from ._base import Channel, TransferInfo, Transport, check_specs
+from ._kit import delivered, landing_buffers
 from ._kvstore import KV, KVStore, StoreClosedError
 
 HELD, FREED, MISMATCH = 1, 2, 3  # the status message that comes before an object's tensors
@@ -185,7 +186,7 @@ class GlooTransport(Transport[GlooMeta]):
     devices: ClassVar[tuple[str, ...]] = ("cpu",)
     matches_in_order = False  # Gloo matches a send to its receive by tag
     one_sided = False
-    pins_memory = False
+    needs_group = True  # a group of backend `name` both ends are in
     can_abort = False
 
     @classmethod

@@ -27,7 +27,7 @@ class InlineTransport(Transport[tuple[bytes, ...]]):
     name = "inline"
     devices = ("cpu",)
     one_sided = True
-    pins_memory = False
+    carries_bytes = True
 
     def check_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
         super().check_tensors(tensors)

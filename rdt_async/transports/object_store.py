@@ -16,7 +16,8 @@ import torch
 
 from .. import _cuda, _io
 from .._errors import TransferError
-from ._base import Channel, TensorSpec, TransferInfo, Transport, local_device
+from ._base import Channel, TensorSpec, TransferInfo, Transport
+from ._kit import local_device
 
 
 class ObjectStoreTransport(Transport[None]):
@@ -25,7 +26,6 @@ class ObjectStoreTransport(Transport[None]):
     name = "object_store"
     devices = ("cpu", "cuda")
     one_sided = False
-    pins_memory = False
 
     async def send_multiple_tensors(
         self, obj_id: str, tensors: Sequence[torch.Tensor], meta: None, request: Any

@@ -53,6 +53,7 @@ import torch
 
 from .. import _io
 from .._errors import ObjectFreedError, PeerDiedError, RDTError, TransferError, TransportUnavailableError
+from .._local import aligned_layout, copy_into, pid_alive, view_in
 from . import _mappings, _segments
 from ._base import (
     MAX_SPEC_BYTES,
@@ -60,10 +61,6 @@ from ._base import (
     TensorSpec,
     TransferInfo,
     Transport,
-    aligned_layout,
-    copy_into,
-    pid_alive,
-    view_in,
 )
 
 log = logging.getLogger("rdt_async")
@@ -158,7 +155,7 @@ class ShmTransport(Transport[ShmMeta]):
     name = "shm"
     devices = ("cpu",)
     one_sided = True
-    pins_memory = False
+    reach = "node"
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -172,6 +169,7 @@ class ShmTransport(Transport[ShmMeta]):
         return ObjectFreedError if isinstance(exc, FileNotFoundError) else None
 
     def prepare(self, obj_id: str, tensors: Sequence[torch.Tensor]) -> ShmMeta:
+        note_returned(tensors)
         return self._prepare(obj_id, tensors, [_shared(t) for t in tensors])
 
     def _prepare(self, obj_id: str, tensors: Sequence[torch.Tensor], found: list[Shared | None]) -> ShmMeta:
@@ -193,6 +191,7 @@ class ShmTransport(Transport[ShmMeta]):
         (`auto` on a cluster of several): a copy no consumer of this node maps would cost
         every export for nothing. Shared storages are named now, as by `prepare`.
         """
+        note_returned(tensors)
         found = [_shared(t) for t in tensors]
         if all(not t.numel() or sh is not None for t, sh in zip(tensors, found)):
             return self._prepare(obj_id, tensors, found)  # nothing to copy
@@ -634,16 +633,6 @@ def _no_room(size: int, exc: OSError) -> TransportUnavailableError:
         "tensor_transport='object_store'"
     )
 
-
-_said_no_room = False
-
-
-def say_no_room(exc: TransportUnavailableError, then: str) -> None:
-    """Log, once per process, that `auto` found no room in /dev/shm (`exc`) and what it does `then`."""
-    global _said_no_room
-    if not _said_no_room:
-        _said_no_room = True
-        log.warning("rdt_async: auto: %s; %s", exc, then)
 
 
 def note_returned(tensors: Sequence[torch.Tensor]) -> None:

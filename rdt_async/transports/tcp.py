@@ -49,7 +49,15 @@ import torch
 from .. import _io
 from .._errors import ObjectFreedError, PeerDiedError, RDTError, TransferError
 from . import _net, _segments
-from ._base import Channel, TransferInfo, Transport, Unreachable, delivered, int_setting, landing_buffers
+from ._base import (
+    NO_STORE,
+    Channel,
+    Keeper,
+    TransferInfo,
+    Transport,
+    Unreachable,
+)
+from ._kit import delivered, int_setting, landing_buffers
 
 MAGIC = b"RDT1"
 HELD, FREED = b"\x01", b"\x02"
@@ -144,6 +152,7 @@ class _Server:
         self.sock, where = _net.tcp_listener(HOST_ENV, "transport 'tcp'")
         self.meta = TcpMeta(where.host, self.sock.getsockname()[1], self.token)
         self.pid = os.getpid()
+        self.store: Keeper = NO_STORE  # the producer's, from the transport that listens
         threading.Thread(target=self._accept, name="rdt-tcp-accept", daemon=True).start()
 
     def _accept(self) -> None:
@@ -163,13 +172,13 @@ class _Server:
                     return  # not one of our consumers
                 conn.settimeout(None)
                 _tune(conn)
-                while _answer(conn):
+                while _answer(conn, self.store):
                     pass
             except OSError:
                 return  # the consumer closed, cancelled or died
 
 
-def _answer(conn: socket.socket) -> bool:
+def _answer(conn: socket.socket, store: Keeper) -> bool:
     """Serve one request on `conn`; False at the consumer's orderly close."""
     try:
         head = _recv_exact(conn, _HEAD.size)
@@ -181,8 +190,6 @@ def _answer(conn: socket.socket) -> bool:
     body = _recv_exact(conn, id_len + nparts * _PART.size)
     obj_id = body[:id_len].decode()
     parts = list(_PART.iter_unpack(body[id_len:]))
-    from .._store import store
-
     with store.serving(obj_id, _objects) as tensors:  # held until sent: see Store.serving
         if tensors is None:
             conn.sendall(FREED)
@@ -210,11 +217,14 @@ _server: _Server | None = None
 _server_lock = threading.Lock()
 
 
-def _listening() -> _Server:
+def _listening(store: Keeper | None = None) -> _Server:
+    """This process's listener, serving from `store` from now on where given."""
     global _server
     with _server_lock:
         if _server is None or _server.pid != os.getpid():
             _server = _Server()
+        if store is not None:
+            _server.store = store
         return _server
 
 
@@ -415,6 +425,7 @@ class TcpTransport(Transport[TcpMeta]):
     name = "tcp"
     devices = ("cpu",)
     one_sided = True  # no Ray call: the request travels to the producer's listener
+    fills_buffers = True  # straight into them; a cancel shuts the sockets first
 
     @classmethod
     def native_error(cls, exc: BaseException) -> type[RDTError] | None:
@@ -428,7 +439,7 @@ class TcpTransport(Transport[TcpMeta]):
         _threads()
 
     def prepare(self, obj_id: str, tensors: Sequence[torch.Tensor]) -> TcpMeta:
-        server = _listening()
+        server = _listening(self.store)
         _objects[obj_id] = [t.detach().contiguous() for t in tensors]
         return server.meta
 

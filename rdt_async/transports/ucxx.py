@@ -62,7 +62,8 @@ from .._errors import (
     TransportUnavailableError,
 )
 from . import _net, _ucx
-from ._base import Channel, TransferInfo, Transport, delivered, landing_buffers
+from ._base import NO_STORE, Channel, Keeper, TransferInfo, Transport
+from ._kit import delivered, landing_buffers
 
 INSTALL_HINT = "pip install 'rdt_async[ucxx]'"
 POLL_S = 0.0005  # progress period while requests are in flight (events also progress)
@@ -169,6 +170,7 @@ class _Worker:
         self.peers: dict[tuple[str, int], _Peer] = {}
         self.served: set[Any] = set()  # endpoints accepted by the listener
         self.sending: set[asyncio.Future[Any]] = set()  # answers in flight (the loop keeps tasks weakly)
+        self.store: Keeper = NO_STORE  # the producer's, from the transport that listens
         self.progress()
 
     # -- progress -------------------------------------------------------------
@@ -279,12 +281,10 @@ class _Worker:
     def _send(self, ep: Any, message: bytes) -> None:
         """Post the answer to a fetch request now; a task keeps it until it is sent, and
         the store holds the object until then (see Store.serving)."""
-        from .._store import store
-
         base, posted, packed, obj_id = _unpack(message)
         held = contextlib.ExitStack()
         try:
-            tensors = held.enter_context(store.serving(obj_id, _objects))
+            tensors = held.enter_context(self.store.serving(obj_id, _objects))
             self._post_answer(ep, base, posted, packed, tensors, held)
         except BaseException:
             held.close()
@@ -460,6 +460,7 @@ class UcxxTransport(Transport[UcxxMeta]):
 
     def prepare(self, obj_id: str, tensors: Sequence[torch.Tensor]) -> UcxxMeta:
         w = _worker_blocking()
+        w.store = self.store
         address = _io.submit(_listen(w)).result() if w.address is None else w.address
         _objects[obj_id] = [t.detach().contiguous() for t in tensors]
         return address

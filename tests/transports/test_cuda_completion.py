@@ -83,7 +83,7 @@ def test_settle_blocks_until_this_threads_work_has_run():
 
 
 def test_fetched_tensors_land_on_a_device_this_process_has():
-    from rdt_async.transports._base import local_device
+    from rdt_async.transports._kit import local_device
 
     assert local_device("cuda:0") == torch.device("cuda", 0)
     n = torch.cuda.device_count()

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 from ... import _io
 from ..._errors import TransportUnavailableError
-from .._base import int_setting
+from .._kit import int_setting
 
 T = TypeVar("T")
 

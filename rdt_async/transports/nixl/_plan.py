@@ -17,7 +17,9 @@ from typing import Any
 import torch
 
 from ... import _alloc
-from .._base import TransferInfo, aligned_layout, copy_into, local_device
+from ..._local import aligned_layout, copy_into
+from .._base import TransferInfo
+from .._kit import local_device
 from ._agent import Agent
 from ._liveness import check_slot
 from ._memory import Key, Registrations, dev_index, mem_type

@@ -22,8 +22,9 @@ import torch
 
 from ... import _cuda, _io
 from ..._errors import BackendError, ObjectFreedError, PeerDiedError, RDTError, TransportUnavailableError
+from ..._local import copy_into, pid_alive
 from .. import _ucx
-from .._base import Channel, TransferInfo, Transport, copy_into, pid_alive
+from .._base import Channel, TransferInfo, Transport
 from ._agent import Agent, import_reason
 from ._check import check
 from ._liveness import Slots

@@ -1,0 +1,76 @@
+"""A toolkit for writing transports: settings, devices, and where a receive lands.
+
+None of it is the interface (`_base.py`): a transport may use it or not. What the core
+uses as well (process liveness, byte layouts, views, copies) is the core's, in
+`rdt_async/_local.py`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+from .. import _alloc
+from ._base import TensorSpec
+
+
+def local_device(device: str) -> torch.device:
+    """Where a fetched tensor produced on `device` lands here: the same device where this
+    process has it, else its current CUDA device, or the CPU in a process without CUDA."""
+    d = torch.device(device)
+    if d.type != "cuda":
+        return d
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    if d.index is None or d.index >= torch.cuda.device_count():
+        return torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
+def or_none(buffers: Sequence[torch.Tensor | None] | None, n: int) -> Sequence[torch.Tensor | None]:
+    """The caller's `into=` buffers, or None for each of the `n` tensors."""
+    return buffers if buffers else [None] * n
+
+
+def int_setting(env: str, default: int, minimum: int, meaning: str) -> int:
+    """The integer environment variable `env` (`default` if unset), at least `minimum`.
+
+    Raises: ValueError naming the variable and `meaning` (what to give) otherwise.
+    """
+    raw = os.environ.get(env, str(default))
+    try:
+        value = int(raw)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise ValueError(f"{env}={raw!r}: give {meaning}")
+    return value
+
+
+def landing_buffers(
+    specs: Sequence[TensorSpec], buffers: Sequence[torch.Tensor | None] | None, device: str = "cpu"
+) -> list[torch.Tensor]:
+    """Return where each tensor of a receive lands.
+
+    The caller's buffer where it is contiguous and on `device` (a native library handed
+    memory of another device would fault or fail mid-transfer), else a fresh one (from
+    the reuse cache on CPU): `delivered` copies it over. Runs on: consumer.
+    """
+    given = or_none(buffers, len(specs))
+    kind = torch.device(device).type
+    return [
+        b if b is not None and b.is_contiguous() and b.device.type == kind else _alloc.empty(s.shape, s.dtype, device)
+        for b, s in zip(given, specs)
+    ]
+
+
+def delivered(buffers: list[torch.Tensor] | None, landed: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Return the caller's buffers, filled from where they did not land, or `landed`."""
+    if buffers is None:
+        return landed
+    for b, d in zip(buffers, landed):
+        if b is not d:
+            b.copy_(d)
+    return list(buffers)
