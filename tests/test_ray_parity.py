@@ -1,0 +1,136 @@
+"""What a user of Ray's RDT does, done here (issue 32): each test is the Ray scenario,
+ported as a migrating user would write it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+
+import pytest
+import ray
+import torch
+from conftest import wait_until
+
+import rdt_async as rdt
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+tensordict = pytest.importorskip("tensordict")  # an optional test dependency (pip install tensordict)
+TensorDict = tensordict.TensorDict
+
+N = 1 << 18  # float32 elements: 1 MiB a tensor
+
+Pair = collections.namedtuple("Pair", "obs act")
+
+
+@dataclasses.dataclass
+class Step:
+    obs: torch.Tensor
+    reward: float
+
+
+class Holder:
+    """A user's own class holding a tensor (not a dataclass): pickled with its tensor left out."""
+
+    def __init__(self, t: torch.Tensor, note: str) -> None:
+        self.t = t
+        self.note = note
+
+
+class Locked:
+    """Holds a tensor and something no pickler can take."""
+
+    def __init__(self) -> None:
+        self.t = torch.ones(2)
+        self.lock = threading.Lock()
+
+
+def batch(n: int) -> TensorDict:
+    return TensorDict(
+        {"obs": torch.arange(n, dtype=torch.float32), "nested": {"act": torch.full((n, 2), 2.0)}}, batch_size=[n]
+    )
+
+
+@rdt.remote
+class Sender:
+    def __init__(self) -> None:
+        import tensordict  # noqa: F401  (its first import holds the GIL ~3 s: not during a call)
+
+    @rdt.method(tensor_transport="nixl")
+    def td_nixl(self, n: int) -> TensorDict:
+        return batch(n)
+
+    @rdt.method(tensor_transport="shm")
+    def td_shm(self, n: int) -> TensorDict:
+        return batch(n)
+
+    @rdt.method(tensor_transport="nixl")
+    def containers(self, n: int):
+        t = torch.arange(n, dtype=torch.float32)
+        return {"pair": Pair(t, t + 1), "step": Step(t * 2, 0.5), "mine": Holder(t * 3, "x"), "set": {7}}
+
+    @rdt.method(tensor_transport="nixl")
+    def locked(self):
+        return {"x": Locked()}
+
+    def held(self) -> dict:
+        s = rdt.store_stats()
+        return {"objects": s["objects"], "bytes": s["bytes"]}
+
+
+@rdt.remote
+class Receiver:
+    def __init__(self) -> None:
+        import tensordict  # noqa: F401
+
+    async def sums(self, td):
+        return type(td).__name__, list(td.batch_size), td["obs"].sum().item(), td["nested", "act"].sum().item()
+
+
+@pytest.fixture(scope="module")
+def pair():
+    s, r = Sender.remote(), Receiver.remote()
+    ray.get([s.held.remote(), r.sums.remote(batch(2))])
+    yield s, r
+    for a in (s, r):
+        ray.kill(a)
+
+
+@pytest.mark.parametrize("method", ["td_nixl", "td_shm"])
+def test_a_tensordict_s_tensors_ride_the_transport_and_stay_with_the_producer(pair, method):
+    s, r = pair
+    ref = getattr(s, method).remote(N)
+    obj = ray.get(ref)
+    transport = method.split("_")[1]
+    assert f"2 tensor(s) [float32[{N}]@cpu, float32[{N}, 2]@cpu], {3 * 4 * N} bytes, transport={transport}" in repr(obj)
+    assert ray.get(s.held.remote()) == {"objects": 1, "bytes": 3 * 4 * N}
+    assert ray.get(r.sums.remote(ref)) == ("TensorDict", [N], float(N * (N - 1) // 2), 4.0 * N)
+    td = rdt.get(ref)
+    assert isinstance(td, TensorDict) and td.batch_size == torch.Size([N])
+    assert torch.equal(td["obs"], torch.arange(N, dtype=torch.float32))
+    assert torch.equal(td["nested", "act"], torch.full((N, 2), 2.0))
+    del ref, obj, td
+    wait_until(lambda: ray.get(s.held.remote())["objects"] == 0, 10)
+
+
+def test_named_tuples_dataclasses_sets_and_a_user_s_class_are_unpacked(pair):
+    s, _ = pair
+    ref = s.containers.remote(8)
+    assert "4 tensor(s)" in repr(ray.get(ref))
+    out = rdt.get(ref)
+    t = torch.arange(8, dtype=torch.float32)
+    assert isinstance(out["pair"], Pair) and torch.equal(out["pair"].act, t + 1)
+    assert isinstance(out["step"], Step) and out["step"].reward == 0.5 and torch.equal(out["step"].obs, t * 2)
+    assert isinstance(out["mine"], Holder) and out["mine"].note == "x" and torch.equal(out["mine"].t, t * 3)
+    assert out["set"] == {7}
+
+
+def test_a_container_whose_tensors_cannot_be_taken_out_is_refused_naming_the_fix(pair):
+    s, _ = pair
+    with pytest.raises(ray.exceptions.RayTaskError) as info:
+        ray.get(s.locked.remote())
+    assert isinstance(info.value.cause, TypeError)
+    assert "the value holds a Locked with tensors that cannot be pickled" in str(info.value.cause)
+    assert "return them in a dict, list, tuple, named tuple or dataclass instead" in str(info.value.cause)
