@@ -17,8 +17,11 @@ import rdt_async as rdt
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
-tensordict = pytest.importorskip("tensordict")  # an optional test dependency (pip install tensordict)
-TensorDict = tensordict.TensorDict
+try:
+    from tensordict import TensorDict  # an optional test dependency (pip install tensordict)
+except ImportError:
+    TensorDict = None
+needs_tensordict = pytest.mark.skipif(TensorDict is None, reason="tensordict is not installed: pip install tensordict")
 
 N = 1 << 18  # float32 elements: 1 MiB a tensor
 
@@ -47,7 +50,7 @@ class Locked:
         self.lock = threading.Lock()
 
 
-def batch(n: int) -> TensorDict:
+def batch(n: int):
     return TensorDict(
         {"obs": torch.arange(n, dtype=torch.float32), "nested": {"act": torch.full((n, 2), 2.0)}}, batch_size=[n]
     )
@@ -56,14 +59,15 @@ def batch(n: int) -> TensorDict:
 @rdt.remote
 class Sender:
     def __init__(self) -> None:
-        import tensordict  # noqa: F401  (its first import holds the GIL ~3 s: not during a call)
+        if TensorDict is not None:  # its first import holds the GIL ~3 s: not during a call
+            import tensordict  # noqa: F401
 
     @rdt.method(tensor_transport="nixl")
-    def td_nixl(self, n: int) -> TensorDict:
+    def td_nixl(self, n: int):
         return batch(n)
 
     @rdt.method(tensor_transport="shm")
-    def td_shm(self, n: int) -> TensorDict:
+    def td_shm(self, n: int):
         return batch(n)
 
     @rdt.method(tensor_transport="nixl")
@@ -75,6 +79,17 @@ class Sender:
     def locked(self):
         return {"x": Locked()}
 
+    @rdt.method(tensor_transport="nixl")
+    def weights(self, n: int, *, scale: float = 1.0) -> torch.Tensor:
+        return torch.full((n,), scale)
+
+    @rdt.method(tensor_transport="nixl", num_returns=2)
+    def two(self, n: int):
+        return torch.ones(n), torch.zeros(n)
+
+    def plain(self) -> torch.Tensor:
+        return torch.ones(2)
+
     def held(self) -> dict:
         s = rdt.store_stats()
         return {"objects": s["objects"], "bytes": s["bytes"]}
@@ -83,7 +98,11 @@ class Sender:
 @rdt.remote
 class Receiver:
     def __init__(self) -> None:
-        import tensordict  # noqa: F401
+        if TensorDict is not None:
+            import tensordict  # noqa: F401
+
+    async def ping(self) -> str:
+        return "pong"
 
     async def sums(self, td):
         return type(td).__name__, list(td.batch_size), td["obs"].sum().item(), td["nested", "act"].sum().item()
@@ -92,12 +111,13 @@ class Receiver:
 @pytest.fixture(scope="module")
 def pair():
     s, r = Sender.remote(), Receiver.remote()
-    ray.get([s.held.remote(), r.sums.remote(batch(2))])
+    ray.get([s.held.remote(), r.ping.remote()])
     yield s, r
     for a in (s, r):
         ray.kill(a)
 
 
+@needs_tensordict
 @pytest.mark.parametrize("method", ["td_nixl", "td_shm"])
 def test_a_tensordict_s_tensors_ride_the_transport_and_stay_with_the_producer(pair, method):
     s, r = pair
@@ -134,3 +154,63 @@ def test_a_container_whose_tensors_cannot_be_taken_out_is_refused_naming_the_fix
     assert isinstance(info.value.cause, TypeError)
     assert "the value holds a Locked with tensors that cannot be pickled" in str(info.value.cause)
     assert "return them in a dict, list, tuple, named tuple or dataclass instead" in str(info.value.cause)
+
+
+@ray.remote
+class PlainCaller:
+    """A plain Ray actor that was handed an rdt actor: its per-call choice reaches rdt_async too."""
+
+    def call(self, sender, transport):
+        obj = ray.get(sender.weights.options(tensor_transport=transport).remote(4, scale=3.0))
+        return obj.transport, rdt.get(obj).tolist()
+
+
+@pytest.mark.parametrize("transport", ["shm", "object_store", "tcp"])
+def test_a_call_picks_its_transport_as_with_ray_options(pair, transport):
+    s, _ = pair
+    ref = s.weights.options(tensor_transport=transport).remote(N, scale=2.0)
+    obj = ray.get(ref)
+    assert obj.transport == transport and f"transport={transport}," in repr(obj)
+    assert ray.get(s.held.remote())["bytes"] >= 4 * N  # kept by the producer, as with its own transport
+    assert torch.equal(rdt.get(ref), torch.full((N,), 2.0))
+    assert ray.get(s.weights.remote(4)).transport == "nixl"  # the next call: the method's own again
+    del ref, obj
+    wait_until(lambda: ray.get(s.held.remote())["objects"] == 0, 10)
+
+
+def test_a_per_call_transport_holds_for_every_return_and_from_any_caller(pair):
+    s, _ = pair
+    a, b = s.two.options(tensor_transport="shm", num_returns=2).remote(8)
+    assert [ray.get(a).transport, ray.get(b).transport] == ["shm", "shm"]
+    assert rdt.get(a).sum().item() == 8.0 and rdt.get(b).sum().item() == 0.0
+    caller = PlainCaller.remote()
+    assert ray.get(caller.call.remote(s, "object_store")) == ("object_store", [3.0] * 4)
+    ray.kill(caller)
+
+
+def test_a_per_call_transport_that_rdt_async_cannot_honour_is_refused_at_the_call(pair):
+    s, _ = pair
+    with pytest.raises(TypeError, match=r"plain.options\(tensor_transport='nixl'\): plain is not an @rdt.method"):
+        s.plain.options(tensor_transport="nixl")
+    with pytest.raises(ValueError, match=r"unknown tensor_transport 'carrier-pigeon'; available: .*nixl"):
+        s.weights.options(tensor_transport="carrier-pigeon")
+
+
+def test_what_would_hand_transfers_to_ray_s_own_rdt_is_refused_at_decoration():
+    class Both:
+        @rdt.method
+        def w(self):
+            return torch.ones(1)
+
+    with pytest.raises(TypeError, match=r"@rdt.remote\(enable_tensor_transport=True\) on Both would hand its transfers "
+                       r"to Ray's own RDT, bypassing rdt_async: drop the option"):
+        rdt.remote(enable_tensor_transport=True)(Both)
+
+    class RayMethod:
+        @ray.method(tensor_transport="nixl")
+        def w(self):
+            return torch.ones(1)
+
+    with pytest.raises(TypeError, match=r"RayMethod.w has @ray.method\(tensor_transport='nixl'\), which would hand its "
+                       r"return to Ray's own RDT, bypassing rdt_async: use @rdt.method\(tensor_transport='nixl'\)"):
+        rdt.remote(RayMethod)
