@@ -59,6 +59,7 @@ def batch(n: int):
 @rdt.remote
 class Sender:
     def __init__(self) -> None:
+        self.bodies = 0
         if TensorDict is not None:  # its first import holds the GIL ~3 s: not during a call
             import tensordict  # noqa: F401
 
@@ -87,6 +88,17 @@ class Sender:
     def two(self, n: int):
         return torch.ones(n), torch.zeros(n)
 
+    @rdt.method(tensor_transport="gloo")
+    def gloo_weights(self, n: int) -> torch.Tensor:
+        self.bodies += 1
+        return torch.full((n,), 5.0)
+
+    def bodies_run(self) -> int:
+        return self.bodies
+
+    def total(self, t: torch.Tensor) -> float:  # a ref this actor made, passed back to it
+        return t.sum().item()
+
     def plain(self) -> torch.Tensor:
         return torch.ones(2)
 
@@ -104,8 +116,19 @@ class Receiver:
     async def ping(self) -> str:
         return "pong"
 
+    async def fetch_over(self, refs, transport):
+        """Fetch refs[0] asking for `transport`: its sum, and the transports this process's fetches used."""
+        before = dict(rdt.store_stats()["fetches"])
+        value = await rdt.fetch(refs[0], tensor_transport=transport)
+        return value.sum().item(), used_since(before)
+
     async def sums(self, td):
         return type(td).__name__, list(td.batch_size), td["obs"].sum().item(), td["nested", "act"].sum().item()
+
+
+def used_since(before: dict) -> dict:
+    after = rdt.store_stats()["fetches"]
+    return {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
 
 
 @pytest.fixture(scope="module")
@@ -214,3 +237,37 @@ def test_what_would_hand_transfers_to_ray_s_own_rdt_is_refused_at_decoration():
     with pytest.raises(TypeError, match=r"RayMethod.w has @ray.method\(tensor_transport='nixl'\), which would hand its "
                        r"return to Ray's own RDT, bypassing rdt_async: use @rdt.method\(tensor_transport='nixl'\)"):
         rdt.remote(RayMethod)
+
+
+def test_the_consumer_asks_for_the_object_store_as_ray_get_use_object_store(pair):
+    s, r = pair
+    ref = s.weights.remote(N, scale=2.0)  # nixl
+    before = dict(rdt.store_stats()["fetches"])
+    assert torch.equal(rdt.get(ref, tensor_transport="object_store"), torch.full((N,), 2.0))
+    assert used_since(before) == {"object_store": 1}
+    assert ray.get(r.fetch_over.remote([ref], "object_store")) == (2.0 * N, {"object_store": 1})
+    assert ray.get(r.fetch_over.remote([ref], "auto"))[0] == 2.0 * N  # auto among what the producer prepared
+    with pytest.raises(rdt.TransportUnavailableError) as info:
+        rdt.get(ref, tensor_transport="shm")
+    assert str(info.value).endswith(
+        f"fetch(..., tensor_transport='shm') of {ray.get(ref).obj_id} (held by {ray.get(ref).producer.label}): the "
+        "producer did not prepare shm for this object, so it cannot serve it; it serves nixl, object_store: ask for "
+        "one of them, or produce it with tensor_transport='shm'"
+    )
+    with pytest.raises(ValueError, match=r"unknown tensor_transport 'pigeon'; available: "):
+        rdt.get(ref, tensor_transport="pigeon")
+
+
+def test_a_consumer_in_the_group_or_outside_it_asks_for_what_it_shares(pair):
+    s, r = pair
+    group = rdt.create_collective_group([s, r], backend="gloo")
+    try:
+        ref = s.gloo_weights.remote(8)
+        assert ray.get(r.fetch_over.remote([ref], None)) == (40.0, {"gloo": 1})  # the producer's choice
+        assert ray.get(r.fetch_over.remote([ref], "object_store")) == (40.0, {"object_store": 1})
+        with pytest.raises(rdt.TransportUnavailableError, match=r"tensor_transport='gloo'\) of .*: this process shares "
+                           r"no gloo group with the producer; create one with rdt.create_collective_group"):
+            rdt.get(ref, tensor_transport="gloo")  # the driver is in no group
+        assert rdt.get(ref, tensor_transport="object_store").sum().item() == 40.0
+    finally:
+        rdt.destroy_collective_group(group)
