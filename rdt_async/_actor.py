@@ -297,11 +297,18 @@ PER_CALL = "_rdt_tensor_transport"
 
 
 def _chosen(kwargs: dict[str, Any], default: str | None, actor: Any, f: Callable[..., Any]) -> str | None:
-    """Take the per-call transport out of a producer's keyword arguments (its own if none)."""
+    """Take the per-call transport out of a producer's keyword arguments (its own if none),
+    refusing, before the method's body runs, one this actor cannot produce over.
+
+    Raises: TransportUnavailableError (a two-sided transport without a group).
+    """
     if default is None:
         return None
     chosen = kwargs.pop(PER_CALL, None)
-    return default if chosen is None else str(chosen)
+    name = default if chosen is None else str(chosen)
+    _produce.check_grouped(name, f"{type(actor).__name__}.{f.__name__} produces over tensor_transport={name!r}, "
+                           "and was refused before it ran")
+    return name
 
 
 class _Default(str):

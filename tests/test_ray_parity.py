@@ -258,6 +258,22 @@ def test_the_consumer_asks_for_the_object_store_as_ray_get_use_object_store(pair
         rdt.get(ref, tensor_transport="pigeon")
 
 
+def test_a_gloo_method_of_an_actor_in_no_group_is_refused_before_its_body_runs(pair):
+    s, _ = pair
+    for name, call in (("gloo_weights", s.gloo_weights), ("weights", s.weights.options(tensor_transport="gloo"))):
+        with pytest.raises(ray.exceptions.RayTaskError) as info:
+            ray.get(call.remote(8))
+        assert isinstance(info.value.cause, rdt.TransportUnavailableError)
+        message = str(info.value.cause)
+        assert message.startswith(
+            f"Sender.{name} produces over tensor_transport='gloo', and was refused before it ran: this process "
+            "is in no gloo group, so no consumer could fetch over gloo"
+        ), message
+        assert "create_collective_group(actors, backend='gloo'), or produce with tensor_transport='auto'" in message
+        assert "fetch" not in message.split(":")[0]  # (said as what happened: no fetch did)
+    assert ray.get(s.bodies_run.remote()) == 0
+
+
 def test_a_consumer_in_the_group_or_outside_it_asks_for_what_it_shares(pair):
     s, r = pair
     group = rdt.create_collective_group([s, r], backend="gloo")
