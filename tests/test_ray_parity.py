@@ -287,3 +287,17 @@ def test_a_consumer_in_the_group_or_outside_it_asks_for_what_it_shares(pair):
         assert rdt.get(ref, tensor_transport="object_store").sum().item() == 40.0
     finally:
         rdt.destroy_collective_group(group)
+
+
+def test_a_group_of_one_lets_a_producer_pass_refs_to_itself(pair):
+    s, _ = pair
+    group = rdt.create_collective_group([s], backend="gloo")
+    try:
+        ref = s.gloo_weights.remote(8)
+        assert ray.get(ref).transport == "gloo"
+        assert ray.get(s.total.remote(ref)) == 40.0  # the producer itself: the tensors themselves
+        before = dict(rdt.store_stats()["fetches"])
+        assert rdt.get(ref).sum().item() == 40.0  # outside the group: the object store
+        assert used_since(before) == {"object_store": 1}
+    finally:
+        rdt.destroy_collective_group(group)
