@@ -39,7 +39,8 @@ def method(fn: F | None = None, /, *, tensor_transport: str = "auto", **ray_meth
     """Mark an actor method as a producer: tensors in its return value stay in this actor.
 
     Use as ``@rdt.method`` or ``@rdt.method(tensor_transport="shm", concurrency_group=...)``;
-    other options go to `ray.method`. Its ObjectRef resolves to an RDTObject.
+    other options go to `ray.method`. Its ObjectRef resolves to an RDTObject. One call
+    picks another transport with ``actor.name.options(tensor_transport=...).remote()``.
     Raises: ValueError at decoration for an unknown transport, naming the available ones.
     """
     if isinstance(fn, str):
@@ -107,8 +108,10 @@ def remote(cls: type | None = None, /, **options: Any) -> Any:
 
     Use as ``@rdt.remote`` or ``@rdt.remote(num_cpus=1, max_concurrency=4, ...)``; every
     option goes to `ray.remote`. Works for sync, threaded and async actors.
-    Raises: TypeError for a function (use ray.remote for tasks), ValueError if the
-    options already define a concurrency group named "rdt".
+    Raises: TypeError for a function (use ray.remote for tasks), and for what would hand
+    transfers to Ray's own RDT (enable_tensor_transport=True, a method with
+    @ray.method(tensor_transport=...)); ValueError if the options already define a
+    concurrency group named "rdt".
     """
     if cls is None:
         return lambda c: remote(c, **options)
@@ -124,6 +127,22 @@ def remote(cls: type | None = None, /, **options: Any) -> Any:
             "rename yours"
         )
     groups[RDT_GROUP] = RDT_GROUP_CONCURRENCY
+    if options.get("enable_tensor_transport"):
+        raise TypeError(
+            f"@rdt.remote(enable_tensor_transport=True) on {cls.__name__} would hand its transfers to Ray's own "
+            "RDT, bypassing rdt_async: drop the option (every rdt.remote actor may receive refs) and mark "
+            "producers @rdt.method(tensor_transport=...); one call picks another with "
+            "actor.method.options(tensor_transport=...)"
+        )
+    for name, f in _user_methods(cls).items():
+        ray_transport = getattr(f, "__ray_tensor_transport__", None)
+        if ray_transport is not None:
+            raise TypeError(
+                f"{cls.__name__}.{name} has @ray.method(tensor_transport={ray_transport.lower()!r}), which would hand "
+                f"its return to Ray's own RDT, bypassing rdt_async: use @rdt.method(tensor_transport="
+                f"{ray_transport.lower()!r}) instead"
+            )
+    _install_per_call()
     for name in CONTROL_METHODS:
         if hasattr(cls, name):
             raise ValueError(f"{cls.__name__}.{name} clashes with rdt_async's control method; rename it")
@@ -151,6 +170,7 @@ def _warming_init(init: Callable[..., Any] | None, transports: list[str]) -> Cal
     then the objects made so far are frozen out of the garbage collector's scans."""
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        _install_per_call()  # this actor's own calls with .options(tensor_transport=...)
         _ray.warm_serialization()
         _produce.warm_up(_produce.at_creation(transports))
         if init is not None:
@@ -200,7 +220,7 @@ def _is_async(f: Callable[..., Any]) -> bool:
 
 
 def _wrap_method(f: Callable[..., Any]) -> Callable[..., Any]:
-    transport: str | None = getattr(f, "__rdt_transport__", None)
+    default: str | None = getattr(f, "__rdt_transport__", None)
     returns = getattr(f, "__ray_num_returns__", None)
     split = isinstance(returns, int) and returns > 1  # one RDTObject per return
     wrapped: Callable[..., Any]
@@ -213,7 +233,7 @@ def _wrap_method(f: Callable[..., Any]) -> Callable[..., Any]:
             )
         return value
 
-    def produce(value: Any) -> Any:
+    def produce(value: Any, transport: str | None) -> Any:
         if transport is None:
             return value
         if split:
@@ -221,7 +241,7 @@ def _wrap_method(f: Callable[..., Any]) -> Callable[..., Any]:
                 return tuple(_produce.produce(v, transport) for v in parts(value))
         return _produce.produce(value, transport)
 
-    async def produce_async(value: Any) -> Any:
+    async def produce_async(value: Any, transport: str | None) -> Any:
         if transport is None:
             return value
         if split:
@@ -232,8 +252,9 @@ def _wrap_method(f: Callable[..., Any]) -> Callable[..., Any]:
     if inspect.iscoroutinefunction(f):
 
         async def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+            transport = _chosen(kwargs, default, self, f)
             args, kwargs = await _fetch_args(args, kwargs, f)
-            return await produce_async(await f(self, *args, **kwargs))
+            return await produce_async(await f(self, *args, **kwargs), transport)
 
     elif inspect.isasyncgenfunction(f):
 
@@ -259,10 +280,106 @@ def _wrap_method(f: Callable[..., Any]) -> Callable[..., Any]:
     else:
 
         def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+            transport = _chosen(kwargs, default, self, f)
             args, kwargs = _fetch_args_blocking(args, kwargs, f)
-            return produce(f(self, *args, **kwargs))
+            return produce(f(self, *args, **kwargs), transport)
 
-    return functools.wraps(f)(wrapped)  # with `f`'s attributes: its Ray method options
+    if default is not None and not (inspect.isasyncgenfunction(f) or inspect.isgeneratorfunction(f)):
+        # On `f` itself: Ray reads a method's signature from the function under the
+        # wrappers (as it adds its own `_ray_trace_ctx` there), and checks calls against it.
+        f.__signature__ = _with_per_call(f, default)  # type: ignore[attr-defined]
+    return functools.wraps(f)(wrapped)  # with `f`'s attributes: its Ray method options, its signature
+
+
+# A producer's per-call transport travels to it as this keyword argument, which its
+# signature (the one Ray checks a call against) takes, defaulting to the method's own.
+PER_CALL = "_rdt_tensor_transport"
+
+
+def _chosen(kwargs: dict[str, Any], default: str | None, actor: Any, f: Callable[..., Any]) -> str | None:
+    """Take the per-call transport out of a producer's keyword arguments (its own if none),
+    refusing, before the method's body runs, one this actor cannot produce over.
+
+    Raises: TransportUnavailableError (a two-sided transport without a group).
+    """
+    if default is None:
+        return None
+    chosen = kwargs.pop(PER_CALL, None)
+    name = default if chosen is None else str(chosen)
+    _produce.check_grouped(name, f"{type(actor).__name__}.{f.__name__} produces over tensor_transport={name!r}, "
+                           "and was refused before it ran")
+    return name
+
+
+class _Default(str):
+    """A producer's transport as its signature's default: unpickled in a process (with
+    the class, or a handle), it installs the hook that lets `.options(tensor_transport=...)`
+    of that process's calls reach rdt_async."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_default, (str(self),))
+
+
+def _default(name: str) -> _Default:
+    _install_per_call()
+    return _Default(name)
+
+
+def _with_per_call(f: Callable[..., Any], default: str) -> inspect.Signature:
+    sig = inspect.signature(f)
+    params = [p for p in sig.parameters.values() if p.name != PER_CALL]  # (a class wrapped twice)
+    extra = inspect.Parameter(PER_CALL, inspect.Parameter.KEYWORD_ONLY, default=_Default(default))
+    at = len(params) - (1 if params and params[-1].kind is inspect.Parameter.VAR_KEYWORD else 0)
+    return sig.replace(parameters=[*params[:at], extra, *params[at:]])
+
+
+def _install_per_call() -> None:
+    """Let `actor.method.options(tensor_transport=...)` pick an `@rdt.method`'s transport for one call.
+
+    Ray's `ActorMethod.options` hands a tensor_transport to Ray's own RDT (and refuses it
+    for actors without enable_tensor_transport): for the methods of `rdt.remote` actors,
+    the option goes to rdt_async instead. Every other call is Ray's, untouched.
+    """
+    from ray.actor import ActorMethod
+
+    ray_options = ActorMethod.options
+    if getattr(ray_options, "__rdt_per_call__", False):
+        return
+
+    @functools.wraps(ray_options)
+    def options(self: Any, **opts: Any) -> Any:
+        if "tensor_transport" in opts and _of_rdt_actor(self):
+            return _PerCall(self, opts.pop("tensor_transport"), opts)
+        return ray_options(self, **opts)
+
+    options.__rdt_per_call__ = True  # type: ignore[attr-defined]
+    ActorMethod.options = options  # type: ignore[method-assign]
+
+
+def _of_rdt_actor(m: Any) -> bool:
+    return "rdt__send" in (getattr(getattr(m, "_actor", None), "_method_shells", None) or ())
+
+
+class _PerCall:
+    """`actor.method.options(tensor_transport=...)` of an `@rdt.method`: `.remote()` as Ray's."""
+
+    def __init__(self, m: Any, transport: Any, opts: dict[str, Any]) -> None:
+        name = m._method_name
+        if not any(p.name == PER_CALL for p in m._signature or ()):
+            raise TypeError(
+                f"{name}.options(tensor_transport={transport!r}): {name} is not an @rdt.method, so rdt_async "
+                f"keeps nothing of its return value and there is no transport to choose; mark it "
+                f"@rdt.method to keep its tensors in the actor"
+            )
+        if not isinstance(transport, str):
+            raise TypeError(f"{name}.options(tensor_transport=...) takes a transport's name, not {type(transport).__name__}")
+        self._method, self._transport, self._opts = m, _registry.check_name(transport.lower()), opts
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the method once, its tensors kept over the chosen transport."""
+        if PER_CALL in kwargs:
+            raise TypeError(f"{PER_CALL} is rdt_async's own: use .options(tensor_transport=...)")
+        return self._method._remote(args=args, kwargs={**kwargs, PER_CALL: self._transport}, **self._opts)
 
 
 def _rdt_positions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int | str]:

@@ -112,24 +112,32 @@ def _check_timeout(timeout: Any, verb: str) -> float | None:
 
 
 @_timeout_belongs_to_the_caller
-async def fetch(x: Any, /, *, device: str | torch.device | None = None, into: Any = None) -> Any:
+async def fetch(
+    x: Any, /, *, device: str | torch.device | None = None, into: Any = None, tensor_transport: str | None = None
+) -> Any:
     """Return the value of an RDT object with real tensors.
 
     `x` is an ObjectRef or an RDTObject (a ref to a plain value returns that value).
     `device` moves the tensors; `into` is a value, list or tensor whose tensors, in
-    order, receive the object's tensors. The caller's loop never blocks; cancelling the
-    fetch (or an enclosing `asyncio.timeout`) aborts the transfer.
+    order, receive the object's tensors; `tensor_transport` asks for another transport
+    the producer can serve than the one it chose (`"object_store"` always can, as Ray's
+    `ray.get(ref, _use_object_store=True)`). The caller's loop never blocks; cancelling
+    the fetch (or an enclosing `asyncio.timeout`) aborts the transfer.
 
     Runs on: consumer.
-    Raises: ObjectFreedError, TransferError and its subclasses, TransportUnavailableError;
-    TypeError for a `timeout=` (bound the fetch with `asyncio.timeout`).
+    Raises: ObjectFreedError, TransferError and its subclasses, TransportUnavailableError
+    (also for a `tensor_transport` the producer cannot serve here, naming those it can);
+    TypeError for a `timeout=` (bound the fetch with `asyncio.timeout`); ValueError for
+    an unknown transport.
     """
+    if tensor_transport is not None:
+        _registry.check_name(tensor_transport)
     obj = await _resolve(x)
     if not isinstance(obj, RDTObject):
         return obj
     _warn_shared(obj, _CALLER.get())
     try:
-        return await fetch_object(obj, device=device, into=into)
+        return await fetch_object(obj, device=device, into=into, tensor_transport=tensor_transport)
     except RDTError as exc:
         one_chain(exc)
         raise
@@ -263,7 +271,13 @@ async def as_completed(
 
 
 def get(
-    x: Any, /, *, timeout: float | None = None, device: str | torch.device | None = None, into: Any = None
+    x: Any,
+    /,
+    *,
+    timeout: float | None = None,
+    device: str | torch.device | None = None,
+    into: Any = None,
+    tensor_transport: str | None = None,
 ) -> Any:
     """Blocking twin of `fetch`, for the driver and sync actors.
 
@@ -272,14 +286,16 @@ def get(
     for a timeout that is not seconds >= 0 or None, and what `fetch` raises.
     """
     timeout = _check_timeout(timeout, "get")
+    if tensor_transport is not None:
+        _registry.check_name(tensor_transport)
     try:
-        return _get(x, timeout, device, into)
+        return _get(x, timeout, device, into, tensor_transport)
     except RDTError as exc:
         one_chain(exc)
         raise
 
 
-def _get(x: Any, timeout: float | None, device: str | torch.device | None, into: Any) -> Any:
+def _get(x: Any, timeout: float | None, device: str | torch.device | None, into: Any, asked: str | None = None) -> Any:
     loop = _io.running_loop()
     if loop is not None:
         raise RuntimeError(
@@ -294,7 +310,7 @@ def _get(x: Any, timeout: float | None, device: str | torch.device | None, into:
             return x  # a ref to a plain value
     elif not isinstance(x, RDTObject):
         raise _not_rdt(x, "get")
-    done, value = fetch_now(x, device=device, into=into)
+    done, value = fetch_now(x, device=device, into=into, tensor_transport=asked)
     if done:
         return value
     started = _io.Started.of(fetch_object(x, device=device, into=into, start=value))

@@ -99,6 +99,47 @@ def _carries_bytes(name: str) -> bool:
     return cls is not None and cls.carries_bytes
 
 
+def asked_transport(obj: RDTObject, asked: str, node_id: str) -> tuple[str, Any]:
+    """The transport a consumer asked for (`fetch(x, tensor_transport=...)`) and its metadata,
+    if the producer can serve it to this process.
+
+    `auto` chooses among what the producer prepared, as for an object produced with it;
+    `object_store` always serves (the producer sends on request); a group's backend serves
+    over a group both ends are in; any other transport must have been prepared by the
+    producer (named by the method, `put` or `auto`'s plan).
+    Raises: TransportUnavailableError naming what the producer can serve and the fix.
+    """
+    if asked == _registry.AUTO:
+        return choose_transport(dataclasses.replace(obj, transport=_registry.AUTO), node_id)
+    if asked == "object_store":
+        return asked, obj.meta.get(asked)
+    where = f"fetch(..., tensor_transport={asked!r}) of {obj.obj_id} (held by {obj.producer.label})"
+    cls = _registry.known_class(asked)
+    if cls is not None and cls.needs_group:
+        shared = _shared_group(obj)
+        if shared is not None and shared[0] == asked:
+            return shared
+        _raise_if_broken(obj)
+        raise TransportUnavailableError(
+            f"{where}: this process shares no {asked} group with the producer; create one with "
+            f"rdt.create_collective_group([...], backend={asked!r}), or ask for 'object_store'",
+            obj_id=obj.obj_id,
+        )
+    if cls is not None and cls.reach == "node" and obj.producer.node_id != node_id:
+        raise TransportUnavailableError(
+            f"{where}: {asked} reaches only processes on the producer's node; ask for 'object_store' or 'auto'",
+            obj_id=obj.obj_id,
+        )
+    if asked not in obj.meta or asked == "groups":
+        served = sorted({*obj.meta} - {"groups"} | {"object_store"})
+        raise TransportUnavailableError(
+            f"{where}: the producer did not prepare {asked} for this object, so it cannot serve it; it serves "
+            f"{', '.join(served)}: ask for one of them, or produce it with tensor_transport={asked!r}",
+            obj_id=obj.obj_id,
+        )
+    return asked, obj.meta[asked]
+
+
 def _shared_group(obj: RDTObject) -> tuple[str, Any] | None:
     """Return (backend, GlooMeta) of a usable group both ends are in, or None."""
     theirs = obj.meta.get("groups")
@@ -132,15 +173,18 @@ def _relayed(obj: RDTObject, transport: str, buffers: list[torch.Tensor] | None)
 INLINE_COPY_BYTES = 1 << 20
 
 
-async def fetch_object(obj: RDTObject, *, device: Any, into: Any, start: _Start | None = None) -> Any:
-    """Return `obj`'s value with its tensors here (`start`: what `fetch_now` left to do).
+async def fetch_object(
+    obj: RDTObject, *, device: Any, into: Any, start: _Start | None = None, tensor_transport: str | None = None
+) -> Any:
+    """Return `obj`'s value with its tensors here (`start`: what `fetch_now` left to do;
+    `tensor_transport`: the one the consumer asked for, else the producer's choice).
 
     Records the fetch (store stats, Ray metrics) and what failed it.
     """
     began = time.perf_counter()
     name = obj.transport  # until one is chosen
     try:
-        start = start or _start(obj, into, device)
+        start = start or _start(obj, into, device, tensor_transport)
         if isinstance(start, _Done):
             tensors, buffers, name = start.tensors, start.buffers, start.transport
         else:
@@ -357,11 +401,11 @@ def _died(obj: RDTObject, name: str, exc: RDTError) -> PeerDiedError:
     )
 
 
-def fetch_now(obj: RDTObject, *, device: Any, into: Any) -> tuple[bool, Any]:
+def fetch_now(obj: RDTObject, *, device: Any, into: Any, tensor_transport: str | None = None) -> tuple[bool, Any]:
     """Fetch on the caller's thread if nothing can block: (True, value), else (False, start)."""
     began = time.perf_counter()
     try:
-        start = _start(obj, into, device)
+        start = _start(obj, into, device, tensor_transport)
     except BaseException as exc:
         _metrics.failed(obj.transport, exc)
         del exc  # (a cycle through this frame otherwise: see _api._all_or_none)
@@ -391,8 +435,9 @@ class _Done:
 _Start = _Done | tuple[Transport[Any], TransferInfo[Any], list[torch.Tensor] | None, list[Any]]
 
 
-def _start(obj: RDTObject, into: Any, device: Any = None) -> _Start:
-    """Check the fetch and do what needs no waiting; else return what to transfer with."""
+def _start(obj: RDTObject, into: Any, device: Any = None, asked: str | None = None) -> _Start:
+    """Check the fetch and do what needs no waiting; else return what to transfer with
+    (over the transport the consumer `asked` for, if any)."""
     _object.check(obj)  # everything a ref carries came from another process
     if store.was_freed(obj.obj_id):
         raise ObjectFreedError(f"object {obj.obj_id} was freed", obj_id=obj.obj_id)
@@ -407,7 +452,7 @@ def _start(obj: RDTObject, into: Any, device: Any = None) -> _Start:
             _buffers.check_apart(buffers, tensors)
         _warn_local(obj.obj_id)
         return _Done(tensors, buffers, "local")
-    name, meta = choose_transport(obj, _ray.node_id())
+    name, meta = choose_transport(obj, _ray.node_id()) if asked is None else asked_transport(obj, asked, _ray.node_id())
     transport = _registry.get(name)
     if buffers is None and device is not None:
         buffers = _device_buffers(obj, transport, torch.device(device))

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from . import _cuda, _io, _ray, _tree
-from ._errors import ObjectFreedError, TransportUnavailableError, unavailable
+from ._errors import ObjectFreedError, TransportUnavailableError
 from ._membership import groups
 from ._object import Process, RDTObject, _anchors, _recent, here
 from ._store import StoredObject, log, store
@@ -35,18 +35,28 @@ from .transports.inline import AUTO_MAX_BYTES as INLINE_AUTO_MAX_BYTES
 _registry.hand_store(store)  # transports that answer requests themselves serve from it
 
 
+def check_grouped(name: str, what: str) -> None:
+    """Refuse a two-sided transport in a process that is in no group of its backend.
+
+    Runs on: producer: before a producing method's body runs (`what` names the method),
+    and again where the tensors are kept (a `put`; a group may have gone meanwhile).
+    Raises: TransportUnavailableError naming the fix.
+    """
+    cls = _registry.known_class(name)
+    if cls is not None and cls.needs_group and not any(b == name for b, _ in groups.memberships().values()):
+        raise TransportUnavailableError(
+            f"{what}: this process is in no {name} group, so no consumer could fetch over {name} (every fetch "
+            f"would go through the object store): create one first, rdt.create_collective_group(actors, "
+            f"backend={name!r}), or produce with tensor_transport='auto'"
+        )
+
+
 def _prepared_transports(name: str, tensors: Sequence[torch.Tensor]) -> list[Transport[Any]]:
     """Transports to prepare at return time for a method asking for `name`."""
     if name != _registry.AUTO:
         transport = _registry.get(name)
         transport.check_tensors(tensors)
-        if transport.needs_group and not any(b == name for b, _ in groups.memberships().values()):
-            raise unavailable(
-                name,
-                f"this process is in no {name} group, so every fetch would go through the object "
-                f"store: create one first, rdt.create_collective_group(actors, backend={name!r}), "
-                "or return with tensor_transport='auto'",
-            )
+        check_grouped(name, f"tensor_transport={name!r}")
         return [transport]
     try:
         _registry.get(_registry.FALLBACK).check_tensors(tensors)  # what auto falls back to

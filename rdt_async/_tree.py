@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
+import io
+import pickle
 from typing import Any
 
 import torch
@@ -26,10 +29,34 @@ class Slot:
         return f"<tensor {self.index}>"
 
 
+class Packed:
+    """Stands in the skeleton for a leaf of another type that holds tensors (a TensorDict,
+    a user's class): its pickle, with each tensor left out and named by its place in
+    `slots` (`pickle`'s persistent ids), as Ray's own RDT takes the tensors out of a
+    value it pickles."""
+
+    __slots__ = ("data", "kind", "slots")
+
+    def __init__(self, data: bytes, slots: tuple[int, ...], kind: str) -> None:
+        self.data = data
+        self.slots = slots
+        self.kind = kind  # the leaf's type, for reprs and errors
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Packed, (self.data, self.slots, self.kind))
+
+    def __repr__(self) -> str:
+        return f"<{self.kind} of {len(self.slots)} tensor(s)>"
+
+
 def flatten(value: Any) -> tuple[Any, list[torch.Tensor]]:
     """Return the value with every tensor replaced by a `Slot`, and the tensors in order.
 
-    Walks dict, list, tuple, namedtuple and dataclass instances; anything else is a leaf.
+    Walks dict, list, tuple, namedtuple and dataclass instances. A leaf of any other type
+    that holds tensors (a TensorDict, a set, a user's class) is pickled with its tensors
+    left out (`Packed`); other leaves stay as they are.
+    Raises: TypeError naming the leaf's type where a leaf cannot be pickled here (so
+    its tensors, if any, cannot be taken out).
     """
     tensors: list[torch.Tensor] = []
     return _Flatten(tensors).walk(value), tensors
@@ -52,7 +79,22 @@ class _Flatten:
         if isinstance(v, torch.Tensor):
             self.tensors.append(v)
             return Slot(len(self.tensors) - 1)
-        return _map_children(v, self.walk)
+        if type(v) in _ATOMS:
+            return v
+        out = _map_children(v, self.walk, _LEAF)
+        return self.pack(v) if out is _LEAF else out
+
+    def pack(self, v: Any) -> Any:
+        """`v` itself where it holds no tensor, else its `Packed` form."""
+        if _holds_none(v):
+            return v
+        packed = _pickle_out(v)
+        if packed is None:
+            return v  # (pickled again by Ray, as before: leaves of other types are rare)
+        data, inside = packed
+        start = len(self.tensors)
+        self.tensors.extend(inside)
+        return Packed(data, tuple(range(start, len(self.tensors))), type(v).__qualname__)
 
 
 class _Unflatten:
@@ -67,7 +109,9 @@ class _Unflatten:
             if type(i) is not int or not 0 <= i < len(self.tensors):  # (a skeleton from another process)
                 raise TransferError(f"the value's skeleton names tensor {i!r} of {len(self.tensors)}")
             return self.tensors[i]
-        return _map_children(v, self.walk)
+        if isinstance(v, Packed):
+            return _unpack(v, self.tensors)
+        return _map_children(v, self.walk, v)
 
 
 def tensors_of(value: Any) -> list[torch.Tensor]:
@@ -75,7 +119,96 @@ def tensors_of(value: Any) -> list[torch.Tensor]:
     return flatten(value)[1]
 
 
-def _map_children(v: Any, fn: Any) -> Any:
+_LEAF: Any = object()  # what `_map_children` returns for a leaf, when asked to
+# Leaves that cannot hold a tensor, skipped without a look (the common ones).
+_ATOMS = frozenset(
+    {int, float, bool, str, bytes, complex, type(None), type(...), range, slice, torch.dtype, torch.device, torch.Size}
+)
+
+
+def _holds_none(v: Any) -> bool:
+    """Say whether leaf `v` surely holds no tensor (no pickling needed to tell)."""
+    t = type(v)
+    if isinstance(v, (enum.Enum, type)):
+        return True
+    if (t.__module__ or "").split(".")[0] in ("ray", "rdt_async"):
+        return True  # refs, handles, RDTObjects: no tensors, and pickled by Ray's own means
+    if t.__module__ == "numpy" and t.__name__ == "ndarray":
+        return not v.dtype.hasobject
+    return False
+
+
+class _Out:
+    """A pickler's `persistent_id`: takes each tensor out, once however often it appears."""
+
+    __slots__ = ("places", "tensors")
+
+    def __init__(self) -> None:
+        self.places: dict[int, int] = {}  # id(tensor) -> its place in `tensors`
+        self.tensors: list[torch.Tensor] = []
+
+    def __call__(self, obj: Any) -> int | None:
+        if not isinstance(obj, torch.Tensor):
+            return None
+        place = self.places.get(id(obj))
+        if place is None:
+            place = self.places[id(obj)] = len(self.tensors)
+            self.tensors.append(obj)
+        return place
+
+
+def _pickle_out(v: Any) -> tuple[bytes, list[torch.Tensor]] | None:
+    """Pickle `v` with its tensors left out, as Ray would (its cloudpickle where plain
+    pickle cannot); None where it holds no tensor, or neither can pickle it (Ray's own
+    serializers may know its type).
+
+    Raises: TypeError naming the type of `v` and the fix where it holds tensors and
+    cannot be pickled (Ray would send them inside the value, or fail).
+    """
+    for cloud in (False, True):
+        out, taken = io.BytesIO(), _Out()
+        if cloud:
+            from ray import cloudpickle  # lambdas, local classes: as Ray itself pickles them
+
+            pickler: pickle.Pickler = cloudpickle.CloudPickler(out, protocol=5)
+        else:
+            pickler = pickle.Pickler(out, protocol=5)
+        pickler.persistent_id = taken  # type: ignore[method-assign]
+        try:
+            pickler.dump(v)
+        except Exception as exc:
+            if taken.tensors:
+                raise TypeError(
+                    f"the value holds a {type(v).__qualname__} with tensors that cannot be pickled ({exc}), "
+                    "so rdt_async cannot take its tensors out: return them in a dict, list, tuple, named "
+                    "tuple or dataclass instead"
+                ) from exc
+            continue
+        return (out.getvalue(), taken.tensors) if taken.tensors else None
+    return None
+
+
+def _unpack(p: Packed, tensors: list[torch.Tensor]) -> Any:
+    """Rebuild a `Packed` leaf around `tensors` (the whole value's).
+
+    Raises: TransferError where its places are not those of `tensors` (it came from
+    another process).
+    """
+    slots = p.slots
+    if type(slots) is not tuple or not all(type(i) is int and 0 <= i < len(tensors) for i in slots):
+        raise TransferError(f"the value's skeleton names tensors {slots!r} of {len(tensors)}")
+
+    def persistent_load(pid: Any) -> torch.Tensor:
+        if type(pid) is not int or not 0 <= pid < len(slots):
+            raise TransferError(f"the value's {p.kind} names tensor {pid!r} of {len(slots)}")
+        return tensors[slots[pid]]
+
+    unpickler = pickle.Unpickler(io.BytesIO(p.data))
+    unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
+    return unpickler.load()
+
+
+def _map_children(v: Any, fn: Any, leaf: Any) -> Any:
     t = type(v)
     if t is dict:
         return {k: fn(x) for k, x in v.items()}
@@ -102,4 +235,4 @@ def _map_children(v: Any, fn: Any) -> Any:
         for f in dataclasses.fields(v):
             object.__setattr__(out, f.name, fn(getattr(v, f.name)))
         return out
-    return v
+    return leaf

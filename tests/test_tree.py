@@ -6,9 +6,11 @@ import collections
 import dataclasses
 import pickle
 
+import pytest
 import torch
 
 from rdt_async import _tree
+from rdt_async._errors import TransferError
 
 Point = collections.namedtuple("Point", "x y")
 
@@ -51,3 +53,32 @@ def test_round_trip_keeps_structure_and_order():
 def test_plain_values_have_no_tensors():
     skeleton, tensors = _tree.flatten({"a": [1, 2], "b": "x"})
     assert tensors == [] and _tree.unflatten(skeleton, []) == {"a": [1, 2], "b": "x"}
+
+
+class Opaque:
+    """Not a container `_tree` walks: its tensors are taken out of its pickle."""
+
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+
+
+def test_a_leaf_of_another_type_is_pickled_with_its_tensors_taken_out_once_each():
+    t, u = torch.ones(3), torch.zeros(2)
+    skeleton, tensors = _tree.flatten({"o": Opaque(t, [t, u]), "s": {u}, "x": 1, "none": Opaque(1, "x")})
+    assert len(tensors) == 3 and tensors[0] is t and tensors[1] is u and tensors[2] is u  # (t twice in one leaf: once)
+    assert repr(skeleton["o"]) == "<Opaque of 2 tensor(s)>" and isinstance(skeleton["none"], Opaque)
+    skeleton = pickle.loads(pickle.dumps(skeleton))
+    new = [torch.full((3,), 5.0), torch.full((2,), 6.0), torch.full((2,), 7.0)]
+    out = _tree.unflatten(skeleton, new)
+    assert out["o"].a is new[0] and out["o"].b[0] is new[0] and out["o"].b[1] is new[1]
+    assert next(iter(out["s"])) is new[2] and out["x"] == 1 and out["none"].b == "x"
+
+
+def test_a_packed_leaf_naming_tensors_it_does_not_have_is_refused():
+    skeleton, tensors = _tree.flatten([Opaque(torch.ones(1), None)])
+    bad = _tree.Packed(skeleton[0].data, (5,), "Opaque")  # (a skeleton from another process)
+    with pytest.raises(TransferError, match=r"the value's skeleton names tensors \(5,\) of 1"):
+        _tree.unflatten([bad], tensors)
+    short = _tree.Packed(skeleton[0].data, (), "Opaque")
+    with pytest.raises(TransferError, match="the value's Opaque names tensor 0 of 0"):
+        _tree.unflatten([short], tensors)

@@ -133,8 +133,8 @@ def _validate(actors: tuple[Any, ...], backend: str, name: str | None) -> None:
         )
     if backend not in BACKENDS:
         raise CollectiveGroupError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
-    if len(actors) < 2:
-        raise CollectiveGroupError(f"a collective group needs at least 2 actors, got {len(actors)}")
+    if not actors:  # (one is a group too, as in Ray: a producer passing refs to itself)
+        raise CollectiveGroupError("a collective group needs at least 1 actor, got none")
     ids = []
     for i, a in enumerate(actors):
         if not isinstance(a, ray.actor.ActorHandle):
