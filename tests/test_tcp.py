@@ -352,6 +352,7 @@ def test_wait_tensor_freed_waits_for_a_send_in_flight_after_a_free():
     from rdt_async._store import StoredObject, store
 
     t = tcp.TcpTransport()
+    t.store = store  # handed in, as the core's registry does
     w = torch.full((16 << 20,), 1.0)  # 64 MiB: far more than the socket buffers hold
     meta = t.prepare("in-flight", [w])
     store.add("in-flight", StoredObject([w], {t: meta}))
