@@ -265,7 +265,7 @@ def test_the_async_verbs_refuse_a_timeout_at_the_call_naming_asyncio_timeout():
         rdt.as_completed([ref], timeout=1)
     # Still coroutine functions with their own signatures (the docs and tools read them).
     assert asyncio.iscoroutinefunction(rdt.fetch) and asyncio.iscoroutinefunction(rdt.fetch_all)
-    assert str(inspect.signature(rdt.fetch)) == "(x: 'Any', /, *, device: 'str | torch.device | None' = None, into: 'Any' = None) -> 'Any'"
+    assert str(inspect.signature(rdt.fetch)) == "(x: 'Any', /, *, device: 'str | torch.device | None' = None, into: 'Any' = None, tensor_transport: 'str | None' = None) -> 'Any'"
     assert asyncio.run(rdt.fetch(ref)) == 1
 
 
