@@ -118,6 +118,27 @@ def test_the_bench_refuses_unknown_paths_before_it_runs():
         check_paths("rdt auto,ray objectstore")
 
 
+def test_the_bench_refuses_unknown_shapes_before_it_runs():
+    from rdt_async.bench._e2e import SHAPES, check_shapes
+
+    assert SHAPES == ("kept", "plain", "fresh")
+    assert check_shapes(" Plain, fresh,plain") == ("plain", "fresh")
+    assert check_shapes("") == SHAPES
+    with pytest.raises(SystemExit, match=r"--e2e-shapes: unknown 'shared'; the shapes are: kept, plain, fresh"):
+        check_shapes("plain,shared")
+
+
+def test_the_benchs_producer_shapes_keep_a_shared_and_a_plain_tensor_and_make_fresh_ones():
+    from rdt_async.bench._e2e import _value
+
+    kept: dict = {}
+    shared, plain, fresh = (_value(kept, 1000, s) for s in ("kept", "plain", "fresh"))
+    assert shared.untyped_storage().is_shared() and not plain.untyped_storage().is_shared()
+    assert not fresh.untyped_storage().is_shared() and fresh.sum().item() == plain.sum().item() == 1000.0
+    assert _value(kept, 1000, "kept") is shared and _value(kept, 1000, "plain") is plain  # the same each call
+    assert _value(kept, 1000, "fresh") is not fresh and len(kept) == 2
+
+
 def test_the_benchs_physical_limit_reads_every_byte_and_leaves_no_file(ray_session):
     import glob
 
@@ -125,7 +146,7 @@ def test_the_benchs_physical_limit_reads_every_byte_and_leaves_no_file(ray_sessi
 
     path = _make_path(LIMIT, 2)
     try:
-        for shape in ("kept", "fresh", "kept"):
+        for shape in ("kept", "plain", "fresh", "kept", "plain"):
             took, stall = path.one_pass(1 << 18, shape, k=2)  # one_pass checks each consumer's sum
             assert took > 0 and stall is not None
         parts = path.parts(1 << 18, "fresh")

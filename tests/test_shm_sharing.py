@@ -453,3 +453,27 @@ def test_an_idle_segment_unlinked_by_someone_else_is_replaced_not_an_error():
     finally:
         pool.discard(again.name)
     assert not os.path.exists(again.path)
+
+
+def test_the_pool_keeps_two_idle_segments_of_a_size_past_its_bound(monkeypatch):
+    """A producer returning one large tensor per step alternates between two segments (a
+    consumer holds the last): both stay warm, even where two exceed the pool's bound;
+    segments of other sizes go first."""
+    from rdt_async.transports import _segments
+
+    monkeypatch.setattr(_segments, "MAX_BYTES", 4 << 20)
+    pool = _segments.SegmentPool()
+    small = pool.take(1 << 20, _segments.name_for("s", _segments.new_key()))
+    pool.recycle(small.name)
+    a = pool.take(4 << 20, _segments.name_for("a", _segments.new_key()))
+    b = pool.take(4 << 20, _segments.name_for("b", _segments.new_key()))  # `a` still held
+    pool.recycle(a.name)
+    pool.recycle(b.name)
+    assert pool.stats()["idle_bytes"] == 8 << 20 and not os.path.exists(small.path)  # two of 4 MiB, the 1 MiB gone
+    taken = [pool.take(4 << 20, _segments.name_for(k, _segments.new_key())) for k in "cd"]
+    try:
+        assert {s.mm for s in taken} == {a.mm, b.mm} and pool.created == 3  # both warm, none made
+    finally:
+        for s in taken:
+            pool.discard(s.name)
+    assert pool.stats() == {"idle": 0, "idle_bytes": 0, "used": 0, "created": 3}

@@ -132,3 +132,70 @@ def test_a_kept_tensor_returned_by_an_actor_arrives_exact():
     finally:
         ray.kill(p)
         ray.kill(c)
+
+
+def test_byte_ranges_are_copied_by_memmove_and_the_rest_by_copy(monkeypatch):
+    """Contiguous tensors' parts go through libc's memmove (its non-temporal stores past
+    the cache's size); strided ones, lazy conjugates and negations through `copy_`."""
+    import ctypes
+    import mmap
+
+    moved: list[int] = []
+    real = ctypes.memmove
+
+    def counted(dst: int, src: int, n: int) -> int:
+        moved.append(n)
+        return real(dst, src, n)
+
+    monkeypatch.setattr(ctypes, "memmove", counted)
+    values = odd_tensors(5)
+    offsets, size = shm.aligned_layout((t.nbytes for t in values), shm.ALIGN)
+    mm = mmap.mmap(-1, size)
+    for p in shm._parts(mm, values, offsets, 3):
+        shm._copy_part(p)
+    contiguous = sum(t.nbytes for t in values if t.is_contiguous() and not (t.is_conj() or t.is_neg()))
+    assert sum(moved) == contiguous and len(moved) >= 3  # the big tensor cut in three
+    got = [
+        torch.frombuffer(mm, dtype=t.dtype, count=t.numel(), offset=o).view(t.shape) if t.numel() else t
+        for t, o in zip(values, offsets)
+    ]
+    same(got, values)
+    del got
+    mm.close()
+
+
+def _copy_timed(part: list, started: threading.Event, span: list[float]) -> None:
+    started.set()
+    time.sleep(0.01)  # the other thread spins first
+    span.append(time.perf_counter())
+    shm._copy_part(part)
+    span.append(time.perf_counter())
+
+
+def test_a_part_is_copied_with_the_gil_released():
+    """Another thread runs Python while a part's memmove runs (an actor's loop stays free):
+    it never waits as long as half the copy for its next step."""
+    import itertools
+    import mmap
+
+    src = torch.full((256 << 20,), 7, dtype=torch.uint8)
+    mm = mmap.mmap(-1, src.numel())
+    dst = torch.frombuffer(mm, dtype=torch.uint8)
+    tries = []
+    for _ in range(3):  # (a loaded machine may keep this thread off its core for a while)
+        started, span = threading.Event(), []
+        worker = threading.Thread(target=_copy_timed, args=([(dst, src)], started, span))
+        worker.start()
+        started.wait()
+        ticks = []
+        while worker.is_alive():
+            ticks.append(time.perf_counter())
+        worker.join()
+        gap = max(b - a for a, b in itertools.pairwise(ticks))
+        tries.append((round(gap * 1e3, 1), round((span[1] - span[0]) * 1e3, 1)))
+        if gap < (span[1] - span[0]) / 2:
+            break
+    assert tries[-1][0] < tries[-1][1] / 2, f"(longest wait, copy) ms: {tries}"
+    assert torch.equal(dst[-4096:], src[-4096:])
+    del dst
+    mm.close()

@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--e2e-sizes", default="4K,1M,64M,256M", help="sizes of the end-to-end passes")
     ap.add_argument("--e2e-paths", default="", help="comma-separated, e.g. 'rdt auto,ray object store zero-copy'")
+    ap.add_argument("--e2e-shapes", default="",
+                    help="comma-separated producer shapes: kept (share_memory_() once), plain (kept, never "
+                         "shared), fresh (a new tensor each call); default: all")
     ap.add_argument("--e2e-fanouts", default="4,8", help="consumers of one object in the fan-out passes ('': none)")
     ap.add_argument("--hosts", type=int, choices=(1, 2), default=1,
                     help="2: e2e consumers on a second host (a network namespace and veth link; needs root)")
@@ -60,9 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     def want(name: str) -> bool:
         return not only or name in only
 
-    from ._e2e import check_costs_file, check_paths
+    from ._e2e import check_costs_file, check_paths, check_shapes
 
     paths = check_paths(args.e2e_paths)  # a wrong name says so now, not as a failed row after minutes
+    shapes = check_shapes(args.e2e_shapes)
     if args.write_costs:
         check_costs_file(args.write_costs)  # now, not after the run
     from ..transports import _auto
@@ -81,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             from . import _e2e
 
             e2e_sizes = [parse_size(s) for s in args.e2e_sizes.split(",")]
-            rows += _e2e.run(e2e_sizes, args.repeat, progress=progress, paths=paths, hosts=args.hosts,
+            rows += _e2e.run(e2e_sizes, args.repeat, progress=progress, paths=paths, hosts=args.hosts, shapes=shapes,
                              fanouts=tuple(int(k) for k in args.e2e_fanouts.split(",") if k.strip()))
             if args.write_costs:
                 fitted = _e2e.write_costs(rows, args.write_costs)

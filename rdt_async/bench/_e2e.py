@@ -3,9 +3,11 @@
 The clock starts at the driver's `producer.make.remote(n)` and stops when the
 consumer's method, which receives the ref as its argument, has summed every element:
 the producer's export, the transfer, the consumer's read and Ray's calls all count.
-Two producer shapes: a tensor it keeps and returns each step (a trainer publishing its
-weights, put in shared memory once with `share_memory_()` as the docs recommend; the
-same code for every path) and a fresh tensor each call. The first pass of each (path, shape, size) is
+Three producer shapes (SHAPES), the same code for every path: a tensor it keeps and
+returns each step (a trainer publishing its weights), put in shared memory once with
+`share_memory_()` as the docs recommend (`kept`), or left as it was made, as most users
+do (`plain`: a snapshot must be copied at each return); and a fresh tensor each call
+(`fresh`). The first pass of each (path, shape, size) is
 reported apart (cold: first touch of fresh memory, first use of a transport); the rest
 give the warm median. Every row carries its ratio to the best Ray path of the same run,
 and `loop_stall_ms`: the longest the consumer's event loop was held while the value
@@ -39,22 +41,26 @@ LIMIT = "physical limit"  # the least a pass can cost on one node (see LimitProd
 ALONE = ("ray rdt nixl",)
 
 
-def _value(kept: dict[int, torch.Tensor], n: int, shape: str) -> torch.Tensor:
-    """The producer's return: a fresh tensor, or one it keeps. The kept one is put in shared
+SHAPES = ("kept", "plain", "fresh")
+
+
+def _value(kept: dict[tuple[int, str], torch.Tensor], n: int, shape: str) -> torch.Tensor:
+    """The producer's return: a fresh tensor, or one it keeps. `kept` is put in shared
     memory once, as rdt_async's docs ask of a trainer's weights (every path runs this same
-    code; only shm reads it there without a copy)."""
+    code; only shm reads it there without a copy); `plain` is not."""
     if shape == "fresh":
         return torch.full((n,), 1.0)
-    if n not in kept:
-        kept[n] = torch.full((n,), 1.0).share_memory_()
-    return kept[n]
+    if (n, shape) not in kept:
+        t = torch.full((n,), 1.0)
+        kept[n, shape] = t.share_memory_() if shape == "kept" else t
+    return kept[n, shape]
 
 
 def _rdt_producer(transport: str) -> Any:
     @rdt.remote
     class Producer:
         def __init__(self) -> None:
-            self.kept: dict[int, torch.Tensor] = {}
+            self.kept: dict[tuple[int, str], torch.Tensor] = {}
 
         @rdt.method(tensor_transport=transport)
         def make(self, n: int, shape: str) -> torch.Tensor:
@@ -108,7 +114,7 @@ class Consumer(_Reader):
 @ray.remote
 class RayProducer:
     def __init__(self) -> None:
-        self.kept: dict[int, torch.Tensor] = {}
+        self.kept: dict[tuple[int, str], torch.Tensor] = {}
 
     def make(self, n: int, shape: str) -> torch.Tensor:
         return _value(self.kept, n, shape)
@@ -153,19 +159,30 @@ class LimitProducer:
     """The physical limit of a pass on one node: the producer does what no path can skip.
 
     Kept: nothing (the bytes already sit in memory the consumer maps: zero-copy sharing).
+    Plain: one warm copy of the kept private tensor into memory the consumer maps (a
+    snapshot: the producer may write its tensor once the call has returned).
     Fresh: the user's own `torch.full` into fresh pages, and one warm copy into memory the
     consumer maps (a tensor born in private memory must be copied once to be shared).
+    Its copies run on every core the actor may use (torch's threads; Ray sets one).
     It returns only the size; the consumer reads every byte of the shared file.
     """
 
     def __init__(self, prefix: str) -> None:
+        import os
+
+        torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
         self.file = _SharedFile(prefix)
         self.filled: set[int] = set()
+        self.plain: dict[int, torch.Tensor] = {}
 
     def make(self, n: int, shape: str) -> int:
-        if shape == "fresh" or n not in self.filled:
+        if shape == "plain":
+            if n not in self.plain:
+                self.plain[n] = torch.full((n,), 1.0)
+            self.file.get(n).copy_(self.plain[n])
+        elif shape == "fresh" or n not in self.filled:
             self.file.get(n).copy_(torch.full((n,), 1.0))
-            self.filled.add(n)
+        self.filled.add(n)
         return n
 
     def ready(self) -> bool:
@@ -191,7 +208,7 @@ def _ray_rdt_classes(transport: str) -> tuple[Any, Any]:
     @ray.remote(enable_tensor_transport=True)
     class RdtProducer:
         def __init__(self) -> None:
-            self.kept: dict[int, torch.Tensor] = {}
+            self.kept: dict[tuple[int, str], torch.Tensor] = {}
 
         @ray.method(tensor_transport=transport)
         def make(self, n: int, shape: str) -> torch.Tensor:
@@ -331,8 +348,10 @@ def run(
     progress: Progress | None = None,
     paths: list[str] | None = None,
     hosts: int = 1,
+    shapes: tuple[str, ...] = SHAPES,
 ) -> list[dict[str, Any]]:
-    """All paths (or `paths`), both shapes, every size (bytes), one consumer; then fan-out of the largest.
+    """All paths (or `paths`), every shape of `shapes`, every size (bytes), one consumer;
+    then fan-out of the largest (kept, shared).
 
     The one-consumer passes take the paths in turns (every path's actors alive at once,
     each round in another order), so that each ratio compares passes of the same moment,
@@ -348,9 +367,9 @@ def run(
     names = paths or _ours() + list(RAY_PATHS) + [LIMIT]
     together = [n for n in names if n not in ALONE]
     groups = ([together] if together else []) + [[n] for n in names if n in ALONE]
-    progress.add(2 * len(sizes) * len(groups) + len(fanouts) * len(names))
+    progress.add(len(shapes) * len(sizes) * len(groups) + len(fanouts) * len(names))
     for group in groups:
-        rows += _in_turns(group, sizes, repeat, hosts, progress)
+        rows += _in_turns(group, sizes, repeat, hosts, progress, shapes)
     failed = {r["case"] for r in rows if "error" in r or "skipped" in r}  # reported once, not set up again
     for name in names:
         if name in failed:
@@ -375,7 +394,8 @@ def _setup(name: str, fanout: int, hosts: int, progress: Progress) -> tuple[_Pat
         return None, {"bench": "e2e", "case": name, "hosts": hosts, "error": f"{type(e).__name__}: {str(e)[:500]}"}
 
 
-def _in_turns(names: list[str], sizes: list[int], repeat: int, hosts: int, progress: Progress) -> list[dict[str, Any]]:
+def _in_turns(names: list[str], sizes: list[int], repeat: int, hosts: int, progress: Progress,
+              shapes: tuple[str, ...] = SHAPES) -> list[dict[str, Any]]:
     """One consumer per path: for each (shape, size), a cold pass of each path, then
     `repeat` rounds of one warm pass of each, the order rotating from round to round."""
     rows: list[dict[str, Any]] = []
@@ -388,9 +408,9 @@ def _in_turns(names: list[str], sizes: list[int], repeat: int, hosts: int, progr
             if path is not None:
                 live[name] = path
         if not live:  # every path of the group is missing here: its rows say why
-            progress.skip(2 * len(sizes))
+            progress.skip(len(shapes) * len(sizes))
             return rows
-        for shape in ("kept", "fresh"):
+        for shape in shapes:
             for size in sizes:
                 n = max(1, size // 4)  # float32 elements
                 with progress.step(f"e2e {shape} {human(size)}, {len(live)} paths in turns"):
@@ -458,6 +478,16 @@ def _ratios(rows: list[dict[str, Any]]) -> None:
             r["vs_best_ray"] = r["seconds"] / best[key]
         if limit.get(key) and r["case"] != LIMIT:
             r["vs_limit"] = r["seconds"] / limit[key]
+
+
+def check_shapes(spec: str) -> tuple[str, ...]:
+    """`--e2e-shapes`, comma-separated (any case); all of SHAPES for none.
+    Raises SystemExit naming the known shapes, before anything runs."""
+    shapes = tuple(dict.fromkeys(p.strip().lower() for p in spec.split(",") if p.strip()))
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        raise SystemExit(f"--e2e-shapes: unknown {', '.join(map(repr, unknown))}; the shapes are: {', '.join(SHAPES)}")
+    return shapes or SHAPES
 
 
 def check_paths(spec: str) -> list[str] | None:

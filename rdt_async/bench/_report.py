@@ -35,9 +35,12 @@ def markdown(result: dict[str, Any]) -> str:
         out += ["", "## End to end", "",
                 "From the producing call until the consumer has read every element: warm median "
                 f"(ratio to the best Ray path of this run), then the first pass (cold).{across} "
-                "`physical limit` (one node): the same calls, the producer's own work (a fresh "
-                "tensor: its allocation and one warm copy into shared memory) and one read of "
-                "every byte, nothing else. One table per producer shape: a page shows every column.",
+                "`physical limit` (one node): the same calls, the producer's own work (a kept "
+                "shared tensor: none; a kept plain one: one warm copy into shared memory on every "
+                "core; a fresh one: its allocation and that copy) and one read of every byte, "
+                "nothing else. Shapes: `kept` (the producer called `share_memory_()` once), "
+                "`plain` (it keeps a tensor it never shared), `fresh` (a new tensor each call). "
+                "One table per producer shape: a page shows every column.",
                 *_by_shape(e2e, _time_cell)]
         if any(r.get("loop_stall_ms") is not None for r in e2e):
             out += ["", "The consumer's event-loop stall while the value arrived, worst warm pass, ms "
@@ -52,7 +55,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def _by_shape(rows: list[dict[str, Any]], cell: Callable[[dict[str, Any]], str]) -> list[str]:
-    """Markdown lines: an e2e table per producer shape (kept, then fresh), each after a blank line;
+    """Markdown lines: an e2e table per producer shape (as run: kept, plain, fresh), each after a blank line;
     the paths that did not run are said under the first only."""
     shapes = list(dict.fromkeys(r["shape"] for r in rows if "seconds" in r))
     if not shapes:  # no path ran: the rows that say why
@@ -67,7 +70,7 @@ def _by_shape(rows: list[dict[str, Any]], cell: Callable[[dict[str, Any]], str])
 def e2e_table(rows: list[dict[str, Any]], cell: Callable[[dict[str, Any]], str]) -> str:
     """One row per path, one column per (shape, consumers, size); failed paths say why."""
     done = [r for r in rows if "seconds" in r]
-    shapes = list(dict.fromkeys(r["shape"] for r in done))  # as run: kept, then fresh
+    shapes = list(dict.fromkeys(r["shape"] for r in done))  # as run: kept, plain, fresh
     cols = sorted({(r["shape"], r["consumers"], r["size"]) for r in done}, key=lambda c: (shapes.index(c[0]), *c[1:]))
     head = [f"{s} {human(z)}" + (f" to {k}" if k > 1 else "") for s, k, z in cols]
     out = ["| path | " + " | ".join(head) + " |", "| --- |" + " --- |" * len(cols)]

@@ -8,8 +8,11 @@ keeping its pages and the producer's mapping, and takes its new object's name on
 (`name_for`: an old name then finds nothing). An object freed explicitly (`rdt.free`) may still be
 viewed: its segment is unlinked, never reused.
 
-Bounded (MAX_BYTES in all) and shrinking: a segment unused for RDT_SHM_IDLE_S seconds
-(default 10) is unlinked.
+Bounded (MAX_BYTES in all, or two segments of the largest capacity recycled where those
+are more) and shrinking: a segment unused for RDT_SHM_IDLE_S seconds (default 10) is
+unlinked. Two of a size: a producer returning one large tensor each step needs a second
+segment while a consumer still holds the last one; with room for one, back-to-back
+returns of 1 GiB made a fresh segment every other step here.
 Capacities are powers of two from 1 MiB (tmpfs allocates only the pages written).
 """
 
@@ -275,7 +278,8 @@ class SegmentPool:
             seg.idle_since = time.monotonic()
             self._idle.append(seg)
             evicted = []
-            while sum(s.capacity for s in self._idle) > MAX_BYTES:
+            bound = max(MAX_BYTES, 2 * seg.capacity)
+            while sum(s.capacity for s in self._idle) > bound:
                 evicted.append(self._idle.pop(0))  # the longest idle first
         for old in evicted:
             _drop(old)

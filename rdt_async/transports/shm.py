@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import ctypes
 import dataclasses
 import errno
 import logging
@@ -355,9 +356,20 @@ def _parts(
 
 
 def _copy_part(part: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy each (destination, source) of `part`: byte ranges by libc's memmove, the rest by `copy_`.
+
+    memmove (the GIL released, as by `copy_`) picks its stores by size: past libc's
+    non-temporal threshold (glibc: about 3/4 of the last-level cache) it writes around
+    the cache, sparing the read of each destination line that `copy_`'s stores make
+    (256 MiB on one thread here: 1.3-1.7x faster than `copy_`; the same below it).
+    """
     try:
         for i in range(len(part)):
-            part[i][0].copy_(part[i][1])
+            dst, src = part[i]
+            if dst.dtype == src.dtype == torch.uint8 and dst.dim() == src.dim() == 1 and src.is_contiguous():
+                ctypes.memmove(dst.data_ptr(), src.data_ptr(), dst.numel())  # (`_parts`: same length, no overlap)
+            else:
+                dst.copy_(src)
     finally:
         part.clear()  # no view of the mapping outlives the copy, in a traceback either
 
