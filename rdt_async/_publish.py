@@ -264,6 +264,7 @@ class Publisher:
             "slots_busy": sum(s.busy() for s in self._slots),
             "slot_bytes": self._size,
             "skipped": self.dropped,
+            "waiting": len(self._waiters),  # subscribers waiting for the next version
             "when_full": self.when_full,
         }
 

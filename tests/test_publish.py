@@ -116,6 +116,16 @@ class Server:
             return f"{type(exc).__name__}: {exc}"
         return f"version {version}"
 
+    async def into_model(self, trainer, name: str, names: list[str]) -> str:
+        """The newest version straight into a model's parameters, by name."""
+        model = torch.nn.ParameterDict({n: torch.nn.Parameter(torch.zeros(WIDTH)) for n in names})
+        try:
+            version, weights = await rdt.subscribe(trainer, name).next(into=model.state_dict())
+        except ValueError as exc:
+            return f"ValueError: {exc}"
+        landed = all(weights[n].data_ptr() == model[n].data_ptr() for n in names)
+        return f"version {version}, exact {_exact(version, dict(model.items()))}, in the parameters {landed}"
+
     async def iterate(self, trainer, name: str) -> list[int]:
         """`async for` to the end of the publication."""
         return [version async for version, _ in rdt.subscribe(trainer, name)]
@@ -163,7 +173,7 @@ def test_every_version_lands_exactly_and_a_slow_subscriber_skips_to_the_newest(a
                lambda: ray.get(trainer.stats.remote("run")))
     pub = ray.get(trainer.stats.remote("run"))
     assert pub == {"name": "run", "version": last, "slots": 3, "slots_busy": 1, "slot_bytes": LAYERS * WIDTH * 4,
-                   "skipped": 0, "when_full": "wait"}
+                   "skipped": 0, "when_full": "wait", "waiting": 0}
     # Across hosts: one transfer of each version per node, the others mapped it from that one.
     fetches = [ray.get(s.stats.remote())["fetches"] for s in there]
     assert sum(f.get("relay", 0) for f in fetches) >= 1, fetches
@@ -213,6 +223,15 @@ def test_a_deadline_ends_a_wait_and_a_closed_publication_ends_async_for(actors):
     started = time.monotonic()
     assert ray.get(here[0].next_within.remote(trainer, "quiet", 0.3)) == "TimeoutError: "  # nothing newer
     assert time.monotonic() - started < 5
+    # The trainer's side of the wait ended with it (not POLL_S later).
+    wait_until(lambda: ray.get(trainer.stats.remote("quiet"))["waiting"] == 0, 3)
+    names = [f"l{i}" for i in range(LAYERS)]
+    assert ray.get(here[1].into_model.remote(trainer, "quiet", names)) == "version 1, exact True, in the parameters True"
+    assert ray.get(there[1].into_model.remote(trainer, "quiet", names)) == "version 1, exact True, in the parameters True"
+    assert ray.get(here[1].into_model.remote(trainer, "quiet", ["l0", "l1", "l2", "x"])) == (
+        "ValueError: Subscription.next(into=...): the dict's names differ from the published ones "
+        "(missing ['l3'], not published ['x']); give a dict with exactly the published names"
+    )
     loop = there[0].iterate.remote(trainer, "quiet")
     time.sleep(0.5)
     ray.get(trainer.publish.remote("quiet"))
