@@ -35,7 +35,7 @@ from typing import Any
 import ray
 import torch
 
-from . import _io, _produce, _ray
+from . import _io, _metrics, _produce, _ray
 from ._errors import ObjectFreedError, TransferError, translating
 from ._object import RDTObject
 from ._store import store
@@ -109,7 +109,7 @@ class Publisher:
 
     Runs on: producer.
     Raises: ValueError for a name already published in this process, a `slots` below 2
-    or an unknown `when_full`.
+    or an unknown `when_full`; RuntimeError outside an async `rdt.remote` actor.
     """
 
     def __init__(self, name: str = "weights", /, *, slots: int = 3, when_full: str = "wait") -> None:
@@ -124,6 +124,7 @@ class Publisher:
                 f"rdt.Publisher(when_full={when_full!r}): 'wait' (publish waits for a free slot) "
                 "or 'skip' (the version is not published)"
             )
+        _check_place()
         self.name, self.slots, self.when_full = name, slots, when_full
         self._slots: list[_Slot] = []
         self._entries: list[_Entry] | None = None
@@ -270,6 +271,24 @@ class Publisher:
 
     def __repr__(self) -> str:
         return f"rdt.Publisher({self.name!r}, version={self.version}, slots={len(self._slots)}/{self.slots})"
+
+
+def _check_place() -> None:
+    """Refuse a publisher that no subscriber could reach: outside an async `rdt.remote` actor.
+
+    Raises: RuntimeError naming the fix.
+    """
+    ctx = ray.get_runtime_context()
+    if ctx.get_actor_id() is None:
+        raise RuntimeError(
+            "rdt.Publisher lives in an async @rdt.remote actor (subscribers reach it through "
+            "that actor's handle), not in the driver or a task: create it in the actor's __init__"
+        )
+    if not hasattr(ctx.current_actor, "rdt__publication"):
+        raise RuntimeError(
+            "rdt.Publisher lives in an async @rdt.remote actor: this actor is not one (its class "
+            "needs @rdt.remote and at least one `async def` method)"
+        )
 
 
 def _difference(old: list[_Entry], new: list[_Entry]) -> str:
@@ -421,11 +440,12 @@ class Subscription:
         self.apply_s = time.perf_counter() - started
         self.delay_s = max(0.0, time.time() - published_at)
         del obj  # views of the slot keep its object: nothing else here holds the version
-        if self.version is not None:
-            self.skipped += version - self.version - 1
+        skipped = 0 if self.version is None else version - self.version - 1
         # Behind by how many versions when it asked: 0 if it waited for this one.
         self.lag = 0 if waited or self.version is None else version - self.version
+        self.skipped += skipped
         self.version, self.received = version, self.received + 1
+        _metrics.subscribed(self.name, version, self.lag, skipped, self.apply_s)
         return version, weights
 
     def stats(self) -> dict[str, Any]:
