@@ -174,6 +174,9 @@ class Publisher:
             await _io.to_thread_finished(_copy, slot, state_dict)  # a cancel waits for the copy to end
             obj = await _produce.produce_async(dict(slot.views), "auto")
             with self._lock:
+                if self.closed:  # closed while this version was copied: nobody may get it
+                    del obj
+                    raise RuntimeError(f"rdt.Publisher {self.name!r} was closed while this version was published")
                 self._version += 1
                 version = slot.version = self._version
                 old, self._newest = self._newest, (version, time.time(), obj)
