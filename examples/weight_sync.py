@@ -1,10 +1,10 @@
 """Reinforcement-learning weight sync: a trainer publishes versioned weights to inference actors.
 
-The trainer keeps its weights and returns them at every version; each inference actor
-loads them with `await rdt.fetch(ref, into=...)` into buffers it reuses, and answers
-requests all the while. Before the trainer writes the next version in place,
-`rdt.wait_tensor_freed` waits until no one can still read the published one, so no server
-ever loads a mix of two versions. Runs on CPU as it is: `python examples/weight_sync.py`.
+The trainer publishes each version with an `rdt.Publisher` and goes on training: the
+copy into a warm slot is all it waits for, never a server. Each server follows the
+newest version with `rdt.subscribe`, loading it into its own tensors (`into=`) while it
+answers requests; one that falls behind skips to the newest, and never loads a mix of
+two versions. Runs on CPU as it is: `python examples/weight_sync.py`.
 """
 
 import asyncio
@@ -22,68 +22,61 @@ SERVERS, VERSIONS = 3, 4
 @rdt.remote
 class Trainer:
     def __init__(self):
-        self.version = 0
-        # In shared memory once, before anything else reads them: every publish then
-        # exports them to servers on this node without a copy (rdt_async never moves them).
-        self.weights = [torch.zeros(WIDTH).share_memory_() for _ in range(LAYERS)]
+        self.weights = {f"layer{i}": torch.zeros(WIDTH) for i in range(LAYERS)}
+        self.publisher = rdt.Publisher("weights")  # warm slots in shared memory, recycled
 
-    @rdt.method  # the tensors stay here; servers read them where they are
-    def publish(self):
-        return {"version": self.version, "layers": self.weights}
-
-    async def train_step(self) -> float:
-        """Write the next version in place, once nothing reads the last one; return the wait (s)."""
-        started = time.perf_counter()
-        for w in self.weights:
-            await rdt.wait_tensor_freed(w)
-        waited = time.perf_counter() - started
-        self.version += 1
-        for w in self.weights:
-            w.fill_(float(self.version))  # a real trainer: optimizer.step()
-        return waited
+    async def train(self) -> float:
+        """Train and publish every version; return the longest publish (s)."""
+        longest = 0.0
+        for version in range(VERSIONS):
+            for w in self.weights.values():
+                w.fill_(float(version))  # a real trainer: optimizer.step()
+            started = time.perf_counter()
+            await self.publisher.publish(self.weights)  # a copy into a free slot, off the loop
+            longest = max(longest, time.perf_counter() - started)
+            await asyncio.sleep(0.05)  # the next step's compute
+        return longest
 
 
 @rdt.remote
 class Server:
     def __init__(self):
         self.version = -1
-        self.layers = [torch.empty(WIDTH) for _ in range(LAYERS)]  # reused at every load
+        self.weights = {f"layer{i}": torch.empty(WIDTH) for i in range(LAYERS)}  # loaded in place
 
-    async def load(self, refs) -> dict:
-        started = time.perf_counter()
-        into = {"version": None, "layers": self.layers}
-        value = await rdt.fetch(refs[0], into=into)  # nothing of the trainer's memory kept
-        self.version = value["version"]
-        exact = all(bool((w == float(self.version)).all()) for w in self.layers)
-        return {"version": self.version, "seconds": time.perf_counter() - started, "exact": exact}
+    async def follow(self, trainer) -> dict:
+        versions, slowest = [], 0.0
+        async for version, weights in rdt.subscribe(trainer, "weights"):  # newer versions, as they come
+            self.version = version  # `weights` is self.weights, just loaded
+            assert all(bool((w == float(version)).all()) for w in weights.values()), version
+            versions.append(version)
+            slowest = max(slowest, rdt.store_stats()["subscriptions"][0]["apply_s"])  # its fetch
+            if version == VERSIONS - 1:
+                break
+        return {"versions": versions, "slowest": slowest}
 
     async def infer(self, x: float) -> tuple[int, float]:
         await asyncio.sleep(0)  # a request: answered between the load's steps
-        return self.version, x * float(self.layers[0][0])
+        return self.version, x * float(self.weights["layer0"][0])
 
 
 def main() -> None:
     trainer = Trainer.remote()
     servers = [Server.remote() for _ in range(SERVERS)]
     ray.get([s.infer.remote(0.0) for s in servers])  # started
-    for _ in range(VERSIONS):
-        ref = trainer.publish.remote()
-        loads = [s.load.remote([ref]) for s in servers]
-        slowest, requests = 0.0, 0
-        while ray.wait(loads, num_returns=len(loads), timeout=0)[1]:
-            t0 = time.perf_counter()
-            ray.get([s.infer.remote(1.0) for s in servers])  # requests keep coming meanwhile
-            slowest, requests = max(slowest, time.perf_counter() - t0), requests + 1
-        reports = ray.get(loads)
-        del ref, loads  # the published version is no longer needed: the trainer may write
-        waited = ray.get(trainer.train_step.remote())
-        version = reports[0]["version"]
-        assert all(r["version"] == version and r["exact"] for r in reports), reports
-        print(
-            f"version {version}: {SERVERS} servers loaded {LAYERS * WIDTH * 4 >> 20} MiB in "
-            f"{max(r['seconds'] for r in reports) * 1e3:.0f} ms, exact; {requests} request rounds "
-            f"meanwhile, slowest {slowest * 1e3:.1f} ms; the trainer waited {waited * 1e3:.1f} ms to write"
-        )
+    follows = [s.follow.remote(trainer) for s in servers]
+    training = trainer.train.remote()
+    slowest, requests = 0.0, 0
+    while ray.wait(follows, num_returns=len(follows), timeout=0)[1]:
+        t0 = time.perf_counter()
+        ray.get([s.infer.remote(1.0) for s in servers])  # requests keep coming meanwhile
+        slowest, requests = max(slowest, time.perf_counter() - t0), requests + 1
+    for i, report in enumerate(ray.get(follows)):
+        print(f"server {i}: versions {report['versions']}, each exact, loaded in "
+              f"{report['slowest'] * 1e3:.0f} ms at most")
+    print(f"trainer: {VERSIONS} versions of {LAYERS * WIDTH * 4 >> 20} MiB, the longest publish took "
+          f"{ray.get(training) * 1e3:.1f} ms; it waited for no server")
+    print(f"{requests} request rounds answered meanwhile, slowest {slowest * 1e3:.1f} ms")
     print("served versions:", sorted({v for v, _ in ray.get([s.infer.remote(1.0) for s in servers])}))
 
 

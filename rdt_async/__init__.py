@@ -34,6 +34,9 @@ try:  # the actor layer needs Ray; the transports alone run without it (a GPU bo
     from ._api import wait_tensor_freed as wait_tensor_freed
     from ._api import wait_tensor_freed_sync as wait_tensor_freed_sync
     from ._object import RDTObject as RDTObject
+    from ._publish import Publisher as Publisher
+    from ._publish import Subscription as Subscription
+    from ._publish import subscribe as subscribe
     from .collective import CollectiveGroup as CollectiveGroup
     from .collective import allgather as allgather
     from .collective import allgather_async as allgather_async
@@ -76,6 +79,10 @@ __all__ = [  # noqa: RUF022  (grouped by topic, as in the API reference)
     "wait_tensor_freed",
     "wait_tensor_freed_sync",
     "store_stats",
+    # versioned publishing
+    "Publisher",
+    "subscribe",
+    "Subscription",
     # transports
     "register_transport",
     "available_transports",

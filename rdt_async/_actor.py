@@ -30,7 +30,10 @@ if TYPE_CHECKING:
 
 RDT_GROUP = "rdt"
 RDT_GROUP_CONCURRENCY = 8  # transfers served at once; also bounds group operations in sync actors
-CONTROL_METHODS = ("rdt__send", "rdt__free", "rdt__group", "rdt__anchors", "rdt__ping")
+# Async actors: subscribers' waits for a new version (_publish.py), each a coroutine that
+# mostly sleeps; their own group, so that they never hold up the transfers of `rdt`.
+PUBLISH_GROUP, PUBLISH_GROUP_CONCURRENCY = "rdt_publish", 1024
+CONTROL_METHODS = ("rdt__send", "rdt__free", "rdt__group", "rdt__anchors", "rdt__ping", "rdt__publication")
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -121,11 +124,12 @@ def remote(cls: type | None = None, /, **options: Any) -> Any:
             "tasks cannot keep tensors, use ray.remote for them"
         )
     groups = dict(options.pop("concurrency_groups", None) or {})
-    if RDT_GROUP in groups:
-        raise ValueError(
-            f"the concurrency group {RDT_GROUP!r} is rdt_async's own (it serves transfers); "
-            "rename yours"
-        )
+    for own in (RDT_GROUP, PUBLISH_GROUP):
+        if own in groups:
+            raise ValueError(
+                f"the concurrency group {own!r} is rdt_async's own (it serves transfers); "
+                "rename yours"
+            )
     groups[RDT_GROUP] = RDT_GROUP_CONCURRENCY
     if options.get("enable_tensor_transport"):
         raise TypeError(
@@ -143,6 +147,8 @@ def remote(cls: type | None = None, /, **options: Any) -> Any:
                 f"{ray_transport.lower()!r}) instead"
             )
     _install_per_call()
+    if any(_is_async(f) for f in _user_methods(cls).values()):
+        groups[PUBLISH_GROUP] = PUBLISH_GROUP_CONCURRENCY
     for name in CONTROL_METHODS:
         if hasattr(cls, name):
             raise ValueError(f"{cls.__name__}.{name} clashes with rdt_async's control method; rename it")
@@ -445,6 +451,11 @@ def _control_methods(is_async: bool) -> dict[str, Any]:
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(_io.pool(_io.GROUP), collective.serve, msg)
 
+        async def rdt__publication(self: Any, name: str, after: int, wait_s: float) -> Any:
+            from . import _publish
+
+            return await _publish.serve_poll(name, after, wait_s)
+
     else:
 
         def rdt__send(self: Any, obj_id: str, transport: str, request: Any) -> Any:  # type: ignore[misc]
@@ -462,7 +473,9 @@ def _control_methods(is_async: bool) -> dict[str, Any]:
         def rdt__group(self: Any, msg: Message) -> Any:  # type: ignore[misc]
             return collective.serve(msg)
 
+    publish = {"rdt__publication": ray.method(concurrency_group=PUBLISH_GROUP)(rdt__publication)} if is_async else {}
     return {
+        **publish,
         "rdt__send": group(rdt__send),
         "rdt__free": group(rdt__free),
         "rdt__group": group(rdt__group),

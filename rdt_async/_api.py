@@ -410,8 +410,11 @@ def _check_tensor(tensor: Any, verb: str) -> torch.Tensor:
 
 
 def store_stats() -> dict[str, Any]:
-    """Return what this process's store holds: objects, bytes, tensors, fetches by transport."""
-    return store.stats()
+    """Return what this process's store holds: objects, bytes, tensors, fetches by transport,
+    and its publications and subscriptions (versions, skipped, lag, apply time)."""
+    from . import _publish
+
+    return {**store.stats(), **_publish.stats()}
 
 
 def register_transport(name: str, devices: Sequence[str], cls: type) -> None:

@@ -11,6 +11,10 @@ names carry Ray's `ray_` prefix, and Ray tags each series with the worker and no
 | `rdt_fetch_bytes_total` | counter | transport | bytes those fetches moved |
 | `rdt_fetch_seconds` | histogram | transport | from the fetch's start to its tensors in hand |
 | `rdt_fetch_errors_total` | counter | transport, error | fetches that raised (or were cancelled), by type |
+| `rdt_subscription_version` | gauge | publication | the version a subscriber holds (`rdt.subscribe`) |
+| `rdt_subscription_lag` | gauge | publication | versions it was behind the newest when it last asked |
+| `rdt_subscription_skipped_total` | counter | publication | versions it was too slow for |
+| `rdt_subscription_apply_seconds` | histogram | publication | from the publisher's answer to the version in hand |
 
 The caller's thread queues each record (a deque append); the I/O loop hands them to Ray
 in batches, 0.1 s after the first of a batch (~12 us a record): `python -m rdt_async.bench
@@ -50,6 +54,12 @@ class _Metrics:
                                        boundaries=FETCH_SECONDS_BOUNDARIES, tag_keys=("transport",))
         self.errors = Counter("rdt_fetch_errors_total", "rdt_async fetches that raised, by error type",
                               tag_keys=("transport", "error"))
+        tags = ("publication",)
+        self.sub_version = Gauge("rdt_subscription_version", "the version an rdt_async subscriber holds", tag_keys=tags)
+        self.sub_lag = Gauge("rdt_subscription_lag", "versions a subscriber was behind when it last asked", tag_keys=tags)
+        self.sub_skipped = Counter("rdt_subscription_skipped_total", "versions a subscriber skipped", tag_keys=tags)
+        self.sub_apply = Histogram("rdt_subscription_apply_seconds", "a subscriber's fetch of a version",
+                                   boundaries=FETCH_SECONDS_BOUNDARIES, tag_keys=tags)
 
 
 _lock = threading.Lock()
@@ -89,6 +99,12 @@ def held(objects: int, nbytes: int) -> None:
     """Set what this process's store keeps. Runs on: producer."""
     if _wanted():
         _hand_off(_held, objects, nbytes)
+
+
+def subscribed(publication: str, version: int, lag: int, skipped: int, seconds: float) -> None:
+    """Record a version a subscriber took. Runs on: consumer."""
+    if _wanted():
+        _hand_off(_subscribed, publication, version, lag, skipped, seconds)
 
 
 def _wanted() -> bool:
@@ -147,3 +163,14 @@ def _held(objects: int, nbytes: int) -> None:
     if m is not None:
         m.objects_held.set(objects)
         m.bytes_held.set(nbytes)
+
+
+def _subscribed(publication: str, version: int, lag: int, skipped: int, seconds: float) -> None:
+    m = _get()
+    if m is not None:
+        tags = {"publication": publication}
+        m.sub_version.set(version, tags=tags)
+        m.sub_lag.set(lag, tags=tags)
+        if skipped:
+            m.sub_skipped.inc(skipped, tags=tags)
+        m.sub_apply.observe(seconds, tags=tags)

@@ -281,6 +281,12 @@ class Store:
             self._waiters.append((spans, wake))
             return False
 
+    def held(self, tensor: torch.Tensor) -> bool:
+        """Whether anything holds a byte of `tensor` now (`wait_freed` would wait)."""
+        spans = _spans([tensor])
+        with self._lock:
+            return self._overlaps(spans)
+
     def _forget(self, wake: Callable[[], object]) -> None:
         with self._lock:
             self._waiters = [w for w in self._waiters if w[1] is not wake]

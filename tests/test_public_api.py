@@ -13,7 +13,7 @@ CONTRACT = {
     "wait_tensor_freed", "wait_tensor_freed_sync", "store_stats", "register_transport", "available_transports", "RDTObject", "Transport", "Channel",
     "FetchRequest", "RDTError", "TransportUnavailableError", "ObjectFreedError",
     "TransferError", "PeerDiedError", "TransferAbortedError", "BackendError",
-    "CollectiveGroupError",
+    "CollectiveGroupError", "Publisher", "subscribe", "Subscription",
 }
 
 

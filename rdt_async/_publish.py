@@ -1,0 +1,531 @@
+"""Versioned publishing: a producer publishes a state dict as version N; subscribers follow the newest.
+
+A `Publisher` lives in an async `rdt.remote` actor (a trainer). It keeps up to `slots`
+warm copies of the state dict in shared memory, each one storage that the user never
+sees; `publish` copies the tensors into a free slot (off the loop), makes an RDT object
+of the slot's tensors (as a producing method does: `auto`, no further copy, since the
+slot is shared memory) and keeps that object as the newest version, dropping the one
+before. A slot is free once the store holds none of its bytes: no ref to the version in
+it is left anywhere and no consumer views it (shm views keep their object, see
+transports/shm.py). So a version is never written while anyone can still read it, and
+no subscriber ever sees a torn or mixed one. When every slot is busy, `when_full` says
+what `publish` does: "wait" for a slot (bound it with `asyncio.timeout`) or "skip" the
+version (it is not published; the trainer goes on).
+
+A `Subscription` (`rdt.subscribe(actor, name)`) asks the producer's `rdt_publish`
+concurrency group for a version newer than the one it holds (a long poll, answered at
+once if there is one: the newest, so a slow subscriber skips what it missed), then
+fetches it like any RDT object: views of the slot (shm) on the producer's node, one
+transfer per node through the relay elsewhere, or straight into the caller's `into=`.
+
+Runs on: producer (Publisher, `serve_poll`) and consumer (Subscription).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import threading
+import time
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import ray
+import torch
+
+from . import _io, _metrics, _produce, _ray
+from ._errors import ObjectFreedError, TransferError, translating
+from ._object import RDTObject
+from ._store import store
+from ._tree import Slot
+from .transports._base import aligned_layout
+
+POLL_S = 10.0  # a subscriber's wait is answered at least this often (it asks again)
+ALIGN = 64
+WHEN_FULL = ("wait", "skip")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    """One tensor of the published state dict: its name and layout in a slot."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int
+    nbytes: int
+
+
+class _Slot:
+    """One warm copy of the state dict: a shared-memory storage and a view per tensor."""
+
+    def __init__(self, entries: list[_Entry], size: int) -> None:
+        self.base = torch.empty(max(size, ALIGN), dtype=torch.uint8).share_memory_()
+        self.views = {e.name: _view(self.base, e) for e in entries}
+        self.version: int | None = None
+
+    def busy(self) -> bool:
+        return store.held(self.base)
+
+
+def _view(base: torch.Tensor, e: _Entry) -> torch.Tensor:
+    if e.nbytes == 0:
+        return torch.empty(e.shape, dtype=e.dtype)
+    return base[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape)
+
+
+def _layout(state: Mapping[str, torch.Tensor]) -> tuple[list[_Entry], int]:
+    sizes = [t.numel() * t.element_size() for t in state.values()]
+    offsets, size = aligned_layout(sizes, ALIGN)
+    entries = [
+        _Entry(name, tuple(t.shape), t.dtype, off, n) for (name, t), off, n in zip(state.items(), offsets, sizes)
+    ]
+    return entries, size
+
+
+def _copy(slot: _Slot, state: Mapping[str, torch.Tensor]) -> None:
+    """Copy the state dict into the slot (blocking: in the pool)."""
+    with torch.no_grad():
+        for name, t in state.items():
+            slot.views[name].copy_(t)
+
+
+_publishers: dict[str, Publisher] = {}  # this process's, by name
+_closed: set[str] = set()  # names of this process's publishers closed (and not opened again)
+_publishers_lock = threading.Lock()
+
+
+class Publisher:
+    """Publish versions of a state dict; subscribers on any node follow the newest.
+
+    Create it in an async `rdt.remote` actor (its `__init__` or a method); subscribers
+    reach it as `rdt.subscribe(actor, name)`. `slots` warm copies in shared memory are
+    made as needed (at most `slots` times the state dict's bytes); `when_full` says what
+    `publish` does when every slot is still read: "wait" until one is free (bound it with
+    `asyncio.timeout`), or "skip" (the version is not published). Close it (or use
+    `async with`) to end every subscriber's `async for`.
+
+    Runs on: producer.
+    Raises: ValueError for a name already published in this process, a `slots` below 2
+    or an unknown `when_full`; RuntimeError outside an async `rdt.remote` actor.
+    """
+
+    def __init__(self, name: str = "weights", /, *, slots: int = 3, when_full: str = "wait") -> None:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"rdt.Publisher(name): a non-empty str, not {name!r}")
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 2:
+            raise ValueError(
+                f"rdt.Publisher(slots={slots!r}): at least 2 (the newest version, and one to write the next into)"
+            )
+        if when_full not in WHEN_FULL:
+            raise ValueError(
+                f"rdt.Publisher(when_full={when_full!r}): 'wait' (publish waits for a free slot) "
+                "or 'skip' (the version is not published)"
+            )
+        _check_place()
+        self.name, self.slots, self.when_full = name, slots, when_full
+        self._slots: list[_Slot] = []
+        self._entries: list[_Entry] | None = None
+        self._size = 0
+        self._version = -1
+        self._newest: tuple[int, float, RDTObject] | None = None  # version, time published, object
+        self._lock = threading.Lock()  # `_newest`, `_waiters`, `closed`: publish and the polls' loop
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self._publishing: asyncio.Lock | None = None
+        self.closed = False
+        self.dropped = 0
+        with _publishers_lock:
+            if name in _publishers:
+                raise ValueError(
+                    f"this process publishes {name!r} already: close that Publisher first, or pick another name"
+                )
+            _publishers[name] = self
+            _closed.discard(name)
+
+    @property
+    def version(self) -> int | None:
+        """The newest version published, or None."""
+        newest = self._newest
+        return None if newest is None else newest[0]
+
+    async def publish(self, state_dict: Mapping[str, torch.Tensor], /) -> int | None:
+        """Publish a copy of `state_dict` as the next version; return its number (0, 1, ...).
+
+        Returns once the copy is made (the caller may change its tensors then), never
+        waiting for subscribers to read it. With every slot still read: waits for one
+        (when_full="wait"), or returns None and publishes nothing (when_full="skip").
+        Runs on: producer (an async actor's loop; the copy runs off it).
+        Raises: TypeError for what is not a dict of CPU tensors by name; ValueError for a
+        state dict whose names, shapes or dtypes differ from the first one published;
+        RuntimeError once closed.
+        """
+        entries = self._check(state_dict)
+        if self._publishing is None:
+            self._publishing = asyncio.Lock()
+        async with self._publishing:
+            if self.closed:
+                raise RuntimeError(f"rdt.Publisher {self.name!r} is closed; make a new one to publish again")
+            slot = await self._free_slot(entries)
+            if slot is None:
+                self.dropped += 1
+                return None
+            await _io.to_thread_finished(_copy, slot, state_dict)  # a cancel waits for the copy to end
+            obj = await _produce.produce_async(dict(slot.views), "auto")
+            with self._lock:
+                if self.closed:  # closed while this version was copied: nobody may get it
+                    del obj
+                    raise RuntimeError(f"rdt.Publisher {self.name!r} was closed while this version was published")
+                self._version += 1
+                version = slot.version = self._version
+                old, self._newest = self._newest, (version, time.time(), obj)
+                waiters, self._waiters = self._waiters, []
+            del old, obj  # the version before: its slot is free once nobody reads it
+            _wake(waiters)
+            return version
+
+    def _check(self, state: Any) -> list[_Entry]:
+        if not isinstance(state, Mapping) or not state:
+            raise TypeError(
+                f"rdt.Publisher.publish() takes a non-empty dict of tensors by name (a state dict), "
+                f"not {type(state).__name__}"
+            )
+        for k, t in state.items():
+            if not isinstance(k, str) or not isinstance(t, torch.Tensor):
+                raise TypeError(
+                    f"rdt.Publisher.publish(): entry {k!r} is {type(t).__name__} under a "
+                    f"{type(k).__name__} key; give str names and tensors (model.state_dict())"
+                )
+            if t.device.type != "cpu" or t.layout != torch.strided:
+                raise TypeError(
+                    f"rdt.Publisher.publish(): {k!r} is a {t.device.type} {t.layout} tensor; this version "
+                    "publishes dense CPU tensors (move them with .cpu() first)"
+                )
+        entries, size = _layout(state)
+        if self._entries is None:
+            self._entries, self._size = entries, size
+        elif entries != self._entries:
+            raise ValueError(f"rdt.Publisher {self.name!r}: {_difference(self._entries, entries)}; "
+                             "a publisher's versions keep the first one's names, shapes and dtypes "
+                             "(publish a different layout under another name)")
+        return entries
+
+    async def _free_slot(self, entries: list[_Entry]) -> _Slot | None:
+        """A slot nobody reads (made if fewer than `slots` exist), or None to skip."""
+        while True:
+            _io.settle()  # views dropped just now: their frees have run
+            newest = self._newest
+            for slot in self._slots:
+                if (newest is None or slot.version != newest[0]) and not slot.busy():
+                    return slot
+            if len(self._slots) < self.slots:
+                slot = await _io.to_thread(_Slot, entries, self._size)  # fresh shared memory: off the loop
+                self._slots.append(slot)
+                return slot
+            if self.when_full == "skip":
+                return None
+            # Wait for any slot but the newest's to be let go.
+            waits = [
+                asyncio.ensure_future(store.wait_freed(s.base))
+                for s in self._slots
+                if newest is None or s.version != newest[0]
+            ]
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
+
+    def close(self) -> None:
+        """Stop publishing: subscribers' `async for` ends; slots go once nobody reads them."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            self._newest = None
+            waiters, self._waiters = self._waiters, []
+        with _publishers_lock:
+            if _publishers.get(self.name) is self:
+                del _publishers[self.name]
+                _closed.add(self.name)
+        self._slots = []  # each slot's memory goes with the last view of it
+        _wake(waiters)
+
+    async def __aenter__(self) -> Publisher:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def stats(self) -> dict[str, Any]:
+        """This publisher's state: newest version, slots made and busy, versions skipped."""
+        _io.settle()
+        return {
+            "name": self.name,
+            "version": self.version,
+            "slots": len(self._slots),
+            "slots_busy": sum(s.busy() for s in self._slots),
+            "slot_bytes": self._size,
+            "skipped": self.dropped,
+            "waiting": len(self._waiters),  # subscribers waiting for the next version
+            "when_full": self.when_full,
+        }
+
+    def __repr__(self) -> str:
+        return f"rdt.Publisher({self.name!r}, version={self.version}, slots={len(self._slots)}/{self.slots})"
+
+
+def _check_place() -> None:
+    """Refuse a publisher that no subscriber could reach: outside an async `rdt.remote` actor.
+
+    Raises: RuntimeError naming the fix.
+    """
+    ctx = ray.get_runtime_context()
+    if ctx.get_actor_id() is None:
+        raise RuntimeError(
+            "rdt.Publisher lives in an async @rdt.remote actor (subscribers reach it through "
+            "that actor's handle), not in the driver or a task: create it in the actor's __init__"
+        )
+    if not hasattr(ctx.current_actor, "rdt__publication"):
+        raise RuntimeError(
+            "rdt.Publisher lives in an async @rdt.remote actor: this actor is not one (its class "
+            "needs @rdt.remote and at least one `async def` method)"
+        )
+
+
+def _difference(old: list[_Entry], new: list[_Entry]) -> str:
+    o, n = {e.name: e for e in old}, {e.name: e for e in new}
+    if o.keys() != n.keys():
+        missing, extra = sorted(o.keys() - n.keys()), sorted(n.keys() - o.keys())
+        return f"names differ from the first version's (missing {missing}, new {extra})"
+    for name, e in n.items():
+        if (e.shape, e.dtype) != (o[name].shape, o[name].dtype):
+            return f"{name!r} is {e.dtype} {list(e.shape)}, was {o[name].dtype} {list(o[name].shape)}"
+    return "the names come in another order than the first version's"
+
+
+def _wake(waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]]) -> None:
+    for loop, fut in waiters:
+        try:
+            loop.call_soon_threadsafe(_set_done, fut)
+        except RuntimeError:  # its loop is closed
+            pass
+
+
+def _set_done(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+async def serve_poll(name: str, after: int, wait_s: float) -> tuple[Any, ...]:
+    """Answer a subscriber: ("ok", version, published_at, object, waited) for the newest
+    version after `after`, once there is one (`waited`: none was there when it asked; at
+    most `wait_s` later: ("none",)); ("closed",) or ("missing", names) if there is
+    nothing to follow.
+
+    Runs on: producer (the `rdt_publish` concurrency group's loop).
+    """
+    with _publishers_lock:
+        pub = _publishers.get(name)
+        if pub is None:
+            return ("closed",) if name in _closed else ("missing", sorted(_publishers))
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[None] = loop.create_future()
+    with pub._lock:
+        if pub.closed:
+            return ("closed",)
+        newest = pub._newest
+        if newest is not None and newest[0] > after:
+            return ("ok", *newest, False)
+        pub._waiters.append((loop, fut))
+    try:
+        await asyncio.wait_for(fut, wait_s)
+    except TimeoutError:
+        pass
+    finally:
+        with pub._lock:
+            if (loop, fut) in pub._waiters:
+                pub._waiters.remove((loop, fut))
+    with pub._lock:
+        if pub.closed:
+            return ("closed",)
+        newest = pub._newest
+    return ("ok", *newest, True) if newest is not None and newest[0] > after else ("none",)
+
+
+_subscriptions: weakref.WeakSet[Subscription] = weakref.WeakSet()
+_ids = itertools.count()
+
+
+class Subscription:
+    """Follow a publisher's newest version: ``async for version, weights in rdt.subscribe(actor, name)``.
+
+    Each step waits for a version newer than the one it gave last and returns the newest
+    (versions published meanwhile are skipped), whole: never a mix of two. `await
+    next(into=...)` lands it in the caller's own tensors (a dict by name, such as
+    `model.state_dict()`, or a list in the published order). Without `into=`, on the
+    producer's node the tensors are views of the producer's slot: keeping them keeps that
+    slot busy. Bound any wait with `asyncio.timeout`.
+
+    Runs on: consumer (any process with an event loop).
+    """
+
+    def __init__(self, actor: Any, name: str = "weights", /) -> None:
+        if not isinstance(actor, ray.actor.ActorHandle):
+            raise TypeError(
+                f"rdt.subscribe() takes the publishing actor's handle, not {type(actor).__name__}: "
+                "rdt.subscribe(trainer, 'weights')"
+            )
+        if not hasattr(actor, "rdt__publication"):
+            raise TypeError(
+                "rdt.subscribe(): that actor cannot publish; a Publisher lives in an async "
+                "@rdt.remote actor (one with an `async def` method)"
+            )
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"rdt.subscribe(actor, name): a non-empty str, not {name!r}")
+        self.actor, self.name = actor, name
+        self.version: int | None = None
+        self.lag: int | None = None  # versions it was behind the newest when it last asked (0: it waited)
+        self.skipped = 0
+        self.received = 0
+        self.closed = False  # the publisher closed: `async for` ends
+        self.apply_s: float | None = None  # the last version's fetch, from its answer to its tensors in hand
+        self.delay_s: float | None = None  # from its publish to its tensors in hand
+        self._id = next(_ids)
+        _subscriptions.add(self)
+
+    def __aiter__(self) -> Subscription:
+        return self
+
+    async def __anext__(self) -> tuple[int, dict[str, torch.Tensor]]:
+        try:
+            return await self.next()
+        except ObjectFreedError:
+            if self.closed:
+                raise StopAsyncIteration from None
+            raise
+
+    async def next(self, *, into: Any = None) -> tuple[int, dict[str, torch.Tensor]]:
+        """Wait for a version newer than the last one returned; return `(version, weights)`.
+
+        Raises: ObjectFreedError once the publisher is closed; PeerDiedError if its actor
+        died (what was returned before stays usable); LookupError if the actor publishes
+        nothing under this name; what `rdt.fetch` raises.
+        """
+        after = -1 if self.version is None else self.version
+        label = f"waiting for a version of {self.name!r} newer than {after}"
+        while True:
+            ref: Any = self.actor.rdt__publication.remote(self.name, after, POLL_S)
+            try:
+                with translating(label):
+                    reply = await _ray.await_ref(ref)
+            except asyncio.CancelledError:
+                _cancel(ref)  # the producer's wait ends now, not POLL_S later
+                raise
+            finally:
+                del ref
+            kind = reply[0]
+            if kind == "ok":
+                break
+            if kind == "closed":
+                self.closed = True
+                raise ObjectFreedError(f"{label}: the publisher closed")
+            if kind == "missing":
+                raise LookupError(
+                    f"rdt.subscribe(actor, {self.name!r}): that actor publishes "
+                    f"{reply[1] if reply[1] else 'nothing'}; make `rdt.Publisher({self.name!r})` there first"
+                )
+        _, version, published_at, obj, waited = reply
+        del reply
+        started = time.perf_counter()
+        weights = await _fetch(obj, into)
+        self.apply_s = time.perf_counter() - started
+        self.delay_s = max(0.0, time.time() - published_at)
+        del obj  # views of the slot keep its object: nothing else here holds the version
+        skipped = 0 if self.version is None else version - self.version - 1
+        # Behind by how many versions when it asked: 0 if it waited for this one.
+        self.lag = 0 if waited or self.version is None else version - self.version
+        self.skipped += skipped
+        self.version, self.received = version, self.received + 1
+        _metrics.subscribed(self.name, version, self.lag, skipped, self.apply_s)
+        return version, weights
+
+    def stats(self) -> dict[str, Any]:
+        """This subscription: current version, versions skipped, lag, apply time."""
+        return {
+            "name": self.name,
+            "producer": _actor_label(self.actor),
+            "version": self.version,
+            "received": self.received,
+            "skipped": self.skipped,
+            "lag": self.lag,
+            "apply_s": self.apply_s,
+            "delay_s": self.delay_s,
+        }
+
+    def __repr__(self) -> str:
+        return f"rdt.Subscription({self.name!r}, version={self.version})"
+
+
+async def _fetch(obj: RDTObject, into: Any) -> dict[str, torch.Tensor]:
+    from ._api import fetch
+
+    if isinstance(into, Mapping):
+        into = _ordered(into, _names_of(obj))
+    value: dict[str, torch.Tensor] = await fetch(obj, into=into)
+    return value
+
+
+def _names_of(obj: RDTObject) -> list[str]:
+    """The published names, in the order of their tensors (the value is a flat dict of them).
+
+    Raises: TransferError for a skeleton that is not one (it came from another process).
+    """
+    skeleton = obj.skeleton
+    if type(skeleton) is not dict or not all(type(k) is str and isinstance(v, Slot) for k, v in skeleton.items()):
+        raise TransferError(f"version object {obj.obj_id} is not a published state dict")
+    return [k for k, _ in sorted(skeleton.items(), key=lambda kv: kv[1].index)]
+
+
+def _ordered(into: Mapping[str, Any], names: list[str]) -> list[Any]:
+    missing = [n for n in names if n not in into]
+    published = set(names)
+    extra = [k for k in into if k not in published]
+    if missing or extra:
+        raise ValueError(
+            f"Subscription.next(into=...): the dict's names differ from the published ones "
+            f"(missing {missing[:8]}, not published {extra[:8]}); give a dict with exactly the published names"
+        )
+    return [into[n] for n in names]
+
+
+def _cancel(ref: Any) -> None:
+    try:
+        ray.cancel(ref)
+    except Exception:  # (done already, or Ray shutting down): its wait ends within POLL_S anyway
+        pass
+
+
+def _actor_label(actor: Any) -> str:
+    try:
+        return f"actor {actor._ray_actor_id.hex()[:8]}"
+    except AttributeError:
+        return "actor"
+
+
+def subscribe(actor: Any, name: str = "weights", /) -> Subscription:
+    """Follow the versions `actor` publishes under `name`: ``async for version, weights in ...``.
+
+    Runs on: consumer. Nothing is asked of the actor until the first wait.
+    Raises: TypeError for what is not an actor handle, or an actor that cannot publish.
+    """
+    return Subscription(actor, name)
+
+
+def stats() -> dict[str, Any]:
+    """This process's publications and subscriptions, for `store_stats()`."""
+    with _publishers_lock:
+        pubs = list(_publishers.values())
+    subs = sorted(_subscriptions, key=lambda s: s._id)
+    return {"publications": [p.stats() for p in pubs], "subscriptions": [s.stats() for s in subs]}

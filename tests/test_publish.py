@@ -1,0 +1,329 @@
+"""Versioned publishing: a trainer publishes a state dict, subscribers follow the newest version.
+
+Real actors on the session's two-host cluster. Every version's tensors are filled so
+that a torn or mixed one shows: tensor i of version v holds v + 1000 * i everywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+import ray
+import torch
+from conftest import ON_NODE2, wait_until
+
+import rdt_async as rdt
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+LAYERS, WIDTH = 4, 1 << 18  # 4 MiB a version: over the relay's and shm's sharing thresholds
+
+
+def _state(width: int = WIDTH) -> dict[str, torch.Tensor]:
+    return {f"l{i}": torch.zeros(width) for i in range(LAYERS)}
+
+
+def _exact(version: int, weights: dict[str, torch.Tensor]) -> bool:
+    return list(weights) == [f"l{i}" for i in range(LAYERS)] and all(
+        bool((t == version + 1000 * i).all()) for i, t in enumerate(weights.values())
+    )
+
+
+@rdt.remote
+class Trainer:
+    def __init__(self) -> None:
+        self.pubs: dict[str, rdt.Publisher] = {}
+        self.state = _state()
+
+    async def open(self, name: str, slots: int = 3, when_full: str = "wait") -> None:
+        self.pubs[name] = rdt.Publisher(name, slots=slots, when_full=when_full)
+
+    async def publish(self, name: str, n: int = 1, pause: float = 0.0, timeout: float | None = None) -> list:
+        """Publish `n` versions, each filled with its own number; the versions (None: skipped)."""
+        pub, out = self.pubs[name], []
+        for _ in range(n):
+            v = (-1 if pub.version is None else pub.version) + 1
+            for i, t in enumerate(self.state.values()):
+                t.fill_(v + 1000 * i)
+            try:
+                async with asyncio.timeout(timeout):
+                    out.append(await pub.publish(self.state))
+            except TimeoutError:
+                out.append("timeout")
+            await asyncio.sleep(pause)
+        return out
+
+    async def publish_bad(self, name: str, what: str) -> str:
+        pub = self.pubs[name]
+        bad = {"l0": torch.zeros(3)} if what == "layout" else [torch.zeros(3)]
+        try:
+            await pub.publish(bad)
+        except (TypeError, ValueError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "published"
+
+    async def close(self, name: str) -> None:
+        self.pubs.pop(name).close()
+
+    async def stats(self, name: str) -> dict:
+        return next(p for p in rdt.store_stats()["publications"] if p["name"] == name)
+
+    async def pid(self) -> int:
+        return os.getpid()
+
+
+@rdt.remote
+class Server:
+    def __init__(self) -> None:
+        self.kept = None
+        self.subs: dict[str, rdt.Subscription] = {}
+        self.buffers = _state()
+
+    async def follow(self, trainer, name: str, last: int, delay: float = 0.0, into: bool = False) -> list:
+        """Follow until version `last`: [(version, exact)], holding each version `delay` s."""
+        sub = self.subs.setdefault(name, rdt.subscribe(trainer, name))
+        got = []
+        while sub.version is None or sub.version < last:
+            version, weights = await sub.next(into=self.buffers if into else None)
+            got.append((version, _exact(version, weights)))
+            if into:
+                assert weights["l0"].data_ptr() == self.buffers["l0"].data_ptr()
+            await asyncio.sleep(delay)
+            del weights
+        return got
+
+    async def keep_next(self, trainer, name: str) -> int:
+        """Take the next version and keep its tensors (views of the trainer's slot here)."""
+        sub = self.subs.setdefault(name, rdt.subscribe(trainer, name))
+        self.kept_version, self.kept = await sub.next()
+        return self.kept_version
+
+    async def kept_exact(self) -> bool:
+        return _exact(self.kept_version, self.kept)
+
+    async def drop(self) -> None:
+        self.kept = None
+
+    async def next_within(self, trainer, name: str, seconds: float) -> str:
+        sub = self.subs.setdefault(name, rdt.subscribe(trainer, name))
+        try:
+            async with asyncio.timeout(seconds):
+                version, _ = await sub.next(into=self.buffers)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return f"version {version}"
+
+    async def into_model(self, trainer, name: str, names: list[str]) -> str:
+        """The newest version straight into a model's parameters, by name."""
+        model = torch.nn.ParameterDict({n: torch.nn.Parameter(torch.zeros(WIDTH)) for n in names})
+        try:
+            version, weights = await rdt.subscribe(trainer, name).next(into=model.state_dict())
+        except ValueError as exc:
+            return f"ValueError: {exc}"
+        landed = all(weights[n].data_ptr() == model[n].data_ptr() for n in names)
+        return f"version {version}, exact {_exact(version, dict(model.items()))}, in the parameters {landed}"
+
+    async def iterate(self, trainer, name: str) -> list[int]:
+        """`async for` to the end of the publication."""
+        return [version async for version, _ in rdt.subscribe(trainer, name)]
+
+    async def stats(self) -> dict:
+        s = rdt.store_stats()
+        return {"subscriptions": s["subscriptions"], "fetches": s["fetches"]}
+
+
+@pytest.fixture(scope="module")
+def actors(cluster):
+    trainer = Trainer.remote()
+    here = [Server.remote() for _ in range(2)]
+    there = [Server.options(**ON_NODE2).remote() for _ in range(2)]
+    ray.get([trainer.pid.remote(), *[s.stats.remote() for s in here + there]], timeout=120)
+    yield trainer, here, there
+    for a in (trainer, *here, *there):
+        ray.kill(a)
+
+
+def test_every_version_lands_exactly_and_a_slow_subscriber_skips_to_the_newest(actors):
+    trainer, here, there = actors
+    ray.get(trainer.open.remote("run"))
+    last = 24
+    follows = [
+        here[0].follow.remote(trainer, "run", last, 0.0, True),  # into its own buffers
+        here[1].follow.remote(trainer, "run", last, 1.0, False),  # slow, holding views of a slot
+        *[s.follow.remote(trainer, "run", last, 0.0, i == 0) for i, s in enumerate(there)],  # the relay
+    ]
+    try:
+        _follow_every_version(trainer, here, there, last, follows)
+    finally:
+        ray.get(trainer.close.remote("run"))
+    # And in Ray's metrics (the Prometheus endpoint of its node).
+    from test_metrics import _samples, _wait_for
+
+    worker = ray.get(here[1].__ray_call__.remote(lambda self: ray.get_runtime_context().get_worker_id()))
+    skipped = ray.get(here[1].stats.remote())["subscriptions"][0]["skipped"]
+
+    def seen(body: str):
+        version = _samples(body, "ray_rdt_subscription_version", worker)
+        return (version, _samples(body, "ray_rdt_subscription_skipped_total", worker)) if version == {"": last} else None
+
+    assert _wait_for(seen)[1] == {"": skipped}
+
+
+def _follow_every_version(trainer, here, there, last, follows) -> None:
+    versions = ray.get(trainer.publish.remote("run", last + 1, 0.01), timeout=60)
+    assert versions == list(range(last + 1))  # never waited out: 3 slots were enough
+    got = ray.get(follows, timeout=60)
+    for records in got:
+        seen = [v for v, _ in records]
+        assert all(exact for _, exact in records), records  # no torn or mixed version, ever
+        assert seen == sorted(set(seen)) and seen[-1] == last, seen  # newer each time, up to the last
+    slow = got[1]
+    assert len(slow) < last, slow  # it skipped what it was too slow for
+    stats = ray.get(here[1].stats.remote())["subscriptions"][0]
+    assert stats["name"] == "run" and stats["version"] == last and stats["received"] == len(slow)
+    assert stats["skipped"] == last + 1 - len(slow)
+    assert stats["apply_s"] > 0 and stats["delay_s"] >= stats["apply_s"] * 0.5 and stats["lag"] >= 0
+    # Slots: bounded, and all but the newest's recycled once nobody reads them.
+    wait_until(lambda: ray.get(trainer.stats.remote("run"))["slots_busy"] == 1, 10,
+               lambda: ray.get(trainer.stats.remote("run")))
+    pub = ray.get(trainer.stats.remote("run"))
+    assert 2 <= pub.pop("slots") <= 3  # made as needed, never more than slots=3
+    assert pub == {"name": "run", "version": last, "slots_busy": 1, "slot_bytes": LAYERS * WIDTH * 4,
+                   "skipped": 0, "when_full": "wait", "waiting": 0}
+    # Across hosts: one transfer of each version per node, the others mapped it from that one.
+    fetches = [ray.get(s.stats.remote())["fetches"] for s in there]
+    assert sum(f.get("relay", 0) for f in fetches) >= 1, fetches
+
+
+def test_when_every_slot_is_read_publish_skips_or_waits_within_its_bound(actors):
+    trainer, here, _ = actors
+    ray.get(trainer.open.remote("skip", 2, "skip"))
+    ray.get(trainer.open.remote("wait", 2, "wait"))
+    for name in ("skip", "wait"):
+        ray.get(trainer.publish.remote(name))
+        assert ray.get(here[0].keep_next.remote(trainer, name)) == 0  # version 0's slot is viewed
+        ray.get(trainer.publish.remote(name))  # version 1: the other slot; now both are busy
+        if name == "skip":
+            assert ray.get(trainer.publish.remote(name, 2)) == [None, None]
+            assert ray.get(trainer.stats.remote(name))["skipped"] == 2
+        else:
+            assert ray.get(trainer.publish.remote(name, 1, 0, 0.3)) == ["timeout"]
+        assert ray.get(here[0].kept_exact.remote())  # what it keeps was never written meanwhile
+        ray.get(here[0].drop.remote())  # its slot goes back...
+        assert ray.get(trainer.publish.remote(name, 1, 0, 10)) == [2]  # ...and the next version takes it
+        assert ray.get(here[1].follow.remote(trainer, name, 2, 0.0, True)) == [(2, True)]
+        ray.get(trainer.close.remote(name))
+
+
+def test_a_subscriber_that_dies_holding_a_version_lets_its_slot_go(actors):
+    trainer, _, _ = actors
+    ray.get(trainer.open.remote("die", 2, "skip"))
+    ray.get(trainer.publish.remote("die"))
+    doomed = Server.remote()
+    assert ray.get(doomed.keep_next.remote(trainer, "die")) == 0
+    ray.get(trainer.publish.remote("die"))
+    assert ray.get(trainer.stats.remote("die"))["slots_busy"] == 2
+    ray.kill(doomed)
+    wait_until(lambda: ray.get(trainer.stats.remote("die"))["slots_busy"] == 1, 15,
+               lambda: ray.get(trainer.stats.remote("die")))
+    assert ray.get(trainer.publish.remote("die")) == [2]
+    ray.get(trainer.close.remote("die"))
+
+
+def test_a_deadline_ends_a_wait_and_a_closed_publication_ends_async_for(actors):
+    trainer, here, there = actors
+    ray.get(trainer.open.remote("quiet"))
+    ray.get(trainer.publish.remote("quiet", 2))
+    assert ray.get(here[0].next_within.remote(trainer, "quiet", 10)) == "version 1"  # the newest at once
+    started = time.monotonic()
+    assert ray.get(here[0].next_within.remote(trainer, "quiet", 0.3)) == "TimeoutError: "  # nothing newer
+    assert time.monotonic() - started < 5
+    # The trainer's side of the wait ended with it (not POLL_S later).
+    wait_until(lambda: ray.get(trainer.stats.remote("quiet"))["waiting"] == 0, 3)
+    names = [f"l{i}" for i in range(LAYERS)]
+    assert ray.get(here[1].into_model.remote(trainer, "quiet", names)) == "version 1, exact True, in the parameters True"
+    assert ray.get(there[1].into_model.remote(trainer, "quiet", names)) == "version 1, exact True, in the parameters True"
+    assert ray.get(here[1].into_model.remote(trainer, "quiet", ["l0", "l1", "l2", "x"])) == (
+        "ValueError: Subscription.next(into=...): the dict's names differ from the published ones "
+        "(missing ['l3'], not published ['x']); give a dict with exactly the published names"
+    )
+    loop = there[0].iterate.remote(trainer, "quiet")
+    time.sleep(0.5)
+    ray.get(trainer.publish.remote("quiet"))
+    time.sleep(0.5)
+    ray.get(trainer.close.remote("quiet"))
+    assert ray.get(loop, timeout=30) == [1, 2]  # the newest at once, then each new one, then the end
+    assert ray.get(here[0].next_within.remote(trainer, "quiet", 10)) == (
+        "ObjectFreedError: waiting for a version of 'quiet' newer than 1: the publisher closed"
+    )
+
+
+def test_mistakes_are_refused_where_they_are_made(actors):
+    trainer, here, _ = actors
+    assert ray.get(here[0].next_within.remote(trainer, "nothing", 10)) == (
+        "LookupError: rdt.subscribe(actor, 'nothing'): that actor publishes nothing; "
+        "make `rdt.Publisher('nothing')` there first"
+    )
+    ray.get(trainer.open.remote("strict"))
+    ray.get(trainer.publish.remote("strict"))
+    assert ray.get(trainer.publish_bad.remote("strict", "layout")) == (
+        "ValueError: rdt.Publisher 'strict': names differ from the first version's (missing ['l1', 'l2', 'l3'], "
+        "new []); a publisher's versions keep the first one's names, shapes and dtypes (publish a different "
+        "layout under another name)"
+    )
+    assert ray.get(trainer.publish_bad.remote("strict", "list")) == (
+        "TypeError: rdt.Publisher.publish() takes a non-empty dict of tensors by name (a state dict), not list"
+    )
+    with pytest.raises(ValueError, match=r"this process publishes 'strict' already: close that Publisher first"):
+        ray.get(trainer.open.remote("strict"))
+    ray.get(trainer.close.remote("strict"))
+    with pytest.raises(ValueError, match=r"slots=1\): at least 2"):
+        rdt.Publisher("x", slots=1)
+    with pytest.raises(ValueError, match=r"when_full='drop'\): 'wait' .* or 'skip'"):
+        rdt.Publisher("x", when_full="drop")
+    with pytest.raises(TypeError, match=r"takes the publishing actor's handle, not int"):
+        rdt.subscribe(7, "w")
+
+
+@rdt.remote
+class SyncTrainer:
+    def make(self) -> str:
+        try:
+            rdt.Publisher("weights")
+        except RuntimeError as exc:
+            return str(exc)
+        return "made"
+
+
+def test_a_publisher_lives_in_an_async_actor_and_only_there_can_be_subscribed_to(cluster):
+    with pytest.raises(RuntimeError, match=r"^rdt.Publisher lives in an async @rdt.remote actor .* not in the driver"):
+        rdt.Publisher("weights")
+    sync = SyncTrainer.remote()
+    try:
+        assert ray.get(sync.make.remote()) == (
+            "rdt.Publisher lives in an async @rdt.remote actor: this actor is not one (its class "
+            "needs @rdt.remote and at least one `async def` method)"
+        )
+        with pytest.raises(TypeError, match=r"that actor cannot publish; a Publisher lives in an async @rdt.remote"):
+            rdt.subscribe(sync, "weights")
+    finally:
+        ray.kill(sync)
+
+
+def test_the_trainer_dying_raises_peer_died_at_the_next_wait_and_what_was_fetched_stays(actors):
+    _, here, there = actors
+    doomed = Trainer.remote()
+    ray.get(doomed.open.remote("last"))
+    ray.get(doomed.publish.remote("last"))
+    for server in (here[0], there[1]):
+        assert ray.get(server.keep_next.remote(doomed, "last")) == 0  # views (here), a relay memfd (there)
+    waits = [s.next_within.remote(doomed, "last", 30) for s in (here[0], there[1])]
+    time.sleep(0.5)
+    ray.kill(doomed)
+    for said in ray.get(waits, timeout=60):
+        assert said.startswith("PeerDiedError: waiting for a version of 'last' newer than 0: the producer died"), said
+    assert ray.get([s.kept_exact.remote() for s in (here[0], there[1])]) == [True, True]
+    ray.get([s.drop.remote() for s in (here[0], there[1])])
