@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from . import _io, _object, _produce, _ray
+from . import _io, _object, _produce, _ray, _relay
 from ._errors import RDTError, one_chain, release_frames, translating
 from ._fetch import fetch_now, fetch_object
 from ._object import RDTObject
@@ -411,10 +411,11 @@ def _check_tensor(tensor: Any, verb: str) -> torch.Tensor:
 
 def store_stats() -> dict[str, Any]:
     """Return what this process's store holds: objects, bytes, tensors, fetches by transport,
-    and its publications and subscriptions (versions, skipped, lag, apply time)."""
+    its node relay's work and holdings (`relay`), and its publications and subscriptions
+    (versions, skipped, lag, apply time)."""
     from . import _publish
 
-    return {**store.stats(), **_publish.stats()}
+    return {**store.stats(), "relay": _relay.stats(), **_publish.stats()}
 
 
 def register_transport(name: str, devices: Sequence[str], cls: type) -> None:

@@ -192,18 +192,20 @@ async def fetch_object(
             name = transport.name
             await _cuda.wait(ready)  # the caller's queued work on the destinations has run
             if device is None and _relayed(obj, name, buffers):
-                # The first consumer of the node lands the bytes in its `into=` buffers, else in a
-                # memfd it hands over (DIRECT) or where its transport puts them; the others map
-                # the memfd (copied into where needed), and those with `into=` copy from it.
+                # The first consumer of the node lands the bytes in a memfd it hands over
+                # (DIRECT: also with `into=` where a warm one is there, so that the others map it
+                # as soon as the read ends), else in its `into=` buffers or where its transport puts
+                # them; the others map the memfd, and those with `into=` copy from it.
                 used = [name]  # the path the read took, where auto fell back (`_fetch_over`)
                 transfer = functools.partial(_fetch_over, obj, transport, info, buffers, used)
-                direct = transport.fills_buffers and buffers is None
+                direct = transport.fills_buffers
                 into = functools.partial(_fetch_over, obj, transport, info, used=used) if direct else None
-                tensors, relayed = await _relay.fetch(obj.obj_id, obj.specs, _only(transfer), _only(into))
+                tensors, relayed = await _relay.fetch(
+                    obj.obj_id, obj.specs, _only(transfer), _only(into), warm_only=buffers is not None
+                )
                 name = "relay" if relayed else used[0]
-                if relayed:
-                    if buffers is not None:
-                        tensors = await _copy(buffers, tensors, obj.nbytes)  # (the mapping goes with `tensors`)
+                if buffers is not None and not _landed(tensors, buffers):
+                    tensors = await _copy(buffers, tensors, obj.nbytes)  # (the mapping goes with `tensors`)
             else:
                 tensors, name = await _fetch_over(obj, transport, info, buffers)
             buffers = None  # written
@@ -218,6 +220,11 @@ async def fetch_object(
         raise
     _record(obj, name, began)
     return _tree.unflatten(obj.skeleton, tensors)
+
+
+def _landed(tensors: list[torch.Tensor], buffers: list[torch.Tensor]) -> bool:
+    """Whether `tensors` are the caller's `buffers` (the read landed there), not views of a memfd."""
+    return all(t.data_ptr() == b.data_ptr() for t, b in zip(tensors, buffers))
 
 
 # (producer's node, transport) -> until when (time.monotonic) `auto` leaves that path out for

@@ -40,7 +40,7 @@ from ._errors import ObjectFreedError, TransferError, translating
 from ._object import RDTObject
 from ._store import store
 from ._tree import Slot
-from .transports._base import aligned_layout
+from ._local import aligned_layout
 
 POLL_S = 10.0  # a subscriber's wait is answered at least this often (it asks again)
 ALIGN = 64

@@ -70,6 +70,36 @@ SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 log = logging.getLogger("rdt_async")
 
 
+class _Counts:
+    """What this process's relay did (counters) and holds now: `stats()`. Thread-safe."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.done = dict.fromkeys(("claimed", "landed", "copied", "handed", "mapped"), 0)
+        self.claims: set[_Server] = set()  # open: answering who asks
+        self.lent: set[_Lease] = set()  # memfds someone maps
+
+    def add(self, what: str) -> None:
+        with self.lock:
+            self.done[what] += 1
+
+
+counts = _Counts()
+
+
+def stats() -> dict[str, int]:
+    """This process's relay: reads it did for its node (`claimed`: straight into a memfd,
+    `landed`, or copied into one after the read for who asked, `copied`), memfds it handed to
+    neighbours (`handed`) and mapped from one (`mapped`); and what it holds now: open claims,
+    memfds lent out, idle warm memfds and their bytes."""
+    _io.settle()  # memfds whose last mapping went just now are back
+    with memfds.lock:
+        idle, idle_bytes = len(memfds.idle), sum(m.capacity for m in memfds.idle)
+    with counts.lock:
+        return {**counts.done, "claims_open": len(counts.claims), "memfds_lent": len(counts.lent),
+                "idle_memfds": idle, "idle_bytes": idle_bytes}
+
+
 def _keep_s() -> float:
     return float(os.environ.get("RDT_RELAY_KEEP_S", "2"))
 
@@ -136,22 +166,29 @@ async def fetch(
     specs: Sequence[TensorSpec],
     transfer: Callable[[], Awaitable[list[torch.Tensor]]],
     transfer_into: Callable[[list[torch.Tensor]], Awaitable[list[torch.Tensor]]] | None = None,
+    *,
+    warm_only: bool = False,
 ) -> tuple[list[torch.Tensor], bool]:
     """Fetch through the node's relay: `(tensors, True)` when another consumer read them.
 
-    `transfer()` reads the object over the network, landing it where its transport does;
-    `transfer_into(buffers)`, where given, lands it in `buffers` (a transport whose cancel
-    never writes them afterwards): then the first consumer reads straight into warm
-    memory it can hand over, with no copy.
+    `transfer()` reads the object over the network, landing it where its transport does
+    (a caller's `into=` buffers); `transfer_into(buffers)`, where given, lands it in `buffers`
+    (a transport whose cancel never writes them afterwards): then the first consumer reads
+    straight into warm memory it can hand over, with no copy, and the others map it as
+    soon as the read ends. `warm_only`: `transfer_into` only where this process has a warm
+    memfd for the object (a caller whose `into=` buffers are warm already: landing in
+    fresh memory would cost more than the copy it saves).
     """
     offsets, size = _layout(specs)
     if transfer_into is not None and not memfds.warm(size):
         # Fresh memory faults in slowly: a consumer of the node that has warm memory for
         # the object (it read one of this size before) claims it first, if it is there.
-        # (One that lands the bytes in its transport's memory or the caller's never waits.)
+        # (One that lands the bytes in its transport's memory never waits.)
         got = await _ask_within(obj_id, specs, COLD_WAIT_S)
         if got is not _NO_CLAIM:
             return (got, True) if got is not None else (await transfer(), False)
+        if warm_only:
+            transfer_into = None
     claim = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         claim.bind(_address(obj_id))
@@ -183,6 +220,7 @@ async def _serve(
     claim.listen(128)
     claim.setblocking(False)
     server = _Server(claim, obj_id)
+    counts.add("claimed")
     _io.call_soon(server.start)
     memfd: _Memfd | None = None
     lease: _Lease | None = None
@@ -191,6 +229,7 @@ async def _serve(
             memfd = memfds.take(size)
             landed = await transfer_into(_views(memfd.mm, specs, offsets))  # nothing writes it after a cancel
             del landed  # views of the writable mapping: this consumer gets a copy-on-write one
+            counts.add("landed")
             lease = _Lease(memfd)
             mine = _private(memfd.fd, specs, offsets, lease)  # askers get it while anyone maps it
         else:
@@ -198,11 +237,15 @@ async def _serve(
             if server.asked():
                 memfd = memfds.take(size)
                 await _io.to_thread_finished(_publish, memfd, mine, specs, offsets)
+                counts.add("copied")
                 lease = _Lease(memfd)
                 lease.hold()  # the claim's: a copy nobody maps yet, kept until who asked has it
     except BaseException:
         _io.call_soon(server.end)
         if memfd is not None and (lease is None or lease.holders == 0):
+            if lease is not None:
+                with counts.lock:
+                    counts.lent.discard(lease)
             memfds.give(memfd)  # handed to nobody (mapping our own copy may fail): warm for the next read
         raise
     if lease is None:
@@ -316,6 +359,8 @@ class _Lease:
         self.lock = threading.Lock()
         self.holders = 0
         self.spent = False
+        with counts.lock:
+            counts.lent.add(self)
 
     def hold(self) -> bool:
         """One holder more; False if the memfd has gone back already."""
@@ -330,6 +375,8 @@ class _Lease:
             self.holders -= 1
             self.spent = self.holders == 0
         if self.spent:
+            with counts.lock:
+                counts.lent.discard(self)
             memfds.give(self.memfd)
 
 
@@ -355,6 +402,8 @@ class _Server:
         return bool(select.select([self.claim], [], [], 0)[0])
 
     def start(self) -> None:
+        with counts.lock:
+            counts.claims.add(self)
         asyncio.get_running_loop().add_reader(self.claim.fileno(), self._accept)
 
     def _accept(self) -> None:
@@ -389,6 +438,7 @@ class _Server:
             return
         conn.setblocking(False)
         asyncio.get_running_loop().add_reader(conn.fileno(), _unmapped, conn, lease)
+        counts.add("handed")
 
     def ready(self, lease: _Lease, size: int, claim_holds: bool) -> None:
         """Answer who asked, and who asks for RDT_RELAY_KEEP_S while someone maps the memfd
@@ -412,6 +462,8 @@ class _Server:
         if self.done:
             return
         self.done = True
+        with counts.lock:
+            counts.claims.discard(self)
         asyncio.get_running_loop().remove_reader(self.claim.fileno())
         self._accept()  # who connected last still gets the answer (or EOF)
         with self.lock:
@@ -506,6 +558,7 @@ async def _ask(obj_id: str, specs: Sequence[TensorSpec]) -> Any:
             log.warning("rdt_async: could not map the memfd of object %s (%s); reading it myself", obj_id, exc)
             return None
         kept = True
+        counts.add("mapped")
         return views
     finally:
         if not kept:

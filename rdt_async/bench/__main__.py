@@ -1,4 +1,4 @@
-"""python -m rdt_async.bench [--quick] [--out DIR] [--hosts 2] [--sizes ...] [--repeat 3] [--json out.json] [--only e2e,...]
+"""python -m rdt_async.bench [--quick] [--out DIR] [--hosts 1|2|flat|split|three] [--sizes ...] [--repeat 3] [--json out.json] [--only e2e,...]
 
 The headline is `e2e`: from the producing call until the consumer has read every byte,
 every rdt path against Ray's (object store default and zero-copy, Ray's own RDT), as
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default="",
                     help="file for the JSON results ('-': stdout, the default without --out)")
     ap.add_argument(
-        "--only", default="", help="comma-separated: e2e," + ",".join(OTHERS)
+        "--only", default="", help="comma-separated: e2e,fanout," + ",".join(OTHERS)
     )
     ap.add_argument("--e2e-sizes", default="4K,1M,64M,256M", help="sizes of the end-to-end passes")
     ap.add_argument("--e2e-paths", default="", help="comma-separated, e.g. 'rdt auto,ray object store zero-copy'")
@@ -39,8 +39,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated producer shapes: kept (share_memory_() once), plain (kept, never "
                          "shared), fresh (a new tensor each call); default: all")
     ap.add_argument("--e2e-fanouts", default="4,8", help="consumers of one object in the fan-out passes ('': none)")
-    ap.add_argument("--hosts", type=int, choices=(1, 2), default=1,
-                    help="2: e2e consumers on a second host (a network namespace and veth link; needs root)")
+    ap.add_argument("--hosts", choices=HOSTS, default="1",
+                    help="1: one host; flat or split (2 is flat): e2e consumers on a second host, joined by a "
+                         "veth link that is its default route (flat) or on a data network that is nobody's "
+                         "(split); three: split with a third host, for the fan-out across hosts (network "
+                         "namespaces: needs root)")
+    ap.add_argument("--fanout-sizes", default="256M,512M,1G",
+                    help="sizes of the fan-out across hosts (--hosts three): 1 producer, 8 consumers on 2 hosts")
     ap.add_argument("--write-costs", default="", metavar="FILE",
                     help="fit auto's cost model to the e2e passes and merge it into FILE (for RDT_AUTO_COSTS)")
     ap.add_argument("--quick", action="store_true",
@@ -79,17 +84,22 @@ def main(argv: list[str] | None = None) -> int:
 
     rows: list[dict[str, Any]] = []
     others = [b for b in OTHERS if want(b)]
-    with ray_cluster(args.hosts), Progress(False if args.no_progress else None) as progress:
+    hosts, topology = HOSTS[args.hosts]
+    with ray_cluster(hosts, topology=topology), Progress(False if args.no_progress else None) as progress:
         progress.add(len(others))
         if want("e2e"):
             from . import _e2e
 
             e2e_sizes = [parse_size(s) for s in args.e2e_sizes.split(",")]
-            rows += _e2e.run(e2e_sizes, args.repeat, progress=progress, paths=paths, hosts=args.hosts, shapes=shapes,
-                             fanouts=tuple(int(k) for k in args.e2e_fanouts.split(",") if k.strip()))
+            rows += _e2e.run(e2e_sizes, args.repeat, progress=progress, paths=paths, hosts=min(hosts, 2),
+                             shapes=shapes, fanouts=tuple(int(k) for k in args.e2e_fanouts.split(",") if k.strip()))
             if args.write_costs:
                 fitted = _e2e.write_costs(rows, args.write_costs)
                 progress.note(f"auto's costs ({len(fitted)} paths) merged into {args.write_costs}")
+        if want("fanout") and (hosts == 3 or "fanout" in only):
+            from . import _fanout
+
+            rows += _fanout.run([parse_size(s) for s in args.fanout_sizes.split(",")], args.repeat, hosts, progress)
         for bench in others:
             with progress.step(bench):
                 rows += _other(bench, sizes, args.repeat)
@@ -97,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "command": "python -m rdt_async.bench " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "topology": topology,
         "machine": {"python": platform.python_version(), "torch": torch.__version__, "ray": ray.__version__},
         "rows": rows,
         "checks": checks(rows),
@@ -111,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+# --hosts: (hosts, how they are joined: rdt_async.bench._hosts.TOPOLOGIES)
+HOSTS = {"1": (1, "flat"), "2": (2, "flat"), "flat": (2, "flat"), "split": (2, "split"), "three": (3, "split")}
 OTHERS = ("memcpy", "fetch", "pass", "metrics", "responsiveness", "gloo", "collectives", "nixl", "ucxx")
 
 
@@ -190,6 +203,11 @@ def checks(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 out[f"{key}_vs_fastest_auto_could_take"] = round(r["seconds"] / min(ours), 3)
             if "vs_limit" in r:
                 out[f"{key}_vs_physical_limit"] = round(r["vs_limit"], 3)
+    for r in rows:
+        if r["bench"] == "fanout" and "vs_ray_zero_copy" in r and r["case"] != "ray object store zero-copy":
+            key = f"fanout_{r['case'].replace('rdt ', '').replace(', into=', '_into')}_{human(r['size']).replace(' ', '')}"
+            out[f"{key}_x{r['consumers']}_hosts3_vs_ray_zero_copy"] = r["vs_ray_zero_copy"]
+            out[f"{key}_worst_ping_ms"] = r["loop_stall_ms"]
     resp = [r for r in rows if r["bench"] == "responsiveness"]
     if resp:
         out["worst_ping_ms_while_arriving"] = round(max(r["worst_ping_ms"] for r in resp), 1)

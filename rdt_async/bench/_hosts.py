@@ -298,10 +298,11 @@ def _default_object_store_bytes() -> int:
 
 @contextlib.contextmanager
 def ray_cluster(hosts: int, remote_resource: str = "remote", topology: str = "flat") -> Iterator[Hosts | None]:
-    """A Ray cluster for the bench: this host alone, or with a second one across a veth link.
+    """A Ray cluster for the bench: this host alone, or with others joined across veth links.
 
-    With two hosts, actors asking for `remote_resource` run on the second host;
-    `topology` is how the hosts are joined ("flat" or "split", see `Hosts`).
+    With two hosts, actors asking for `remote_resource` run on the second host; with three,
+    those asking for `remote_resource + "2"` on the third. `topology` is how the hosts are
+    joined ("flat" or "split", see `Hosts`).
     """
     import ray
 
@@ -314,9 +315,13 @@ def ray_cluster(hosts: int, remote_resource: str = "remote", topology: str = "fl
         return
     why = Hosts.unavailable()
     if why:
-        raise SystemExit(f"--hosts 2 needs network namespaces: {why}")
+        raise SystemExit(f"--hosts {topology if hosts == 2 else 'three'} needs network namespaces: {why}")
     from ray.cluster_utils import Cluster
 
+    if topology == "split":
+        # The split rig's data network is a Linux bridge, whose address UCX's TCP leaves out
+        # unless told (ucxx, nixl): set before any node starts, so every process has it.
+        os.environ["UCX_TCP_BRIDGE_ENABLE"] = "y"
     made = Hosts(topology)
     cluster = None
     try:
@@ -328,6 +333,8 @@ def ray_cluster(hosts: int, remote_resource: str = "remote", topology: str = "fl
         cluster = Cluster(initialize_head=True, head_node_args=head)
         ray.init(address=cluster.address, log_to_driver=False)
         made.add("remote", cluster.address, {remote_resource: 1000})
+        if hosts >= 3:
+            made.add("remote2", cluster.address, {remote_resource + "2": 1000})
         yield made
     finally:
         ray.shutdown()

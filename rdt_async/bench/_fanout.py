@@ -1,0 +1,184 @@
+"""Fan-out across hosts: one producer, consumers on two other hosts (a weight sync to inference actors).
+
+`python -m rdt_async.bench --hosts three --only fanout`: the producer on the head host, 8
+async consumers (4 on each of the two other hosts) receive one object of each size, by
+paths in turns (the order rotating each round): `rdt auto` (each fetches the ref it is
+given), `rdt auto, into=` (each fetches into its own warm buffers, as a model loads its
+weights) and Ray's zero-copy object store (each gets the ref as its argument; Ray pulls
+the object to a node once). The clock runs from the producing call until every consumer
+has read every byte. Each row carries the consumers' worst event-loop stall while the
+object arrived (`loop_stall_ms`) and what the node relay did: how many fetches of the
+object crossed the link (`link_transfers`, the rest mapped a neighbour's copy:
+`relayed`), median over the warm passes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from typing import Any
+
+import ray
+import torch
+
+import rdt_async as rdt
+
+from ._loop import LoopStall
+from ._progress import Progress
+from ._units import human
+
+HOSTS = ("remote", "remote2")  # the resources of the two consumer hosts of `--hosts three`
+PER_HOST = 4
+PARTS = 8  # the object is a dict of this many tensors, as a model's weights
+RAY_ZERO_COPY = "ray object store zero-copy"
+PATHS = ("rdt auto", "rdt auto, into=", RAY_ZERO_COPY)
+ZERO_COPY_ENV = {"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}}
+
+
+def _weights(size: int) -> dict[str, torch.Tensor]:
+    n = max(1, size // 4 // PARTS)
+    return {f"layer{i}": torch.full((n,), 1.0) for i in range(PARTS)}
+
+
+@rdt.remote
+class Trainer:
+    """Keeps its weights in shared memory (as the docs ask) and publishes them."""
+
+    def __init__(self) -> None:
+        self.kept: dict[int, dict[str, torch.Tensor]] = {}
+
+    def _get(self, size: int) -> dict[str, torch.Tensor]:
+        if size not in self.kept:
+            self.kept[size] = {k: v.share_memory_() for k, v in _weights(size).items()}
+        return self.kept[size]
+
+    @rdt.method(tensor_transport="auto")
+    def publish(self, size: int) -> dict[str, torch.Tensor]:
+        return self._get(size)
+
+    def publish_plain(self, size: int) -> dict[str, torch.Tensor]:
+        return self._get(size)
+
+    def drop(self) -> None:
+        self.kept.clear()
+
+    def ready(self) -> bool:
+        return True
+
+
+class _Loader:
+    """An async inference actor: its model's tensors are allocated (and written) once per size."""
+
+    def __init__(self) -> None:
+        self.models: dict[int, dict[str, torch.Tensor]] = {}
+
+    def model(self, size: int) -> dict[str, torch.Tensor]:
+        if size not in self.models:
+            self.models = {size: {k: torch.zeros_like(v) for k, v in _weights(size).items()}}
+        return self.models[size]
+
+    def ready(self) -> bool:
+        return True
+
+
+@rdt.remote
+class Loader(_Loader):
+    async def load(self, refs: list[Any], size: int, into: bool) -> tuple[float, float, str]:
+        """(sum of what arrived, the loop's worst stall while it arrived, the path it took)."""
+        model = self.model(size)
+        before = dict(rdt.store_stats()["fetches"])
+        stall = LoopStall()
+        try:
+            got = await rdt.fetch(refs[0], into=model if into else None)
+        finally:
+            stalled = stall.stop()
+        after = rdt.store_stats()["fetches"]
+        used = next((k for k, v in after.items() if v > before.get(k, 0)), "?")
+        total = await asyncio.to_thread(lambda: sum(float(t.sum()) for t in got.values()))
+        if into:
+            assert all(got[k].data_ptr() == model[k].data_ptr() for k in model), "into= did not land in the model"
+        return total, stalled, used
+
+
+@ray.remote
+class RayLoader(_Loader):
+    async def load(self, refs: list[Any], size: int, into: bool) -> tuple[float, float, str]:
+        stall = LoopStall()
+        try:
+            got = await refs[0]
+        finally:
+            stalled = stall.stop()
+        total = await asyncio.to_thread(lambda: sum(float(t.sum()) for t in got.values()))
+        return total, stalled, "ray"
+
+
+def unavailable(hosts: int) -> str | None:
+    """Why the fan-out across hosts cannot run on this cluster, or None."""
+    return None if hosts >= 3 else "needs three hosts (--hosts three)"
+
+
+def run(sizes: list[int], repeat: int, hosts: int, progress: Progress | None = None) -> list[dict[str, Any]]:
+    """Every size, the paths in turns: a cold pass of each, then `repeat` rounds of warm ones."""
+    progress = progress or Progress(False)
+    why = unavailable(hosts)
+    if why is not None:
+        progress.note(f"fanout: not run: {why}")
+        return [{"bench": "fanout", "case": p, "skipped": why} for p in PATHS]
+    progress.add(len(sizes))
+    trainer = Trainer.options(runtime_env=ZERO_COPY_ENV).remote()  # (the env matters to Ray's path only)
+    where = [{"num_cpus": 0, "resources": {h: 1}} for h in HOSTS for _ in range(PER_HOST)]
+    loaders = {
+        "rdt": [Loader.options(**w).remote() for w in where],
+        "ray": [RayLoader.options(**w, runtime_env=ZERO_COPY_ENV).remote() for w in where],
+    }
+    rows: list[dict[str, Any]] = []
+    try:
+        ray.get([trainer.ready.remote(), *(a.ready.remote() for side in loaders.values() for a in side)], timeout=180)
+        for size in sizes:
+            with progress.step(f"fanout {human(size)} to {len(where)} consumers on 2 hosts, {len(PATHS)} paths in turns"):
+                rows += _size(trainer, loaders, size, repeat)
+            ray.get(trainer.drop.remote())
+    finally:
+        for a in (trainer, *(a for side in loaders.values() for a in side)):
+            ray.kill(a)
+    return rows
+
+
+def _size(trainer: Any, loaders: dict[str, list[Any]], size: int, repeat: int) -> list[dict[str, Any]]:
+    want = float(max(1, size // 4 // PARTS) * PARTS)
+    passes: dict[str, list[dict[str, Any]]] = {p: [] for p in PATHS}
+    for r in range(repeat + 1):  # the first round is cold
+        for path in PATHS[r % len(PATHS):] + PATHS[: r % len(PATHS)]:
+            passes[path].append(_one_pass(path, trainer, loaders, size, want))
+    rows = []
+    for path in PATHS:
+        cold, warm = passes[path][0], passes[path][1:]
+        row: dict[str, Any] = {
+            "bench": "fanout", "case": path, "size": size, "consumers": len(loaders["rdt"]), "hosts": 3,
+            "cold_s": cold["seconds"], "seconds": statistics.median(p["seconds"] for p in warm),
+            "loop_stall_ms": round(max(p["stall_s"] for p in warm) * 1e3, 3),
+        }
+        if path != RAY_ZERO_COPY:
+            row["link_transfers"] = statistics.median(p["link"] for p in warm)
+            row["relayed"] = statistics.median(p["relayed"] for p in warm)
+            row["paths"] = sorted({u for p in warm for u in p["used"]})
+        rows.append(row)
+    ray_s = next(r["seconds"] for r in rows if r["case"] == RAY_ZERO_COPY)
+    for row in rows:
+        row["vs_ray_zero_copy"] = round(row["seconds"] / ray_s, 3)
+    return rows
+
+
+def _one_pass(path: str, trainer: Any, loaders: dict[str, list[Any]], size: int, want: float) -> dict[str, Any]:
+    side = loaders["ray" if path == RAY_ZERO_COPY else "rdt"]
+    t0 = time.perf_counter()
+    ref = trainer.publish_plain.remote(size) if path == RAY_ZERO_COPY else trainer.publish.remote(size)
+    out = ray.get([a.load.remote([ref], size, path.endswith("into=")) for a in side], timeout=600)
+    took = time.perf_counter() - t0
+    del ref
+    if any(total != want for total, _, _ in out):
+        raise AssertionError(f"fanout {path}: read {[t for t, _, _ in out]}, expected {want} each")
+    used = [u for _, _, u in out]
+    return {"seconds": took, "stall_s": max(s for _, s, _ in out), "used": used,
+            "link": sum(u != "relay" for u in used), "relayed": used.count("relay")}

@@ -1,0 +1,162 @@
+"""Nothing per pair grows without bound: many actors on two hosts producing and fetching from
+each other keep bounded connections, threads, listeners, NIXL peers and node-relay state,
+and let them go when idle (issue 29).
+
+Each actor produces an object each round and fetches those of every other actor, over
+`auto` (tcp across hosts, through the node relay; shm on one host) and, for one of them
+each round, over `nixl`. What each process holds is counted while the churn runs and
+again once it has been idle: the connections a consumer keeps per producer (tcp's
+IDLE_CONNECTIONS at most), the threads (one per connection a producer serves, and the
+bounded pools), listeners (one per process), NIXL's remote agents (one per producer), and
+the relay's claims, lent memfds and idle warm ones.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+ACTORS_PER_HOST = 3
+CHURN_S = 12.0
+IDLE_S = 2.0  # tcp's idle connections close after this long here (60 s by default)
+N = 1 << 19  # 2 MiB of float32: over the relay's 1 MiB floor
+
+
+def _counts() -> dict[str, int]:
+    """What this process holds now (run in the actor)."""
+    from rdt_async import _io, _relay
+    from rdt_async.transports import tcp
+
+    _io.settle()
+    names = [t.name for t in threading.enumerate()]
+    with tcp._idle_lock:
+        kept = [len(pool) for pool in tcp._idle.values()]
+    fds = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd") if _alive(fd)]
+    out = {
+        "threads": len(names),
+        "tcp_send_threads": names.count("rdt-tcp-send"),
+        "tcp_listeners": int(tcp._server is not None and tcp._server.pid == os.getpid()),
+        "tcp_kept": sum(kept),
+        "tcp_kept_per_producer": max(kept, default=0),
+        "sockets": sum(f.startswith("socket:") for f in fds),
+        "memfds": sum("rdt-relay" in f for f in fds),
+        "nixl_remotes": _nixl_remotes(),
+    }
+    out.update({f"relay_{k}": v for k, v in _relay.stats().items()})
+    return out
+
+
+def _alive(fd: str) -> bool:
+    try:
+        os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return False
+    return True
+
+
+def _nixl_remotes() -> int:
+    from rdt_async.transports import _registry
+
+    made = _registry._instances.get("nixl")  # only where this process used nixl
+    here = made._current() if made is not None else None  # type: ignore[attr-defined]
+    return len(here.peers._remotes) if here is not None else 0
+
+
+@pytest.fixture
+def churners(ray_session):
+    from conftest import ON_NODE2
+
+    import rdt_async as rdt
+
+    @rdt.remote
+    class Churner:
+        def __init__(self) -> None:
+            from rdt_async.transports import tcp
+
+            tcp.IDLE_S = IDLE_S  # (read at each sweep)
+
+        @rdt.method(tensor_transport="auto")
+        def make(self, seed: int):
+            return {"w": torch.full((N,), float(seed))}
+
+        @rdt.method(tensor_transport="nixl")
+        def make_nixl(self, seed: int):
+            return {"w": torch.full((N,), float(seed))}
+
+        async def fetch(self, refs) -> float:
+            got = await rdt.fetch_all(refs)
+            return sum(float(v["w"][0]) for v in got)
+
+        def counts(self):
+            return _counts()
+
+    actors = [Churner.remote() for _ in range(ACTORS_PER_HOST)]
+    actors += [Churner.options(**ON_NODE2).remote() for _ in range(ACTORS_PER_HOST)]
+    yield actors
+    import ray
+
+    for a in actors:
+        ray.kill(a)
+
+
+@pytest.mark.timeout(240)
+def test_churning_actors_keep_bounded_state_and_shed_it_when_idle(churners, cluster):
+    import ray
+
+    from rdt_async import _io
+    from rdt_async.transports import tcp
+
+    if cluster.hosts is None:
+        pytest.skip("node2 runs on this host (no namespaces here): nothing crosses hosts")
+    actors = churners
+    nixl = importlib.util.find_spec("nixl") is not None
+
+    def round_(seed: int) -> None:
+        refs = [a.make.remote(seed) for a in actors]
+        if nixl:
+            refs[seed % len(actors)] = actors[seed % len(actors)].make_nixl.remote(seed)
+        sums = ray.get([a.fetch.remote([r for j, r in enumerate(refs) if j != i]) for i, a in enumerate(actors)],
+                       timeout=120)
+        assert sums == [float(seed) * (len(actors) - 1)] * len(actors)
+
+    round_(0)
+    floor = ray.get([a.counts.remote() for a in actors])  # every transport set up once
+    rounds, busy = 1, []
+    deadline = time.monotonic() + CHURN_S
+    while time.monotonic() < deadline:
+        round_(rounds)
+        rounds += 1
+        if rounds % 4 == 0:
+            busy.append(ray.get([a.counts.remote() for a in actors]))
+    assert rounds >= 8, f"only {rounds} rounds in {CHURN_S} s"
+    peak = {k: max(c[k] for snap in busy for c in snap) for k in busy[0][0]}
+    producers = len(actors)  # each consumer reads from every other actor
+    pools = sum(_io.POOLS.values()) + 64  # the I/O pools' bounds, and tcp's receiving threads
+    assert peak["tcp_listeners"] <= 1
+    assert peak["tcp_kept_per_producer"] <= tcp.IDLE_CONNECTIONS
+    assert peak["tcp_send_threads"] <= producers * tcp.IDLE_CONNECTIONS
+    assert peak["threads"] <= max(c["threads"] for c in floor) + peak["tcp_send_threads"] + pools
+    assert peak["nixl_remotes"] <= producers
+    # A claim lasts the read and RDT_RELAY_KEEP_S (2 s) after: bounded by the objects relayed
+    # meanwhile (a round relays `producers // 2` objects into each host), not by pairs.
+    keep_rounds = 2.0 / (CHURN_S / rounds) + 2
+    assert peak["relay_claims_open"] <= producers // 2 * keep_rounds, peak
+    assert peak["relay_memfds_lent"] <= producers // 2 * keep_rounds, peak
+    assert peak["relay_idle_bytes"] <= 1 << 30  # _relay.MAX_IDLE_BYTES
+    print(f"\n{rounds} rounds of {len(actors)} actors in {CHURN_S} s; peak per process: {peak}")
+
+    time.sleep(max(IDLE_S, 1.0) * 2 + 2.5)  # idle: tcp's sweep, RDT_SHM_IDLE_S=1, the relay's 2 s keep
+    idle = ray.get([a.counts.remote() for a in actors])
+    shed = {k: max(c[k] for c in idle) for k in idle[0]}
+    print(f"idle per process: {shed}")
+    assert shed["tcp_kept"] == 0 and shed["tcp_send_threads"] == 0, shed
+    assert shed["relay_claims_open"] == 0 and shed["relay_memfds_lent"] == 0, shed
+    assert shed["relay_idle_memfds"] == 0 and shed["memfds"] == 0, shed
+    assert shed["threads"] <= max(c["threads"] for c in floor) + pools, (shed, floor)
+    assert shed["sockets"] <= max(c["sockets"] for c in floor) + 2, (shed, floor)
+    assert shed["nixl_remotes"] <= producers, shed
