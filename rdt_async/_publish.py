@@ -37,10 +37,10 @@ import torch
 
 from . import _io, _metrics, _produce, _ray
 from ._errors import ObjectFreedError, TransferError, translating
+from ._local import aligned_layout
 from ._object import RDTObject
 from ._store import store
 from ._tree import Slot
-from ._local import aligned_layout
 
 POLL_S = 10.0  # a subscriber's wait is answered at least this often (it asks again)
 ALIGN = 64
