@@ -106,7 +106,8 @@ def ray_session(cluster):
 
     before = ours()
     yield cluster
-    _wait_until(lambda: ours() <= before, 15, lambda: f"leaked segments: {ours() - before}")
+    if not ours() <= before:  # most tests leave none: no full collection (0.1-0.3 s here) for them
+        _wait_until(lambda: ours() <= before, 15, lambda: f"leaked segments: {ours() - before}")
 
 
 def _rdt_segments(where: str = "/dev/shm") -> set[str]:
