@@ -113,15 +113,17 @@ def _producer_main(conn: Any, transport_name: str, device: str) -> None:
 
 
 def _context() -> Any:
-    """Producers fork from a server that imported torch and this harness once.
+    """Producers fork from a server that imported torch and rdt_async once.
 
-    A spawned interpreter imports them anew for every producer (seconds each on a loaded
-    2-core machine); a fork of the server starts in milliseconds. The server imports no
-    transport's package, and initializes no CUDA and starts no thread: each producer
-    starts as clean as a spawned one.
+    A spawned interpreter imports them anew for every producer (3-4 CPU-seconds each);
+    a fork of the server does not. The server imports no transport's package (nixl,
+    ucxx load theirs in the producer), initializes no CUDA and starts no thread: each
+    producer starts as clean as a spawned one. (The server is started with the
+    interpreter's own sys.path, not this process's: it can preload only installed
+    packages and PYTHONPATH's, not this harness.)
     """
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
+    ctx.set_forkserver_preload(["torch", "rdt_async"])
     return ctx
 
 
