@@ -145,15 +145,21 @@ def test_get_timeout_into_buffers_leaves_them_alone_once_it_raised(method):
     into = torch.zeros(BIG)
     rdt.get(ref, into=into, timeout=60)  # warm: the next copy is the only slow part
     into.zero_()
+    raised = []
     for timeout in (0.0005, 0.005, 0.02):
         try:
-            rdt.get(ref, into=into, timeout=timeout)
-        except TimeoutError:
-            pass
+            got = rdt.get(ref, into=into, timeout=timeout)
+        except TimeoutError as e:
+            assert re.search(rf"timed out after {timeout} s", str(e)), str(e)
+            raised.append(timeout)
+        else:  # a fetch that beat its deadline is whole
+            assert got.data_ptr() == into.data_ptr() and got.sum().item() == 3.0 * BIG
         then = into.count_nonzero().item()
         time.sleep(0.3)
         assert into.count_nonzero().item() == then, f"written after the timeout returned ({timeout} s)"
         into.zero_()
+    # 128 MiB is not copied in 5 ms: those deadlines ended their gets, so the check above ran on them
+    assert raised[:2] == [0.0005, 0.005], raised
     assert rdt.get(ref, into=into, timeout=60).sum().item() == 3.0 * BIG
     ray.kill(p)
 

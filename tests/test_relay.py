@@ -329,13 +329,15 @@ def test_only_remote_cpu_objects_of_a_mib_or_more_go_through_the_relay(monkeypat
 # -- real consumers on the other host ------------------------------------------------------
 
 
-@pytest.fixture
-def fan_out(ray_session):
+@pytest.fixture(scope="module")
+def fan_out(cluster):
+    """A producer on the head host and four servers on node2's, shared by this module's tests
+    (each test's fetches replace what the servers hold; `ray_session` checks each for leaks)."""
     yield from _producer_and_servers(4)
 
 
-@pytest.fixture
-def one_server(ray_session):
+@pytest.fixture(scope="module")
+def one_server(cluster):
     yield from _producer_and_servers(1)
 
 
@@ -404,10 +406,10 @@ def _producer_and_servers(k: int):
 
 
 @pytest.mark.parametrize("transport", ["auto", "object_store"])
-def test_consumers_on_another_host_share_one_transfer_and_own_their_copies(fan_out, transport, cluster):
+def test_consumers_on_another_host_share_one_transfer_and_own_their_copies(fan_out, transport, ray_session):
     import ray
 
-    if cluster.hosts is None:
+    if ray_session.hosts is None:
         pytest.skip("node2 runs on this host (no namespaces here): nothing crosses hosts")
     producer, servers = fan_out
     n = 8 << 20  # 32 MiB of float32
@@ -429,13 +431,13 @@ def test_consumers_on_another_host_share_one_transfer_and_own_their_copies(fan_o
 
 
 @pytest.mark.parametrize("transport", ["auto", "object_store"])
-def test_consumers_fetching_into_their_own_buffers_share_one_transfer(fan_out, transport, cluster):
+def test_consumers_fetching_into_their_own_buffers_share_one_transfer(fan_out, transport, ray_session):
     """`into=` fetches go through the relay too: they copy from its memfd into theirs (over
     a transport that lands bytes where it reads them, the first reads into its buffers and
     copies them into a memfd for who asked)."""
     import ray
 
-    if cluster.hosts is None:
+    if ray_session.hosts is None:
         pytest.skip("node2 runs on this host (no namespaces here): nothing crosses hosts")
     producer, servers = fan_out
     make = producer.value if transport == "auto" else producer.value_os

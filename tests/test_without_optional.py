@@ -4,12 +4,17 @@ A newcomer's environment has none of the extras (`nixl`, `ucxx`, `bench`). Rathe
 second virtual environment, each run here is a fresh interpreter with
 tests/without_optional on PYTHONPATH and RDT_HIDE_PACKAGES naming what to hide: its
 `sitecustomize` makes those packages absent from the driver and from every Ray worker
-it starts (they inherit its environment). Each run starts its own local Ray, as a user's
-`python examples/quickstart.py` does: these tests take the cluster fixture of no one.
+it starts (they inherit its environment). These tests take the cluster fixture of no one.
+
+The examples run as `__main__`, one after another, in one such interpreter that starts
+one local Ray for all of them (without_optional/run_examples.py: an example's own
+`ray.init()` and `ray.shutdown()` are no-ops there), not one Ray each: the same lines
+checked, one Ray start instead of seven. The bench runs as a process of its own.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -19,8 +24,8 @@ import sys
 
 import pytest
 
-# Each test starts a local Ray of its own, as a user's script does (~10 s on 2 idle cores;
-# several times that on a loaded machine).
+# Each run starts a local Ray of its own, as a user's script does (~10 s on 2 idle cores;
+# several times that on a loaded machine), and the examples' run takes a few minutes.
 pytestmark = pytest.mark.timeout(600)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -43,19 +48,25 @@ def _run(args: list[str], hidden: tuple[str, ...] = NOT_INSTALLED, timeout: floa
     return done
 
 
-def test_the_hider_hides_the_packages_from_the_driver_and_from_ray_workers():
-    probe = (
-        "import importlib.util, json, ray, rdt_async as rdt\n"
-        "def probe():\n"
-        "    return [importlib.util.find_spec(p) is None for p in ('nixl', 'ucxx', 'torch')], rdt.available_transports()\n"
-        "ray.init(address='local', include_dashboard=False)\n"
-        "try:\n"
-        "    print(json.dumps([probe(), ray.get(ray.remote(probe).remote())]))\n"
-        "finally:\n"
-        "    ray.shutdown()\n"
-    )
-    done = _run(["-c", probe])
-    here, there = json.loads(done.stdout.strip().splitlines()[-1])
+@pytest.fixture(scope="module")
+def runs():
+    """Every example, and the hiding probe, run once in one interpreter on one local Ray."""
+    scripts = [PROBE, *(f"examples/{name}" for name in sorted(EXAMPLES))]
+    done = _run([str(HIDER / "run_examples.py"), *scripts])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _output(runs, script: str) -> str:
+    run = runs[script]
+    assert run["error"] is None, f"{script} raised:\n{run['error']}\n{run['stdout'][-3000:]}"
+    return run["stdout"]
+
+
+PROBE = "tests/without_optional/probe_hiding.py"
+
+
+def test_the_hider_hides_the_packages_from_the_driver_and_from_ray_workers(runs):
+    here, there = json.loads(_output(runs, PROBE).strip().splitlines()[-1])
     for hidden, transports in (here, there):
         assert hidden == [True, True, False]
         for name in NOT_INSTALLED:  # rdt.available_transports() says why, and what adds it
@@ -80,11 +91,58 @@ def test_every_example_is_covered():
     assert sorted(p.name for p in (REPO / "examples").glob("*.py")) == sorted(EXAMPLES)
 
 
+def _constants(name: str):
+    """The example's module-level names (its top level only runs: classes, constants; no Ray)."""
+    spec = importlib.util.spec_from_file_location(f"example_{name}", REPO / "examples" / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
-def test_the_example_runs_without_the_optional_packages_and_prints_what_it_claims(name):
-    done = _run([f"examples/{name}"])
+def test_the_example_runs_without_the_optional_packages_and_prints_what_it_claims(runs, name):
+    out = _output(runs, f"examples/{name}")
     for pattern in EXAMPLES[name]:
-        assert re.search(pattern, done.stdout, re.M), f"{pattern!r} not in:\n{done.stdout}\n{done.stderr[-3000:]}"
+        assert re.search(pattern, out, re.M), f"{pattern!r} not in:\n{out}"
+    MORE.get(name, lambda out: None)(out)
+
+
+def _weight_sync(out: str) -> None:
+    """Every server sees newer versions, each exact, up to the last, while requests are answered."""
+    example = _constants("weight_sync.py")
+    last = example.VERSIONS - 1
+    servers = re.findall(r"^server (\d): versions \[([\d, ]+)\], each exact, loaded in (\d+) ms at most$", out, re.M)
+    assert [int(i) for i, _, _ in servers] == list(range(example.SERVERS)), out
+    for _, versions, _ in servers:  # newer each time, up to the last (a slow server skips some)
+        seen = [int(v) for v in versions.split(", ")]
+        assert seen == sorted(set(seen)) and seen[-1] == last, out
+    trainer = re.search(r"^trainer: 4 versions of 32 MiB, the longest publish took ([\d.]+) ms; it waited for no server$",
+                        out, re.M)
+    assert trainer and float(trainer[1]) < 5000, out
+    rounds = re.search(r"^(\d+) request rounds answered meanwhile, slowest ([\d.]+) ms$", out, re.M)
+    assert rounds and int(rounds[1]) >= 1 and float(rounds[2]) < 1000, out  # no request waited for a whole load
+    assert f"served versions: [{last}]" in out
+
+
+def _kv_handoff(out: str) -> None:
+    """Every cache lands exactly in the decode actor's reused slots."""
+    example = _constants("kv_handoff.py")
+    lines = re.findall(
+        r"request (\d+): 16 MiB of KV cache into slot (\d) ([\d.]+) ms after decode asked, exact, no allocation; "
+        r"a status call meanwhile took ([\d.]+) ms",
+        out,
+    )
+    assert [(int(r), int(s)) for r, s, _, _ in lines] == [(r, r % example.SLOTS) for r in range(example.REQUESTS)], out
+
+
+def _data_parallel(out: str) -> None:
+    """Three steps, each the same as averaging by hand, every replica the same model."""
+    steps = re.findall(r"step (\d): \|avg grad\| = [\d.]+, same as by hand: (\w+), model checksums \[(.*)\]", out)
+    assert [s[0] for s in steps] == ["0", "1", "2"], out
+    assert all(same == "True" and len(set(sums.split(", "))) == 1 for _, same, sums in steps), out
+
+
+MORE = {"weight_sync.py": _weight_sync, "kv_handoff.py": _kv_handoff, "data_parallel.py": _data_parallel}
 
 
 def test_the_bench_without_the_optional_packages_writes_rows_that_say_what_is_missing(tmp_path):

@@ -1,6 +1,6 @@
 """The transport contract harness: a transport between two plain processes, no Ray.
 
-The producer runs in a spawned process and answers commands over a Pipe; the consumer
+The producer runs in a process of its own (forked from a forkserver) and answers commands over a Pipe; the consumer
 is the calling process, with a `PipeChannel` standing in for the actor call that the
 core makes to a producer's `rdt` group. The same harness runs on a GPU machine that
 cannot carry Ray.
@@ -112,11 +112,26 @@ def _producer_main(conn: Any, transport_name: str, device: str) -> None:
             conn.send(("err", exc))
 
 
+def _context() -> Any:
+    """Producers fork from a server that imported torch and rdt_async once.
+
+    A spawned interpreter imports them anew for every producer (3-4 CPU-seconds each);
+    a fork of the server does not. The server imports no transport's package (nixl,
+    ucxx load theirs in the producer), initializes no CUDA and starts no thread: each
+    producer starts as clean as a spawned one. (The server is started with the
+    interpreter's own sys.path, not this process's: it can preload only installed
+    packages and PYTHONPATH's, not this harness.)
+    """
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "rdt_async"])
+    return ctx
+
+
 class Producer:
     """A producer process for one transport, driven from the consumer (this process)."""
 
     def __init__(self, transport: str, device: str = "cpu") -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_producer_main, args=(child, transport, device), daemon=True)
         self.proc.start()
