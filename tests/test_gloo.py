@@ -270,8 +270,11 @@ def test_gloo_refuses_non_cpu_tensors_when_the_value_is_returned():
         def make(self):
             return torch.empty(2, device="meta")
 
+    m = Meta.remote()
+    g = rdt.create_collective_group([m])  # (one member: the device is what is refused)
     with pytest.raises(rdt.TransportUnavailableError, match="transport 'gloo' moves tensors on cpu, not meta"):
-        ray.get(Meta.remote().make.remote())
+        ray.get(m.make.remote())
+    rdt.destroy_collective_group(g)
 
 
 def test_producer_killed_mid_transfer_breaks_the_group_not_the_survivors():

@@ -244,6 +244,10 @@ def test_into_reads_straight_into_caller_buffers(producer, consumer):
 
 
 def test_views_share_one_registration_per_storage(producer):
+    import gc
+
+    gc.collect()  # the earlier tests' refs (some in cycles) go first, and their registrations with them
+    wait_until(lambda: ray.get(producer.state.remote())["objects"] == 0, 30)
     before = ray.get(producer.state.remote())["registrations"]
     refs = [producer.views.remote() for _ in range(3)]
     got = rdt.get(refs[0], timeout=60)

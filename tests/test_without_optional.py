@@ -162,7 +162,7 @@ def test_the_bench_without_the_optional_packages_writes_rows_that_say_what_is_mi
         ("ucxx", "every case"): "ucxx is not installed (`pip install 'rdt_async[ucxx]'` adds it)",
     }
     auto = [r for r in result["rows"] if r["case"] == "rdt auto"]
-    assert [(r["shape"], r["size"]) for r in auto] == [("kept", 4096), ("fresh", 4096)]
+    assert [(r["shape"], r["size"]) for r in auto] == [("kept", 4096), ("plain", 4096), ("fresh", 4096)]
     assert all(r["seconds"] > 0 for r in auto)
     md = (out / "results.md").read_text()
     assert "| rdt nixl | not run: nixl is not installed (`pip install 'rdt_async[nixl]'` adds it) |" in md
