@@ -197,9 +197,9 @@ async def fetch_object(
                 # as soon as the read ends), else in its `into=` buffers or where its transport puts
                 # them; the others map the memfd, and those with `into=` copy from it.
                 used = [name]  # the path the read took, where auto fell back (`_fetch_over`)
-                transfer = functools.partial(_fetch_over, obj, transport, info, buffers, used)
+                transfer = functools.partial(_fetch_over, obj, transport, info, buffers, used, tensor_transport)
                 direct = transport.fills_buffers
-                into = functools.partial(_fetch_over, obj, transport, info, used=used) if direct else None
+                into = functools.partial(_fetch_over, obj, transport, info, used=used, asked=tensor_transport) if direct else None
                 tensors, relayed = await _relay.fetch(
                     obj.obj_id, obj.specs, _only(transfer), _only(into), warm_only=buffers is not None
                 )
@@ -207,7 +207,7 @@ async def fetch_object(
                 if buffers is not None and not _landed(tensors, buffers):
                     tensors = await _copy(buffers, tensors, obj.nbytes)  # (the mapping goes with `tensors`)
             else:
-                tensors, name = await _fetch_over(obj, transport, info, buffers)
+                tensors, name = await _fetch_over(obj, transport, info, buffers, asked=tensor_transport)
             buffers = None  # written
         if buffers:
             tensors = await _copy(buffers, tensors, obj.nbytes)
@@ -264,20 +264,23 @@ async def _fetch_over(
     info: TransferInfo[Any],
     buffers: list[torch.Tensor] | None = None,
     used: list[str] | None = None,
+    asked: str | None = None,
 ) -> tuple[list[torch.Tensor], str]:
     """`_transfer`, and where `auto` chose a path that cannot be used with this producer,
     the next candidate, and at the last the object store. Return the tensors and the path.
 
     The one fallback of a fetch: the reason goes into `store_stats()["auto"]`, is logged
     once per node and path, and `auto` leaves a path that could not reach a node out of
-    that node's fetches for `AVOID_S`. A transport named explicitly fails instead.
+    that node's fetches for `AVOID_S`. A transport named explicitly, by the producer or by
+    the consumer (`asked`), fails instead.
     """
+    chosen = asked or obj.transport
     fell_back: list[tuple[str, str]] = []
     while True:
         try:
             tensors = await _transfer(obj, transport, info, buffers)
         except (TransportUnavailableError, TransferError) as exc:
-            why = _unusable(exc) if obj.transport == _registry.AUTO else None
+            why = _unusable(exc) if chosen == _registry.AUTO else None
             if why is None or transport.name == _registry.FALLBACK:
                 raise
             _note_unusable(obj, transport.name, exc, why)

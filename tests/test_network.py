@@ -76,9 +76,9 @@ class Consumer:
         used = collections.Counter(rdt.store_stats()["fetches"]) - before
         return sums, dict(used), rdt.store_stats()["auto"][-len(refs):], list(self.said.lines)
 
-    async def read_error(self, refs) -> str:
+    async def read_error(self, refs, tensor_transport=None) -> str:
         try:
-            await rdt.fetch(refs[0])
+            await rdt.fetch(refs[0], tensor_transport=tensor_transport)
         except rdt.RDTError as e:
             return f"{type(e).__name__}: {e}"
         return "no error"
@@ -213,6 +213,10 @@ def test_auto_falls_back_where_tcp_cannot_reach_the_producer_and_says_why_once(r
     error = ray.get(reader.read_error.remote([head.make_tcp.remote(10, 1.0)]))
     assert error.startswith("TransferError: tcp fetch of") and f"cannot reach the producer's tcp listener at {out}:" in error
     assert "RDT_TCP_HOST" in error and "RDT_ADVERTISE_HOST" in error
+    # The consumer's own choice of tcp, for an object produced with auto, fails as well: it
+    # asked for that path (before: it fell back to the object store without a word).
+    error = ray.get(reader.read_error.remote([head.make.remote(N, 3.0)], "tcp"))
+    assert error.startswith("TransferError: tcp fetch of") and f"cannot reach the producer's tcp listener at {out}:" in error
 
 
 # -- a ref's address is input (issue 28) ---------------------------------------------------
