@@ -246,6 +246,12 @@ def running_loop() -> asyncio.AbstractEventLoop | None:
         return None
 
 
+def set_once(fut: asyncio.Future[None]) -> None:
+    """Wake a waiter: set `fut`'s result unless it is done already (woken, or cancelled)."""
+    if not fut.done():
+        fut.set_result(None)
+
+
 def call_soon(fn: Callable[..., Any], *args: Any) -> None:
     """Schedule `fn(*args)` on the I/O loop from any thread (O(1), never blocks)."""
     io_loop().call_soon_threadsafe(fn, *args)

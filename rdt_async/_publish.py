@@ -308,14 +308,10 @@ def _difference(old: list[_Entry], new: list[_Entry]) -> str:
 def _wake(waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]]) -> None:
     for loop, fut in waiters:
         try:
-            loop.call_soon_threadsafe(_set_done, fut)
+            loop.call_soon_threadsafe(_io.set_once, fut)
         except RuntimeError:  # its loop is closed
             pass
 
-
-def _set_done(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 async def serve_poll(name: str, after: int, wait_s: float) -> tuple[Any, ...]:

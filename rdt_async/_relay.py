@@ -487,10 +487,6 @@ def _unmapped(conn: socket.socket, lease: _Lease) -> None:
     lease.release()
 
 
-def _set_once(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
 
 _NO_CLAIM: Any = object()  # `_ask`'s answer where nobody of this node holds the object
 
@@ -529,7 +525,7 @@ async def _ask(obj_id: str, specs: Sequence[TensorSpec]) -> Any:
         if not _same_user(sock):
             return None  # the name is held by another user of this host: read for ourselves
         readable = loop.create_future()
-        loop.add_reader(sock.fileno(), _set_once, readable)
+        loop.add_reader(sock.fileno(), _io.set_once, readable)
         bound = _ask_bound(sum(s.nbytes for s in specs))
         try:
             await asyncio.wait_for(readable, bound)

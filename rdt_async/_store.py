@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import _metrics
+from . import _io, _metrics
 
 if TYPE_CHECKING:
     from .transports._base import Transport
@@ -253,7 +253,7 @@ class Store:
         """Return once nothing holds any byte of `tensor`."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         loop = fut.get_loop()
-        wake = functools.partial(loop.call_soon_threadsafe, _set_done, fut)
+        wake = functools.partial(loop.call_soon_threadsafe, _io.set_once, fut)
         if self._wait(tensor, wake):
             return
         try:
@@ -328,10 +328,6 @@ def _wake(ready: list[Callable[[], object]]) -> None:
         except RuntimeError:  # the waiter's loop is closed: nobody is waiting any more
             pass
 
-
-def _set_done(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 store = Store()

@@ -58,7 +58,7 @@ class Poller:
                 delay = POLL_MIN_S
             self._idle = not self._busy()
             self._wake = loop.create_future()
-            wake = loop.call_later(delay, _set_once, self._wake)
+            wake = loop.call_later(delay, _io.set_once, self._wake)
             await self._wake
             wake.cancel()
             if self._idle and self._busy():
@@ -66,7 +66,3 @@ class Poller:
             else:
                 delay = min(POLL_IDLE_S if self._idle else POLL_MAX_S, delay * 2)
 
-
-def _set_once(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
