@@ -51,7 +51,6 @@ from typing import Any
 import torch
 
 from . import _io
-from ._errors import TransportUnavailableError
 from ._local import aligned_layout, view_in
 from .transports import _mappings, _registry, _segments
 from .transports._base import TensorSpec
@@ -118,11 +117,8 @@ def eligible(specs: Sequence[TensorSpec], transport: str, producer_node: str, no
 
 
 def _crosses_nodes(name: str) -> bool:
-    try:
-        cls = _registry.transport_class(name)
-    except TransportUnavailableError:  # (not a transport: "local", "none")
-        return False
-    return cls.reach == "cluster" and not cls.carries_bytes
+    cls = _registry.known_class(name)  # (None for "local", "none": not a transport)
+    return cls is not None and cls.reach == "cluster" and not cls.carries_bytes
 
 
 def _layout(specs: Sequence[TensorSpec]) -> tuple[list[int], int]:
