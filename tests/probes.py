@@ -17,6 +17,19 @@ def checksum(t: torch.Tensor) -> float:
     return float(t.double().sum())
 
 
+def open_fds() -> dict[str, str]:
+    """This process's open descriptors and what each points at. One readlink per descriptor:
+    Ray's threads open and close descriptors all the time, so one that closes between the
+    listing and the read is left out (reading twice raced, and failed CI)."""
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+    return out
+
+
 def cpu_seconds() -> float:
     """CPU time (user + system) of this process so far, from /proc."""
     with open("/proc/self/stat") as f:
@@ -50,7 +63,9 @@ class LagProbe:
         self.max_lag, self.culprit, self._beat = 0.0, "", time.perf_counter()
         self._stop.clear()
         self._task = asyncio.get_running_loop().create_task(self._run())
-        threading.Thread(target=self._watch, args=(threading.get_ident(),), daemon=True, name="lag-probe").start()
+        threading.Thread(
+            target=self._watch, args=(threading.get_ident(),), daemon=True, name="lag-probe"
+        ).start()
 
     async def stop(self) -> float:
         assert self._task is not None
@@ -64,7 +79,9 @@ class LagProbe:
 
     def report(self) -> str:
         """The worst lag, and the loop's stack during it if one was sampled."""
-        return f"loop blocked {self.max_lag * 1000:.0f} ms" + (f"; the loop thread was in:\n{self.culprit}" if self.culprit else "")
+        return f"loop blocked {self.max_lag * 1000:.0f} ms" + (
+            f"; the loop thread was in:\n{self.culprit}" if self.culprit else ""
+        )
 
     async def _run(self) -> None:
         while True:

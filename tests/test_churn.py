@@ -20,6 +20,7 @@ import time
 
 import pytest
 import torch
+from probes import open_fds
 
 ACTORS_PER_HOST = 3
 CHURN_S = 12.0
@@ -36,7 +37,7 @@ def _counts() -> dict[str, int]:
     names = [t.name for t in threading.enumerate()]
     with tcp._idle_lock:
         kept = [len(pool) for pool in tcp._idle.values()]
-    fds = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd") if _alive(fd)]
+    fds = list(open_fds().values())
     out = {
         "threads": len(names),
         "tcp_send_threads": names.count("rdt-tcp-send"),
@@ -49,14 +50,6 @@ def _counts() -> dict[str, int]:
     }
     out.update({f"relay_{k}": v for k, v in _relay.stats().items()})
     return out
-
-
-def _alive(fd: str) -> bool:
-    try:
-        os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return False
-    return True
 
 
 def _nixl_remotes() -> int:
@@ -120,8 +113,10 @@ def test_churning_actors_keep_bounded_state_and_shed_it_when_idle(churners, clus
         refs = [a.make.remote(seed) for a in actors]
         if nixl:
             refs[seed % len(actors)] = actors[seed % len(actors)].make_nixl.remote(seed)
-        sums = ray.get([a.fetch.remote([r for j, r in enumerate(refs) if j != i]) for i, a in enumerate(actors)],
-                       timeout=120)
+        sums = ray.get(
+            [a.fetch.remote([r for j, r in enumerate(refs) if j != i]) for i, a in enumerate(actors)],
+            timeout=120,
+        )
         assert sums == [float(seed) * (len(actors) - 1)] * len(actors)
 
     round_(0)

@@ -17,6 +17,7 @@ import time
 
 import pytest
 import torch
+from probes import open_fds
 
 from rdt_async import _io, _relay
 from rdt_async.transports import _mappings
@@ -47,15 +48,7 @@ class Network:
 
 def _fds() -> set[str]:
     _io.io_loop()  # its own descriptors (selector, wake-up pipe) are there for good
-    return {f"{fd} -> {os.readlink(f'/proc/self/fd/{fd}')}" for fd in os.listdir("/proc/self/fd") if _alive(fd)}
-
-
-def _alive(fd: str) -> bool:
-    try:
-        os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return False  # the listing's own descriptor, closed by now
-    return True
+    return {f"{fd} -> {link}" for fd, link in open_fds().items()}
 
 
 def _obj_id() -> str:
@@ -356,7 +349,9 @@ def _producer_and_servers(k: int):
             before = rdt.store_stats()["fetches"]
             self.w = (await rdt.fetch(obj))["w"]
             after = rdt.store_stats()["fetches"]
-            return float(self.w.double().sum()), {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}
+            return float(self.w.double().sum()), {
+                k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)
+            }
 
         async def load_into(self, refs, at: float):
             """The same, into buffers of this actor's: (sum, fetches, landed in them)."""
@@ -366,8 +361,11 @@ def _producer_and_servers(k: int):
             before = rdt.store_stats()
             got = await rdt.fetch(obj, into=buf)
             after = rdt.store_stats()
-            fetches = {k: n - before["fetches"].get(k, 0) for k, n in after["fetches"].items()
-                       if n > before["fetches"].get(k, 0)}
+            fetches = {
+                k: n - before["fetches"].get(k, 0)
+                for k, n in after["fetches"].items()
+                if n > before["fetches"].get(k, 0)
+            }
             self.relay = {k: after["relay"][k] - before["relay"][k] for k in ("claimed", "landed", "copied")}
             return float(got["w"].double().sum()), fetches, got["w"].data_ptr() == buf["w"].data_ptr()
 
@@ -443,7 +441,9 @@ def test_consumers_fetching_into_their_own_buffers_share_one_transfer(fan_out, t
     make = producer.value if transport == "auto" else producer.value_os
     n = 8 << 20
     warm = make.remote({"w": torch.ones(n)})
-    ray.get([s.load_into.remote([warm], 0.0) for s in servers], timeout=60)  # each process's first fetch sets up
+    ray.get(
+        [s.load_into.remote([warm], 0.0) for s in servers], timeout=60
+    )  # each process's first fetch sets up
     del warm
     for seed in (3, 4):  # twice: the second reuses warm memfds and kept mappings
         want = float(torch.randn(n, generator=torch.Generator().manual_seed(seed)).double().sum())
