@@ -60,8 +60,8 @@ def _nixl_remotes() -> int:
     return len(here.peers._remotes) if here is not None else 0
 
 
-@pytest.fixture
-def churners(ray_session):
+@pytest.fixture(scope="module")
+def churners(cluster):
     from conftest import ON_NODE2
 
     import rdt_async as rdt
@@ -72,6 +72,10 @@ def churners(ray_session):
             from rdt_async.transports import tcp
 
             tcp.IDLE_S = IDLE_S  # (read at each sweep)
+            if importlib.util.find_spec("nixl") is not None:
+                from rdt_async.transports.nixl import _peers
+
+                _peers.SWEEP_S = IDLE_S  # idle connections to producers gone are looked for this often
 
         @rdt.method(tensor_transport="auto")
         def make(self, seed: int):
@@ -88,9 +92,14 @@ def churners(ray_session):
         def counts(self):
             return _counts()
 
+        def most_nixl_peers(self, n: int) -> None:
+            from rdt_async.transports.nixl import _peers
+
+            _peers.MAX_PEERS = n
+
     actors = [Churner.remote() for _ in range(ACTORS_PER_HOST)]
     actors += [Churner.options(**ON_NODE2).remote() for _ in range(ACTORS_PER_HOST)]
-    yield actors
+    yield actors, Churner
     import ray
 
     for a in actors:
@@ -98,7 +107,7 @@ def churners(ray_session):
 
 
 @pytest.mark.timeout(240)
-def test_churning_actors_keep_bounded_state_and_shed_it_when_idle(churners, cluster):
+def test_churning_actors_keep_bounded_state_and_shed_it_when_idle(churners, cluster, ray_session):
     import ray
 
     from rdt_async import _io
@@ -106,7 +115,7 @@ def test_churning_actors_keep_bounded_state_and_shed_it_when_idle(churners, clus
 
     if cluster.hosts is None:
         pytest.skip("node2 runs on this host (no namespaces here): nothing crosses hosts")
-    actors = churners
+    actors, _ = churners
     nixl = importlib.util.find_spec("nixl") is not None
 
     def round_(seed: int) -> None:
@@ -155,3 +164,29 @@ def test_churning_actors_keep_bounded_state_and_shed_it_when_idle(churners, clus
     assert shed["threads"] <= max(c["threads"] for c in floor) + pools, (shed, floor)
     assert shed["sockets"] <= max(c["sockets"] for c in floor) + 2, (shed, floor)
     assert shed["nixl_remotes"] <= producers, shed
+
+
+def test_a_consumer_keeps_at_most_max_peers_nixl_connections_and_drops_dead_producers(churners, ray_session):
+    import ray
+    from conftest import wait_until
+
+    if importlib.util.find_spec("nixl") is None:
+        pytest.skip("nixl is not installed")
+    (consumer, *producers), churner = churners
+    ray.get(consumer.most_nixl_peers.remote(2))
+    try:
+        for step in range(2):  # the second round reconnects to producers dropped in the first
+            for i, producer in enumerate(producers[:3]):
+                seed = 10 * step + i + 1
+                assert ray.get(consumer.fetch.remote([producer.make_nixl.remote(seed)]), timeout=60) == float(seed)
+                assert ray.get(consumer.counts.remote())["nixl_remotes"] <= 2
+        ray.get(consumer.most_nixl_peers.remote(256))
+        # A producer of this host that dies: its connection goes once idle (the sweep: IDLE_S here).
+        doomed = churner.remote()
+        assert ray.get(consumer.fetch.remote([doomed.make_nixl.remote(5)]), timeout=60) == 5.0
+        held = ray.get(consumer.counts.remote())["nixl_remotes"]
+        ray.kill(doomed)
+        wait_until(lambda: ray.get(consumer.counts.remote())["nixl_remotes"] == held - 1, IDLE_S * 3 + 10)
+        assert ray.get(consumer.fetch.remote([producers[0].make_nixl.remote(7)]), timeout=60) == 7.0
+    finally:
+        ray.get(consumer.most_nixl_peers.remote(256))

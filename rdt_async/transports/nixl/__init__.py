@@ -7,7 +7,7 @@ own module with its own lock where threads share it:
     _memory.py     registrations: each storage once, refcounted
     _liveness.py   the producer's liveness slots, and the consumer's check of one
     _scratch.py    the consumer's bounce chunks and landing slots, registered once
-    _peers.py      connections to producers, and their metadata loaded
+    _peers.py      connections to producers, their metadata loaded; idle ones dropped
     _producer.py   the producer's objects: prepare, then release after a linger
     _poller.py     the producer's poll of its notifications, with backoff
     _plan.py       one fetch's READs: where they land, what is registered, in which order

@@ -3,34 +3,93 @@
 A producer's connection metadata is loaded once (cached per agent), each storage's
 partial metadata once (a storage registered once on the producer gives the same blob
 for every object over it).
+
+Bounded: a consumer outliving many producers (actors that come and go) holds no entry
+for each one it ever read from. A connection to a producer of this host whose process is
+gone is dropped (its remote agent removed from NIXL) within `SWEEP_S` of going idle; past
+`MAX_PEERS` connections, the least recently used idle one goes at once (the next read
+from it reconnects). A live producer's connection is otherwise kept: NIXL 1.5's
+`remove_remote_agent` closes a live peer's UCX endpoints without freeing them (they go
+with the worker: ai-dynamo/nixl#2025), so dropping and remaking connections to the same
+live producers would leak what keeping them holds once. A dead peer's endpoints are
+force-closed, and freed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import threading
+import time
+from collections.abc import Callable
 
 from ..._errors import PeerDiedError
+from .._kit import int_setting
+from .._segments import IdleSweep
 from ._agent import Agent
 from ._meta import NixlMeta
 
 MD_CACHE = 4096  # partial metadata blobs remembered per producer (loaded once each)
+# How often idle connections to this host's producers are checked for a producer gone (read at each sweep).
+SWEEP_S = 10.0
+# Connections kept at most; beyond, the least recently used idle one is dropped at once.
+MAX_PEERS = int_setting("RDT_NIXL_MAX_PEERS", 256, 1, "a connection count, at least 1")
 
 
 class Peers:
     """Connections by producer agent, with epochs that tell one connection from the next.
 
     Connections are made and dropped on the I/O loop only; callers' threads only look
-    them up. `_lock` guards the metadata loaded, which both change.
+    them up. `_lock` guards the metadata loaded and the idle times, which both change.
     """
 
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: Agent, gone: Callable[[NixlMeta], bool | None]) -> None:
+        """`gone(meta)`: whether the producer's process is gone; None where this process
+        cannot tell (another host's)."""
         self._agent = agent
+        self._gone = gone
+        self._metas: dict[str, NixlMeta] = {}  # producer -> the metadata it was last connected with
         self._remotes: dict[str, str] = {}  # producer agent -> name NIXL knows it by
         self._connects = 0  # connections made so far: `_epochs` tells them apart
         self._epochs: dict[str, int] = {}  # producer agent -> which connection `_remotes` holds
         self._lock = threading.Lock()
         self._loaded: dict[str, collections.OrderedDict[bytes, None]] = {}
+        self._busy: collections.Counter[str] = collections.Counter()  # producer -> reads using it now
+        self._idle: dict[str, float] = {}  # producer -> when its last read ended (not while one runs)
+        self._removing: dict[str, asyncio.Task[None]] = {}  # producer -> its remote agent's removal
+        self._sweeper = IdleSweep(self._sweep, lambda: SWEEP_S)
+
+    def __len__(self) -> int:
+        """Return how many producers this agent holds a connection to."""
+        return len(self._remotes)
+
+    def hold(self, producer: str) -> None:
+        """A read from `producer` begins: its connection is not dropped until `release`.
+
+        Runs on: consumer (I/O loop), as `connect`.
+        """
+        self._busy[producer] += 1
+        with self._lock:
+            self._idle.pop(producer, None)
+
+    def release(self, producer: str) -> None:
+        """A read from `producer` ended (however): its connection may go idle, and the least
+        recently used idle ones go past MAX_PEERS."""
+        self._busy[producer] -= 1
+        if self._busy[producer] <= 0:
+            del self._busy[producer]
+            if producer in self._remotes:
+                with self._lock:
+                    self._idle[producer] = time.monotonic()
+                self._sweeper.start()
+        if len(self._remotes) > MAX_PEERS:
+            self._shed(over=MAX_PEERS)
+
+    def touch(self, producer: str) -> None:
+        """A read on the caller's thread used the connection (`receive_nowait`): it is not idle."""
+        with self._lock:
+            if producer in self._idle:
+                self._idle[producer] = time.monotonic()
 
     def remote(self, producer: str) -> str | None:
         """Return the name NIXL knows a connected producer by, or None."""
@@ -48,6 +107,11 @@ class Peers:
         agent = self._agent
         remote = self._remotes.get(meta.agent)
         if remote is None:
+            removing = self._removing.get(meta.agent)
+            if removing is not None:  # its last connection's removal first: NIXL knows one entry a name
+                await asyncio.shield(removing)
+            remote = self._remotes.get(meta.agent)
+        if remote is None:
             try:
                 name = await agent.call(agent.nixl.add_remote_agent, meta.conn, slow=True)
             except Exception as exc:
@@ -56,8 +120,14 @@ class Peers:
                     f"{meta.host}): it died or is unreachable ({type(exc).__name__}: {exc})"
                 ) from exc
             remote = self._remotes[meta.agent] = name.decode() if isinstance(name, bytes) else name
+            self._metas[meta.agent] = meta
             self._connects += 1
             self._epochs[meta.agent] = self._connects
+            if meta.agent not in self._busy:  # (connected outside a read: idle from now)
+                with self._lock:
+                    self._idle[meta.agent] = time.monotonic()
+                self._sweeper.start()
+            self._shed(over=MAX_PEERS)
         for md in self._unloaded(meta):
             await agent.call(agent.nixl.add_remote_agent, md)
             self._mark_loaded(meta.agent, md)
@@ -77,15 +147,52 @@ class Peers:
         """
         if epoch is not None and self._epochs.get(producer) != epoch:
             return
+        self._drop(producer)
+        removing = self._removing.get(producer)
+        if removing is not None:
+            await asyncio.shield(removing)
+
+    def _drop(self, producer: str) -> None:
+        """Forget `producer`'s connection now, and remove its remote agent from NIXL next
+        (a connect to it meanwhile waits for that). Runs on: consumer (I/O loop)."""
         self._epochs.pop(producer, None)
+        self._metas.pop(producer, None)
         with self._lock:
             self._loaded.pop(producer, None)
+            self._idle.pop(producer, None)
         remote = self._remotes.pop(producer, None)
-        if remote is not None:
-            try:
-                await self._agent.call(self._agent.nixl.remove_remote_agent, remote)
-            except Exception:
-                pass
+        if remote is not None and producer not in self._removing:
+            task = asyncio.get_running_loop().create_task(self._remove(producer, remote))
+            self._removing[producer] = task
+
+    async def _remove(self, producer: str, remote: str) -> None:
+        try:
+            await self._agent.call(self._agent.nixl.remove_remote_agent, remote)
+        except Exception:
+            pass  # gone already, or the agent is shutting down: nothing to tell anyone
+        finally:
+            del self._removing[producer]
+
+    def _sweep(self, cutoff: float) -> float | None:  # on the I/O loop
+        """Drop the idle connections to producers gone; return when to look again (None:
+        no idle connection is to a producer this host can see go)."""
+        with self._lock:
+            idle = [p for p in self._idle if p not in self._busy]
+        watched = False
+        for producer in idle:
+            meta = self._metas.get(producer)
+            gone = True if meta is None else self._gone(meta)
+            if gone:
+                self._drop(producer)
+            watched |= gone is False
+        return time.monotonic() if watched else None
+
+    def _shed(self, over: int) -> None:
+        """Drop the least recently used idle connections while more than `over` are held."""
+        with self._lock:
+            idle = sorted(self._idle, key=self._idle.__getitem__)
+        for producer in idle[: max(0, len(self._remotes) - over)]:
+            self._drop(producer)
 
     def _unloaded(self, meta: NixlMeta) -> list[bytes]:
         """Return the object's partial metadata blobs this agent has not loaded yet."""

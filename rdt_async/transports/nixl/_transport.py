@@ -49,7 +49,7 @@ class _Here:
         self.slots = Slots(agent)
         self.scratch = Scratch(agent)
         self.memory = Registrations(agent)
-        self.peers = Peers(agent)
+        self.peers = Peers(agent, gone=_gone)
         self.exports = Exports(agent, self.memory, self.slots, host)
         self.poller = Poller(agent, busy=lambda: len(self.memory) > 0)
 
@@ -144,6 +144,25 @@ class NixlTransport(Transport[NixlMeta]):
         check(info, info.producer_pid)  # before anything reaches NIXL
         meta = info.meta
         here = await self._get_async()
+        here.peers.hold(meta.agent)  # not dropped as idle while this reads
+        try:
+            out = await self._read_held(here, info, buffers)
+        finally:
+            here.peers.release(meta.agent)
+        if buffers is None:
+            return out
+        strided = [(b, o) for b, o in zip(buffers, out) if b is not o]
+        if strided:  # caller buffers that were not contiguous received a temporary
+            # Off the caller's thread: finished on return (the caller's streams do not order against ours).
+            await _io.to_thread_finished(_cuda.settled, copy_into, [b for b, _ in strided], [o for _, o in strided])
+        return list(buffers)
+
+    async def _read_held(
+        self, here: _Here, info: TransferInfo[NixlMeta], buffers: list[torch.Tensor] | None
+    ) -> list[torch.Tensor]:
+        """Connect and read; once more over a fresh connection where a broken one may be
+        another object's doing."""
+        meta = info.meta
         for again in (False, True):
             epoch = None
             try:
@@ -151,8 +170,7 @@ class NixlTransport(Transport[NixlMeta]):
                     raise _died(info)
                 remote = await here.peers.connect(meta)
                 epoch = here.peers.epoch(meta.agent)
-                out = await self._read_object(here, remote, info, buffers)
-                break
+                return await self._read_object(here, remote, info, buffers)
             except asyncio.CancelledError:
                 raise
             except BaseException as exc:
@@ -166,13 +184,7 @@ class NixlTransport(Transport[NixlMeta]):
                 if not isinstance(exc, (ObjectFreedError, PeerDiedError)) and not _alive(meta):
                     raise _died(info) from exc
                 raise
-        if buffers is None:
-            return out
-        strided = [(b, o) for b, o in zip(buffers, out) if b is not o]
-        if strided:  # caller buffers that were not contiguous received a temporary
-            # Off the caller's thread: finished on return (the caller's streams do not order against ours).
-            await _io.to_thread_finished(_cuda.settled, copy_into, [b for b, _ in strided], [o for _, o in strided])
-        return list(buffers)
+        raise AssertionError("unreachable: the second try returns or raises")
 
     async def _read_object(
         self, here: _Here, remote: str, info: TransferInfo[NixlMeta], buffers: list[torch.Tensor] | None
@@ -248,6 +260,7 @@ class NixlTransport(Transport[NixlMeta]):
             return None
         handed_off = False  # then the I/O loop releases the plan
         try:
+            here.peers.touch(meta.agent)
             here.peers.load_now(meta)
             handed_off = not plan.read_now(agent, remote)
             if handed_off:
@@ -296,6 +309,11 @@ def _died(info: TransferInfo[NixlMeta]) -> PeerDiedError:
     return PeerDiedError(
         f"nixl fetch of {info.obj_id}: the producer (pid {meta.pid} on {meta.host}) died", obj_id=info.obj_id
     )
+
+
+def _gone(meta: NixlMeta) -> bool | None:
+    """Say whether the producer's process is gone; None for another host's (not checkable here)."""
+    return None if meta.host != socket.gethostname() else not pid_alive(meta.pid)
 
 
 def _alive(meta: NixlMeta) -> bool:
