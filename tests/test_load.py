@@ -30,22 +30,17 @@ def expected(i: int, n: int) -> torch.Tensor:
     return torch.arange(n, dtype=torch.float32) * 0.5 + i
 
 
+@rdt.remote
 class Producer:
+    @rdt.method
+    async def make(self, i: int, n: int):
+        return {"i": i, "w": expected(i, n)}
+
     async def held(self) -> int:
         return rdt.store_stats()["objects"]
 
     async def threads(self) -> int:
         return threading.active_count()
-
-
-def _producer(transport: str):
-    @rdt.remote
-    class One(Producer):
-        @rdt.method(tensor_transport=transport)
-        async def make(self, i: int, n: int):
-            return {"i": i, "w": expected(i, n)}
-
-    return One
 
 
 @rdt.remote
@@ -91,44 +86,47 @@ def _transports():
     ]
 
 
+@pytest.fixture(scope="module")
+def actors():
+    """One producer (each test picks its transport per call) and six consumers, shared by the
+    module's tests: each actor is a process that imports torch (seconds). Each test ends with
+    the producer holding nothing, and the threads bounded, as a fresh one would."""
+    producer, consumers = Producer.remote(), [Consumer.remote() for _ in range(6)]
+    yield producer, consumers
+    for a in (producer, *consumers):
+        ray.kill(a)
+
+
 @pytest.mark.parametrize("transport", _transports())
-def test_hundreds_in_flight_tens_at_once_exact_and_then_nothing_held(transport):
-    producer, consumer = _producer(transport).remote(), Consumer.remote()
-    try:
-        refs = [producer.make.remote(i, SIZES[i % len(SIZES)]) for i in range(240)]  # ~160 MiB in all
-        ray.wait(refs, num_returns=len(refs), timeout=120)
-        kept = sum(transport != "auto" or SIZES[i % len(SIZES)] * 4 > 64 << 10 for i in range(240))
-        assert ray.get(producer.held.remote()) == kept  # auto's small objects ride in their refs
-        report = ray.get(consumer.check_all.remote(refs, 32), timeout=300)
-        assert report["bad"] == []
-        assert report["max_lag"] < 0.25, report  # a loop stalled by a transfer, not a slow one
-        assert report["threads"] < 40, report
-        del refs
-        deadline = time.monotonic() + 30
-        while ray.get(producer.held.remote()) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert ray.get(producer.held.remote()) == 0  # every object freed with its last ref
-        assert ray.get(producer.threads.remote()) < 40
-        print(f"\n{transport}: 240 objects, 32 at once: {report}")
-    finally:
-        ray.kill(producer)
-        ray.kill(consumer)
+def test_hundreds_in_flight_tens_at_once_exact_and_then_nothing_held(actors, transport):
+    producer, (consumer, *_) = actors
+    make = producer.make.options(tensor_transport=transport)
+    refs = [make.remote(i, SIZES[i % len(SIZES)]) for i in range(240)]  # ~160 MiB in all
+    ray.wait(refs, num_returns=len(refs), timeout=120)
+    kept = sum(transport != "auto" or SIZES[i % len(SIZES)] * 4 > 64 << 10 for i in range(240))
+    assert ray.get(producer.held.remote()) == kept  # auto's small objects ride in their refs
+    report = ray.get(consumer.check_all.remote(refs, 32), timeout=300)
+    assert report["bad"] == []
+    assert report["max_lag"] < 0.25, report  # a loop stalled by a transfer, not a slow one
+    assert report["threads"] < 40, report
+    del refs
+    deadline = time.monotonic() + 30
+    while ray.get(producer.held.remote()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray.get(producer.held.remote()) == 0  # every object freed with its last ref
+    assert ray.get(producer.threads.remote()) < 40
+    print(f"\n{transport}: 240 objects, 32 at once: {report}")
 
 
-def test_fan_out_to_many_async_consumers_exact():
-    producer = _producer("auto").remote()
-    consumers = [Consumer.remote() for _ in range(6)]
-    try:
-        refs = [producer.make.remote(i, 1 << 22) for i in range(2)]  # 16 MiB each
-        reports = ray.get([c.check_all.remote(refs, 2) for c in consumers], timeout=300)
-        assert [r["bad"] for r in reports] == [[]] * 6
-        assert max(r["max_lag"] for r in reports) < 0.25, reports
-        del refs
-        deadline = time.monotonic() + 30
-        while ray.get(producer.held.remote()) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert ray.get(producer.held.remote()) == 0
-        print("\nfan-out 2 x 16 MiB to 6:", [(round(r["seconds"], 2), round(r["max_lag"] * 1e3, 1)) for r in reports])
-    finally:
-        for a in (producer, *consumers):
-            ray.kill(a)
+def test_fan_out_to_many_async_consumers_exact(actors):
+    producer, consumers = actors
+    refs = [producer.make.remote(i, 1 << 22) for i in range(2)]  # 16 MiB each
+    reports = ray.get([c.check_all.remote(refs, 2) for c in consumers], timeout=300)
+    assert [r["bad"] for r in reports] == [[]] * 6
+    assert max(r["max_lag"] for r in reports) < 0.25, reports
+    del refs
+    deadline = time.monotonic() + 30
+    while ray.get(producer.held.remote()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray.get(producer.held.remote()) == 0
+    print("\nfan-out 2 x 16 MiB to 6:", [(round(r["seconds"], 2), round(r["max_lag"] * 1e3, 1)) for r in reports])

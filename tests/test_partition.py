@@ -33,17 +33,14 @@ def _optional(name: str, module: str):
 TRANSPORTS = ["auto", "object_store", "tcp", "gloo", _optional("nixl", "nixl"), _optional("ucxx", "ucxx")]
 
 
-def _producer(transport: str):
-    @rdt.remote
-    class Producer:
-        @rdt.method(tensor_transport=transport)
-        def make(self, step: int):
-            return {"w": torch.full((N,), float(step))}
+@rdt.remote
+class Producer:
+    @rdt.method
+    def make(self, step: int):
+        return {"w": torch.full((N,), float(step))}
 
-        def ping(self) -> str:
-            return "pong"
-
-    return Producer
+    def ping(self) -> str:
+        return "pong"
 
 
 @rdt.remote
@@ -56,72 +53,91 @@ class Consumer:
         return "pong"
 
 
-def _far_host(cluster, name: str):
-    if cluster.hosts is None:
-        pytest.skip("a partition needs hosts of their own: network namespaces (Linux, root)")
-    return cluster.hosts.add(name, cluster.address, {name: 1000})
+def _family(transport: str) -> str:
+    """The processes a transport's pair lives in: nixl and ucxx refuse to share one."""
+    return transport if transport in ("nixl", "ucxx") else "rest"
+
+
+class Far:
+    """A host of its own, and a producer there with a consumer here per family, made on first
+    use and shared by the module's tests (each actor is a process that imports torch: seconds).
+    The producer makes over any transport (`make.options(tensor_transport=...)`); the "rest"
+    pair is also a Gloo group."""
+
+    def __init__(self, cluster) -> None:
+        if cluster.hosts is None:
+            pytest.skip("a partition needs hosts of their own: network namespaces (Linux, root)")
+        self.cluster, self.host, self.pairs = cluster, None, {}
+
+    def pair(self, transport: str):
+        """(producer, its make over `transport`, consumer)."""
+        if self.host is None:
+            self.host = self.cluster.hosts.add("far", self.cluster.address, {"far": 1000})
+        family = _family(transport)
+        if family not in self.pairs:
+            producer = Producer.options(num_cpus=0, resources={"far": 1}).remote()
+            consumer = Consumer.remote()
+            group = rdt.create_collective_group([producer, consumer], backend="gloo") if family == "rest" else None
+            self.pairs[family] = (producer, consumer, group)
+        producer, consumer, _ = self.pairs[family]
+        return producer, producer.make.options(tensor_transport=transport), consumer
+
+    def close(self) -> None:
+        """Free the actors and the host: after a test that cut the link for good, the next
+        test that asks for a pair gets new ones."""
+        for producer, consumer, group in self.pairs.values():
+            if group is not None:
+                rdt.destroy_collective_group(group)
+            ray.kill(producer)
+            ray.kill(consumer)
+        self.pairs = {}
+        if self.host is not None:
+            self.cluster.hosts.remove("far")
+            self.host = None
 
 
 @pytest.fixture(scope="module")
 def far(cluster):
-    host = _far_host(cluster, "far")
-    yield host
-    cluster.hosts.remove("far")
-
-
-def _pair(transport: str, where: str):
-    producer = _producer(transport).options(num_cpus=0, resources={where: 1}).remote()
-    consumer = Consumer.remote()
-    group = rdt.create_collective_group([producer, consumer], backend="gloo") if transport == "gloo" else None
-    return producer, consumer, group
-
-
-def _close(producer, consumer, group) -> None:
-    if group is not None:
-        rdt.destroy_collective_group(group)
-    ray.kill(producer)
-    ray.kill(consumer)
+    rig = Far(cluster)
+    yield rig
+    rig.close()
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_fetch_across_a_partition_ends_at_its_deadline_and_succeeds_once_the_link_heals(far, transport):
-    producer, consumer, group = _pair(transport, "far")
+    producer, make, consumer = far.pair(transport)
+    warm = make.remote(1)
+    assert ray.get(consumer.fetch_total.remote([warm], 60), timeout=90) == 1.0 * N  # connections made
+    ref = make.remote(2)
+    ray.wait([ref], timeout=60)
+    far.host.link.set_up(False)
     try:
-        warm = producer.make.remote(1)
-        assert ray.get(consumer.fetch_total.remote([warm], 60), timeout=90) == 1.0 * N  # connections made
-        ref = producer.make.remote(2)
-        ray.wait([ref], timeout=60)
-        far.link.set_up(False)
-        try:
-            started = time.monotonic()
-            pending = consumer.fetch_total.remote([ref], 3.0)
-            assert ray.get(consumer.ping.remote(), timeout=5) == "pong"  # its loop is free meanwhile
-            with pytest.raises(TimeoutError) as raised:
-                ray.get(pending, timeout=60)
-            assert not isinstance(raised.value, ray.exceptions.GetTimeoutError)  # the fetch's own deadline
-            took = time.monotonic() - started
-            assert 2.5 < took < 15, took
-            print(f"\n{transport}: link down, a 3 s deadline ended the fetch after {took:.2f} s")
-        finally:
-            far.link.set_up(True)
-        assert ray.get(consumer.fetch_total.remote([ref], 60), timeout=90) == 2.0 * N
-        assert ray.get(producer.ping.remote(), timeout=30) == "pong"
+        started = time.monotonic()
+        pending = consumer.fetch_total.remote([ref], 3.0)
+        assert ray.get(consumer.ping.remote(), timeout=5) == "pong"  # its loop is free meanwhile
+        with pytest.raises(TimeoutError) as raised:
+            ray.get(pending, timeout=60)
+        assert not isinstance(raised.value, ray.exceptions.GetTimeoutError)  # the fetch's own deadline
+        took = time.monotonic() - started
+        assert 2.5 < took < 15, took
+        print(f"\n{transport}: link down, a 3 s deadline ended the fetch after {took:.2f} s")
     finally:
-        _close(producer, consumer, group)
+        far.host.link.set_up(True)
+    assert ray.get(consumer.fetch_total.remote([ref], 60), timeout=90) == 2.0 * N
+    assert ray.get(producer.ping.remote(), timeout=30) == "pong"
 
 
-def test_a_link_that_stays_down_ends_every_fetch_with_peer_died_error(cluster):
-    host = _far_host(cluster, "cut")
-    pairs = {t: _pair(t, "cut") for t in ("object_store", "gloo", "nixl", "ucxx") if importlib.util.find_spec(t) or t in ("object_store", "gloo")}
+def test_a_link_that_stays_down_ends_every_fetch_with_peer_died_error(far):
+    pairs = {t: far.pair(t) for t in ("object_store", "gloo", "nixl", "ucxx") if importlib.util.find_spec(t) or t in ("object_store", "gloo")}
     try:
         refs = {}
-        for t, (producer, consumer, _) in pairs.items():
-            assert ray.get(consumer.fetch_total.remote([producer.make.remote(1)], 60), timeout=90) == 1.0 * N
-            refs[t] = producer.make.remote(3)
+        for t, (_, make, consumer) in pairs.items():
+            assert ray.get(consumer.fetch_total.remote([make.remote(1)], 60), timeout=90) == 1.0 * N
+            refs[t] = make.remote(3)
         ray.wait(list(refs.values()), num_returns=len(refs), timeout=60)
-        host.link.set_up(False)
+        far.host.link.set_up(False)
         started = time.monotonic()
-        pending = {t: pairs[t][1].fetch_total.remote([ref], None) for t, ref in refs.items()}
+        pending = {t: pairs[t][2].fetch_total.remote([ref], None) for t, ref in refs.items()}
         outcomes = {}
         for t, p in pending.items():
             try:
@@ -134,8 +150,6 @@ def test_a_link_that_stays_down_ends_every_fetch_with_peer_died_error(cluster):
         print(f"\nlink down for good: {outcomes}")
         assert {t: o.split(" after")[0] for t, o in outcomes.items()} == dict.fromkeys(refs, "PeerDiedError"), outcomes
         assert time.monotonic() - started < 90
-        assert {ray.get(c.ping.remote(), timeout=10) for _, c, _ in pairs.values()} == {"pong"}
+        assert {ray.get(c.ping.remote(), timeout=10) for _, _, c in pairs.values()} == {"pong"}
     finally:
-        for producer, consumer, group in pairs.values():
-            _close(producer, consumer, group)
-        cluster.hosts.remove("cut")
+        far.close()  # the host is gone for good: a later test gets a new one
