@@ -8,6 +8,7 @@ import time
 import pytest
 import ray
 import torch
+from conftest import wait_until
 
 import rdt_async as rdt
 
@@ -86,7 +87,12 @@ class AsyncWorker(Member):
 
 @rdt.remote
 class Driver:
-    """Not in any group: issues collectives from an async actor and fetches the results."""
+    """Not in any group: issues collectives from an async actor and fetches the results, and
+    makes objects (an outsider's, for the groups' errors)."""
+
+    @rdt.method  # an actor in no group can still make objects (gloo ones it cannot)
+    async def grads_auto(self, n: int = 6):
+        return grads(9, n)
 
     async def reduce(self, refs, op: str):
         out = await rdt.allreduce_async(refs, op=op)
@@ -117,6 +123,14 @@ def four(cluster):
         ray.kill(w)
 
 
+@pytest.fixture(scope="module")
+def driver(cluster):
+    """An async actor in no group (shared by the tests: it keeps nothing between calls)."""
+    d = Driver.remote()
+    yield d
+    ray.kill(d)
+
+
 def expected(ranks, op: str, n: int = 6) -> dict:
     values = [grads(r, n) for r in ranks]
     def red(ts):
@@ -134,7 +148,7 @@ def assert_value(got, want, rank) -> None:
         assert torch.allclose(g, w) and g.dtype == w.dtype and g.shape == w.shape
 
 
-def test_allreduce_from_the_driver_returns_one_ref_per_holder_and_leaves_inputs_untouched(four):
+def test_allreduce_from_the_driver_returns_one_ref_per_holder_and_leaves_inputs_untouched(four, driver):
     workers, _ = four
     refs = [w.grads.remote() for w in workers]
     out = rdt.allreduce(refs)
@@ -147,7 +161,7 @@ def test_allreduce_from_the_driver_returns_one_ref_per_holder_and_leaves_inputs_
     for rank, r in enumerate(refs):
         assert_value(rdt.get(r, timeout=60), {"w": grads(rank)["w"], "b": grads(rank)["b"]}, rank)
     # A member fetches a result held by another member over the group (the usual machinery).
-    ranks = ray.get(Driver.remote().gather_and_broadcast.remote(refs, workers))
+    ranks = ray.get(driver.gather_and_broadcast.remote(refs, workers))
     assert ranks == ([0, 1, 2, 3], [1, 1, 1, 1])
 
 
@@ -240,17 +254,17 @@ async def test_async_form_from_the_driver_and_concurrent_collectives_on_two_grou
         await rdt.destroy_collective_group_async(pair)
 
 
-def test_from_inside_actors_sync_member_and_async_outsider(four):
+def test_from_inside_actors_sync_member_and_async_outsider(four, driver):
     workers, _ = four
     want = checksums(expected(range(4), "sum") | {"rank": 0})
     refs = [w.grads.remote() for w in workers]
     assert ray.get(workers[0].reduce_here.remote(refs), timeout=60) == [want] * 4
-    assert ray.get(Driver.remote().reduce.remote(refs, "sum"), timeout=60) == [want] * 4
+    assert ray.get(driver.reduce.remote(refs, "sum"), timeout=60) == [want] * 4
 
 
-def test_errors_name_the_holder_and_leave_the_group_usable(four):
+def test_errors_name_the_holder_and_leave_the_group_usable(four, driver):
     workers, _ = four
-    outsider = SyncWorker.remote(9)
+    outsider = driver  # in no group
     refs = [w.grads.remote() for w in workers]
     with pytest.raises(rdt.CollectiveGroupError, match=rf"ref 3 is held by actor {short(outsider)}, which shares no"):
         rdt.allreduce([*refs[:3], outsider.grads_auto.remote()])
@@ -278,7 +292,6 @@ def test_errors_name_the_holder_and_leave_the_group_usable(four):
         rdt.allreduce(refs, tensor_transport="shmm", inplace=True)  # refused before anything is reduced
     with pytest.raises(ValueError, match=r"unknown tensor_transport 'shmm'"):
         rdt.broadcast(refs[0], to=[workers[1]], tensor_transport="shmm")
-    ray.kill(outsider)
     assert all(b is None for b in ray.get([w.broken.remote("coll-four") for w in workers]))
     assert_value(rdt.get(rdt.allreduce(refs)[2], timeout=60), expected(range(4), "sum"), 2)
 
@@ -287,12 +300,19 @@ def test_an_input_freed_by_another_process_fails_cleanly_and_keeps_the_group(fou
     workers, _ = four
     refs = [w.grads.remote() for w in workers]
     ray.get(workers[0].free.remote([refs[2]]))  # the caller cannot know: rank 2 takes part with zeros
-    time.sleep(0.3)
+    obj_id = ray.get(refs[2]).obj_id
+    wait_until(lambda: ray.get(workers[2].__ray_call__.remote(_freed, obj_id)), 30, lambda: "rank 2 has freed it")
     with pytest.raises(rdt.ObjectFreedError, match=r"rank 2 .* was freed before the collective"):
         rdt.allreduce(refs)
     assert all(b is None for b in ray.get([w.broken.remote("coll-four") for w in workers]))
     refs[2] = workers[2].grads.remote()
     assert_value(rdt.get(rdt.allreduce(refs)[0], timeout=60), expected(range(4), "sum"), 0)
+
+
+def _freed(self, obj_id: str) -> bool:
+    from rdt_async._store import store
+
+    return store.get(obj_id) is None
 
 
 def test_a_member_killed_mid_collective_gives_peer_died_and_breaks_the_group_in_survivors(four):

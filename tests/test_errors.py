@@ -4,16 +4,113 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 
 import pytest
 import ray
 import torch
-from helpers import AsyncConsumer, SyncProducer
+from conftest import wait_until
+from helpers import checksum
 
 import rdt_async as rdt
 
 pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+@rdt.remote
+class SyncTools:
+    """A plain (sync) actor that produces tensors: every sync case of the module, one process."""
+
+    @rdt.method
+    def make(self, n: int, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        return {"w": torch.randn(n, generator=g), "step": seed, "meta": ["x", (1, 2)]}
+
+    @rdt.method
+    def value(self, v):
+        return v
+
+    @rdt.method(tensor_transport="shm")
+    def value_shm(self, v):
+        return v
+
+    @rdt.method(tensor_transport="inline")
+    def big(self):
+        return torch.ones(1 << 19)
+
+    @rdt.method(tensor_transport="gloo")  # this module makes no group
+    def make_gloo(self):
+        return torch.ones(2)
+
+    @ray.method(num_returns=2)
+    @rdt.method(tensor_transport="shm")
+    def pair(self):
+        return torch.ones(2), torch.full((3,), 2.0)
+
+    def object_ids(self) -> list[str]:
+        from rdt_async._store import store
+
+        return store.object_ids()
+
+    def ping(self) -> str:
+        return "pong"
+
+
+@rdt.remote
+class AsyncTools:
+    """An async actor: every async case of the module, one process."""
+
+    async def ok(self):
+        return 1
+
+    def sync_consumer(self, value):  # a sync method of an async actor
+        return value
+
+    @rdt.method(tensor_transport="shm")
+    def boom(self):
+        raise ValueError("boom: bad input")
+
+    @rdt.method(tensor_transport="shm", num_returns=2)
+    def three(self):
+        return torch.ones(1), torch.ones(2), torch.ones(3)
+
+    async def fetch_boom(self, refs):
+        try:
+            await rdt.fetch(refs[0])
+        except ValueError as exc:
+            return f"ValueError {exc}"
+
+    async def checksums(self, *values):
+        return [checksum(v) for v in values]
+
+    async def total(self, value) -> float:  # fetched before the method runs
+        return float(value["w"].sum())
+
+    async def fetch_total(self, refs) -> float:
+        return float((await rdt.fetch(refs[0]))["w"].sum())
+
+    async def ping(self) -> str:
+        return "pong"
+
+
+@pytest.fixture(scope="module")
+def tools(cluster):
+    """The module's two shared actors, a sync and an async one (each test leaves them clean)."""
+    s, a = SyncTools.remote(), AsyncTools.remote()
+    yield s, a
+    ray.kill(s)
+    ray.kill(a)
+
+
+@pytest.fixture
+def sync_tools(tools):
+    yield tools[0]
+    assert ray.get(tools[0].ping.remote()) == "pong"
+
+
+@pytest.fixture
+def async_tools(tools):
+    yield tools[1]
+    assert ray.get(tools[1].ping.remote()) == "pong"
 
 
 def test_unknown_transport_fails_at_decoration_naming_the_available_ones():
@@ -41,16 +138,16 @@ def test_remote_refuses_functions_and_the_reserved_group():
             pass
 
 
-def test_unsupported_device_fails_when_the_value_is_returned():
-    p = SyncProducer.remote()
+def test_unsupported_device_fails_when_the_value_is_returned(sync_tools):
+    p = sync_tools
+    held = set(ray.get(p.object_ids.remote()))
     with pytest.raises(rdt.TransportUnavailableError, match=r"transport 'shm' moves tensors on cpu, not meta"):
         ray.get(p.value_shm.remote(torch.empty(3, device="meta")))
     with pytest.raises(rdt.TransportUnavailableError, match="not meta"):
         ray.get(p.value.remote(torch.empty(3, device="meta")))
     with pytest.raises(rdt.TransportUnavailableError, match=r"tensor_transport='auto' cannot move these tensors: .*to_dense\(\)"):
         ray.get(p.value.remote(torch.eye(3).to_sparse()))
-    assert ray.get(p.stats.remote())["objects"] == 0
-    ray.kill(p)
+    assert set(ray.get(p.object_ids.remote())) <= held  # nothing kept for the refused values
 
 
 def test_fetch_of_something_else_is_a_type_error():
@@ -65,56 +162,19 @@ def test_fetch_of_something_else_is_a_type_error():
         rdt.free(ray.put(1))
 
 
-def test_sync_method_of_an_async_actor_asks_to_be_async():
-    p = SyncProducer.remote()
-
-    @rdt.remote
-    class Mixed:
-        async def ok(self):
-            return 1
-
-        def sync_consumer(self, value):
-            return value
-
-    m = Mixed.remote()
+def test_sync_method_of_an_async_actor_asks_to_be_async(sync_tools, async_tools):
+    p, m = sync_tools, async_tools
     with pytest.raises(RuntimeError, match="make the method `async def`"):
         ray.get(m.sync_consumer.remote(p.value.remote(torch.ones(1))))
-    ray.kill(p)
 
 
-def test_explicit_inline_refuses_large_values():
-    p = SyncProducer.remote()
-
-    @rdt.remote
-    class Inliner:
-        @rdt.method(tensor_transport="inline")
-        def big(self):
-            return torch.ones(1 << 19)
-
+def test_explicit_inline_refuses_large_values(sync_tools):
     with pytest.raises(rdt.TransportUnavailableError, match=r"at most 1048576 bytes.*use tensor_transport='auto' or 'shm'"):
-        ray.get(Inliner.remote().big.remote())
-    ray.kill(p)
+        ray.get(sync_tools.big.remote())
 
 
-@rdt.remote
-class Failing:
-    @rdt.method(tensor_transport="shm")
-    def boom(self):
-        raise ValueError("boom: bad input")
-
-    @rdt.method(tensor_transport="shm", num_returns=2)
-    def three(self):
-        return torch.ones(1), torch.ones(2), torch.ones(3)
-
-    async def fetch_boom(self, refs):
-        try:
-            await rdt.fetch(refs[0])
-        except ValueError as exc:
-            return f"ValueError {exc}"
-
-
-def test_what_a_producer_method_raises_reaches_the_consumer_as_ray_get_raises_it():
-    p = Failing.remote()
+def test_what_a_producer_method_raises_reaches_the_consumer_as_ray_get_raises_it(async_tools):
+    p = async_tools
     with pytest.raises(ValueError, match="boom: bad input") as info:
         rdt.get(p.boom.remote(), timeout=30)
     assert isinstance(info.value, ray.exceptions.RayTaskError)  # as ray.get raises it
@@ -122,7 +182,6 @@ def test_what_a_producer_method_raises_reaches_the_consumer_as_ray_get_raises_it
     a, _ = p.three.remote()
     with pytest.raises(ValueError, match=r"num_returns=2: return a tuple of 2 values, not tuple of 3"):
         rdt.get(a, timeout=30)
-    ray.kill(p)
 
 
 def test_our_errors_raised_in_another_process_arrive_as_themselves():
@@ -136,8 +195,8 @@ def test_our_errors_raised_in_another_process_arrive_as_themselves():
     assert str(err) == "object x1 was freed before it was fetched"
 
 
-def test_bad_fetch_arguments_fail_at_the_call_naming_the_fix():
-    p = SyncProducer.remote()
+def test_bad_fetch_arguments_fail_at_the_call_naming_the_fix(sync_tools):
+    p = sync_tools
     ref = p.value_shm.remote(torch.ones(4))
     with pytest.raises(TypeError, match=r"into= holds no tensor \(list \[5\]\)"):
         rdt.get(ref, into=[5])
@@ -147,7 +206,6 @@ def test_bad_fetch_arguments_fail_at_the_call_naming_the_fix():
     with pytest.raises(TypeError, match="takes a tensor this process returned or put, not str"):
         asyncio.run(rdt.wait_tensor_freed("notatensor"))
     assert rdt.get(ref, device="cpu").tolist() == [1.0] * 4
-    ray.kill(p)
 
 
 def test_generator_methods_are_refused_at_decoration():
@@ -186,19 +244,11 @@ def test_rdt_method_in_a_plain_ray_class_refuses_at_the_call():
     ray.kill(p)
 
 
-def test_a_two_sided_transport_without_a_group_refuses_at_return():
-    @rdt.remote
-    class Lonely:
-        @rdt.method(tensor_transport="gloo")
-        def make(self):
-            return torch.ones(2)
-
-    a = Lonely.remote()
+def test_a_two_sided_transport_without_a_group_refuses_at_return(sync_tools):
     with pytest.raises(rdt.TransportUnavailableError, match=r"in no gloo group.*create_collective_group\(actors, backend='gloo'\)"):
-        ray.get(a.make.remote())
+        ray.get(sync_tools.make_gloo.remote())
     with pytest.raises(rdt.TransportUnavailableError, match="in no gloo group"):
         rdt.put(torch.ones(2), tensor_transport="gloo")  # the driver is in none either
-    ray.kill(a)
 
 
 def test_method_misuses_are_refused_at_decoration_naming_the_fix():
@@ -213,27 +263,15 @@ def test_method_misuses_are_refused_at_decoration_naming_the_fix():
                 return torch.ones(1)
 
 
-def test_ray_method_options_above_rdt_method_are_kept():
-    """`@ray.method(num_returns=2)` over `@rdt.method` works as under it."""
-
-    @rdt.remote
-    class Two:
-        @ray.method(num_returns=2)
-        @rdt.method(tensor_transport="shm")
-        def pair(self):
-            return torch.ones(2), torch.full((3,), 2.0)
-
-    p = Two.remote()
-    try:
-        a, b = p.pair.remote()
-        assert rdt.get(a).tolist() == [1.0, 1.0] and rdt.get(b).tolist() == [2.0] * 3
-    finally:
-        ray.kill(p)
+def test_ray_method_options_above_rdt_method_are_kept(sync_tools):
+    """`@ray.method(num_returns=2)` over `@rdt.method` works as under it (SyncTools.pair)."""
+    a, b = sync_tools.pair.remote()
+    assert rdt.get(a).tolist() == [1.0, 1.0] and rdt.get(b).tolist() == [2.0] * 3
 
 
-def test_get_refuses_a_timeout_that_is_not_seconds_at_the_call():
+def test_get_refuses_a_timeout_that_is_not_seconds_at_the_call(sync_tools):
     # Before: -5 reported a timeout, '5' "unsupported operand type(s) for +: 'float' and 'str'".
-    p = SyncProducer.remote()
+    p = sync_tools
     ref = p.value_shm.remote(torch.ones(4))
     for bad in (-5, -0.001, float("nan")):
         with pytest.raises(ValueError, match=r"rdt\.get\(timeout=.*\): a timeout is seconds >= 0 \(0: do not wait\), or None"):
@@ -248,7 +286,6 @@ def test_get_refuses_a_timeout_that_is_not_seconds_at_the_call():
         rdt.wait_tensor_freed_sync(t, timeout=-1)
     with pytest.raises(TypeError, match=r"rdt\.wait_tensor_freed_sync\(timeout=\.\.\.\) takes seconds as a number"):
         rdt.wait_tensor_freed_sync(t, timeout="1")
-    ray.kill(p)
 
 
 def test_the_async_verbs_refuse_a_timeout_at_the_call_naming_asyncio_timeout():
@@ -298,9 +335,9 @@ def _plain_consumer(value, use: str):
     return [hasattr(value, "shape"), bool(value), value.nbytes, type(value).__name__]
 
 
-def test_a_plain_ray_consumer_using_an_rdt_object_as_its_value_is_told_to_fetch_it():
+def test_a_plain_ray_consumer_using_an_rdt_object_as_its_value_is_told_to_fetch_it(sync_tools):
     # Before: "'RDTObject' object is not subscriptable", "object of type 'RDTObject' has no len()", ...
-    p = SyncProducer.remote()
+    p = sync_tools
     ref = p.make.remote(8)
     fix = (r"it is a reference to 1 tensor\(s\) held by actor \w{8}, not the value\. Get the value with "
            r"`await rdt\.fetch\(obj\)` \(`rdt\.get\(obj\)` in sync code\), or make the receiving actor an "
@@ -319,7 +356,6 @@ def test_a_plain_ray_consumer_using_an_rdt_object_as_its_value_is_told_to_fetch_
     with pytest.raises(AttributeError, match="no attribute '_private'"):
         obj._private  # noqa: B018
     assert rdt.get(obj)["w"].shape == (8,)
-    ray.kill(p)
 
 
 @rdt.remote
@@ -328,25 +364,35 @@ class _TcpProducer:
     def make(self):
         return {"w": torch.full((1 << 18,), 2.0)}
 
+    def pid(self) -> int:
+        import os
 
-@rdt.remote
-class _Consumer:
-    async def total(self, value) -> float:  # fetched before the method runs
-        return float(value["w"].sum())
-
-    async def fetch_total(self, refs) -> float:
-        return float((await rdt.fetch(refs[0]))["w"].sum())
+        return os.getpid()
 
 
-def test_peer_died_inside_an_actor_shows_one_chain_the_native_cause():
+def _gone(actor, pid: int) -> bool:
+    """Ray has the actor dead and its process is gone (its sockets closed)."""
+    import os
+
+    try:
+        ray.get(actor.pid.remote(), timeout=10)
+    except ray.exceptions.GetTimeoutError:
+        pass
+    except ray.exceptions.RayActorError:
+        return not os.path.exists(f"/proc/{pid}")
+    return False
+
+
+def test_peer_died_inside_an_actor_shows_one_chain_the_native_cause(async_tools):
     # Before: three chained tracebacks (the socket's reset, tcp's internal _Stale retry, the
     # refused reconnect), each with rdt_async's internal frames.
-    p, c = _TcpProducer.remote(), _Consumer.remote()
+    p, c = _TcpProducer.remote(), async_tools  # a fresh producer: it is killed
+    pid = ray.get(p.pid.remote())
     assert ray.get(c.fetch_total.remote([p.make.remote()]), timeout=60) == 2.0 * (1 << 18)  # a connection to reuse
     refs = [p.make.remote(), p.make.remote()]
     ray.wait(refs, num_returns=2, timeout=60)
     ray.kill(p)
-    time.sleep(1)
+    wait_until(lambda: _gone(p, pid), 30, lambda: "the producer is dead")
     for call in (c.fetch_total.remote([refs[0]]), c.total.remote(refs[1])):
         with pytest.raises(rdt.PeerDiedError) as info:
             ray.get(call, timeout=60)
@@ -355,7 +401,6 @@ def test_peer_died_inside_an_actor_shows_one_chain_the_native_cause():
         assert shown.count("The above exception was the direct cause") <= 1, shown
         assert "_Stale" not in shown, shown
         assert "rdt_async.PeerDiedError: tcp fetch of" in shown or "PeerDiedError" in shown
-    ray.kill(c)
 
 
 def test_one_chain_keeps_the_native_cause_below_our_error():
@@ -414,10 +459,10 @@ def _line_of(text: str) -> int:
         return next(n for n, line in enumerate(f, 1) if line.rstrip() == text)
 
 
-def test_the_producer_fetching_back_warns_at_the_users_line_from_tasks_and_arguments():
+def test_the_producer_fetching_back_warns_at_the_users_line_from_tasks_and_arguments(async_tools):
     # Before: the warning pointed at asyncio/events.py (a task's fetch) or at Ray's worker (an
     # argument's), not at the user's code.
-    p, c = _SelfFetcher.remote(), AsyncConsumer.remote()
+    p, c = _SelfFetcher.remote(), async_tools  # a fresh producer: it records its warnings
     ray.get(p.record.remote())
     for method, line in (("take", _line_of("    async def take(self, value) -> bool:  # its argument is fetched before it runs")),
                          ("fetch_all_back", _line_of("        values = await rdt.fetch_all(refs)"))):
@@ -431,4 +476,3 @@ def test_the_producer_fetching_back_warns_at_the_users_line_from_tasks_and_argum
         assert (filename, lineno) == (__file__, line), (method, caught)
         ray.get(p.record.remote())
     ray.kill(p)
-    ray.kill(c)

@@ -30,6 +30,10 @@ class GlooProducer:
     def make_auto(self, n: int):
         return torch.full((n,), 3.0)
 
+    @rdt.method(tensor_transport="gloo")
+    def make_meta(self):
+        return torch.empty(2, device="meta")
+
     def pid(self):
         import os
 
@@ -59,6 +63,16 @@ async def sums_and_transports(refs):
 
 @rdt.remote
 class AsyncMember:
+    """An async member: fetches, and produces over gloo too (every member of a group can be
+    both ends of some pair); outside any group, it passes refs between members."""
+
+    @rdt.method(tensor_transport="gloo")
+    async def make(self, n: int, fill: float):
+        return {"w": torch.full((n,), fill)}
+
+    async def relay(self, producer, consumer, n):
+        return await consumer.take.remote(producer.make.remote(n, 5.0))
+
     async def sums(self, refs):
         return await sums_and_transports(refs)
 
@@ -91,18 +105,6 @@ class SyncMember:
         return checksum(value["w"])
 
 
-@rdt.remote
-class Both:
-    """Produces over gloo and fetches: every member is both ends of some pair."""
-
-    @rdt.method(tensor_transport="gloo")
-    async def make(self, n: int, fill: float):
-        return {"w": torch.full((n,), fill)}
-
-    async def sums(self, refs):
-        return await sums_and_transports(refs)
-
-
 @rdt.remote(max_concurrency=4)
 class ThreadedMember:
     """A threaded (sync, max_concurrency=4) member: its calls run on several threads."""
@@ -117,22 +119,40 @@ class ThreadedMember:
         return dict(rdt.store_stats()["fetches"])
 
 
-@rdt.remote
-class Orchestrator:
-    """Not in any group: submits the tasks that pass refs between members."""
-
-    async def relay(self, producer, consumer, n):
-        return await consumer.take.remote(producer.make.remote(n, 5.0))
+@pytest.fixture(scope="module")
+def members(cluster):
+    """The module's group, made once: a sync producer, an async and a sync consumer, a
+    threaded member. Tests that kill or break a group make their own actors for it."""
+    p, c, s, t = GlooProducer.remote(), AsyncMember.remote(), SyncMember.remote(), ThreadedMember.remote()
+    group = rdt.create_collective_group([p, c, s, t], backend="gloo")
+    yield p, c, s, t, group
+    rdt.destroy_collective_group(group)
+    for a in (p, c, s, t):
+        ray.kill(a)
 
 
 @pytest.fixture
-def pair():
-    p, c, s = GlooProducer.remote(), AsyncMember.remote(), SyncMember.remote()
-    group = rdt.create_collective_group([p, c, s], backend="gloo")
+def pair(members):
+    p, c, s, _, group = members
     yield p, c, s, group
-    rdt.destroy_collective_group(group)
-    for a in (p, c, s):
+    # every test leaves the shared group usable
+    assert ray.get(c.sums.remote([p.make.remote(10, 1.0)]), timeout=60) == ([10.0], {"gloo": 1})
+
+
+@pytest.fixture(scope="module")
+def free_members(cluster):
+    """Two async members in no group of the module's: each test puts them in its own groups
+    (destroyed before it ends) or uses them as outsiders."""
+    o1, o2 = AsyncMember.remote(), AsyncMember.remote()
+    yield o1, o2
+    for a in (o1, o2):
         ray.kill(a)
+
+
+@pytest.fixture
+def outsiders(free_members):
+    yield free_members
+    assert ray.get([o.ping.remote() for o in free_members]) == ["pong", "pong"]
 
 
 def test_members_receive_over_gloo_sync_and_async(pair):
@@ -151,40 +171,42 @@ def test_many_concurrent_transfers_between_one_pair(pair):
     assert used == {"gloo": 16}
 
 
-def test_outside_the_group_falls_back_to_the_object_store(pair):
+def test_outside_the_group_falls_back_to_the_object_store(pair, outsiders):
     p, _, _, _ = pair
     ref = p.make.remote(100, 7.0)
     before = collections.Counter(rdt.store_stats()["fetches"])
     assert checksum(rdt.get(ref, timeout=60)["w"]) == 700.0
     assert collections.Counter(rdt.store_stats()["fetches"]) - before == {"object_store": 1}
-    outsider = AsyncMember.remote()
+    outsider, _ = outsiders
     assert ray.get(outsider.sums.remote([ref])) == ([700.0], {"object_store": 1})
 
 
-def test_refs_passed_by_an_actor_that_did_not_create_the_group(pair):
+def test_refs_passed_by_an_actor_that_did_not_create_the_group(pair, outsiders):
     p, c, _, _ = pair
-    o = Orchestrator.remote()
+    o, _ = outsiders  # in no group: it submits the tasks that pass refs between members
     assert ray.get(o.relay.remote(p, c, 64)) == (320.0, 5.0, list(range(64)))
 
 
-def test_concurrent_transfers_across_pairs_in_both_directions():
-    members = [Both.remote() for _ in range(3)]
+def test_concurrent_transfers_across_pairs_in_both_directions(pair, outsiders):
+    # Every member produces over gloo and fetches: each is both ends of some pair. (c is
+    # also in the module's group, which none of the others share with it.)
+    _, c, _, _ = pair
+    members = [c, *outsiders]
     g = rdt.create_collective_group(members)
-    calls = []
-    for i, consumer in enumerate(members):
-        refs = [members[j].make.remote(1 << 18, float(10 * j + k)) for j in range(3) if j != i for k in range(4)]
-        calls.append(consumer.sums.remote(refs))
-    for i, (sums, used) in enumerate(ray.get(calls)):
-        assert sums == [float((10 * j + k) * (1 << 18)) for j in range(3) if j != i for k in range(4)]
-        assert used == {"gloo": 8}
-    rdt.destroy_collective_group(g)
-    for m in members:
-        ray.kill(m)
+    try:
+        calls = []
+        for i, consumer in enumerate(members):
+            refs = [members[j].make.remote(1 << 18, float(10 * j + k)) for j in range(3) if j != i for k in range(4)]
+            calls.append(consumer.sums.remote(refs))
+        for i, (sums, used) in enumerate(ray.get(calls)):
+            assert sums == [float((10 * j + k) * (1 << 18)) for j in range(3) if j != i for k in range(4)]
+            assert used == {"gloo": 8}
+    finally:
+        rdt.destroy_collective_group(g)
 
 
-def test_a_threaded_member_receives_on_several_threads_at_once():
-    p, t = GlooProducer.remote(), ThreadedMember.remote()
-    g = rdt.create_collective_group([p, t])
+def test_a_threaded_member_receives_on_several_threads_at_once(members):
+    p, _, _, t, _ = members  # (t is used by this test only: its fetch counts are this test's)
     refs = [[p.make.remote(1 << 16, float(4 * b + i)) for i in range(4)] for b in range(4)]
     assert ray.get([t.get_many.remote(r) for r in refs]) == [
         [float(4 * b + i) * (1 << 16) for i in range(4)] for b in range(4)
@@ -192,13 +214,12 @@ def test_a_threaded_member_receives_on_several_threads_at_once():
     sums = ray.get([t.take.remote(p.make.remote(1000, float(i))) for i in range(8)])  # auto-fetched arguments
     assert sums == [1000.0 * i for i in range(8)]
     assert ray.get(t.fetches.remote()) == {"gloo": 24}
-    rdt.destroy_collective_group(g)
-    ray.kill(p)
-    ray.kill(t)
 
 
-def test_an_actor_in_two_groups():
-    a, b, c = GlooProducer.remote(), AsyncMember.remote(), AsyncMember.remote()
+def test_an_actor_in_two_groups(pair, outsiders):
+    # a is in the module's group too: three groups; b shares only g1 with it, c only g2.
+    a, _, _, _ = pair
+    b, c = outsiders
     g1 = rdt.create_collective_group([a, b])
     g2 = rdt.create_collective_group([c, a], name="second")
     try:
@@ -209,13 +230,13 @@ def test_an_actor_in_two_groups():
         rdt.destroy_collective_group(g2)
 
 
-def test_auto_weighs_a_shared_group_across_nodes(tmp_path):
+def test_auto_weighs_a_shared_group_across_nodes(tmp_path, outsiders):
     # A group both ends are in is one of auto's candidates; it wins where the costs say so:
     # between these hosts tcp is faster, so gloo wins only for a member whose costs say it is.
     path = tmp_path / "gloo-costs.json"
     path.write_text(json.dumps({"cpu": {"gloo/hosts": [0.001, 50.0]}}))
     p = GlooProducer.options(**ON_NODE2).remote()
-    plain = AsyncMember.remote()
+    plain, _ = outsiders
     told = AsyncMember.options(runtime_env={"env_vars": {"RDT_AUTO_COSTS": str(path)}}).remote()
     g = rdt.create_collective_group([p, plain, told])
     try:
@@ -229,12 +250,12 @@ def test_auto_weighs_a_shared_group_across_nodes(tmp_path):
             assert choice["why"].startswith(f"256 KiB CPU from another node: {want} "), choice["why"]
     finally:
         rdt.destroy_collective_group(g)
-        for a in (p, plain, told):
+        for a in (p, told):
             ray.kill(a)
 
 
-def test_group_errors_say_why():
-    a, b = GlooProducer.remote(), AsyncMember.remote()
+def test_group_errors_say_why(outsiders):
+    a, b = outsiders
     g = rdt.create_collective_group([a, b], name="taken")
     try:
         with pytest.raises(rdt.CollectiveGroupError, match="named 'taken' exists"):
@@ -252,8 +273,12 @@ def test_group_errors_say_why():
     class Plain:
         pass
 
-    with pytest.raises(rdt.CollectiveGroupError, match=re.escape("decorate its class with @rdt.remote")):
-        rdt.create_collective_group([a, Plain.remote()])
+    plain = Plain.remote()
+    try:
+        with pytest.raises(rdt.CollectiveGroupError, match=re.escape("decorate its class with @rdt.remote")):
+            rdt.create_collective_group([a, plain])
+    finally:
+        ray.kill(plain)
     dead = AsyncMember.remote()
     ray.get(dead.ping.remote())
     ray.kill(dead)
@@ -263,22 +288,24 @@ def test_group_errors_say_why():
     rdt.destroy_collective_group(g)
 
 
-def test_gloo_refuses_non_cpu_tensors_when_the_value_is_returned():
-    @rdt.remote
-    class Meta:
-        @rdt.method(tensor_transport="gloo")
-        def make(self):
-            return torch.empty(2, device="meta")
-
-    m = Meta.remote()
-    g = rdt.create_collective_group([m])  # (one member: the device is what is refused)
+def test_gloo_refuses_non_cpu_tensors_when_the_value_is_returned(pair):
+    p, _, _, _ = pair  # in a group: the device is what is refused
     with pytest.raises(rdt.TransportUnavailableError, match="transport 'gloo' moves tensors on cpu, not meta"):
-        ray.get(m.make.remote())
-    rdt.destroy_collective_group(g)
+        ray.get(p.make_meta.remote())
 
 
-def test_producer_killed_mid_transfer_breaks_the_group_not_the_survivors():
-    p, c, s = GlooProducer.remote(), AsyncMember.remote(), SyncMember.remote()
+@pytest.fixture(scope="module")
+def survivors(cluster):
+    """The consumers of the groups whose producer dies (not the module's: those groups break)."""
+    c, s = AsyncMember.remote(), SyncMember.remote()
+    yield c, s
+    ray.kill(c)
+    ray.kill(s)
+
+
+def test_producer_killed_mid_transfer_breaks_the_group_not_the_survivors(survivors, members):
+    c, s = survivors
+    p = GlooProducer.remote()
     g = rdt.create_collective_group([p, c, s])
     ref = p.make.remote(1 << 20)
     ray.wait([ref])
@@ -291,15 +318,16 @@ def test_producer_killed_mid_transfer_breaks_the_group_not_the_survivors():
         ray.get(c.sums.remote([ref]), timeout=60)  # later use says so
     assert ray.get(c.ping.remote()) == "pong"  # the survivor serves other calls
     rdt.destroy_collective_group(g)
-    p2 = GlooProducer.remote()
+    p2 = members[0]  # a live producer (the module's; it shares no other group with c, s)
     g2 = rdt.create_collective_group([p2, c, s])  # recreated on the survivors
     assert ray.get(c.sums.remote([p2.make.remote(10, 1.0)])) == ([10.0], {"gloo": 1})
     rdt.destroy_collective_group(g2)
 
 
-def test_producer_dying_between_the_tensors_of_one_transfer():
+def test_producer_dying_between_the_tensors_of_one_transfer(survivors):
     # Tensor 0 has arrived and tensor 1's receive is posted when the producer dies.
-    p, c, s = GlooProducer.remote(), AsyncMember.remote(), SyncMember.remote()
+    c, s = survivors
+    p = GlooProducer.remote()
     g = rdt.create_collective_group([p, c, s])
     ref = p.make.remote((1 << 22) + 5)  # 16 MiB "w", then a 5-element "b"
     ray.get(p.die_after_first_tensor.remote())
@@ -312,16 +340,24 @@ def test_producer_dying_between_the_tensors_of_one_transfer():
     assert ray.get(c.ping.remote()) == "pong"
     assert ray.get(s.take.remote({"w": torch.ones(3)})) == 3.0  # the other member serves calls too
     rdt.destroy_collective_group(g)
+    ray.kill(p)
 
 
 def test_fetch_of_a_freed_gloo_object_fails_cleanly(pair):
     p, c, _, _ = pair
     ref = p.make.remote(1000)
+    obj_id = ray.get(ref).obj_id
     rdt.free(ref)
-    time.sleep(0.5)
+    wait_until(lambda: ray.get(p.__ray_call__.remote(_freed, obj_id)), 30, lambda: "the producer has freed it")
     with pytest.raises(rdt.ObjectFreedError):
         ray.get(c.sums.remote([ref]))
     assert ray.get(c.sums.remote([p.make.remote(10, 1.0)])) == ([10.0], {"gloo": 1})  # group still fine
+
+
+def _freed(self, obj_id: str) -> bool:
+    from rdt_async._store import store
+
+    return store.get(obj_id) is None
 
 
 def test_cancelled_fetch_into_buffers_is_not_written_after_it_returns(pair):
@@ -347,8 +383,8 @@ def test_tags_wrap_before_they_leave_int32(pair):
     assert [g.tags(4), g.tags(4), g.tags(4), g.tags(1)] == [gloo.TAG_LIMIT - 10, gloo.TAG_LIMIT - 6, 1, 5]
 
 
-async def test_create_from_a_loop_needs_the_async_twin():
-    a, b = GlooProducer.remote(), AsyncMember.remote()
+async def test_create_from_a_loop_needs_the_async_twin(outsiders):
+    a, b = outsiders
     with pytest.raises(RuntimeError, match="create_collective_group_async"):
         rdt.create_collective_group([a, b])
     g = await rdt.create_collective_group_async([a, b])
@@ -365,10 +401,11 @@ class SlowToStart:
         return "pong"
 
 
-async def test_a_group_creation_cut_short_by_the_callers_timeout_is_a_timeout_and_frees_the_name():
+async def test_a_group_creation_cut_short_by_the_callers_timeout_is_a_timeout_and_frees_the_name(outsiders):
     """The caller's deadline is not a member's fault: TimeoutError, not CollectiveGroupError
     blaming a member, and the name is free again."""
-    a, b = GlooProducer.remote(), SlowToStart.remote()
+    a, _ = outsiders
+    b = SlowToStart.remote()  # fresh: a member still starting
     try:
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(rdt.create_collective_group_async([a, b], name="cut-short"), 0.5)
@@ -376,7 +413,6 @@ async def test_a_group_creation_cut_short_by_the_callers_timeout_is_a_timeout_an
         g = await rdt.create_collective_group_async([a, b], name="cut-short")  # the name is free
         await rdt.destroy_collective_group_async(g)
     finally:
-        ray.kill(a)
         ray.kill(b)
 
 
@@ -427,7 +463,7 @@ def test_gloo_listens_on_the_interface_gloo_socket_ifname_names():
         ray.kill(b)
 
 
-def test_a_group_name_left_behind_by_dead_members_can_be_freed_by_name():
+def test_a_group_name_left_behind_by_dead_members_can_be_freed_by_name(outsiders):
     """A job that ended without destroying its group leaves the name claimed in the GCS:
     creating it again says how to free it, and freeing it by name works once its members
     are gone (never while they live: they must leave it)."""
@@ -437,19 +473,15 @@ def test_a_group_name_left_behind_by_dead_members_can_be_freed_by_name():
         rdt.destroy_collective_group("left-behind")
     ray.kill(a)
     ray.kill(b)
-    c, d = GlooProducer.remote(), AsyncMember.remote()
-    try:
-        with pytest.raises(
-            rdt.CollectiveGroupError,
-            match=r"named 'left-behind' exists: destroy it .*rdt.destroy_collective_group\('left-behind'\)",
-        ):
-            rdt.create_collective_group([c, d], name="left-behind")
-        wait_until(lambda: _freed_by_name("left-behind"), 30, lambda: "its members seen dead")
-        g = rdt.create_collective_group([c, d], name="left-behind")
-        rdt.destroy_collective_group(g)
-    finally:
-        ray.kill(c)
-        ray.kill(d)
+    c, d = outsiders
+    with pytest.raises(
+        rdt.CollectiveGroupError,
+        match=r"named 'left-behind' exists: destroy it .*rdt.destroy_collective_group\('left-behind'\)",
+    ):
+        rdt.create_collective_group([c, d], name="left-behind")
+    wait_until(lambda: _freed_by_name("left-behind"), 30, lambda: "its members seen dead")
+    g = rdt.create_collective_group([c, d], name="left-behind")
+    rdt.destroy_collective_group(g)
 
 
 def _freed_by_name(name: str) -> bool:

@@ -113,6 +113,21 @@ class Member:
         gloo.join = join
 
 
+@pytest.fixture(scope="module")
+def members(cluster):
+    """Four members, in no group between tests: each test makes its groups and destroys them."""
+    ms = [Member.remote() for _ in range(4)]
+    yield ms
+    for m in ms:
+        ray.kill(m)
+
+
+@pytest.fixture
+def four(members):
+    yield members
+    assert ray.get([m.joining.remote() for m in members]) == [0] * 4  # still answering, no join under way
+
+
 def _rendezvous_keys() -> list[bytes]:
     return sorted(internal_kv._internal_kv_list("rdv/", namespace=KV_NAMESPACE))
 
@@ -121,10 +136,10 @@ def _of(name: str) -> str:
     return f"rdv/{name.encode().hex()}/"
 
 
-def test_no_port_is_opened_for_the_rendezvous_and_gloo_listens_on_the_node_address_only():
+def test_no_port_is_opened_for_the_rendezvous_and_gloo_listens_on_the_node_address_only(four):
     """Each member's only new listener is Gloo's, on its Ray node IP: no TCPStore (which
     listened on every interface, for anyone who reached it) in rank 0 or elsewhere."""
-    members = [Member.remote() for _ in range(3)]
+    members = four[:3]
     before = ray.get([m.listening.remote() for m in members])
     ips = ray.get([m.node_ip.remote() for m in members])
     g = rdt.create_collective_group(members)
@@ -139,12 +154,10 @@ def test_no_port_is_opened_for_the_rendezvous_and_gloo_listens_on_the_node_addre
     after = ray.get([m.listening.remote() for m in members])
     for rank, (was, now) in enumerate(zip(before, after)):
         assert set(map(tuple, now)) <= set(map(tuple, was)), f"rank {rank} still listens on {sorted(map(tuple, now))}"
-    for m in members:
-        ray.kill(m)
 
 
-def test_the_rendezvous_keys_live_in_the_gcs_under_their_group_and_go_with_it():
-    a, b, c, d = (Member.remote() for _ in range(4))
+def test_the_rendezvous_keys_live_in_the_gcs_under_their_group_and_go_with_it(four):
+    a, b, c, d = four
     assert not [k for k in _rendezvous_keys() if k.startswith(_of("kv-two").encode())]
     g2 = rdt.create_collective_group([a, b], name="kv-two")
     g4 = rdt.create_collective_group([a, b, c, d], name="kv-four")
@@ -158,12 +171,11 @@ def test_the_rendezvous_keys_live_in_the_gcs_under_their_group_and_go_with_it():
     finally:
         rdt.destroy_collective_group(g4)
     assert not [k for k in _rendezvous_keys() if k.startswith((_of("kv-two"), _of("kv-four")))]
-    for m in (a, b, c, d):
-        ray.kill(m)
 
 
-def test_a_failed_creation_leaves_no_key_and_ends_the_others_joins_at_once():
-    a, b, c = (Member.remote() for _ in range(3))
+def test_a_failed_creation_leaves_no_key_and_ends_the_others_joins_at_once(four):
+    a, b = four[:2]
+    c = Member.remote()  # fresh: its joins fail from now on
     ray.get(c.refuse_joins.remote())
     t0 = time.monotonic()
     with pytest.raises(rdt.CollectiveGroupError, match=r"creating collective group 'refused' failed: .*refuses to join"):
@@ -175,16 +187,15 @@ def test_a_failed_creation_leaves_no_key_and_ends_the_others_joins_at_once():
     g = rdt.create_collective_group([a, b], name="refused")  # the name is free, the members are fine
     assert ray.get(b.fetch_sum.remote([a.make.remote(10, 1.0)])) == (10.0, {"gloo": 1})
     rdt.destroy_collective_group(g)
-    for m in (a, b, c):
-        ray.kill(m)
+    ray.kill(c)
 
 
-def test_crafted_group_names_stay_in_their_own_keys():
+def test_crafted_group_names_stay_in_their_own_keys(four):
     """Names are user input: one that is a prefix of another, or that looks like a path or
     like another group's keys, neither reads, clobbers nor deletes another group's keys.
     (The same two actors are in every group: each creation's rendezvous found its own keys.)"""
     names = ["a", "ab", "a/", "a/0", "../a", "rdv/" + b"a".hex() + "/x", ""]
-    p, c = Member.remote(), Member.remote()
+    p, c = four[:2]
     groups = [rdt.create_collective_group([p, c], name=n or None) for n in names]
     try:
         keys = _rendezvous_keys()
@@ -201,15 +212,13 @@ def test_crafted_group_names_stay_in_their_own_keys():
     assert not [k for k in _rendezvous_keys() if k.startswith(tuple(_of(g.name) for g in groups))]
     with pytest.raises(rdt.CollectiveGroupError, match="a group's name is a str of at most 256 characters, not int"):
         rdt.create_collective_group([p, c], name=7)
-    ray.kill(p)
-    ray.kill(c)
 
 
-def test_a_crafted_ref_is_refused_before_anything_is_posted_and_the_group_stays_usable():
+def test_a_crafted_ref_is_refused_before_anything_is_posted_and_the_group_stays_usable(four):
     """A ref's group metadata came from another process: a rank out of range, our own, a
     bystander's, or tensors described otherwise than the producer holds them give a clear
     TransferError, and the very next good fetch over the group works."""
-    p, c, bystander = Member.remote(), Member.remote(), Member.remote()
+    p, c, bystander = four[:3]
     g = rdt.create_collective_group([p, c, bystander])
     try:
         ref = p.make.remote(1000, 2.0)
@@ -245,5 +254,3 @@ def test_a_crafted_ref_is_refused_before_anything_is_posted_and_the_group_stays_
         assert ray.get(bystander.fetch_sum.remote([p.make.remote(10, 1.0)]), timeout=60) == (10.0, {"gloo": 1})
     finally:
         rdt.destroy_collective_group(g)
-        for m in (p, c, bystander):
-            ray.kill(m)

@@ -287,11 +287,13 @@ def test_fetch_after_free_raises_object_freed(producer):
 def test_idle_agent_burns_no_cpu(producer):
     ref = producer.big.remote(1 << 20)
     assert checksum(rdt.get(ref, timeout=60)) == 3.0 * (1 << 20)  # agent up, poller running
-    used = ray.get(producer.idle_cpu.remote(1.0))
-    assert used < 0.1, f"idle producer used {used:.3f} s of CPU in 1 s"
     t0 = cpu_seconds()
+    idle = producer.idle_cpu.remote(1.0)  # the producer's 1 s and the driver's overlap: each counts its own
     time.sleep(1.0)
-    assert cpu_seconds() - t0 < 0.2  # the driver's consumer agent is idle too
+    driver = cpu_seconds() - t0
+    used = ray.get(idle)
+    assert used < 0.1, f"idle producer used {used:.3f} s of CPU in 1 s"
+    assert driver < 0.2, f"the driver (its consumer agent) used {driver:.3f} s of CPU in 1 s"
 
 
 def test_killed_producer_fails_fast():
@@ -494,7 +496,7 @@ def test_small_reads_from_this_host_are_done_on_the_callers_thread(producer):
     assert _registry.get("nixl").registrations == 0  # small reads land in the bounce buffer
 
 
-def test_objects_over_storages_read_before_keep_reading_right(producer):
+def test_objects_over_storages_read_before_keep_reading_right(producer, consumer):
     # The metadata of a storage is loaded once per consumer; objects over storages read
     # earlier skip it. Interleave two storages, in the driver and in an async actor.
     refs = [producer.kept.remote("ab"[i % 2]) for i in range(8)]
@@ -503,10 +505,8 @@ def test_objects_over_storages_read_before_keep_reading_right(producer):
         got = rdt.get(ref, timeout=60)
         assert_same(got["w"], want[got["which"]])
         assert got["which"] == "ab"[(i if i < 8 else 15 - i) % 2]
-    reader = NixlConsumer.remote()
-    sums = ray.get(reader.checksums.remote(*refs))
+    sums = ray.get(consumer.checksums.remote(*refs))  # (the module's consumer has read neither storage)
     assert sums == [checksum(want["ab"[i % 2]]) for i in range(8)]
-    ray.kill(reader)
 
 
 def test_a_small_read_nixl_leaves_in_progress_is_finished_on_the_loop(producer, monkeypatch):
