@@ -1,4 +1,8 @@
-"""Lifetime: the producer frees tensors when the last ref and copy are gone."""
+"""Lifetime: the producer frees tensors when the last ref and copy are gone.
+
+The producers and consumers are shared by the module's tests (each test leaves its
+producer's store empty and its segments unlinked); a test that kills an actor makes its own.
+"""
 
 from __future__ import annotations
 
@@ -24,14 +28,29 @@ def segments_of(pid: int) -> set[str]:
     return {s for s in rdt_segments() if s.startswith(f"rdt-{pid}-")}
 
 
-@pytest.fixture
-def producer():
+@pytest.fixture(scope="module")
+def shared_producer(cluster):
     p = SyncProducer.remote()
-    yield p
+    yield p, ray.get(p.pid.remote())
     ray.kill(p)
 
 
-def test_store_goes_back_to_zero_when_refs_are_dropped(producer):
+@pytest.fixture
+def producer(shared_producer):
+    """The shared producer, left as found: nothing in its store, no segment of its."""
+    p, pid = shared_producer
+    yield p
+    wait_until(lambda: objects_of(p) == 0 and not segments_of(pid), 10, lambda: "the shared producer keeps objects")
+
+
+@pytest.fixture(scope="module")
+def consumer(cluster):
+    c = AsyncConsumer.remote()
+    yield c
+    ray.kill(c)
+
+
+def test_store_goes_back_to_zero_when_refs_are_dropped(producer, consumer):
     pid = ray.get(producer.pid.remote())
     refs = [producer.make.remote(1 << 15, seed=i) for i in range(5)]
     ray.wait(refs, num_returns=5)
@@ -39,7 +58,7 @@ def test_store_goes_back_to_zero_when_refs_are_dropped(producer):
     # On a cluster of several nodes (this session's) auto copies an object into shared
     # memory at the first fetch from the producer's node.
     assert not segments_of(pid)
-    values = ray.get(AsyncConsumer.remote().fetch_all.remote(refs))
+    values = ray.get(consumer.fetch_all.remote(refs))
     assert [v["step"] for v in values] == list(range(5))
     assert len(segments_of(pid)) == 5
     del refs
@@ -47,8 +66,7 @@ def test_store_goes_back_to_zero_when_refs_are_dropped(producer):
     wait_until(lambda: not segments_of(pid), 10)
 
 
-def test_ref_passed_as_argument_and_dropped_at_once(producer):
-    consumer = AsyncConsumer.remote()
+def test_ref_passed_as_argument_and_dropped_at_once(producer, consumer):
     out = consumer.checksums.remote(producer.value.remote(torch.ones(100)))
     assert ray.get(out) == [100.0]
     wait_until(lambda: objects_of(producer) == 0, 10)
@@ -80,10 +98,9 @@ def test_objects_held_by_a_killed_actor_are_freed(producer):
     wait_until(lambda: objects_of(producer) == 0, 20)
 
 
-def test_free_releases_now_and_later_fetches_fail(producer):
+def test_free_releases_now_and_later_fetches_fail(producer, consumer):
     pid = ray.get(producer.pid.remote())
     ref = producer.value.remote(torch.ones(1 << 15))
-    consumer = AsyncConsumer.remote()
     rdt.free(ref)
     with pytest.raises(rdt.ObjectFreedError):
         rdt.get(ref)
@@ -92,27 +109,55 @@ def test_free_releases_now_and_later_fetches_fail(producer):
         ray.get(consumer.take.remote(ref))
 
 
-def test_free_on_the_producer_and_wait_tensor_freed():
-    @rdt.remote
-    class Keeper:
-        def __init__(self):
-            self.t = torch.ones(KEPT)
+@rdt.remote
+class Keeper:
+    """An async actor that keeps a tensor, makes many tiny objects, and frees what it did not make."""
 
-        def share(self):
-            return [rdt.put({"t": self.t})]
+    def __init__(self):
+        self.t = torch.ones(KEPT)
 
-        async def wait_freed(self, seconds):
-            try:
-                async with asyncio.timeout(seconds):
-                    await rdt.wait_tensor_freed(self.t)
-            except TimeoutError:
-                return "still held"
-            return "freed"
+    async def share(self):
+        return [rdt.put({"t": self.t})]
 
+    async def wait_freed(self, seconds):
+        try:
+            async with asyncio.timeout(seconds):
+                await rdt.wait_tensor_freed(self.t)
+        except TimeoutError:
+            return "still held"
+        return "freed"
+
+    @rdt.method(tensor_transport="object_store")  # kept here until fetched (inline keeps nothing)
+    async def tiny(self, i: int):
+        return torch.full((4,), float(i))
+
+    async def anchors_from_own_method(self) -> bool:
+        from rdt_async import _object
+
+        return _object._anchor_source() is not None
+
+    async def stats(self):
+        return rdt.store_stats()
+
+    async def free_then_fetch(self, refs):
+        try:
+            rdt.free(await refs[0])  # (a ref itself is refused on a loop: resolving it would block)
+        except rdt.RDTError as exc:
+            refused = str(exc)
+        return refused, float((await rdt.fetch(refs[0]))["x"].sum())
+
+
+@pytest.fixture(scope="module")
+def keeper(cluster):
     k = Keeper.remote()
-    [ref] = ray.get(k.share.remote())
-    assert ray.get(k.wait_freed.remote(0.3)) == "still held"
-    waiting = k.wait_freed.remote(30)
+    yield k
+    ray.kill(k)
+
+
+def test_free_on_the_producer_and_wait_tensor_freed(keeper):
+    [ref] = ray.get(keeper.share.remote())
+    assert ray.get(keeper.wait_freed.remote(0.3)) == "still held"
+    waiting = keeper.wait_freed.remote(30)
     del ref
     assert ray.get(waiting) == "freed"
 
@@ -167,27 +212,11 @@ def test_segments_are_private_and_unguessable(producer):
     del ref
 
 
-@rdt.remote
-class ManyObjects:
-    """An async producer of many tiny objects; reports where its anchors came from."""
-
-    @rdt.method(tensor_transport="object_store")  # kept here until fetched (inline keeps nothing)
-    async def tiny(self, i: int):
-        return torch.full((4,), float(i))
-
-    async def anchors_from_own_method(self) -> bool:
-        from rdt_async import _object
-
-        return _object._anchor_source() is not None
-
-    async def stats(self):
-        return rdt.store_stats()
-
-
-def test_anchors_from_the_actors_own_method_keep_lifetime_exact():
+def test_anchors_from_the_actors_own_method_keep_lifetime_exact(keeper):
     # Past the first few objects, an rdt actor's anchors are the returns of calls to its
     # own rdt__anchors method (no plasma put each); each still frees exactly its object.
-    p = ManyObjects.remote()
+    p = keeper
+    assert ray.get(p.stats.remote())["objects"] == 0
     refs = [p.tiny.remote(i) for i in range(100)]
     values = [rdt.get(r, timeout=60) for r in refs]
     assert [float(v[0]) for v in values] == [float(i) for i in range(100)]
@@ -201,21 +230,11 @@ def test_anchors_from_the_actors_own_method_keep_lifetime_exact():
     assert [float(rdt.get(r, timeout=60)[0]) for r in refs] == [float(i) for i in range(1, 100, 2)]
     del refs
     wait_until(lambda: ray.get(p.stats.remote())["objects"] == 0, 10)
-    ray.kill(p)
 
 
-def test_a_free_refused_in_the_wrong_process_frees_nothing_there():
-    @rdt.remote
-    class Other:
-        async def free_then_fetch(self, refs):
-            try:
-                rdt.free(await refs[0])  # (a ref itself is refused on a loop: resolving it would block)
-            except rdt.RDTError as exc:
-                refused = str(exc)
-            return refused, float((await rdt.fetch(refs[0]))["x"].sum())
-
+def test_a_free_refused_in_the_wrong_process_frees_nothing_there(keeper):
     ref = rdt.put({"x": torch.ones(1 << 15)}, tensor_transport="shm")
-    refused, total = ray.get(Other.remote().free_then_fetch.remote([ref]))
+    refused, total = ray.get(keeper.free_then_fetch.remote([ref]))
     assert "call rdt.free() there" in refused and total == float(1 << 15)
     rdt.free(ref)
     with pytest.raises(rdt.ObjectFreedError):

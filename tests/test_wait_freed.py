@@ -118,7 +118,7 @@ def _transports() -> list:
     return out
 
 
-def _trainers(transport: str):
+def _trainers():
     import rdt_async as rdt
 
     class Weights:
@@ -128,9 +128,12 @@ def _trainers(transport: str):
         def version(self, v: int) -> None:
             self.w.fill_(float(v))  # in place, as an optimizer step
 
+    # One class a kind for every transport: each publish picks its own,
+    # publish.options(tensor_transport=...).
+
     @rdt.remote
     class AsyncTrainer(Weights):
-        @rdt.method(tensor_transport=transport)
+        @rdt.method
         async def publish(self):
             return {"w": self.w}
 
@@ -140,7 +143,7 @@ def _trainers(transport: str):
 
     @rdt.remote(max_concurrency=4)
     class ThreadedTrainer(Weights):
-        @rdt.method(tensor_transport=transport)
+        @rdt.method
         def publish(self):
             return {"w": self.w}
 
@@ -150,7 +153,7 @@ def _trainers(transport: str):
 
     @rdt.remote  # one method at a time: train runs after publish has returned
     class SyncTrainer(Weights):
-        @rdt.method(tensor_transport=transport)
+        @rdt.method
         def publish(self):
             return {"w": self.w}
 
@@ -167,23 +170,34 @@ def _trainers(transport: str):
     return {"async": AsyncTrainer, "threaded": ThreadedTrainer, "sync": SyncTrainer}, Loader
 
 
+@pytest.fixture(scope="module")
+def actors(cluster):
+    """One trainer a kind and one loader, shared by every transport (nothing here kills them)."""
+    import ray
+
+    classes, Loader = _trainers()
+    trainers, loader = {kind: cls.remote() for kind, cls in classes.items()}, Loader.remote()
+    yield trainers, loader
+    for actor in [*trainers.values(), loader]:
+        ray.kill(actor)
+
+
 @pytest.mark.usefixtures("ray_session")
 @pytest.mark.parametrize("kind", ["async", "threaded", "sync"])
 @pytest.mark.parametrize("transport", _transports())
-def test_publish_then_train_in_place_never_tears_a_read(transport, kind):
+def test_publish_then_train_in_place_never_tears_a_read(transport, kind, actors):
     import ray
 
     import rdt_async as rdt
 
-    trainers, Loader = _trainers(transport)
-    trainer = trainers[kind].remote()
-    loader = Loader.remote()
+    trainers, loader = actors
+    trainer = trainers[kind]
+    ray.get(trainer.train.remote(0), timeout=60)  # version 0 again: the last test's loads are done
+    group = rdt.create_collective_group([trainer, loader], backend="gloo") if transport == "gloo" else None
     try:
-        if transport == "gloo":
-            rdt.create_collective_group([trainer, loader], backend="gloo")
         loads = []
         for v in range(VERSIONS):
-            ref = trainer.publish.remote()
+            ref = trainer.publish.options(tensor_transport=transport).remote()
             if kind == "threaded":  # its calls run at once in any order: train only after the return
                 ray.wait([ref], timeout=60)
             loads.append(loader.load.remote(ref))
@@ -191,8 +205,8 @@ def test_publish_then_train_in_place_never_tears_a_read(transport, kind):
             ray.get(trainer.train.remote(v + 1), timeout=60)  # waits for the load, then writes v + 1
         seen = ray.get(loads, timeout=120)
     finally:
-        ray.kill(trainer)
-        ray.kill(loader)
+        if group is not None:
+            rdt.destroy_collective_group(group)
     torn = [(v, lo, hi) for v, (lo, hi) in enumerate(seen) if lo != hi]
     assert not torn, f"torn reads over {transport} (version, min, max): {torn}"
     versions = [int(lo) for lo, _ in seen]
