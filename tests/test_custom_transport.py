@@ -267,13 +267,14 @@ class SyncMaker:
         return os.getpid()
 
 
-def test_a_node_local_transport_is_read_through_the_object_store_from_another_node(monkeypatch):
+def test_a_node_local_transport_is_read_through_the_object_store_from_another_node(monkeypatch, makers):
     """The example says `reach = "node"` (its files are this node's): the core honours it as it
     does shm's. A consumer on another node fetches through the object store, and the node relay
     never relays the spool; a transport that declares nothing reaches the cluster."""
     from rdt_async import _fetch, _ray, _relay
 
-    maker = SyncMaker.remote()
+    maker = makers["sync"]
+    pid = ray.get(maker.pid.remote())
     ref = maker.file_spool.remote(11)
     obj = ray.get(ref)  # the RDTObject itself
     assert _fetch.choose_transport(obj, _ray.node_id())[0] == "file-spool"
@@ -285,6 +286,9 @@ def test_a_node_local_transport_is_read_through_the_object_store_from_another_no
     mib = [rdt.TensorSpec((1 << 18,), torch.float32, "cpu", 1 << 20)]
     assert not _relay.eligible(mib, "file-spool", "node-a", "node-b")
     assert _relay.eligible(mib, "manager-spool", "node-a", "node-b")  # (declares no reach)
+    del ref, obj  # the module's maker is left as it was found
+    wait_until(lambda: objects_of(maker) == 0, 15)
+    wait_until(lambda: not files_of("file-spool", pid), 15, lambda: f"left: {files_of('file-spool', pid)}")
 
 
 @rdt.remote
