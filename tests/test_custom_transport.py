@@ -310,6 +310,14 @@ class AsyncMaker:
     async def pid(self):
         return os.getpid()
 
+    async def run(self, name, seed, user):
+        """Drive actors of its own, from its own process: a new producer, and `user`."""
+        maker = Maker.remote()
+        [ref] = await maker.put.remote(seed, name)
+        here, there = await rdt.fetch(ref), await user.fetch.remote([ref])
+        ray.kill(maker)
+        return here, there
+
 
 @rdt.remote
 class Maker:
@@ -358,18 +366,6 @@ class SyncUser:
 
     def get(self, refs):
         return rdt.get(refs[0])
-
-
-@rdt.remote
-class Coordinator:
-    """Drives actors of its own, from its own process."""
-
-    async def run(self, name, seed, user):
-        maker = Maker.remote()
-        [ref] = await maker.put.remote(seed, name)
-        here, there = await rdt.fetch(ref), await user.fetch.remote([ref])
-        ray.kill(maker)
-        return here, there
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -495,7 +491,7 @@ def test_killed_producer_fails_the_fetch(users):
 
 def test_registration_in_the_driver_reaches_actors_created_before(makers, users):
     maker, user = makers["sync"], users["async"]  # created by earlier tests
-    coordinator = Coordinator.remote()
+    coordinator = makers["async"]  # as well: it drives a producer it creates, and `user`
     name = f"late-spool-{secrets.token_hex(3)}"
     assert ray.get(maker.knows.remote(name)) is False
     rdt.register_transport(name, ["cpu"], SpoolManager)  # after the actors exist
@@ -509,7 +505,6 @@ def test_registration_in_the_driver_reaches_actors_created_before(makers, users)
     assert_same(there, nested(9))
     del ref
     wait_until(lambda: objects_of(maker) == 0, 15)
-    ray.kill(coordinator)
 
 
 def test_entry_point_transport_loads_lazily_and_reaches_actors(tmp_path):
