@@ -267,13 +267,14 @@ class SyncMaker:
         return os.getpid()
 
 
-def test_a_node_local_transport_is_read_through_the_object_store_from_another_node(monkeypatch):
+def test_a_node_local_transport_is_read_through_the_object_store_from_another_node(monkeypatch, makers):
     """The example says `reach = "node"` (its files are this node's): the core honours it as it
     does shm's. A consumer on another node fetches through the object store, and the node relay
     never relays the spool; a transport that declares nothing reaches the cluster."""
     from rdt_async import _fetch, _ray, _relay
 
-    maker = SyncMaker.remote()
+    maker = makers["sync"]
+    pid = ray.get(maker.pid.remote())
     ref = maker.file_spool.remote(11)
     obj = ray.get(ref)  # the RDTObject itself
     assert _fetch.choose_transport(obj, _ray.node_id())[0] == "file-spool"
@@ -285,6 +286,9 @@ def test_a_node_local_transport_is_read_through_the_object_store_from_another_no
     mib = [rdt.TensorSpec((1 << 18,), torch.float32, "cpu", 1 << 20)]
     assert not _relay.eligible(mib, "file-spool", "node-a", "node-b")
     assert _relay.eligible(mib, "manager-spool", "node-a", "node-b")  # (declares no reach)
+    del ref, obj  # the module's maker is left as it was found
+    wait_until(lambda: objects_of(maker) == 0, 15)
+    wait_until(lambda: not files_of("file-spool", pid), 15, lambda: f"left: {files_of('file-spool', pid)}")
 
 
 @rdt.remote
@@ -305,6 +309,14 @@ class AsyncMaker:
 
     async def pid(self):
         return os.getpid()
+
+    async def run(self, name, seed, user):
+        """Drive actors of its own, from its own process: a new producer, and `user`."""
+        maker = Maker.remote()
+        [ref] = await maker.put.remote(seed, name)
+        here, there = await rdt.fetch(ref), await user.fetch.remote([ref])
+        ray.kill(maker)
+        return here, there
 
 
 @rdt.remote
@@ -354,18 +366,6 @@ class SyncUser:
 
     def get(self, refs):
         return rdt.get(refs[0])
-
-
-@rdt.remote
-class Coordinator:
-    """Drives actors of its own, from its own process."""
-
-    async def run(self, name, seed, user):
-        maker = Maker.remote()
-        [ref] = await maker.put.remote(seed, name)
-        here, there = await rdt.fetch(ref), await user.fetch.remote([ref])
-        ray.kill(maker)
-        return here, there
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -491,7 +491,7 @@ def test_killed_producer_fails_the_fetch(users):
 
 def test_registration_in_the_driver_reaches_actors_created_before(makers, users):
     maker, user = makers["sync"], users["async"]  # created by earlier tests
-    coordinator = Coordinator.remote()
+    coordinator = makers["async"]  # as well: it drives a producer it creates, and `user`
     name = f"late-spool-{secrets.token_hex(3)}"
     assert ray.get(maker.knows.remote(name)) is False
     rdt.register_transport(name, ["cpu"], SpoolManager)  # after the actors exist
@@ -505,7 +505,6 @@ def test_registration_in_the_driver_reaches_actors_created_before(makers, users)
     assert_same(there, nested(9))
     del ref
     wait_until(lambda: objects_of(maker) == 0, 15)
-    ray.kill(coordinator)
 
 
 def test_entry_point_transport_loads_lazily_and_reaches_actors(tmp_path):

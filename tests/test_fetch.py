@@ -182,17 +182,13 @@ def test_same_process_fetch_returns_the_stored_tensors():
     del ref
 
 
-def test_fetch_records_the_transport_used(producer):
-    @rdt.remote
-    class Counter:
-        async def run(self, refs):
-            before = collections.Counter(rdt.store_stats()["fetches"])
-            await rdt.fetch_all(refs)
-            return collections.Counter(rdt.store_stats()["fetches"]) - before
-
+def test_fetch_records_the_transport_used(producer, consumer):
     big = torch.ones(1 << 15)  # 128 KiB: above what auto inlines
     refs = [producer.value.remote(torch.ones(2)), producer.value.remote(big), producer.value_os.remote(big)]
-    assert ray.get(Counter.remote().run.remote(refs)) == {"inline": 1, "shm": 1, "object_store": 1}
+    before = collections.Counter(ray.get(consumer.stats.remote())["fetches"])
+    ray.get(consumer.fetch_all.remote(refs))
+    got = collections.Counter(ray.get(consumer.stats.remote())["fetches"]) - before
+    assert got == {"inline": 1, "shm": 1, "object_store": 1}
 
 
 def test_into_large_objects_contiguous_and_strided_buffers(producer):
@@ -219,9 +215,9 @@ class SelfFetcher:
         return same, [(str(w.message), w.filename) for w in caught]
 
 
-def test_the_producer_fetching_back_what_another_process_fetched_warns_once_at_the_caller():
+def test_the_producer_fetching_back_what_another_process_fetched_warns_once_at_the_caller(consumer):
     # (In the other order, the send finds the local fetch and logs the same warning.)
-    p, c = SelfFetcher.remote(), AsyncConsumer.remote()
+    p, c = SelfFetcher.remote(), consumer
     alone = p.make.remote()
     same, caught = ray.get(p.fetch_back.remote([alone]))
     assert same and caught == []  # only fetched back: no other reader, no warning (as in Ray)
@@ -234,4 +230,3 @@ def test_the_producer_fetching_back_what_another_process_fetched_warns_once_at_t
     assert filename == __file__  # points at the caller's line, not at rdt_async
     assert ray.get(p.fetch_back.remote([ref]))[1] == []  # once per object
     ray.kill(p)
-    ray.kill(c)

@@ -106,6 +106,25 @@ def actors():
         ray.kill(a)
 
 
+@pytest.fixture
+def made(ray_session):
+    """Keep what the test has a producer make; free it after the test, before the leak check.
+
+    Freed, a segment is unlinked at once; dropped, it would stay warm in its producer's pool
+    for RDT_SHM_IDLE_S, and the leak check would wait that long for it (a leaked one still fails it).
+    """
+    objs: list = []
+    yield objs
+    for obj in objs:
+        rdt.free(obj)
+
+
+def _get(made: list, ref):
+    obj = ray.get(ref)
+    made.append(obj)
+    return obj
+
+
 def _crafted(obj, **fields):
     return dataclasses.replace(obj, meta={**obj.meta, "shm": dataclasses.replace(obj.meta["shm"], **fields)})
 
@@ -121,14 +140,16 @@ def _refused(consumer, crafted, error: str, *words: str) -> dict:
 
 
 def _still_serves(p, consumer) -> None:
-    got = ray.get(consumer.attempt.remote([ray.get(p.make.remote(2.0))]))
+    obj = ray.get(p.make.remote(2.0))
+    got = ray.get(consumer.attempt.remote([obj]))
+    rdt.free(obj)  # its segment goes now (see `made`)
     assert got["sums"] == [2.0 * N] and _files(got["new_fds"]) == [], got
 
 
 @pytest.mark.parametrize("segment", ["../../etc/passwd", "/etc/passwd", "rdt-1-2-../../../etc/passwd", "", None])
-def test_a_segment_name_that_is_a_path_is_refused_before_any_open(actors, segment):
+def test_a_segment_name_that_is_a_path_is_refused_before_any_open(actors, made, segment):
     p, _, c = actors
-    obj = ray.get(p.make.remote(1.0))
+    obj = _get(made, p.make.remote(1.0))
     if segment is None:  # no segment, while a tensor lies in one
         _refused(c, _crafted(obj, segment=None), "TransferError", "refused metadata", "no segment")
     else:
@@ -149,9 +170,9 @@ def _named_like_its_segment(obj) -> tuple[str, str]:
     return _segments.name_for(obj.obj_id, key, int(m[1]), m[2]), key
 
 
-def test_a_symlink_in_dev_shm_named_like_a_segment_is_never_followed(actors, tmp_path):
+def test_a_symlink_in_dev_shm_named_like_a_segment_is_never_followed(actors, made, tmp_path):
     p, _, c = actors
-    obj = ray.get(p.make.remote(1.0))
+    obj = _get(made, p.make.remote(1.0))
     secret = str(tmp_path / "secret")
     _secret_file(secret)
     name, key = _named_like_its_segment(obj)
@@ -164,9 +185,9 @@ def test_a_symlink_in_dev_shm_named_like_a_segment_is_never_followed(actors, tmp
     _still_serves(p, c)
 
 
-def test_a_fifo_named_like_a_segment_is_refused_without_waiting(actors):
+def test_a_fifo_named_like_a_segment_is_refused_without_waiting(actors, made):
     p, _, c = actors
-    obj = ray.get(p.make.remote(1.0))
+    obj = _get(made, p.make.remote(1.0))
     name, key = _named_like_its_segment(obj)
     fifo = os.path.join(shm.SHM_DIR, name)
     os.mkfifo(fifo, 0o600)
@@ -176,9 +197,9 @@ def test_a_fifo_named_like_a_segment_is_refused_without_waiting(actors):
         os.unlink(fifo)
 
 
-def test_a_hard_link_to_a_file_named_like_a_segment_is_refused(actors):
+def test_a_hard_link_to_a_file_named_like_a_segment_is_refused(actors, made):
     p, _, c = actors
-    obj = ray.get(p.make.remote(1.0))
+    obj = _get(made, p.make.remote(1.0))
     name, key = _named_like_its_segment(obj)
     secret = os.path.join(shm.SHM_DIR, f"test-secret-{uuid.uuid4().hex}")
     _secret_file(secret)
@@ -190,9 +211,9 @@ def test_a_hard_link_to_a_file_named_like_a_segment_is_refused(actors):
         os.unlink(secret)
 
 
-def test_another_producers_segment_is_refused(actors):
+def test_another_producers_segment_is_refused(actors, made):
     p, other, c = actors
-    mine, theirs = ray.get(p.make.remote(1.0)), ray.get(other.make.remote(SECRET))
+    mine, theirs = _get(made, p.make.remote(1.0)), _get(made, other.make.remote(SECRET))
     _refused(c, _crafted(mine, segment=theirs.meta["shm"].segment), "TransferError", "not by the producer")
     # Its whole metadata: the name is still another process's.
     forged = dataclasses.replace(mine, meta={**mine.meta, "shm": theirs.meta["shm"]})
@@ -200,9 +221,9 @@ def test_another_producers_segment_is_refused(actors):
     _still_serves(p, c)
 
 
-def test_another_objects_segment_of_the_same_producer_is_refused(actors):
+def test_another_objects_segment_of_the_same_producer_is_refused(actors, made):
     p, _, c = actors
-    mine, theirs = ray.get(p.make.remote(1.0)), ray.get(p.make.remote(SECRET))
+    mine, theirs = _get(made, p.make.remote(1.0)), _get(made, p.make.remote(SECRET))
     _refused(c, _crafted(mine, segment=theirs.meta["shm"].segment), "TransferError", "not the one its producer makes")
     # Its segment and key together: the name is bound to the object's id as well.
     forged = dataclasses.replace(mine, meta={**mine.meta, "shm": theirs.meta["shm"]})
@@ -225,23 +246,23 @@ def test_another_objects_segment_of_the_same_producer_is_refused(actors):
         ({"shared": (None, None)}, "do not match its 1 tensor(s)"),
     ],
 )
-def test_sizes_and_offsets_beyond_the_segment_are_refused(actors, fields, words):
+def test_sizes_and_offsets_beyond_the_segment_are_refused(actors, made, fields, words):
     p, _, c = actors
-    _refused(c, _crafted(ray.get(p.make.remote(1.0)), **fields), "TransferError", words)
+    _refused(c, _crafted(_get(made, p.make.remote(1.0)), **fields), "TransferError", words)
 
 
-def test_a_shared_storage_in_another_process_is_refused(actors):
+def test_a_shared_storage_in_another_process_is_refused(actors, made):
     p, other, c = actors
-    obj = ray.get(p.weights.remote())
+    obj = _get(made, p.weights.remote())
     sh = obj.meta["shm"].shared[0]
     theirs = ray.get(other.hidden_storage.remote())
     forged = dataclasses.replace(sh, pid=theirs["pid"], fd=theirs["fd"], inode=theirs["inode"])
     _refused(c, _crafted(obj, shared=(forged,)), "TransferError", f"in process {theirs['pid']}, not in the producer")
 
 
-def test_a_descriptor_the_producer_did_not_lend_for_the_object_is_never_opened(actors):
+def test_a_descriptor_the_producer_did_not_lend_for_the_object_is_never_opened(actors, made):
     p, _, c = actors
-    obj = ray.get(p.weights.remote())
+    obj = _get(made, p.weights.remote())
     sh = obj.meta["shm"].shared[0]
     hidden = ray.get(p.hidden_storage.remote())  # the producer's own, never returned
     forged = dataclasses.replace(sh, fd=hidden["fd"], inode=hidden["inode"])
@@ -249,17 +270,17 @@ def test_a_descriptor_the_producer_did_not_lend_for_the_object_is_never_opened(a
     _refused(c, _crafted(obj, shared=(dataclasses.replace(forged, key=0),)), "TransferError", "not one a producer lends")
     _refused(c, _crafted(obj, shared=(dataclasses.replace(sh, fd=-1),)), "TransferError", "not one a producer lends")
     # Another object's lent descriptor, with this object's key: not lent for this object.
-    kept = ray.get(p.weights.remote())  # (alive meanwhile: its descriptor stays lent)
+    kept = _get(made, p.weights.remote())  # (alive meanwhile: its descriptor stays lent)
     again = kept.meta["shm"].shared[0]
     assert again.fd != sh.fd
     _refused(c, _crafted(obj, shared=(dataclasses.replace(sh, fd=again.fd),)), "ObjectFreedError", "not the one its producer lent")
 
 
-def test_a_forged_producer_whose_descriptor_holds_a_secret_is_never_read(actors, tmp_path):
+def test_a_forged_producer_whose_descriptor_holds_a_secret_is_never_read(actors, made, tmp_path):
     # Another process of this user holds an unlinked file under /dev/shm, as a producer's
     # shared storage would be; a forged ref names that process as its producer.
     p, _, c = actors
-    obj = ray.get(p.weights.remote())
+    obj = _get(made, p.weights.remote())
     sh = obj.meta["shm"].shared[0]
     holder = subprocess.Popen(
         [sys.executable, "-c", (
@@ -296,9 +317,9 @@ def test_a_forged_producer_whose_descriptor_holds_a_secret_is_never_read(actors,
         ((1, 1), 0, "stride (1, 1)"),
     ],
 )
-def test_a_view_past_its_shared_storage_is_refused(actors, stride, offset, words):
+def test_a_view_past_its_shared_storage_is_refused(actors, made, stride, offset, words):
     p, _, c = actors
-    obj = ray.get(p.weights.remote())
+    obj = _get(made, p.weights.remote())
     sh = dataclasses.replace(obj.meta["shm"].shared[0], stride=stride, offset=offset)
     obj = _crafted(obj, shared=(sh,))
     if stride == (-1,):  # a negative stride is refused, not wrapped around
@@ -318,24 +339,24 @@ def test_a_view_past_its_shared_storage_is_refused(actors, stride, offset, words
         (TensorSpec((True,), torch.float32, "cpu", 4), "shape (True,)"),
     ],
 )
-def test_tensor_specs_no_producer_makes_are_refused(actors, spec, words):
+def test_tensor_specs_no_producer_makes_are_refused(actors, made, spec, words):
     p, _, c = actors
-    obj = dataclasses.replace(ray.get(p.make.remote(1.0)), specs=(spec,))
+    obj = dataclasses.replace(_get(made, p.make.remote(1.0)), specs=(spec,))
     _refused(c, obj, "TransferError", "tensor 0's spec is not one a producer makes", words)
 
 
-def test_a_malformed_token_or_object_id_is_refused(actors):
+def test_a_malformed_token_or_object_id_is_refused(actors, made):
     p, _, c = actors
-    obj = ray.get(p.make.remote(1.0))
+    obj = _get(made, p.make.remote(1.0))
     bad = dataclasses.replace(obj, producer=dataclasses.replace(obj.producer, token="../1:x"))
     _refused(c, bad, "TransferError", "producer token '../1:x'")
     _refused(c, dataclasses.replace(obj, obj_id="../x"), "TransferError", "object id '../x'")
     _still_serves(p, c)
 
 
-def test_a_skeleton_naming_a_tensor_it_does_not_have_is_refused(actors):
+def test_a_skeleton_naming_a_tensor_it_does_not_have_is_refused(actors, made):
     from rdt_async._tree import Slot
 
     p, _, c = actors
-    obj = ray.get(p.make.remote(1.0))
+    obj = _get(made, p.make.remote(1.0))
     _refused(c, dataclasses.replace(obj, skeleton={"x": Slot(-1)}), "TransferError", "names tensor -1 of 1")

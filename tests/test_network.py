@@ -92,11 +92,25 @@ def _split(cluster) -> None:
 # -- addresses ----------------------------------------------------------------------------
 
 
-def test_auto_across_hosts_reads_64_mib_both_ways_over_tcp_at_rays_node_ips(ray_session):
+@pytest.fixture(scope="module")
+def actors(cluster):
+    """A producer and a consumer on each host, shared by the module's tests."""
+    made = {
+        "head": Producer.remote(),
+        "far": Producer.options(**ON_NODE2).remote(),
+        "here_reader": Consumer.remote(),
+        "far_reader": Consumer.options(**ON_NODE2).remote(),
+    }
+    yield made
+    for actor in made.values():
+        ray.kill(actor)
+
+
+def test_auto_across_hosts_reads_64_mib_both_ways_over_tcp_at_rays_node_ips(ray_session, actors):
     """The bug of issue 29: on split, tcp advertised the head's default-route address, which
     the other host cannot reach (`OSError: [Errno 101] Network is unreachable`)."""
-    head, far = Producer.remote(), Producer.options(**ON_NODE2).remote()
-    here_reader, far_reader = Consumer.remote(), Consumer.options(**ON_NODE2).remote()
+    head, far = actors["head"], actors["far"]
+    here_reader, far_reader = actors["here_reader"], actors["far_reader"]
     sums, used, choices, _ = ray.get(far_reader.read.remote([head.make.remote(N, 1.0)]))
     assert sums == [float(N)] and used == {"tcp": 1}, choices
     sums, used, choices, _ = ray.get(here_reader.read.remote([far.make.remote(N, 2.0)]))
@@ -107,9 +121,8 @@ def test_auto_across_hosts_reads_64_mib_both_ways_over_tcp_at_rays_node_ips(ray_
 
 
 @pytest.mark.skipif(not UCXX, reason="ucxx is not installed")
-def test_ucxx_advertises_rays_node_ip_and_reads_across_hosts(ray_session):
-    head = Producer.remote()
-    reader = Consumer.options(**ON_NODE2).remote()
+def test_ucxx_advertises_rays_node_ip_and_reads_across_hosts(ray_session, actors):
+    head, reader = actors["head"], actors["far_reader"]
     sums, used, _, _ = ray.get(reader.read.remote([head.make_ucxx.remote(1 << 20, 3.0)]))
     assert sums == [3.0 * (1 << 20)] and used == {"ucxx": 1}
     host, _ = ray.get(head.ucxx_address.remote())
@@ -180,13 +193,14 @@ class Confined:
         return {"w": torch.full((n,), v)}
 
 
-def test_a_producer_whose_port_range_is_exhausted_still_serves_auto_and_explicit_tcp_says_why(ray_session):
-    producer = Confined.remote()
-    reader = Consumer.options(**ON_NODE2).remote()
+def test_a_producer_whose_port_range_is_exhausted_still_serves_auto_and_explicit_tcp_says_why(ray_session, actors):
+    producer = Confined.remote()  # fresh: its RDT_PORT_RANGE is the claim
+    reader = actors["far_reader"]
     sums, used, _, _ = ray.get(reader.read.remote([producer.make.remote(1 << 20, 2.0)]))
     assert sums == [2.0 * (1 << 20)] and used == {"object_store": 1}  # tcp could not listen: the next path
     with pytest.raises(rdt.TransportUnavailableError, match=r"transport 'tcp' cannot listen: every port of RDT_PORT_RANGE=\d+-\d+ is taken"):
         ray.get(producer.make_tcp.remote(10, 1.0))
+    ray.kill(producer)
 
 
 # -- auto degrades, it does not fail ---------------------------------------------------------
@@ -201,6 +215,8 @@ def test_auto_falls_back_where_tcp_cannot_reach_the_producer_and_says_why_once(r
     out = _net.route_out()
     if out.startswith("127."):
         pytest.skip("this host has no default route to advertise")
+    # Both fresh: the producer's RDT_TCP_HOST is the claim, and the consumer's memory of the
+    # unreachable node (and its one log line) must not outlive this test into a shared one.
     head = Producer.options(runtime_env={"env_vars": {"RDT_TCP_HOST": out}}).remote()
     reader = Consumer.options(**ON_NODE2).remote()
     sums, used, choices, said = ray.get(reader.read.remote([head.make.remote(N, 1.0), head.make.remote(N, 2.0)]))
@@ -217,6 +233,8 @@ def test_auto_falls_back_where_tcp_cannot_reach_the_producer_and_says_why_once(r
     # asked for that path (before: it fell back to the object store without a word).
     error = ray.get(reader.read_error.remote([head.make.remote(N, 3.0)], "tcp"))
     assert error.startswith("TransferError: tcp fetch of") and f"cannot reach the producer's tcp listener at {out}:" in error
+    ray.kill(head)
+    ray.kill(reader)
 
 
 # -- a ref's address is input (issue 28) ---------------------------------------------------

@@ -60,6 +60,22 @@ class Trainer:
     def overwrite(self, v: float) -> None:
         self.w.fill_(v)  # without waiting: what a consumer holds shows whether it was copied
 
+    async def reset(self) -> dict:
+        """Once no view of it is left, put back the first version of its weights (in place)."""
+        async with asyncio.timeout(10):
+            await rdt.wait_tensor_freed(self.w)
+        self.w.copy_(torch.arange(N, dtype=torch.float32))
+        return rdt.store_stats()
+
+    @rdt.method(tensor_transport="shm")
+    def make(self, v: float):
+        return {"w": torch.full((N // 2,), v)}  # 2 MiB, fresh each call: copied into a warm segment
+
+    def segments_made(self) -> int:
+        from rdt_async.transports import _segments
+
+        return _segments.pool.stats()["created"]
+
 
 @rdt.remote
 class Reader:
@@ -75,6 +91,10 @@ class Reader:
 
     async def drop(self) -> None:
         del self.kept
+
+    async def forget(self) -> bool:
+        """Drop whatever a test left kept; say whether there was something."""
+        return self.__dict__.pop("kept", None) is not None
 
     async def scribble(self, value) -> float:
         value["w"].fill_(-1.0)  # its own copy-on-write pages
@@ -108,25 +128,42 @@ class Reader:
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 
-def test_a_tensor_shared_once_exports_without_a_copy_and_arrives_exact():
-    t, r = Trainer.remote(), Reader.remote()
-    try:
-        ptr, shared = ray.get(t.where.remote())
-        assert shared
-        for _ in range(3):
-            ref = t.publish.remote()
-            assert ray.get(r.check.remote(ref)) == {"w": float(N * (N - 1) // 2), "slice": True, "col": True}
-            assert ray.get(t.where.remote()) == (ptr, True)  # the same memory: nothing copied, nothing moved
-        assert ray.get(r.into.remote([t.publish.remote()]))  # into=: read, not mapped
-    finally:
-        ray.kill(t)
-        ray.kill(r)
+@pytest.fixture(scope="module")
+def shared_actors():
+    """One trainer (its weights shared once) and two readers for the module's tests."""
+    t, r1, r2 = Trainer.remote(), Reader.remote(), Reader.remote()
+    yield t, r1, r2
+    for a in (t, r1, r2):
+        ray.kill(a)
 
 
-def test_a_kept_tensor_not_shared_is_copied_at_each_return_and_never_moved():
+@pytest.fixture
+def actors(shared_actors, ray_session):
+    """The shared actors; after the test, no view of the trainer's weights is left, and it
+    holds no object and has its first version back (a test that stepped it)."""
+    t, r1, r2 = shared_actors
+    yield shared_actors
+    ray.get([r1.forget.remote(), r2.forget.remote()])
+    wait_until(lambda: ray.get(t.held.remote())["objects"] == 0, 10, lambda: ray.get(t.held.remote()))
+    assert ray.get(t.reset.remote())["lent"] == 0
+    assert ray.get(t.total.remote()) == float(N * (N - 1) // 2)
+
+
+def test_a_tensor_shared_once_exports_without_a_copy_and_arrives_exact(actors):
+    t, r, _ = actors
+    ptr, shared = ray.get(t.where.remote())
+    assert shared
+    for _ in range(3):
+        ref = t.publish.remote()
+        assert ray.get(r.check.remote(ref)) == {"w": float(N * (N - 1) // 2), "slice": True, "col": True}
+        assert ray.get(t.where.remote()) == (ptr, True)  # the same memory: nothing copied, nothing moved
+    assert ray.get(r.into.remote([t.publish.remote()]))  # into=: read, not mapped
+
+
+def test_a_kept_tensor_not_shared_is_copied_at_each_return_and_never_moved(actors):
     # Moving a storage frees its old memory under anyone still reading it (another thread,
     # a send): rdt_async leaves that to the user, and copies instead.
-    t, r = Trainer.remote(share=False), Reader.remote()
+    t, (_, r, _) = Trainer.remote(share=False), actors
     try:
         ptr, shared = ray.get(t.where.remote())
         assert not shared
@@ -140,92 +177,74 @@ def test_a_kept_tensor_not_shared_is_copied_at_each_return_and_never_moved():
         assert ray.get(r.check.remote(t.publish.remote()))["w"] == 3.0 * N
     finally:
         ray.kill(t)
-        ray.kill(r)
 
 
-def test_an_explicit_free_refuses_later_fetches_and_still_waits_for_the_views_out_there():
-    t, keeper, late = Trainer.remote(), Reader.remote(), Reader.remote()
-    try:
-        ref = t.publish.remote()
-        assert ray.get(keeper.keep.remote(ref)) == float(N * (N - 1) // 2)  # a view of the trainer's memory
-        rdt.free(ref)  # from the driver: the producer frees it (fire and forget)
-        wait_until(lambda: ray.get(t.held.remote())["lent"] == 1, 10)
-        with pytest.raises(rdt.ObjectFreedError, match="freed"):
-            ray.get(late.total.remote(ref))  # its descriptor is closed: no map of live memory
-        del ref
-        assert ray.get(t.wait_freed.remote(0.5)) == "held"  # the keeper still views version 0
-        stepping = t.step.remote(5.0)
-        assert ray.get(keeper.kept_total.remote()) == float(N * (N - 1) // 2)  # unchanged meanwhile
-        ray.get(keeper.drop.remote())
-        ray.get(stepping, timeout=30)  # the step ran once the view (the last ref) was gone
-        assert ray.get(t.held.remote())["lent"] == 0
-        assert ray.get(late.check.remote(t.publish.remote()))["w"] == 5.0 * N
-    finally:
-        for a in (t, keeper, late):
-            ray.kill(a)
+def test_an_explicit_free_refuses_later_fetches_and_still_waits_for_the_views_out_there(actors):
+    t, keeper, late = actors
+    ref = t.publish.remote()
+    assert ray.get(keeper.keep.remote(ref)) == float(N * (N - 1) // 2)  # a view of the trainer's memory
+    rdt.free(ref)  # from the driver: the producer frees it (fire and forget)
+    wait_until(lambda: ray.get(t.held.remote())["lent"] == 1, 10)
+    with pytest.raises(rdt.ObjectFreedError, match="freed"):
+        ray.get(late.total.remote(ref))  # its descriptor is closed: no map of live memory
+    del ref
+    assert ray.get(t.wait_freed.remote(0.5)) == "held"  # the keeper still views version 0
+    stepping = t.step.remote(5.0)
+    assert ray.get(keeper.kept_total.remote()) == float(N * (N - 1) // 2)  # unchanged meanwhile
+    ray.get(keeper.drop.remote())
+    ray.get(stepping, timeout=30)  # the step ran once the view (the last ref) was gone
+    assert ray.get(t.held.remote())["lent"] == 0
+    assert ray.get(late.check.remote(t.publish.remote()))["w"] == 5.0 * N
 
 
-def test_wait_tensor_freed_waits_for_every_consumer_view_and_writes_reach_only_new_fetches():
-    t, r = Trainer.remote(), Reader.remote()
-    try:
-        ref = t.publish.remote()
-        assert ray.get(r.keep.remote(ref)) == float(N * (N - 1) // 2)
-        del ref
-        assert ray.get(t.wait_freed.remote(0.5)) == "held"  # the reader still views version 0
-        stepping = t.step.remote(1.0)
-        assert ray.get(r.kept_total.remote()) == float(N * (N - 1) // 2)  # unchanged meanwhile
-        ray.get(r.drop.remote())
-        ray.get(stepping, timeout=60)  # the step ran once the view was gone
-        assert ray.get(r.check.remote(t.publish.remote()))["w"] == float(N)  # the new version
-        assert ray.get(t.wait_freed.remote(10)) == "free"
-    finally:
-        ray.kill(t)
-        ray.kill(r)
+def test_wait_tensor_freed_waits_for_every_consumer_view_and_writes_reach_only_new_fetches(actors):
+    t, r, _ = actors
+    ref = t.publish.remote()
+    assert ray.get(r.keep.remote(ref)) == float(N * (N - 1) // 2)
+    del ref
+    assert ray.get(t.wait_freed.remote(0.5)) == "held"  # the reader still views version 0
+    stepping = t.step.remote(1.0)
+    assert ray.get(r.kept_total.remote()) == float(N * (N - 1) // 2)  # unchanged meanwhile
+    ray.get(r.drop.remote())
+    ray.get(stepping, timeout=60)  # the step ran once the view was gone
+    assert ray.get(r.check.remote(t.publish.remote()))["w"] == float(N)  # the new version
+    assert ray.get(t.wait_freed.remote(10)) == "free"
 
 
-def test_a_consumer_writing_its_view_changes_nothing_for_the_producer_or_others():
-    t, r1, r2 = Trainer.remote(), Reader.remote(), Reader.remote()
-    try:
-        ref = t.publish.remote()
-        assert ray.get(r1.scribble.remote(ref)) == -1.0
-        assert ray.get(r2.check.remote(ref))["w"] == float(N * (N - 1) // 2)
-        assert ray.get(t.total.remote()) == float(N * (N - 1) // 2)
-    finally:
-        for a in (t, r1, r2):
-            ray.kill(a)
+def test_a_consumer_writing_its_view_changes_nothing_for_the_producer_or_others(actors):
+    t, r1, r2 = actors
+    ref = t.publish.remote()
+    assert ray.get(r1.scribble.remote(ref)) == -1.0
+    assert ray.get(r2.check.remote(ref))["w"] == float(N * (N - 1) // 2)
+    assert ray.get(t.total.remote()) == float(N * (N - 1) // 2)
 
 
-def test_a_consumer_maps_a_file_again_through_its_kept_mapping_and_sees_only_the_file():
+def test_a_consumer_maps_a_file_again_through_its_kept_mapping_and_sees_only_the_file(actors):
     # The second fetch of the same storage reuses the reader's warm mapping; what the
     # reader wrote through the first is dropped first, what the producer wrote shows.
-    t, r = Trainer.remote(), Reader.remote()
+    t, r, _ = actors
     whole = float(N * (N - 1) // 2)
-    try:
-        assert ray.get(r.check.remote(t.publish.remote()))["w"] == whole
-        assert ray.get(r.scribble.remote(t.publish.remote())) == -1.0  # 4 MiB of private pages
-        assert ray.get(r.check.remote(t.publish.remote())) == {"w": whole, "slice": True, "col": True}
-        ray.get(t.step.remote(2.0))  # in place, once no view is left
-        assert ray.get(r.check.remote(t.publish.remote()))["w"] == 2.0 * N
-        maps = ray.get(r.maps.remote())
-        assert maps["reused"] >= 2 and maps["restored_pages"] == N * 4 // os.sysconf("SC_PAGE_SIZE")
-        assert ray.get(t.total.remote()) == 2.0 * N  # the reader's writes never reached it
-        wait_until(lambda: ray.get(r.maps.remote())["idle"] == 0, 10)  # idle for RDT_SHM_IDLE_S (1 s here)
-    finally:
-        ray.kill(t)
-        ray.kill(r)
+    wait_until(lambda: ray.get(r.maps.remote())["idle"] == 0, 10)  # no warm mapping of the tests before
+    before = ray.get(r.maps.remote())  # (its counts so far)
+    assert ray.get(r.check.remote(t.publish.remote()))["w"] == whole
+    assert ray.get(r.scribble.remote(t.publish.remote())) == -1.0  # 4 MiB of private pages
+    assert ray.get(r.check.remote(t.publish.remote())) == {"w": whole, "slice": True, "col": True}
+    ray.get(t.step.remote(2.0))  # in place, once no view is left
+    assert ray.get(r.check.remote(t.publish.remote()))["w"] == 2.0 * N
+    maps = ray.get(r.maps.remote())
+    restored = maps["restored_pages"] - before["restored_pages"]
+    assert maps["reused"] - before["reused"] >= 2 and restored == N * 4 // os.sysconf("SC_PAGE_SIZE")
+    assert ray.get(t.total.remote()) == 2.0 * N  # the reader's writes never reached it
+    wait_until(lambda: ray.get(r.maps.remote())["idle"] == 0, 10)  # idle for RDT_SHM_IDLE_S (1 s here)
 
 
-def test_two_fetches_alive_at_once_never_share_a_mapping():
-    t, r = Trainer.remote(), Reader.remote()
-    try:
-        first = t.publish.remote()
-        assert ray.get(r.keep.remote(first)) == float(N * (N - 1) // 2)  # kept: its mapping is busy
-        assert ray.get(r.scribble.remote(t.publish.remote())) == -1.0  # another mapping
-        assert ray.get(r.kept_total.remote()) == float(N * (N - 1) // 2)  # untouched by the scribble
-        ray.get(r.drop.remote())
-    finally:
-        ray.kill(t)
-        ray.kill(r)
+def test_two_fetches_alive_at_once_never_share_a_mapping(actors):
+    t, r, _ = actors
+    first = t.publish.remote()
+    assert ray.get(r.keep.remote(first)) == float(N * (N - 1) // 2)  # kept: its mapping is busy
+    assert ray.get(r.scribble.remote(t.publish.remote())) == -1.0  # another mapping
+    assert ray.get(r.kept_total.remote()) == float(N * (N - 1) // 2)  # untouched by the scribble
+    ray.get(r.drop.remote())
 
 
 def test_a_descriptor_that_names_another_file_now_is_refused():
@@ -243,37 +262,22 @@ def test_a_descriptor_that_names_another_file_now_is_refused():
         _close_lent(ShmMeta(None, 0, (0,), (good,)))
 
 
-@rdt.remote
-class FreshProducer:
-    @rdt.method(tensor_transport="shm")
-    def make(self, v: float):
-        return {"w": torch.full((N // 2,), v)}  # 2 MiB, fresh each call: copied into a warm segment
-
-    def segments_made(self) -> int:
-        from rdt_async.transports import _segments
-
-        return _segments.pool.stats()["created"]
-
-
-def test_fresh_tensors_reuse_warm_segments_never_under_a_view():
-    p, keeper, reader = FreshProducer.remote(), Reader.remote(), Reader.remote()
-    try:
-        assert ray.get(keeper.keep.remote(p.make.remote(7.0))) == 7.0 * N // 2  # a view kept
-        explicit = p.make.remote(9.0)
-        assert ray.get(reader.keep.remote(explicit)) == 9.0 * N // 2
-        rdt.free(explicit)  # freed under the reader's view: that segment is never reused
-        for v in range(1, 9):
-            assert ray.get(reader.total.remote(p.make.remote(float(v)))) == v * N // 2
-        assert ray.get(p.segments_made.remote()) <= 4  # 10 objects: warm segments recycled
-        assert ray.get(reader.scribble.remote(p.make.remote(5.0))) == -1.0
-        for v in range(1, 5):  # through the reader's kept mappings of recycled segments
-            assert ray.get(reader.total.remote(p.make.remote(float(v)))) == v * N // 2
-        assert ray.get(reader.maps.remote())["reused"] >= 4
-        assert ray.get(keeper.kept_total.remote()) == 7.0 * N // 2  # never overwritten
-        assert ray.get(reader.kept_total.remote()) == 9.0 * N // 2
-    finally:
-        for a in (p, keeper, reader):
-            ray.kill(a)
+def test_fresh_tensors_reuse_warm_segments_never_under_a_view(actors):
+    p, keeper, reader = actors  # the trainer makes fresh tensors too
+    made, before = ray.get(p.segments_made.remote()), ray.get(reader.maps.remote())
+    assert ray.get(keeper.keep.remote(p.make.remote(7.0))) == 7.0 * N // 2  # a view kept
+    explicit = p.make.remote(9.0)
+    assert ray.get(reader.keep.remote(explicit)) == 9.0 * N // 2
+    rdt.free(explicit)  # freed under the reader's view: that segment is never reused
+    for v in range(1, 9):
+        assert ray.get(reader.total.remote(p.make.remote(float(v)))) == v * N // 2
+    assert ray.get(p.segments_made.remote()) - made <= 4  # 10 objects: warm segments recycled
+    assert ray.get(reader.scribble.remote(p.make.remote(5.0))) == -1.0
+    for v in range(1, 5):  # through the reader's kept mappings of recycled segments
+        assert ray.get(reader.total.remote(p.make.remote(float(v)))) == v * N // 2
+    assert ray.get(reader.maps.remote())["reused"] - before["reused"] >= 4
+    assert ray.get(keeper.kept_total.remote()) == 7.0 * N // 2  # never overwritten
+    assert ray.get(reader.kept_total.remote()) == 9.0 * N // 2
 
 
 # -- a /dev/shm with no room (a container's 64 MiB default) ---------------------------------
@@ -317,9 +321,9 @@ class Cramped:
         return os.getpid()
 
 
-def test_no_room_in_dev_shm_is_an_error_naming_the_fix_and_auto_takes_the_object_store(small_shm):
+def test_no_room_in_dev_shm_is_an_error_naming_the_fix_and_auto_takes_the_object_store(small_shm, actors):
     n = 4 << 20  # 16 MiB of float32, twice the tmpfs
-    producer, reader = Cramped.remote(small_shm), Reader.remote()
+    producer, (_, reader, _) = Cramped.remote(small_shm), actors
     pid = ray.get(producer.alive.remote())
     try:
         # auto: a copy into a segment would not fit; the bytes go another way, exact
@@ -332,7 +336,6 @@ def test_no_room_in_dev_shm_is_an_error_naming_the_fix_and_auto_takes_the_object
         assert ray.get(reader.total.remote(producer.fresh.remote(n))) == float(n * (n - 1) // 2)  # and again
     finally:
         ray.kill(producer)
-        ray.kill(reader)
 
 
 def test_a_lazy_export_racing_its_objects_free_leaves_no_segment(monkeypatch):

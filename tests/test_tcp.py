@@ -88,33 +88,47 @@ class TcpConsumer(Probed):
     def idle(self) -> int:
         return sum(len(p) for p in tcp._idle.values())
 
+    def fetches(self) -> dict:
+        return rdt.store_stats()["fetches"]
 
-def test_values_cross_hosts_intact_sync_and_async_producers():
+
+@pytest.fixture(scope="module")
+def pair():
+    """A producer and a consumer on another host, shared by the tests that kill neither."""
     p, c = TcpProducer.remote(), TcpConsumer.options(**ON_NODE2).remote()
+    yield p, c
+    ray.kill(p)
+    ray.kill(c)
+
+
+def test_values_cross_hosts_intact_sync_and_async_producers(pair):
+    p, c = pair
+    before = ray.get(c.fetches.remote()).get("tcp", 0)  # (its fetches so far)
     got, used = ray.get(c.check.remote(p.make.remote(1000, 1)))
-    assert got == digests(value(1000, 1)) and used == {"tcp": 1}
+    assert got == digests(value(1000, 1)) and used == {"tcp": before + 1}
     got, used = ray.get(c.check.remote(p.make_async.remote(3 << 20, 2)))  # 18 MiB (w and a view of half)
-    assert got == digests(value(3 << 20, 2)) and used == {"tcp": 2}
+    assert got == digests(value(3 << 20, 2)) and used == {"tcp": before + 2}
     assert ray.get(c.idle.remote()) == 4  # four streams, whose connections wait for the next fetch
     assert ray.get(p.connections.remote()) == 4
 
 
-def test_a_big_fetch_leaves_the_consumers_loop_free():
-    p, c = TcpProducer.remote(), TcpConsumer.options(**ON_NODE2).remote()
+def test_a_big_fetch_leaves_the_consumers_loop_free(pair):
+    p, c = pair
     ray.get(c.fetch.remote([p.make.remote(1000, 0)]))  # connected
     got, lag, report = ray.get(c.fetch_probed.remote([p.make.remote(16 << 20, 3)]))  # 64 MiB
     assert got == digests(value(16 << 20, 3))
     assert lag < 0.05, f"the consumer's loop during a 64 MiB tcp fetch: {report}"
 
 
-def test_cancel_mid_fetch_then_fetch_again():
-    p, c = TcpProducer.remote(), TcpConsumer.options(**ON_NODE2).remote()
+def test_cancel_mid_fetch_then_fetch_again(pair):
+    p, c = pair
     first, got = ray.get(c.cancel_then_fetch.remote([p.make.remote(16 << 20, 5)]))
     assert first in ("cancelled", "done") and got == digests(value(16 << 20, 5))
 
 
-def test_objects_are_released_and_a_freed_one_says_so():
-    p, c = TcpProducer.remote(), TcpConsumer.options(**ON_NODE2).remote()
+def test_objects_are_released_and_a_freed_one_says_so(pair):
+    p, c = pair
+    wait_until(lambda: ray.get(p.held.remote()) == 0, 15, lambda: "the tests before's objects released")
     refs = [p.make.remote(1000, i) for i in range(5)]
     ray.wait(refs, num_returns=5)
     assert ray.get(p.held.remote()) == 5
@@ -140,6 +154,7 @@ def test_producer_killed_gives_peer_died_in_bounded_time():
         ray.get(c.fetch.remote([ref]), timeout=60)
     assert time.monotonic() - t0 < 30
     assert ray.get(c.idle.remote()) == 0  # the dead producer's connections were dropped
+    ray.kill(c)
 
 
 def test_streams_split_the_bytes_into_page_aligned_ranges():

@@ -79,6 +79,22 @@ class Producer:
     def held(self) -> int:
         return rdt.store_stats()["objects"]
 
+    # A storage the user made, not shared: read by one call while another returns it.
+    def _w(self) -> torch.Tensor:
+        if not hasattr(self, "w"):
+            self.w = torch.ones(16 << 20)
+        return self.w
+
+    @rdt.method
+    def publish(self):
+        return self._w()
+
+    def read(self, k: int) -> float:
+        return float(sum(float(self._w().sum()) for _ in range(k)))
+
+    def where(self) -> int:
+        return self._w().untyped_storage().data_ptr()
+
 
 @rdt.remote
 class Consumer:
@@ -138,7 +154,8 @@ class Holder:
 
 @pytest.fixture(scope="module")
 def actors():
-    p, c = Producer.remote(), Consumer.remote()
+    # max_concurrency: the racing-return test reads on one thread while another returns
+    p, c = Producer.options(max_concurrency=4).remote(), Consumer.remote()
     yield p, c
     ray.kill(p)
     ray.kill(c)
@@ -215,31 +232,15 @@ def test_a_failed_fetch_all_lets_the_producer_free_every_object_without_a_collec
     wait_until(lambda: ray.get(p.held.remote()) == 0, 10, lambda: f"{ray.get(p.held.remote())} objects held")
 
 
-def test_a_shared_storage_is_never_moved_by_a_return_racing_a_reader():
+def test_a_shared_storage_is_never_moved_by_a_return_racing_a_reader(actors):
     # Moving a storage into shared memory freed its old memory under a concurrent reader
-    # (the producer crashed); storages stay where the user put them.
-    @rdt.remote(max_concurrency=4)
-    class Busy:
-        def __init__(self) -> None:
-            self.w = torch.ones(16 << 20)
-
-        @rdt.method
-        def publish(self):
-            return self.w
-
-        def read(self, k: int) -> float:
-            return float(sum(float(self.w.sum()) for _ in range(k)))
-
-        def where(self) -> int:
-            return self.w.untyped_storage().data_ptr()
-
-    b = Busy.remote()
-    try:
-        ptr = ray.get(b.where.remote())
-        reading = b.read.remote(20)
-        for _ in range(4):
-            assert float(rdt.get(b.publish.remote()).sum()) == 16 << 20
-        assert ray.get(reading, timeout=60) == 20.0 * (16 << 20)
-        assert ray.get(b.where.remote()) == ptr
-    finally:
-        ray.kill(b)
+    # (the producer crashed); storages stay where the user put them. The module's producer
+    # (max_concurrency=4) serves it: its `w` is made on first use and returned by this test only.
+    b, _ = actors
+    ptr = ray.get(b.where.remote())
+    reading = b.read.remote(20)
+    for _ in range(4):
+        assert float(rdt.get(b.publish.remote()).sum()) == 16 << 20
+    assert ray.get(reading, timeout=60) == 20.0 * (16 << 20)
+    assert ray.get(b.where.remote()) == ptr
+    wait_until(lambda: ray.get(b.held.remote()) == 0, 10)  # alive, and left as it was found
