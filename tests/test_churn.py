@@ -57,7 +57,7 @@ def _nixl_remotes() -> int:
 
     made = _registry._instances.get("nixl")  # only where this process used nixl
     here = made._current() if made is not None else None  # type: ignore[attr-defined]
-    return len(here.peers._remotes) if here is not None else 0
+    return len(here.peers) if here is not None else 0
 
 
 @pytest.fixture(scope="module")

@@ -318,4 +318,4 @@ def _gone(meta: NixlMeta) -> bool | None:
 
 def _alive(meta: NixlMeta) -> bool:
     """Say whether the producer may be alive (only checkable on its own host)."""
-    return meta.host != socket.gethostname() or pid_alive(meta.pid)
+    return not _gone(meta)
