@@ -108,8 +108,11 @@ def test_values_cross_hosts_intact_sync_and_async_producers(pair):
     assert got == digests(value(1000, 1)) and used == {"tcp": before + 1}
     got, used = ray.get(c.check.remote(p.make_async.remote(3 << 20, 2)))  # 18 MiB (w and a view of half)
     assert got == digests(value(3 << 20, 2)) and used == {"tcp": before + 2}
-    assert ray.get(c.idle.remote()) == 4  # four streams, whose connections wait for the next fetch
-    assert ray.get(p.connections.remote()) == 4
+    # Four streams; a stream that starts after another ended reuses its connection, so 1 to 4
+    # were opened (a loaded machine opens fewer). Every one opened waits for the next fetch, and
+    # the producer serves exactly those: none dropped, none leaked.
+    idle = ray.get(c.idle.remote())
+    assert 1 <= idle <= 4 and ray.get(p.connections.remote()) == idle
 
 
 def test_a_big_fetch_leaves_the_consumers_loop_free(pair):
