@@ -8,10 +8,12 @@ Runs on: consumer. The verbs in `_api.py` call `fetch_object` (a loop) and `fetc
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import functools
 import os
 import sys
+import threading
 import time
 import types
 import warnings
@@ -32,7 +34,7 @@ from ._errors import (
 )
 from ._local import copy_into
 from ._membership import groups
-from ._object import RDTObject
+from ._object import Process, RDTObject
 from ._produce import loads_here, shared_with_producer
 from ._store import log, store
 from .transports import _auto, _registry
@@ -156,10 +158,36 @@ def _shared_group(obj: RDTObject) -> tuple[str, Any] | None:
 
 
 def _raise_if_broken(obj: RDTObject) -> None:
+    """A group this object's producer and this process share is broken: say why.
+
+    Where a fetch from this producer has ended in its death (the transfer that broke the
+    group, most often), or it died on this node, that is what the caller needs to know
+    (PeerDiedError: retry elsewhere), not the group's state.
+    """
     theirs = obj.meta.get("groups") or {}
     for group in groups.broken():
         if group.name in theirs:
+            if obj.producer in _lost or _ray.died_on_this_node(obj.producer):
+                raise PeerDiedError(
+                    f"{group.backend} fetch of {obj.obj_id}: the producer ({obj.producer.label}) died or "
+                    f"disconnected; its collective group {group.name!r} is broken ({group.broken})",
+                    obj_id=obj.obj_id,
+                )
             group.check()
+
+
+# Producers a fetch from which ended in PeerDiedError in this process (the most recent few).
+_lost: collections.OrderedDict[Process, None] = collections.OrderedDict()
+_lost_lock = threading.Lock()
+LOST_KEPT = 256
+
+
+def _lost_producer(p: Process) -> None:
+    with _lost_lock:
+        _lost[p] = None
+        _lost.move_to_end(p)
+        while len(_lost) > LOST_KEPT:
+            _lost.popitem(last=False)
 
 
 def _relayed(obj: RDTObject, transport: str, buffers: list[torch.Tensor] | None) -> bool:
@@ -215,6 +243,8 @@ async def fetch_object(
             tensors = await _move(tensors, torch.device(device), obj.nbytes)
     except BaseException as exc:
         _metrics.failed(name, exc)
+        if isinstance(exc, PeerDiedError):
+            _lost_producer(obj.producer)
         release_frames(exc)
         del exc  # (a cycle through this frame otherwise: see _api._all_or_none)
         raise
