@@ -13,6 +13,9 @@ from ._errors import RDTError as RDTError
 from ._errors import TransferAbortedError as TransferAbortedError
 from ._errors import TransferError as TransferError
 from ._errors import TransportUnavailableError as TransportUnavailableError
+from ._registered import MemoryRegistration as MemoryRegistration
+from ._registered import register_memory as register_memory
+from ._registered import register_memory_sync as register_memory_sync
 from .transports._base import Channel as Channel
 from .transports._base import FetchRequest as FetchRequest
 from .transports._base import TensorSpec as TensorSpec
@@ -86,6 +89,9 @@ __all__ = [  # noqa: RUF022  (grouped by topic, as in the API reference)
     # transports
     "register_transport",
     "available_transports",
+    "register_memory",
+    "register_memory_sync",
+    "MemoryRegistration",
     # collective groups
     "create_collective_group",
     "create_collective_group_async",

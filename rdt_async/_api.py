@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from . import _io, _object, _produce, _ray, _relay
+from . import _io, _object, _produce, _ray, _registered, _relay
 from ._errors import RDTError, one_chain, release_frames, translating
 from ._fetch import fetch_now, fetch_object
 from ._object import RDTObject
@@ -411,11 +411,13 @@ def _check_tensor(tensor: Any, verb: str) -> torch.Tensor:
 
 def store_stats() -> dict[str, Any]:
     """Return what this process's store holds: objects, bytes, tensors, fetches by transport,
-    its node relay's work and holdings (`relay`), and its publications and subscriptions
-    (versions, skipped, lag, apply time)."""
+    its node relay's work and holdings (`relay`), its publications and subscriptions
+    (versions, skipped, lag, apply time), and the memory registered with each transport
+    that registers memory (`registered`: storages and bytes now, those `rdt.register_memory`
+    holds, and the registrations and deregistrations made so far)."""
     from . import _publish
 
-    return {**store.stats(), "relay": _relay.stats(), **_publish.stats()}
+    return {**store.stats(), "relay": _relay.stats(), **_publish.stats(), "registered": _registered.stats()}
 
 
 def register_transport(name: str, devices: Sequence[str], cls: type) -> None:

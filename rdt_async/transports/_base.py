@@ -270,6 +270,10 @@ class Transport(abc.ABC, Generic[M]):
         lends_memory(meta) -> bool     on free(): views read the tensors themselves? hold them
         recycle(obj_id, meta)          when the last ref (and view) is gone
 
+    Either side, ahead of time (`registers_memory`; `rdt.register_memory`):
+        register_memory(tensors) -> token   prepare and receive reuse what it made
+        deregister_memory(token)            what objects still use stays until they end
+
     One-sided transports (shm) read without the producer; two-sided ones (object_store,
     gloo) need its `send_multiple_tensors`. Transports never import Ray: the channel to
     the producer is handed in, so the same transport runs between plain processes.
@@ -305,6 +309,10 @@ class Transport(abc.ABC, Generic[M]):
     # the producer's tensors are on (NIXL: CPU -> CUDA and back). Then
     # `fetch(device=...)` reads straight into that device instead of moving afterwards.
     cross_device_buffers: ClassVar[bool] = False
+    # True if memory can be made ready for this transport ahead of time and kept so
+    # (NIXL registers it with its agent): objects made of it and fetches into it then skip
+    # that work. `rdt.register_memory` refuses transports that say False.
+    registers_memory: ClassVar[bool] = False
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -417,6 +425,28 @@ class Transport(abc.ABC, Generic[M]):
         what was prepared: a transport may reuse it. Runs on: producer. Default: garbage_collect.
         """
         self.garbage_collect(obj_id, meta)
+
+    def register_memory(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """Make the memory of `tensors` ready for this transport until `deregister_memory`.
+
+        Return a token for `deregister_memory`. Objects made of these tensors (or views of
+        them) and fetches into them must reuse what this made. On an error, nothing stays.
+        Runs on: either side, on a thread that may block (`rdt.register_memory` calls it off
+        the event loop). Called only where `registers_memory` is True.
+        """
+        raise NotImplementedError(f"transport {self.name!r} registers no memory ahead of time")
+
+    def deregister_memory(self, token: Any) -> None:
+        """Undo one `register_memory`; memory that objects or fetches still use stays ready
+        until they end. Runs on: either side. Quick: must not block or raise.
+        """
+
+    def memory_stats(self) -> dict[str, int]:
+        """Return what this process has registered (counts and bytes), for `rdt.store_stats()`.
+
+        Runs on: either side. Default: nothing (transports with `registers_memory` report).
+        """
+        return {}
 
     @classmethod
     def native_error(cls, exc: BaseException) -> type[RDTError] | None:

@@ -205,6 +205,12 @@ def get(name: str) -> Transport[Any]:
         return inst
 
 
+def created() -> list[Transport[Any]]:
+    """Return the transports this process has created so far (creating none)."""
+    with _lock:
+        return list(_instances.values())
+
+
 def available() -> dict[str, bool | str]:
     """Return name -> True, or the reason the transport cannot be used here."""
     out: dict[str, bool | str] = {AUTO: True}

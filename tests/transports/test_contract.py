@@ -99,6 +99,35 @@ async def test_into_receives_into_caller_buffers(producer):
     assert_same(got, expect(2))
 
 
+async def test_fetches_into_registered_buffers_register_nothing_more(producer):
+    # rdt.register_memory (Ray's register_nixl_memory), consumer side: buffers registered
+    # once are reused by every fetch into them; closing gives the registration back.
+    transport = _registry.get(producer.transport)
+    if not transport.registers_memory:
+        pytest.skip(f"{producer.transport} registers no memory ahead of time")
+    sizes = (1 << 18,)  # 1 MiB and the small ones: over the bounce chunk, so each fetch would register
+    infos = [producer.make(40 + i, sizes) for i in range(3)]
+    buffers = [torch.empty(s.shape, dtype=s.dtype, device=DEVICE) for s in infos[0].specs]
+    await fetch(producer, infos[0])  # connected, and the agent made
+    before = transport.memory_stats()
+    reg = await rdt.register_memory(buffers, transport=producer.transport)
+    held = transport.memory_stats()
+    assert held["held_storages"] == before["held_storages"] + len(buffers)
+    for i, info in enumerate(infos):
+        got = await fetch(producer, info, buffers)
+        assert [g.data_ptr() for g in got] == [b.data_ptr() for b in buffers]
+        assert_same(got, expect(40 + i, sizes))
+    assert transport.memory_stats()["registered_total"] == held["registered_total"]  # none per fetch
+    reg.close()
+    deadline = time.monotonic() + 5
+    while transport.memory_stats()["storages"] > before["storages"] and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    after = transport.memory_stats()
+    assert (after["storages"], after["bytes"], after["held_storages"]) == (
+        before["storages"], before["bytes"], before["held_storages"]
+    )
+
+
 async def test_into_buffers_on_the_other_device(producer):
     # CPU -> CUDA and CUDA -> CPU in one read, for transports that say they can
     # (`cross_device_buffers`; what `fetch(device=...)` relies on). Needs a GPU.

@@ -3,8 +3,9 @@
 Views and objects sharing a storage share one registration, and the registration holds
 the storage so that registered memory is never freed under NIXL. A producer registers
 its tensors' storages for as long as their objects live; a consumer registers its
-destinations for the length of one fetch. Freeing a storage's last user deregisters it
-without waiting for the agent.
+destinations for the length of one fetch; a user's `rdt.register_memory` holds them
+until it is closed (`hold` / `unhold`). Freeing a storage's last user deregisters it
+without waiting for the agent. `made` and `dropped` count the calls into NIXL.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class _Registration:
     region: tuple[int, int, int]  # address, nbytes, device index
     mem_type: str
     users: int = 0
+    held: int = 0  # of the users, the user's registrations (`hold`)
 
 
 class Registrations:
@@ -51,6 +53,8 @@ class Registrations:
         self._agent = agent
         self._lock = threading.Lock()
         self._regs: dict[Key, _Registration] = {}
+        self.made = 0  # storages registered with NIXL (calls to register_memory), ever
+        self.dropped = 0  # storages deregistered, ever
 
     def __len__(self) -> int:
         with self._lock:
@@ -60,6 +64,51 @@ class Registrations:
     def nbytes(self) -> int:
         with self._lock:
             return sum(r.region[1] for r in self._regs.values())
+
+    def busy(self) -> bool:
+        """Say whether anything but a user's registration uses registered memory now."""
+        with self._lock:
+            return any(r.users > r.held for r in self._regs.values())
+
+    def stats(self) -> dict[str, int]:
+        """Return what is registered now (and by the user), and the calls into NIXL so far."""
+        with self._lock:
+            held = [r for r in self._regs.values() if r.held]
+            return {
+                "storages": len(self._regs),
+                "bytes": sum(r.region[1] for r in self._regs.values()),
+                "held_storages": len(held),
+                "held_bytes": sum(r.region[1] for r in held),
+                "registered_total": self.made,
+                "deregistered_total": self.dropped,
+            }
+
+    def hold(self, tensors: Sequence[torch.Tensor]) -> list[Key]:
+        """Register each tensor's storage for the user until `unhold`; return the keys.
+
+        Blocking: takes the agent where a storage is new. Runs on: either side (a user's
+        `rdt.register_memory`, off the event loop). On an error nothing stays registered.
+        """
+        keys: list[Key] = []
+        try:
+            for t in tensors:
+                keys.append(self.register(t))
+        except BaseException:
+            self.release_now(keys)
+            raise
+        with self._lock:
+            for key in keys:
+                self._regs[key].held += 1
+        return keys
+
+    def unhold(self, keys: Sequence[Key]) -> None:
+        """Drop the user's uses of `keys`; what objects or fetches still use stays registered."""
+        with self._lock:
+            for key in keys:
+                reg = self._regs.get(key)
+                if reg is not None and reg.held > 0:
+                    reg.held -= 1
+        self.release(keys)
 
     def register(self, t: torch.Tensor) -> Key:
         """Register the storage under `t` (once; refcounted) and return its key.
@@ -131,11 +180,13 @@ class Registrations:
     def _add(self, key: Key, t: torch.Tensor, dlist: Any) -> None:
         whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
         with self._lock:
+            self.made += 1
             reg = self._regs.get(key)
             if reg is None:
                 self._regs[key] = _Registration(dlist, whole, _region(t), key[0], 1)
                 return
             reg.users += 1  # another thread registered it meanwhile: drop ours
+            self.dropped += 1
         self._agent.call_soon(self._agent.nixl.deregister_memory, dlist)
 
     def _drop(self, keys: Sequence[Key]) -> list[Any]:
@@ -149,6 +200,7 @@ class Registrations:
                 reg.users -= 1
                 if reg.users == 0:
                     gone.append(self._regs.pop(key).dlist)
+                    self.dropped += 1
         return gone
 
 

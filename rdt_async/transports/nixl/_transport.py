@@ -28,7 +28,7 @@ from .._base import Channel, TransferInfo, Transport
 from ._agent import Agent, import_reason
 from ._check import check
 from ._liveness import Slots
-from ._memory import Registrations
+from ._memory import Key, Registrations
 from ._meta import NixlMeta
 from ._peers import Peers
 from ._plan import ReadPlan
@@ -51,7 +51,15 @@ class _Here:
         self.memory = Registrations(agent)
         self.peers = Peers(agent, gone=_gone)
         self.exports = Exports(agent, self.memory, self.slots, host)
-        self.poller = Poller(agent, busy=lambda: len(self.memory) > 0)
+        self.poller = Poller(agent, busy=self.memory.busy)  # a user's registration alone is not work
+
+
+@dataclasses.dataclass(frozen=True)
+class _Held:
+    """What `NixlTransport.register_memory` returns: the storages it holds, in this process."""
+
+    pid: int
+    keys: tuple[Key, ...]
 
 
 class NixlTransport(Transport[NixlMeta]):
@@ -61,6 +69,7 @@ class NixlTransport(Transport[NixlMeta]):
     devices = ("cpu", "cuda")
     one_sided = True
     cross_device_buffers = True
+    registers_memory = True
 
     def __init__(self) -> None:
         self._here: _Here | None = None
@@ -90,6 +99,33 @@ class NixlTransport(Transport[NixlMeta]):
     def registered_bytes(self) -> int:
         here = self._current()
         return 0 if here is None else here.memory.nbytes
+
+    def memory_stats(self) -> dict[str, int]:
+        """Return the storages and bytes registered now, those a user holds, and the calls so far."""
+        here = self._current()
+        if here is None:
+            return {
+                "storages": 0, "bytes": 0, "held_storages": 0, "held_bytes": 0,
+                "registered_total": 0, "deregistered_total": 0,
+            }
+        return here.memory.stats()
+
+    # -- registered ahead of time (rdt.register_memory) -------------------------------
+
+    def register_memory(self, tensors: Sequence[torch.Tensor]) -> _Held:
+        """Register each tensor's storage with this process's agent until `deregister_memory`.
+
+        Objects made of these tensors or their views, and fetches into them, then find
+        the storage registered (the refcount in `_memory`) and call NIXL for nothing.
+        Runs on: either side, off the event loop. Blocking: creates the agent on first use.
+        """
+        here = self._get()
+        return _Held(here.agent.pid, tuple(here.memory.hold(tensors)))
+
+    def deregister_memory(self, token: _Held) -> None:
+        here = self._current()
+        if here is not None and token.pid == here.agent.pid:
+            here.memory.unhold(token.keys)
 
     # -- the agent -------------------------------------------------------------------
 
