@@ -117,11 +117,17 @@ class Server:
             return f"{type(exc).__name__}: {exc}"
         return f"version {version}"
 
-    async def into_model(self, trainer, name: str, names: list[str]) -> str:
-        """The newest version straight into a model's parameters, by name."""
+    async def into_model(self, trainer, name: str, names: list[str], stream: bool = False) -> str:
+        """The newest version straight into a model's parameters, by name (`stream`: tensor by tensor)."""
         model = torch.nn.ParameterDict({n: torch.nn.Parameter(torch.zeros(WIDTH)) for n in names})
+        sub = rdt.subscribe(trainer, name)
         try:
-            version, weights = await rdt.subscribe(trainer, name).next(into=model.state_dict())
+            if stream:
+                s = sub.stream(into=model.state_dict())
+                weights = {n: t async for n, t in s}
+                version = s.version
+            else:
+                version, weights = await sub.next(into=model.state_dict())
         except ValueError as exc:
             return f"ValueError: {exc}"
         landed = all(weights[n].data_ptr() == model[n].data_ptr() for n in names)
@@ -279,6 +285,11 @@ def test_a_deadline_ends_a_wait_and_a_closed_publication_ends_async_for(actors):
     assert ray.get(there[1].into_model.remote(trainer, "quiet", names)) == "version 1, exact True, in the parameters True"
     assert ray.get(here[1].into_model.remote(trainer, "quiet", ["l0", "l1", "l2", "x"])) == (
         "ValueError: Subscription.next(into=...): the dict's names differ from the published ones "
+        "(missing ['l3'], not published ['x']); give a dict with exactly the published names"
+    )
+    assert ray.get(there[1].into_model.remote(trainer, "quiet", names, True)) == "version 1, exact True, in the parameters True"
+    assert ray.get(here[1].into_model.remote(trainer, "quiet", ["l0", "l1", "l2", "x"], True)) == (
+        "ValueError: Subscription.stream(into=...): the dict's names differ from the published ones "
         "(missing ['l3'], not published ['x']); give a dict with exactly the published names"
     )
     loop = there[0].iterate.remote(trainer, "quiet")
