@@ -108,11 +108,16 @@ class Server:
     async def drop(self) -> None:
         self.kept = None
 
-    async def next_within(self, trainer, name: str, seconds: float) -> str:
+    async def next_within(self, trainer, name: str, seconds: float, stream: bool = False) -> str:
         sub = self.subs.setdefault(name, rdt.subscribe(trainer, name))
         try:
             async with asyncio.timeout(seconds):
-                version, _ = await sub.next(into=self.buffers)
+                if stream:
+                    s = sub.stream(into=self.buffers)
+                    assert [n async for n, _ in s] == list(self.buffers)
+                    version = s.version
+                else:
+                    version, _ = await sub.next(into=self.buffers)
         except Exception as exc:
             return f"{type(exc).__name__}: {exc}"
         return f"version {version}"
@@ -363,12 +368,14 @@ def test_the_trainer_dying_raises_peer_died_at_the_next_wait_and_what_was_fetche
     for server in (here[0], there[1]):
         assert ray.get(server.keep_next.remote(doomed, "last")) == 0  # views (here), a relay memfd (there)
     waits = [s.next_within.remote(doomed, "last", 30) for s in (here[0], there[1])]
+    assert ray.get(here[1].keep_next.remote(doomed, "last")) == 0
+    waits.append(here[1].next_within.remote(doomed, "last", 30, True))  # a stream's wait for its version
     time.sleep(0.5)
     ray.kill(doomed)
     for said in ray.get(waits, timeout=60):
         assert said.startswith("PeerDiedError: waiting for a version of 'last' newer than 0: the producer died"), said
     assert ray.get([s.kept_exact.remote() for s in (here[0], there[1])]) == [True, True]
-    ray.get([s.drop.remote() for s in (here[0], there[1])])
+    ray.get([s.drop.remote() for s in (here[0], here[1], there[1])])
 
 
 def _relayed(servers) -> int:
