@@ -17,6 +17,10 @@ concurrency group for a version newer than the one it holds (a long poll, answer
 once if there is one: the newest, so a slow subscriber skips what it missed), then
 fetches it like any RDT object: views of the slot (shm) on the producer's node, one
 transfer per node through the relay elsewhere, or straight into the caller's `into=`.
+`Subscription.stream()` asks for the same version in chunks instead: RDT objects of the
+slot's views grouped at tensor boundaries (`chunk_bytes` each, made on the first such
+ask, shared by every streaming subscriber), fetched a few ahead and handed over tensor by
+tensor as each chunk lands, so that loading overlaps the transfer.
 
 Runs on: producer (Publisher, `serve_poll`) and consumer (Subscription).
 """
@@ -24,6 +28,7 @@ Runs on: producer (Publisher, `serve_poll`) and consumer (Subscription).
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import itertools
 import threading
@@ -35,7 +40,7 @@ from typing import Any
 import ray
 import torch
 
-from . import _io, _metrics, _produce, _ray
+from . import _io, _metrics, _produce, _ray, _tree
 from ._errors import ObjectFreedError, TransferError, translating
 from ._local import aligned_layout
 from ._object import RDTObject
@@ -45,6 +50,9 @@ from ._tree import Slot
 POLL_S = 10.0  # a subscriber's wait is answered at least this often (it asks again)
 ALIGN = 64
 WHEN_FULL = ("wait", "skip")
+CHUNK_BYTES = 32 << 20  # a streamed version's chunks: at least this much each (the last may be less)
+MIN_CHUNK_BYTES = 1 << 20
+FETCH_AHEAD = 2  # chunks a stream fetches beyond the one it hands over
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +93,31 @@ def _layout(state: Mapping[str, torch.Tensor]) -> tuple[list[_Entry], int]:
     return entries, size
 
 
+def _chunked(entries: list[_Entry], chunk_bytes: int) -> list[list[str]]:
+    """The names of each chunk: consecutive tensors, cut once a chunk holds `chunk_bytes`."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for e in entries:
+        if size >= chunk_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(e.name)
+        size += e.nbytes
+    return groups
+
+
+@dataclasses.dataclass(eq=False)
+class _Version:
+    """A published version: its object (the whole state dict), slot, and chunks once asked for."""
+
+    number: int
+    published_at: float
+    obj: RDTObject
+    slot: _Slot
+    chunks: list[RDTObject] | None = None
+    making: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)  # (used on the polls' loop)
+
+
 def _copy(slot: _Slot, state: Mapping[str, torch.Tensor]) -> None:
     """Copy the state dict into the slot (blocking: in the pool)."""
     with torch.no_grad():
@@ -104,15 +137,19 @@ class Publisher:
     reach it as `rdt.subscribe(actor, name)`. `slots` warm copies in shared memory are
     made as needed (at most `slots` times the state dict's bytes); `when_full` says what
     `publish` does when every slot is still read: "wait" until one is free (bound it with
-    `asyncio.timeout`), or "skip" (the version is not published). Close it (or use
-    `async with`) to end every subscriber's `async for`.
+    `asyncio.timeout`), or "skip" (the version is not published). `chunk_bytes`: what a
+    streaming subscriber (`Subscription.stream`) fetches at a time, in whole tensors (at
+    least 1 MiB). Close it (or use `async with`) to end every subscriber's `async for`.
 
     Runs on: producer.
-    Raises: ValueError for a name already published in this process, a `slots` below 2
-    or an unknown `when_full`; RuntimeError outside an async `rdt.remote` actor.
+    Raises: ValueError for a name already published in this process, a `slots` below 2,
+    a `chunk_bytes` below 1 MiB or an unknown `when_full`; RuntimeError outside an async
+    `rdt.remote` actor.
     """
 
-    def __init__(self, name: str = "weights", /, *, slots: int = 3, when_full: str = "wait") -> None:
+    def __init__(
+        self, name: str = "weights", /, *, slots: int = 3, when_full: str = "wait", chunk_bytes: int = CHUNK_BYTES
+    ) -> None:
         if not isinstance(name, str) or not name:
             raise TypeError(f"rdt.Publisher(name): a non-empty str, not {name!r}")
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 2:
@@ -124,13 +161,19 @@ class Publisher:
                 f"rdt.Publisher(when_full={when_full!r}): 'wait' (publish waits for a free slot) "
                 "or 'skip' (the version is not published)"
             )
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < MIN_CHUNK_BYTES:
+            raise ValueError(
+                f"rdt.Publisher(chunk_bytes={chunk_bytes!r}): at least {MIN_CHUNK_BYTES} (1 MiB); a streaming "
+                "subscriber fetches that much at a time (default 32 MiB)"
+            )
         _check_place()
-        self.name, self.slots, self.when_full = name, slots, when_full
+        self.name, self.slots, self.when_full, self.chunk_bytes = name, slots, when_full, chunk_bytes
         self._slots: list[_Slot] = []
         self._entries: list[_Entry] | None = None
+        self._groups: list[list[str]] = []  # the names of each chunk
         self._size = 0
         self._version = -1
-        self._newest: tuple[int, float, RDTObject] | None = None  # version, time published, object
+        self._newest: _Version | None = None
         self._lock = threading.Lock()  # `_newest`, `_waiters`, `closed`: publish and the polls' loop
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self._publishing: asyncio.Lock | None = None
@@ -148,7 +191,7 @@ class Publisher:
     def version(self) -> int | None:
         """The newest version published, or None."""
         newest = self._newest
-        return None if newest is None else newest[0]
+        return None if newest is None else newest.number
 
     async def publish(self, state_dict: Mapping[str, torch.Tensor], /) -> int | None:
         """Publish a copy of `state_dict` as the next version; return its number (0, 1, ...).
@@ -179,7 +222,7 @@ class Publisher:
                     raise RuntimeError(f"rdt.Publisher {self.name!r} was closed while this version was published")
                 self._version += 1
                 version = slot.version = self._version
-                old, self._newest = self._newest, (version, time.time(), obj)
+                old, self._newest = self._newest, _Version(version, time.time(), obj, slot)
                 waiters, self._waiters = self._waiters, []
             del old, obj  # the version before: its slot is free once nobody reads it
             _wake(waiters)
@@ -205,6 +248,7 @@ class Publisher:
         entries, size = _layout(state)
         if self._entries is None:
             self._entries, self._size = entries, size
+            self._groups = _chunked(entries, self.chunk_bytes)
         elif entries != self._entries:
             raise ValueError(f"rdt.Publisher {self.name!r}: {_difference(self._entries, entries)}; "
                              "a publisher's versions keep the first one's names, shapes and dtypes "
@@ -217,7 +261,7 @@ class Publisher:
             _io.settle()  # views dropped just now: their frees have run
             newest = self._newest
             for slot in self._slots:
-                if (newest is None or slot.version != newest[0]) and not slot.busy():
+                if (newest is None or slot.version != newest.number) and not slot.busy():
                     return slot
             if len(self._slots) < self.slots:
                 slot = await _io.to_thread(_Slot, entries, self._size)  # fresh shared memory: off the loop
@@ -229,7 +273,7 @@ class Publisher:
             waits = [
                 asyncio.ensure_future(store.wait_freed(s.base))
                 for s in self._slots
-                if newest is None or s.version != newest[0]
+                if newest is None or s.version != newest.number
             ]
             try:
                 await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
@@ -270,6 +314,7 @@ class Publisher:
             "skipped": self.dropped,
             "waiting": len(self._waiters),  # subscribers waiting for the next version
             "when_full": self.when_full,
+            "chunks": len(self._groups),  # what a streaming subscriber fetches a version in
         }
 
     def __repr__(self) -> str:
@@ -314,11 +359,11 @@ def _wake(waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]])
 
 
 
-async def serve_poll(name: str, after: int, wait_s: float) -> tuple[Any, ...]:
-    """Answer a subscriber: ("ok", version, published_at, object, waited) for the newest
-    version after `after`, once there is one (`waited`: none was there when it asked; at
-    most `wait_s` later: ("none",)); ("closed",) or ("missing", names) if there is
-    nothing to follow.
+async def serve_poll(name: str, after: int, wait_s: float, chunked: bool = False) -> tuple[Any, ...]:
+    """Answer a subscriber: ("ok", version, published_at, what, waited) for the newest
+    version after `after`, once there is one (`what`: its object, or with `chunked` the
+    list of its chunks' objects; `waited`: none was there when it asked; at most `wait_s`
+    later: ("none",)); ("closed",) or ("missing", names) if there is nothing to follow.
 
     Runs on: producer (the `rdt_publish` concurrency group's loop).
     """
@@ -328,26 +373,48 @@ async def serve_poll(name: str, after: int, wait_s: float) -> tuple[Any, ...]:
             return ("closed",) if name in _closed else ("missing", sorted(_publishers))
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[None] = loop.create_future()
+    waited = False
     with pub._lock:
         if pub.closed:
             return ("closed",)
         newest = pub._newest
-        if newest is not None and newest[0] > after:
-            return ("ok", *newest, False)
-        pub._waiters.append((loop, fut))
-    try:
-        await asyncio.wait_for(fut, wait_s)
-    except TimeoutError:
-        pass
-    finally:
+        if newest is None or newest.number <= after:
+            pub._waiters.append((loop, fut))
+    if newest is None or newest.number <= after:
+        waited = True
+        try:
+            await asyncio.wait_for(fut, wait_s)
+        except TimeoutError:
+            pass
+        finally:
+            with pub._lock:
+                if (loop, fut) in pub._waiters:
+                    pub._waiters.remove((loop, fut))
         with pub._lock:
-            if (loop, fut) in pub._waiters:
-                pub._waiters.remove((loop, fut))
-    with pub._lock:
-        if pub.closed:
-            return ("closed",)
-        newest = pub._newest
-    return ("ok", *newest, True) if newest is not None and newest[0] > after else ("none",)
+            if pub.closed:
+                return ("closed",)
+            newest = pub._newest
+        if newest is None or newest.number <= after:
+            return ("none",)
+    what: Any = await _chunks(pub, newest) if chunked else newest.obj
+    return ("ok", newest.number, newest.published_at, what, waited)
+
+
+async def _chunks(pub: Publisher, version: _Version) -> list[RDTObject]:
+    """The objects of `version`'s chunks, made on the first ask (the version, held here,
+    keeps its slot meanwhile: the chunks are views of it, so of that version only).
+
+    Runs on: producer (the polls' loop).
+    """
+    if len(pub._groups) <= 1:
+        return [version.obj]  # one chunk: the version's own object
+    async with version.making:
+        if version.chunks is None:
+            views = version.slot.views
+            version.chunks = [
+                await _produce.produce_async({n: views[n] for n in names}, "auto") for names in pub._groups
+            ]
+    return version.chunks
 
 
 _subscriptions: weakref.WeakSet[Subscription] = weakref.WeakSet()
@@ -409,10 +476,36 @@ class Subscription:
         died (what was returned before stays usable); LookupError if the actor publishes
         nothing under this name; what `rdt.fetch` raises.
         """
+        version, published_at, obj, waited = await self._poll(chunked=False)
+        started = time.perf_counter()
+        weights = await _fetch(obj, into)
+        del obj  # views of the slot keep its object: nothing else here holds the version
+        self._took(version, published_at, waited, started)
+        return version, weights
+
+    def stream(self, *, into: Any = None) -> VersionStream:
+        """The next newer version's tensors as they land: ``async for name, tensor in sub.stream()``.
+
+        Waits (at the first step) for a version newer than the last one taken, as `next`
+        does, then yields `(name, tensor)` in the published order, each whole and all of
+        that one version, while the tensors after it still arrive: use tensor k while
+        k + 1 loads. `.version` says which version (once the first step returned).
+        `into=` as for `next` (its tensors receive the version and are the ones yielded).
+        The version counts as taken (`.version`, stats) once its last tensor landed;
+        breaking out, a cancel or `aclose()` (or `async with sub.stream() as s`) before
+        that stops its fetches and lets go of what it held.
+
+        Raises (from the iteration): what `next` raises; ValueError for an `into=` that
+        does not match the published tensors.
+        """
+        return VersionStream(self, into)
+
+    async def _poll(self, *, chunked: bool) -> tuple[int, float, Any, bool]:
+        """Wait for a version newer than the last taken: (version, published_at, object or chunks, waited)."""
         after = -1 if self.version is None else self.version
         label = f"waiting for a version of {self.name!r} newer than {after}"
         while True:
-            ref: Any = self.actor.rdt__publication.remote(self.name, after, POLL_S)
+            ref: Any = self.actor.rdt__publication.remote(self.name, after, POLL_S, chunked)
             try:
                 with translating(label):
                     reply = await _ray.await_ref(ref)
@@ -432,20 +525,20 @@ class Subscription:
                     f"rdt.subscribe(actor, {self.name!r}): that actor publishes "
                     f"{reply[1] if reply[1] else 'nothing'}; make `rdt.Publisher({self.name!r})` there first"
                 )
-        _, version, published_at, obj, waited = reply
+        _, version, published_at, what, waited = reply
         del reply
-        started = time.perf_counter()
-        weights = await _fetch(obj, into)
+        return version, published_at, what, waited
+
+    def _took(self, version: int, published_at: float, waited: bool, started: float) -> None:
+        """Count `version` as taken: its tensors are in hand."""
         self.apply_s = time.perf_counter() - started
         self.delay_s = max(0.0, time.time() - published_at)
-        del obj  # views of the slot keep its object: nothing else here holds the version
         skipped = 0 if self.version is None else version - self.version - 1
         # Behind by how many versions when it asked: 0 if it waited for this one.
         self.lag = 0 if waited or self.version is None else version - self.version
         self.skipped += skipped
         self.version, self.received = version, self.received + 1
         _metrics.subscribed(self.name, version, self.lag, skipped, self.apply_s)
-        return version, weights
 
     def stats(self) -> dict[str, Any]:
         """This subscription: current version, versions skipped, lag, apply time."""
@@ -464,11 +557,147 @@ class Subscription:
         return f"rdt.Subscription({self.name!r}, version={self.version})"
 
 
+class VersionStream:
+    """The tensors of one version as they land (`Subscription.stream`): an async iterator
+    of `(name, tensor)`.
+
+    `version`: the version streamed (None before the first step); `chunks`: how many
+    objects it comes in; `landed`: how many of them are in hand so far.
+
+    Runs on: consumer.
+    """
+
+    def __init__(self, sub: Subscription, into: Any) -> None:
+        self._sub, self._into = sub, into
+        self.version: int | None = None
+        self.chunks = 0
+        self._objs: list[RDTObject | None] = []
+        self._names: list[list[str]] = []
+        self._targets: list[list[torch.Tensor] | None] = []
+        self._tasks: list[asyncio.Future[Any] | None] = []
+        self._ready: collections.deque[tuple[str, torch.Tensor]] = collections.deque()
+        self._next = 0  # the chunk to hand over next
+        self._taken: tuple[float, bool, float] | None = None  # published_at, waited, started
+        self._started = self._ended = False
+
+    @property
+    def landed(self) -> int:
+        """How many chunks are in hand (handed over, or fetched and waiting)."""
+        return self._next + sum(1 for t in self._tasks[self._next :] if t is not None and t.done())
+
+    def __aiter__(self) -> VersionStream:
+        return self
+
+    async def __aenter__(self) -> VersionStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def __anext__(self) -> tuple[str, torch.Tensor]:
+        if self._ended:
+            raise StopAsyncIteration
+        try:
+            if not self._started:
+                self._started = True
+                await self._begin()
+            while not self._ready:
+                if self._next == self.chunks:
+                    self._drop()
+                    raise StopAsyncIteration
+                await self._land()
+        except StopAsyncIteration:
+            raise
+        except BaseException:
+            await self.aclose()
+            raise
+        return self._ready.popleft()
+
+    async def _begin(self) -> None:
+        sub = self._sub
+        version, published_at, objs, waited = await sub._poll(chunked=True)
+        started = time.perf_counter()
+        if type(objs) is not list or not objs or not all(isinstance(o, RDTObject) for o in objs):
+            raise TransferError(f"version {version} of {sub.name!r} came as no list of chunk objects")
+        names = [_names_of(o) for o in objs]
+        targets: list[list[torch.Tensor] | None] = [None] * len(objs)
+        if self._into is not None:
+            flat = [n for ns in names for n in ns]
+            into = _ordered(self._into, flat, "stream") if isinstance(self._into, Mapping) else self._into
+            tensors = _tree.flatten(into)[1]
+            if len(tensors) != len(flat):
+                raise ValueError(
+                    f"Subscription.stream(into=...): {len(tensors)} tensors for the {len(flat)} published; "
+                    "give a dict by name (model.state_dict()) or a list of them in the published order"
+                )
+            at = 0
+            for i, ns in enumerate(names):
+                targets[i] = tensors[at : at + len(ns)]
+                at += len(ns)
+        self.version, self.chunks = version, len(objs)
+        self._objs, self._names, self._targets = list(objs), names, targets
+        self._tasks = [None] * len(objs)
+        self._taken = (published_at, waited, started)
+
+    async def _land(self) -> None:
+        """Fetch ahead, then wait for the next chunk and queue its tensors."""
+        from ._api import fetch
+
+        i = self._next
+        for j in range(i, min(i + 1 + FETCH_AHEAD, self.chunks)):
+            if self._tasks[j] is None:
+                started = asyncio.ensure_future(fetch(self._objs[j], into=self._targets[j]))
+                started.add_done_callback(_retrieved)
+                self._tasks[j] = started
+        task = self._tasks[i]
+        assert task is not None  # (started above)
+        value = await task
+        del task
+        self._tasks[i] = self._objs[i] = self._targets[i] = None  # (views keep their object themselves)
+        self._next += 1
+        self._ready.extend((n, value[n]) for n in self._names[i])
+        del value
+        if self._next == self.chunks and self._taken is not None and self.version is not None:
+            self._sub._took(self.version, *self._taken)
+            self._taken = None
+
+    async def aclose(self) -> None:
+        """Stop: cancel the fetches in flight, let go of every chunk not handed over."""
+        tasks = [t for t in self._tasks if t is not None]
+        self._drop()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _drop(self) -> None:
+        self._ended = True
+        for t in self._tasks:
+            if t is not None:
+                t.cancel()
+        self._tasks, self._objs, self._targets = [], [], []
+        self._ready.clear()
+
+    def __del__(self) -> None:
+        # Broken out of without aclose: the fetches in flight stop (their cancel releases).
+        for t in self._tasks:
+            if t is not None and not t.done():
+                try:
+                    t.cancel()
+                except RuntimeError:  # its loop closed
+                    pass
+
+    def __repr__(self) -> str:
+        return f"rdt.VersionStream({self._sub.name!r}, version={self.version}, landed={self.landed}/{self.chunks})"
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # said where it is awaited, or not at all once the stream stopped
+
+
 async def _fetch(obj: RDTObject, into: Any) -> dict[str, torch.Tensor]:
     from ._api import fetch
 
     if isinstance(into, Mapping):
-        into = _ordered(into, _names_of(obj))
+        into = _ordered(into, _names_of(obj), "next")
     value: dict[str, torch.Tensor] = await fetch(obj, into=into)
     return value
 
@@ -484,13 +713,13 @@ def _names_of(obj: RDTObject) -> list[str]:
     return [k for k, _ in sorted(skeleton.items(), key=lambda kv: kv[1].index)]
 
 
-def _ordered(into: Mapping[str, Any], names: list[str]) -> list[Any]:
+def _ordered(into: Mapping[str, Any], names: list[str], verb: str) -> list[Any]:
     missing = [n for n in names if n not in into]
     published = set(names)
     extra = [k for k in into if k not in published]
     if missing or extra:
         raise ValueError(
-            f"Subscription.next(into=...): the dict's names differ from the published ones "
+            f"Subscription.{verb}(into=...): the dict's names differ from the published ones "
             f"(missing {missing[:8]}, not published {extra[:8]}); give a dict with exactly the published names"
         )
     return [into[n] for n in names]

@@ -38,8 +38,9 @@ class Trainer:
         self.pubs: dict[str, rdt.Publisher] = {}
         self.state = _state()
 
-    async def open(self, name: str, slots: int = 3, when_full: str = "wait") -> None:
-        self.pubs[name] = rdt.Publisher(name, slots=slots, when_full=when_full)
+    async def open(self, name: str, slots: int = 3, when_full: str = "wait", chunk_bytes: int | None = None) -> None:
+        chunks = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
+        self.pubs[name] = rdt.Publisher(name, slots=slots, when_full=when_full, **chunks)
 
     async def publish(self, name: str, n: int = 1, pause: float = 0.0, timeout: float | None = None) -> list:
         """Publish `n` versions, each filled with its own number; the versions (None: skipped)."""
@@ -107,24 +108,63 @@ class Server:
     async def drop(self) -> None:
         self.kept = None
 
-    async def next_within(self, trainer, name: str, seconds: float) -> str:
+    async def next_within(self, trainer, name: str, seconds: float, stream: bool = False) -> str:
         sub = self.subs.setdefault(name, rdt.subscribe(trainer, name))
         try:
             async with asyncio.timeout(seconds):
-                version, _ = await sub.next(into=self.buffers)
+                if stream:
+                    s = sub.stream(into=self.buffers)
+                    assert [n async for n, _ in s] == list(self.buffers)
+                    version = s.version
+                else:
+                    version, _ = await sub.next(into=self.buffers)
         except Exception as exc:
             return f"{type(exc).__name__}: {exc}"
         return f"version {version}"
 
-    async def into_model(self, trainer, name: str, names: list[str]) -> str:
-        """The newest version straight into a model's parameters, by name."""
+    async def into_model(self, trainer, name: str, names: list[str], stream: bool = False) -> str:
+        """The newest version straight into a model's parameters, by name (`stream`: tensor by tensor)."""
         model = torch.nn.ParameterDict({n: torch.nn.Parameter(torch.zeros(WIDTH)) for n in names})
+        sub = rdt.subscribe(trainer, name)
         try:
-            version, weights = await rdt.subscribe(trainer, name).next(into=model.state_dict())
+            if stream:
+                s = sub.stream(into=model.state_dict())
+                weights = {n: t async for n, t in s}
+                version = s.version
+            else:
+                version, weights = await sub.next(into=model.state_dict())
         except ValueError as exc:
             return f"ValueError: {exc}"
         landed = all(weights[n].data_ptr() == model[n].data_ptr() for n in names)
         return f"version {version}, exact {_exact(version, dict(model.items()))}, in the parameters {landed}"
+
+    async def stream(self, trainer, name: str, into: bool = False, stop_after: int | None = None,
+                     closing: bool = False) -> dict:
+        """Stream the next version: for each tensor as it comes (name, exact, chunks landed, of how
+        many, in the buffers); stop after `stop_after` of them (a break; `closing`: inside
+        `async with`, and the stream kept afterwards)."""
+        sub = self.subs.setdefault(name, rdt.subscribe(trainer, name))
+        stream = sub.stream(into=self.buffers if into else None)
+        seen: list = []
+
+        async def walk(stream) -> None:
+            async for n, t in stream:
+                v, i = stream.version, int(n[1:])
+                in_buffers = t.data_ptr() == self.buffers[n].data_ptr()
+                seen.append((n, bool((t == v + 1000 * i).all()), stream.landed, stream.chunks, in_buffers))
+                del t
+                if len(seen) == stop_after:
+                    break
+
+        if closing:
+            async with stream:
+                await walk(stream)
+            self.kept = stream  # a stream closed (by `async with`) holds nothing, kept or not
+        else:
+            await walk(stream)
+        version = stream.version
+        del stream
+        return {"version": version, "seen": seen, "taken": sub.version}
 
     async def iterate(self, trainer, name: str) -> list[int]:
         """`async for` to the end of the publication."""
@@ -194,7 +234,7 @@ def _follow_every_version(trainer, here, there, last, follows) -> None:
     pub = ray.get(trainer.stats.remote("run"))
     assert 2 <= pub.pop("slots") <= 3  # made as needed, never more than slots=3
     assert pub == {"name": "run", "version": last, "slots_busy": 1, "slot_bytes": LAYERS * WIDTH * 4,
-                   "skipped": 0, "when_full": "wait", "waiting": 0}
+                   "skipped": 0, "when_full": "wait", "waiting": 0, "chunks": 1}  # 4 MiB: one 32 MiB chunk
     # Across hosts: one transfer of each version per node, the others mapped it from that one.
     fetches = [ray.get(s.stats.remote())["fetches"] for s in there]
     assert sum(f.get("relay", 0) for f in fetches) >= 1, fetches
@@ -250,6 +290,11 @@ def test_a_deadline_ends_a_wait_and_a_closed_publication_ends_async_for(actors):
     assert ray.get(there[1].into_model.remote(trainer, "quiet", names)) == "version 1, exact True, in the parameters True"
     assert ray.get(here[1].into_model.remote(trainer, "quiet", ["l0", "l1", "l2", "x"])) == (
         "ValueError: Subscription.next(into=...): the dict's names differ from the published ones "
+        "(missing ['l3'], not published ['x']); give a dict with exactly the published names"
+    )
+    assert ray.get(there[1].into_model.remote(trainer, "quiet", names, True)) == "version 1, exact True, in the parameters True"
+    assert ray.get(here[1].into_model.remote(trainer, "quiet", ["l0", "l1", "l2", "x"], True)) == (
+        "ValueError: Subscription.stream(into=...): the dict's names differ from the published ones "
         "(missing ['l3'], not published ['x']); give a dict with exactly the published names"
     )
     loop = there[0].iterate.remote(trainer, "quiet")
@@ -323,9 +368,76 @@ def test_the_trainer_dying_raises_peer_died_at_the_next_wait_and_what_was_fetche
     for server in (here[0], there[1]):
         assert ray.get(server.keep_next.remote(doomed, "last")) == 0  # views (here), a relay memfd (there)
     waits = [s.next_within.remote(doomed, "last", 30) for s in (here[0], there[1])]
+    assert ray.get(here[1].keep_next.remote(doomed, "last")) == 0
+    waits.append(here[1].next_within.remote(doomed, "last", 30, True))  # a stream's wait for its version
     time.sleep(0.5)
     ray.kill(doomed)
     for said in ray.get(waits, timeout=60):
         assert said.startswith("PeerDiedError: waiting for a version of 'last' newer than 0: the producer died"), said
     assert ray.get([s.kept_exact.remote() for s in (here[0], there[1])]) == [True, True]
-    ray.get([s.drop.remote() for s in (here[0], there[1])])
+    ray.get([s.drop.remote() for s in (here[0], here[1], there[1])])
+
+
+def _relayed(servers) -> int:
+    return sum(ray.get(s.stats.remote())["fetches"].get("relay", 0) for s in servers)
+
+
+def test_a_stream_hands_over_each_tensor_as_its_chunk_lands_exact_in_order_and_into_buffers(actors):
+    trainer, here, there = actors
+    ray.get(trainer.open.remote("flow", 3, "wait", 1 << 20))  # a chunk per 1 MiB tensor: 4 chunks
+    relayed = _relayed(there)
+    try:
+        for version in (0, 1):
+            assert ray.get(trainer.publish.remote("flow")) == [version]
+            got = ray.get([
+                here[0].stream.remote(trainer, "flow", True),  # into its buffers
+                here[1].stream.remote(trainer, "flow"),  # views of the trainer's slot
+                there[0].stream.remote(trainer, "flow", True),  # over the network, into buffers
+                there[1].stream.remote(trainer, "flow"),  # the node's relay
+            ], timeout=60)
+            for i, g in enumerate(got):
+                assert g["version"] == g["taken"] == version, g
+                names = [n for n, *_ in g["seen"]]
+                assert names == [f"l{k}" for k in range(LAYERS)], g  # the published order
+                assert all(exact for _, exact, *_ in g["seen"]), g  # each whole, all of this version
+                assert all(chunks == LAYERS for *_, chunks, _ in g["seen"]), g
+                # The first tensor was handed over while the last one's chunk had not landed
+                # (it is fetched at most FETCH_AHEAD chunks ahead of the one handed over).
+                first_landed = g["seen"][0][2]
+                assert 1 <= first_landed < LAYERS, g
+                assert [landed for _, _, landed, _, _ in g["seen"]][-1] == LAYERS, g
+                into = i % 2 == 0
+                assert all(in_buffers == into for *_, in_buffers in g["seen"]), g  # into=: the user's tensors
+        assert ray.get(trainer.stats.remote("flow"))["chunks"] == LAYERS
+        assert _relayed(there) > relayed  # the other node's chunks came through its relay
+        # `next` follows on from what the stream took: the version after it.
+        ray.get(trainer.publish.remote("flow"))
+        assert ray.get(here[0].follow.remote(trainer, "flow", 2, 0.0, True)) == [(2, True)]
+        wait_until(lambda: ray.get(trainer.stats.remote("flow"))["slots_busy"] == 1, 10,
+                   lambda: ray.get(trainer.stats.remote("flow")))
+    finally:
+        ray.get(trainer.close.remote("flow"))
+
+
+def test_breaking_out_of_a_stream_midway_lets_go_of_everything_it_held(actors):
+    trainer, here, there = actors
+    ray.get(trainer.open.remote("brk", 2, "skip", 1 << 20))
+    try:
+        assert ray.get(trainer.publish.remote("brk")) == [0]
+        for server in (here[0], there[0]):
+            for closing in (False, True):  # dropped, or closed by `async with` and kept
+                got = ray.get(server.stream.remote(trainer, "brk", False, 1, closing), timeout=60)
+                assert got["version"] == 0 and len(got["seen"]) == 1 and got["seen"][0][:2] == ("l0", True), got
+                assert got["taken"] is None, got  # a version is taken once all of it landed
+        assert ray.get(trainer.publish.remote("brk")) == [1]  # the other slot
+        # Version 0's slot is let go: no chunk, fetch or view of it is left anywhere...
+        wait_until(lambda: ray.get(trainer.stats.remote("brk"))["slots_busy"] == 1, 15,
+                   lambda: ray.get(trainer.stats.remote("brk")))
+        assert ray.get(trainer.publish.remote("brk")) == [2]  # ...so version 2 takes it
+        # And the subscriptions go on: the newest, whole.
+        for server in (here[0], there[0]):
+            got = ray.get(server.stream.remote(trainer, "brk", True), timeout=60)
+            assert got["version"] == got["taken"] == 2 and all(e for _, e, *_ in got["seen"]), got
+    finally:
+        ray.get([s.drop.remote() for s in (here[0], there[0])])
+        ray.get(trainer.close.remote("brk"))
