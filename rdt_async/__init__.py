@@ -39,6 +39,7 @@ try:  # the actor layer needs Ray; the transports alone run without it (a GPU bo
     from ._object import RDTObject as RDTObject
     from ._publish import Publisher as Publisher
     from ._publish import Subscription as Subscription
+    from ._publish import VersionStream as VersionStream
     from ._publish import subscribe as subscribe
     from .collective import CollectiveGroup as CollectiveGroup
     from .collective import allgather as allgather
@@ -86,6 +87,7 @@ __all__ = [  # noqa: RUF022  (grouped by topic, as in the API reference)
     "Publisher",
     "subscribe",
     "Subscription",
+    "VersionStream",
     # transports
     "register_transport",
     "available_transports",
