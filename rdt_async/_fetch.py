@@ -143,17 +143,17 @@ def asked_transport(obj: RDTObject, asked: str, node_id: str) -> tuple[str, Any]
 
 
 def _shared_group(obj: RDTObject) -> tuple[str, Any] | None:
-    """Return (backend, GlooMeta) of a usable group both ends are in, or None."""
+    """Return (backend, the backend's metadata) of a usable group both ends are in, or None."""
     theirs = obj.meta.get("groups")
     if not theirs:
         return None
     ours = groups.memberships()
     devices = {s.device.split(":")[0] for s in obj.specs}
     for name, (backend, rank) in theirs.items():
-        if name in ours and ours[name][0] == backend and devices <= set(_registry.transport_class(backend).devices):
-            from .transports.gloo import GlooMeta  # loaded already: this process is in a group
-
-            return backend, GlooMeta(name, rank)
+        if name in ours and ours[name][0] == backend:
+            cls = _registry.transport_class(backend)
+            if devices <= set(cls.devices):
+                return backend, cls.group_meta(name, rank)
     return None
 
 

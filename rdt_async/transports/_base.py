@@ -293,8 +293,9 @@ class Transport(abc.ABC, Generic[M]):
     # snapshot, the producer keeps nothing, and `auto` takes it over every other path.
     carries_bytes: ClassVar[bool] = False
     # True if objects move over a collective group whose backend is the transport's name
-    # (gloo, nccl): a producer in no such group is refused, and a consumer outside the
-    # producer's groups reads through the object store.
+    # (gloo, nccl): a producer in no such group is refused, a consumer outside the
+    # producer's groups reads through the object store, and a consumer in one receives
+    # the metadata `group_meta` makes (the producer's ref carries none).
     needs_group: ClassVar[bool] = False
     # True if `receive` lands the bytes straight in `buffers` when given, and a cancelled
     # receive returns at once and never writes them afterwards (tcp): the node relay's
@@ -313,6 +314,15 @@ class Transport(abc.ABC, Generic[M]):
     # (NIXL registers it with its agent): objects made of it and fetches into it then skip
     # that work. `rdt.register_memory` refuses transports that say False.
     registers_memory: ClassVar[bool] = False
+
+    @classmethod
+    def group_meta(cls, group: str, rank: int) -> M:
+        """Return the metadata of a fetch over collective group `group` from the producer
+        at `rank` in it (transports with `needs_group`: the consumer makes it, not the ref).
+
+        Runs on: consumer, when it chooses the transport (cheap: no I/O).
+        """
+        raise NotImplementedError(f"transport {cls.name!r} moves no objects over a collective group")
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

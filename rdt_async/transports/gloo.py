@@ -190,6 +190,10 @@ class GlooTransport(Transport[GlooMeta]):
     can_abort = False
 
     @classmethod
+    def group_meta(cls, group: str, rank: int) -> GlooMeta:
+        return GlooMeta(group, rank)
+
+    @classmethod
     def native_error(cls, exc: BaseException) -> type[RDTError] | None:
         return PeerDiedError if lost_peer(exc) else None
 
