@@ -236,3 +236,46 @@ def test_a_watch_that_fails_is_no_verdict_on_the_producer(monkeypatch, caplog):
     got = asyncio.run(_fetch._watched(slow(), obj, "tcp"))
     assert torch.equal(got[0], torch.arange(3.0))
     assert "could not watch actor A during the tcp fetch of o1 (RuntimeError('GCS hiccup'))" in caplog.text
+
+
+def test_a_capacity_taken_at_a_steady_cadence_stays_warm_between_takes(monkeypatch):
+    """Warm segments: one taken again every ~0.6 s (a trainer's step) is reused, not faulted in
+    anew, though the idle time is 0.3 s; a one-off goes after the idle time; and where
+    RDT_SHM_IDLE_S is set, it is the keep time exactly (the cadence is not consulted)."""
+    import os
+
+    from rdt_async.transports import _segments
+
+    monkeypatch.delenv("RDT_SHM_IDLE_S", raising=False)
+    monkeypatch.setattr(_segments, "idle_s", lambda: 0.3)
+    pool = _segments.SegmentPool()
+
+    def step(nbytes: int) -> str:
+        seg = pool.take(nbytes, _segments.name_for(os.urandom(12).hex(), _segments.new_key()))
+        pool.recycle(seg.name)
+        return seg.name
+
+    try:
+        step(2 << 20)  # (2 MiB: its own capacity)
+        for _ in range(3):
+            time.sleep(0.6)  # twice the idle time between takes
+            step(2 << 20)
+        assert pool.created == 2  # the first, and one more before the cadence was known
+        assert pool.keep_s(2 << 20) == pytest.approx(1.2, abs=0.3)
+        step(8 << 20)  # a one-off of another capacity: kept only the idle time
+        assert pool.keep_s(8 << 20) == 0.3
+        _wait_until(lambda: pool.stats()["idle"] == 1, 5, lambda: (pool.stats(), [(s.capacity, s.idle_since - time.monotonic()) for s in pool._idle]))  # the 8 MiB one went; the 2 MiB one waits
+        monkeypatch.setenv("RDT_SHM_IDLE_S", "0.3")
+        assert pool.keep_s(2 << 20) == 0.3  # set: exact
+        _wait_until(lambda: pool.stats()["idle"] == 0, 5)
+    finally:
+        for seg in list(pool._idle):
+            _segments._drop(seg)
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"rdt-{os.getpid()}-")]
+
+
+def _wait_until(cond, timeout: float, what=lambda: "") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"not true in {timeout} s: {what()}"
+        time.sleep(0.02)

@@ -394,10 +394,21 @@ def _setup(name: str, fanout: int, hosts: int, progress: Progress) -> tuple[_Pat
         return None, {"bench": "e2e", "case": name, "hosts": hosts, "error": f"{type(e).__name__}: {str(e)[:500]}"}
 
 
+# Passes of 1 MiB and less take milliseconds, and their medians move by as much from run
+# to run (a Ray call's jitter): they get this many times the rounds.
+SMALL_BYTES, SMALL_ROUNDS = 1 << 20, 10
+
+
+def _rounds(repeat: int, size: int) -> int:
+    """How many warm rounds a size gets: `repeat`, or SMALL_ROUNDS times it for small sizes."""
+    return repeat * SMALL_ROUNDS if size <= SMALL_BYTES else repeat
+
+
 def _in_turns(names: list[str], sizes: list[int], repeat: int, hosts: int, progress: Progress,
               shapes: tuple[str, ...] = SHAPES) -> list[dict[str, Any]]:
     """One consumer per path: for each (shape, size), a cold pass of each path, then
-    `repeat` rounds of one warm pass of each, the order rotating from round to round."""
+    `repeat` rounds (`_rounds`: more for small sizes) of one warm pass of each, the order
+    rotating from round to round."""
     rows: list[dict[str, Any]] = []
     live: dict[str, _Path] = {}
     try:
@@ -417,14 +428,16 @@ def _in_turns(names: list[str], sizes: list[int], repeat: int, hosts: int, progr
                     cold = {name: p.one_pass(n, shape)[0] for name, p in live.items()}
                     warm: dict[str, list[tuple[float, float | None]]] = {name: [] for name in live}
                     order = list(live)
-                    for r in range(repeat):
+                    rounds = _rounds(repeat, size)
+                    for r in range(rounds):
                         for name in order[r % len(order):] + order[: r % len(order)]:
                             warm[name].append(live[name].one_pass(n, shape))
                     for name, p in live.items():
                         rows.append({"bench": "e2e", "case": name, "shape": shape, "size": size, "consumers": 1,
                                      "hosts": hosts, "cold_s": cold[name],
                                      "seconds": statistics.median(t for t, _ in warm[name]),
-                                     "loop_stall_ms": _worst_ms(warm[name]), "breakdown": p.parts(n, shape)})
+                                     "loop_stall_ms": _worst_ms(warm[name]), "passes": rounds,
+                                     "breakdown": p.parts(n, shape)})
     finally:
         for p in live.values():
             p.close()

@@ -10,7 +10,9 @@ viewed: its segment is unlinked, never reused.
 
 Bounded (MAX_BYTES in all, or two segments of the largest capacity recycled where those
 are more) and shrinking: a segment unused for RDT_SHM_IDLE_S seconds (default 10) is
-unlinked. Two of a size: a producer returning one large tensor each step needs a second
+unlinked. Unless that is set, a capacity taken again and again is kept for up to twice
+the time between its takes (at most KEEP_MAX_S): a trainer returning 1 GiB every 30 s
+would otherwise fault a fresh segment in (~1 s here) at every step. Two of a size: a producer returning one large tensor each step needs a second
 segment while a consumer still holds the last one; with room for one, back-to-back
 returns of 1 GiB made a fresh segment every other step here.
 Capacities are powers of two from 1 MiB (tmpfs allocates only the pages written).
@@ -46,6 +48,9 @@ def idle_s() -> float:
     return float(os.environ.get("RDT_SHM_IDLE_S", "10"))
 
 
+KEEP_MAX_S = 120.0  # the longest a segment taken at a slow, steady cadence is kept idle
+
+
 class IdleSweep:
     """Calls `sweep(cutoff)` on the I/O loop `idle()` seconds after `start()`, and again
     while anything is left idle, when the oldest of it has been idle `idle()`. `sweep` lets
@@ -58,14 +63,18 @@ class IdleSweep:
         self._idle = idle
         self._lock = threading.Lock()
         self._pending = False
+        self._due = 0.0  # when the pending sweep runs (time.monotonic())
 
-    def start(self) -> None:
-        """Something went idle (any thread): make sure a sweep is coming."""
+    def start(self, after: float | None = None) -> None:
+        """Something went idle (any thread): make sure a sweep comes within `after` seconds
+        (default: `idle()`), sooner than a pending one where need be."""
+        delay = self._idle() if after is None else after
+        due = time.monotonic() + delay
         with self._lock:
-            if self._pending:
+            if self._pending and due >= self._due:
                 return
-            self._pending = True
-        _io.call_soon(self._schedule, self._idle())
+            self._pending, self._due = True, due
+        _io.call_soon(self._schedule, delay)
 
     def _schedule(self, delay: float) -> None:  # on the I/O loop
         import asyncio
@@ -78,11 +87,12 @@ class IdleSweep:
         oldest = self._sweep(time.monotonic() - self._idle())
         if oldest is None:
             return
+        due = oldest + self._idle()
         with self._lock:
-            if self._pending:
+            if self._pending and due >= self._due:
                 return
-            self._pending = True
-        self._schedule(oldest + self._idle() - time.monotonic())
+            self._pending, self._due = True, due
+        self._schedule(due - time.monotonic())
 
 
 def oldest(items: Iterable[Any]) -> float | None:
@@ -224,14 +234,30 @@ class SegmentPool:
         self._lock = threading.Lock()
         self._idle: list[Segment] = []
         self._used: dict[str, Segment] = {}
-        self._sweeper = IdleSweep(self._sweep)
+        self._sweeper = IdleSweep(self._sweep, lambda: idle_s())
         self.created = 0  # segments made (not reused) so far
+        self._taken: dict[int, float] = {}  # capacity -> when one was last taken
+        self._gap: dict[int, float] = {}  # capacity -> the time between its last two takes
+
+    def keep_s(self, capacity: int) -> float:
+        """How long an idle segment of `capacity` is kept: `idle_s()`, or where RDT_SHM_IDLE_S
+        is not set, up to twice the time between takes of that capacity (KEEP_MAX_S at most)."""
+        idle = idle_s()
+        if "RDT_SHM_IDLE_S" in os.environ:
+            return idle
+        with self._lock:
+            gap = self._gap.get(capacity, 0.0)
+        return max(idle, min(KEEP_MAX_S, 2 * gap))
 
     def take(self, nbytes: int, name: str) -> Segment:
         """A segment of at least `nbytes` named `name` (`name_for`): an idle one of the right
         capacity, renamed, else a new one."""
         capacity = _capacity(nbytes)
         with self._lock:
+            now = time.monotonic()
+            if capacity in self._taken:
+                self._gap[capacity] = now - self._taken[capacity]
+            self._taken[capacity] = now
             seg = next((s for s in self._idle if s.capacity == capacity), None)
             if seg is not None:
                 self._idle.remove(seg)
@@ -271,11 +297,16 @@ class SegmentPool:
 
     def recycle(self, name: str) -> None:
         """Its object went with its last ref (so every view): keep it warm for the next copy."""
+        grace = 0.0
+        with self._lock:
+            seg = self._used.get(name)
+        if seg is not None:
+            grace = self.keep_s(seg.capacity) - idle_s()  # (the sweeper drops what is idle `idle_s()`)
         with self._lock:
             seg = self._used.pop(name, None)
             if seg is None:
                 return
-            seg.idle_since = time.monotonic()
+            seg.idle_since = time.monotonic() + grace  # idle, to the sweeper, once its grace is over
             self._idle.append(seg)
             evicted = []
             bound = max(MAX_BYTES, 2 * seg.capacity)
@@ -283,7 +314,7 @@ class SegmentPool:
                 evicted.append(self._idle.pop(0))  # the longest idle first
         for old in evicted:
             _drop(old)
-        self._sweeper.start()
+        self._sweeper.start(after=idle_s() + grace)
 
     def discard(self, name: str) -> None:
         """Its object was freed while views may remain: unlink it, never reuse it."""
