@@ -12,9 +12,10 @@ Bounded (MAX_BYTES in all, or two segments of the largest capacity recycled wher
 are more) and shrinking: a segment unused for RDT_SHM_IDLE_S seconds (default 10) is
 unlinked. Unless that is set, a capacity taken again and again is kept for up to twice
 the time between its takes (at most KEEP_MAX_S): a trainer returning 1 GiB every 30 s
-would otherwise fault a fresh segment in (~1 s here) at every step. Two of a size: a producer returning one large tensor each step needs a second
-segment while a consumer still holds the last one; with room for one, back-to-back
-returns of 1 GiB made a fresh segment every other step here.
+would otherwise fault a fresh segment in (~1 s here) at every step. Two of a size: a
+producer returning one large tensor each step needs a second segment while a consumer
+still holds the last one; with room for one, back-to-back returns of 1 GiB made a fresh
+segment every other step here.
 Capacities are powers of two from 1 MiB (tmpfs allocates only the pages written).
 """
 
@@ -242,12 +243,14 @@ class SegmentPool:
     def keep_s(self, capacity: int) -> float:
         """How long an idle segment of `capacity` is kept: `idle_s()`, or where RDT_SHM_IDLE_S
         is not set, up to twice the time between takes of that capacity (KEEP_MAX_S at most)."""
+        with self._lock:
+            return self._keep_s(capacity)
+
+    def _keep_s(self, capacity: int) -> float:  # (holding _lock)
         idle = idle_s()
         if "RDT_SHM_IDLE_S" in os.environ:
             return idle
-        with self._lock:
-            gap = self._gap.get(capacity, 0.0)
-        return max(idle, min(KEEP_MAX_S, 2 * gap))
+        return max(idle, min(KEEP_MAX_S, 2 * self._gap.get(capacity, 0.0)))
 
     def take(self, nbytes: int, name: str) -> Segment:
         """A segment of at least `nbytes` named `name` (`name_for`): an idle one of the right
@@ -297,15 +300,11 @@ class SegmentPool:
 
     def recycle(self, name: str) -> None:
         """Its object went with its last ref (so every view): keep it warm for the next copy."""
-        grace = 0.0
-        with self._lock:
-            seg = self._used.get(name)
-        if seg is not None:
-            grace = self.keep_s(seg.capacity) - idle_s()  # (the sweeper drops what is idle `idle_s()`)
         with self._lock:
             seg = self._used.pop(name, None)
             if seg is None:
                 return
+            grace = self._keep_s(seg.capacity) - idle_s()  # (the sweeper drops what is idle `idle_s()`)
             seg.idle_since = time.monotonic() + grace  # idle, to the sweeper, once its grace is over
             self._idle.append(seg)
             evicted = []
