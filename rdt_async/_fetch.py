@@ -8,12 +8,10 @@ Runs on: consumer. The verbs in `_api.py` call `fetch_object` (a loop) and `fetc
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import functools
 import os
 import sys
-import threading
 import time
 import types
 import warnings
@@ -34,7 +32,7 @@ from ._errors import (
 )
 from ._local import copy_into
 from ._membership import groups
-from ._object import Process, RDTObject
+from ._object import RDTObject
 from ._produce import loads_here, shared_with_producer
 from ._store import log, store
 from .transports import _auto, _registry
@@ -167,27 +165,13 @@ def _raise_if_broken(obj: RDTObject) -> None:
     theirs = obj.meta.get("groups") or {}
     for group in groups.broken():
         if group.name in theirs:
-            if obj.producer in _lost or _ray.died_on_this_node(obj.producer):
+            if _ray.known_lost(obj.producer):
                 raise PeerDiedError(
                     f"{group.backend} fetch of {obj.obj_id}: the producer ({obj.producer.label}) died or "
                     f"disconnected; its collective group {group.name!r} is broken ({group.broken})",
                     obj_id=obj.obj_id,
                 )
             group.check()
-
-
-# Producers a fetch from which ended in PeerDiedError in this process (the most recent few).
-_lost: collections.OrderedDict[Process, None] = collections.OrderedDict()
-_lost_lock = threading.Lock()
-LOST_KEPT = 256
-
-
-def _lost_producer(p: Process) -> None:
-    with _lost_lock:
-        _lost[p] = None
-        _lost.move_to_end(p)
-        while len(_lost) > LOST_KEPT:
-            _lost.popitem(last=False)
 
 
 def _relayed(obj: RDTObject, transport: str, buffers: list[torch.Tensor] | None) -> bool:
@@ -244,7 +228,7 @@ async def fetch_object(
     except BaseException as exc:
         _metrics.failed(name, exc)
         if isinstance(exc, PeerDiedError):
-            _lost_producer(obj.producer)
+            _ray.lost(obj.producer)
         release_frames(exc)
         del exc  # (a cycle through this frame otherwise: see _api._all_or_none)
         raise

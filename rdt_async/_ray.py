@@ -7,9 +7,11 @@ the node, and transports published through Ray's key-value store.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import os
+import threading
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -48,6 +50,28 @@ VERDICT_S = float(os.environ.get("RDT_PEER_VERDICT_S", "90"))
 def died_on_this_node(p: Process) -> bool:
     """Say whether the producer ran on this node and its process is gone (at once, no Ray)."""
     return p.node_id == node_id() and not pid_alive(p.pid)
+
+
+# Producers a fetch from which ended in PeerDiedError in this process (the most recent few).
+_lost: collections.OrderedDict[Process, None] = collections.OrderedDict()
+_lost_lock = threading.Lock()
+LOST_KEPT = 256
+
+
+def lost(p: Process) -> None:
+    """Remember that a fetch from producer `p` ended in PeerDiedError (its death, or its
+    connection's: the last LOST_KEPT are kept)."""
+    with _lost_lock:
+        _lost[p] = None
+        _lost.move_to_end(p)
+        while len(_lost) > LOST_KEPT:
+            _lost.popitem(last=False)
+
+
+def known_lost(p: Process) -> bool:
+    """Say whether this process knows `p` is gone, at once: a fetch from it ended in
+    PeerDiedError, or it ran on this node and its process is gone."""
+    return p in _lost or died_on_this_node(p)
 
 
 async def producer_died(p: Process, *, timeout: float = PING_S) -> bool:
