@@ -50,21 +50,20 @@ class MemoryRegistration:
 
         Raises: RuntimeError if this registration was closed already.
         """
-        with self._lock:
-            if self._closed:
-                raise RuntimeError(
-                    f"this registration of {self.tensors} tensor(s) with {self.transport!r} is closed already: "
-                    "close each registration once (a `with` or `async with` block closes it at its end)"
-                )
-            self._closed = True
-        self._impl.deregister_memory(self._token)
+        if not self._close_once():
+            raise RuntimeError(
+                f"this registration of {self.tensors} tensor(s) with {self.transport!r} is closed already: "
+                "close each registration once (a `with` or `async with` block closes it at its end)"
+            )
 
-    def _close_once(self) -> None:
+    def _close_once(self) -> bool:
+        """Deregister unless closed already; return whether this call closed it."""
         with self._lock:
             if self._closed:
-                return
+                return False
             self._closed = True
         self._impl.deregister_memory(self._token)
+        return True
 
     def __enter__(self) -> MemoryRegistration:
         return self
