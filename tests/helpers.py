@@ -63,8 +63,20 @@ class Probed:
         return await self.probe.stop(), self.probe.report()
 
 
+class FetchesWithTimeout:
+    """For async consumers: a fetch under a caller's deadline, and how it ended."""
+
+    async def fetch_with_timeout(self, refs, seconds: float):
+        try:
+            async with asyncio.timeout(seconds):
+                await rdt.fetch(refs[0])
+        except TimeoutError:
+            return "timeout"
+        return "done"
+
+
 @rdt.remote
-class AsyncConsumer(Probed):
+class AsyncConsumer(Probed, FetchesWithTimeout):
     """An async actor that consumes RDT objects and measures its loop's lag."""
 
     async def checksums(self, *values, **kw):
@@ -81,14 +93,6 @@ class AsyncConsumer(Probed):
 
     async def as_completed(self, refs):
         return [i async for i, _ in rdt.as_completed(refs)]
-
-    async def fetch_with_timeout(self, refs, seconds: float):
-        try:
-            async with asyncio.timeout(seconds):
-                await rdt.fetch(refs[0])
-        except TimeoutError:
-            return "timeout"
-        return "done"
 
     async def ping(self) -> float:
         return time.perf_counter()

@@ -10,7 +10,7 @@ import time
 import pytest
 import ray
 import torch
-from helpers import LagProbe, SyncProducer, checksum
+from helpers import FetchesWithTimeout, LagProbe, SyncProducer, checksum
 
 import rdt_async as rdt
 
@@ -56,7 +56,7 @@ class BusyProducer:
 
 
 @rdt.remote
-class Watched:
+class Watched(FetchesWithTimeout):
     """An async consumer that reports its loop's worst lag while it fetches (the module's one consumer)."""
 
     async def fetch_watched(self, refs, into_numel: int = 0):
@@ -73,14 +73,6 @@ class Watched:
 
     async def ping(self):
         return "pong"
-
-    async def fetch_with_timeout(self, refs, seconds: float):
-        try:
-            async with asyncio.timeout(seconds):
-                await rdt.fetch(refs[0])
-        except TimeoutError:
-            return "timeout"
-        return "done"
 
     async def fetch_all_count_threads(self, refs) -> int:
         await rdt.fetch_all(refs)

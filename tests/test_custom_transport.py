@@ -27,6 +27,7 @@ import pytest
 import ray
 import torch
 from conftest import wait_until
+from helpers import FetchesWithTimeout
 from ray.experimental.rdt.tensor_transport_manager import (
     CommunicatorMetadata,
     TensorTransportManager,
@@ -334,7 +335,7 @@ class Maker:
 
 
 @rdt.remote
-class AsyncUser:
+class AsyncUser(FetchesWithTimeout):
     async def take(self, value):
         return value
 
@@ -343,14 +344,6 @@ class AsyncUser:
 
     async def fetch_all(self, refs):
         return await rdt.fetch_all(refs)
-
-    async def fetch_with_timeout(self, refs, seconds):
-        try:
-            async with asyncio.timeout(seconds):
-                await rdt.fetch(refs[0])
-        except TimeoutError:
-            return "timeout"
-        return "done"
 
     async def ping(self):
         return "pong"
