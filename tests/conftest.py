@@ -62,10 +62,14 @@ def cluster():
     path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
     # Idle warm segments go after 1 s (not 10): the leak check below waits for them.
     os.environ["RDT_SHM_IDLE_S"] = "1"
+    # Every node's raylet, and so every worker, inherits both from this process. A job's
+    # runtime_env would say the same, but then each worker starts through Ray's
+    # setup_worker.py: another `import ray`, ~0.8 CPU-s an actor, and none prestarted.
+    os.environ["PYTHONPATH"] = path
     c = None
     try:  # (a start that fails still removes the hosts' namespaces and whatever started)
         c = Cluster(initialize_head=True, head_node_args=head if hosts is None else {**head, "node_ip_address": hosts.head_ip})
-        ray.init(address=c.address, runtime_env={"env_vars": {"PYTHONPATH": path, "RDT_SHM_IDLE_S": "1"}})
+        ray.init(address=c.address)
         from rdt_async import _ray
 
         _ray.hand_node_ip()  # as a first produce would: tests that drive a transport alone listen where it does
