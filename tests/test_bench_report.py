@@ -201,3 +201,56 @@ def test_the_physical_limit_is_drawn_unlike_every_path(tmp_path):
     rows = _result()["rows"] + [_row(LIMIT, shape, size, 0.002, 0.1) for shape in ("kept", "fresh") for size in (4 << 10, MIB)]
     assert [p[0] for p in panels([r for r in rows if r["bench"] == "e2e" and "seconds" in r])] == ["kept", "fresh", "fanout"]
     assert len(plot_e2e(rows, str(tmp_path))) == 9
+
+
+def _publish_row(case: str, seconds: float, stall_ms: float, trainer_stall_s: float) -> dict:
+    """A publish row as the bench writes it (this one from its 64 MiB run, values changed)."""
+    row = {"bench": "publish", "case": case, "size": 64 * MIB, "subscribers": 8, "hosts": 3, "cold_s": 1.591,
+           "seconds": seconds, "trainer_stall_s": trainer_stall_s, "loop_stall_ms": stall_ms,
+           "one_copy_s": 0.02, "state_bytes": 67108800}
+    row["trainer_stall_vs_one_copy"] = round(trainer_stall_s / row["one_copy_s"], 3)
+    if case.startswith("rdt publish"):
+        row.update(link_transfers=2, relayed=6, publisher_slots=2, publisher_bytes=134220800, memory_vs_state=2.0)
+    return row
+
+
+def test_publish_rows_give_issue_33s_checks_against_ray_and_the_hand_written_pattern():
+    from rdt_async.bench.__main__ import checks
+    from rdt_async.bench._fanout import vs_ray_zero_copy
+    from rdt_async.bench._publish import _with_ratios
+
+    rows = [_publish_row("rdt publish", 0.3, 12.5, 0.02), _publish_row("rdt publish, stream", 0.4, 30.0, 0.025),
+            _publish_row("ray object store zero-copy", 0.8, 250.0, 0.045), _publish_row("hand-written", 0.6, 200.0, 0.005)]
+    _with_ratios(rows)
+    assert [r["vs_ray_zero_copy"] for r in rows] == [0.375, 0.5, 1.0, 0.75]
+    assert [r["vs_hand_written"] for r in rows] == [0.5, 0.667, 1.333, 1.0]
+    got = checks(rows)
+    assert {k: v for k, v in got.items() if k.startswith("publish_64MiB")} == {
+        "publish_64MiB_x8_hosts3_vs_ray_zero_copy": 0.375, "publish_64MiB_x8_hosts3_vs_hand_written": 0.5,
+        "publish_64MiB_x8_hosts3_worst_ping_ms": 12.5, "publish_64MiB_x8_hosts3_trainer_stall_vs_one_copy": 1.0}
+    assert got["publish_stream_64MiB_x8_hosts3_vs_ray_zero_copy"] == 0.5
+    # A path that failed (a wrong version) is a row that says so: no check, no ratio.
+    failed = [{"bench": "publish", "case": "rdt publish", "size": 64 * MIB, "subscribers": 8, "hosts": 3,
+               "error": "AssertionError: rdt publish, version 3: layer0.weight holds [2.0], not 3 throughout"},
+              rows[2]]
+    vs_ray_zero_copy(failed)
+    assert "vs_ray_zero_copy" not in failed[0] and checks(failed) == {}
+    line = next(line for line in markdown({"rows": failed}).splitlines() if line.startswith("| rdt publish |"))
+    assert line.startswith("| rdt publish | 64 MiB | 8 | 3 | AssertionError: rdt publish, version 3: layer0.weight holds")
+
+
+def test_a_subscriber_s_check_finds_a_wrong_version_a_mix_and_a_torn_tensor():
+    import torch
+
+    from rdt_async.bench._publish import _state, _wrong
+
+    model = {k: t.fill_(3.0) for k, t in _state(4 * MIB).items()}
+    assert len(model) == 200 and 4 * MIB - 4096 < sum(t.nbytes for t in model.values()) <= 4 * MIB
+    assert _wrong(model, model, 3.0) is None
+    assert _wrong(model, model, 2.0) == "layer0.weight holds [3.0], not 2 throughout"
+    model["layer7.norm"].fill_(2.0)  # a mix of two versions
+    assert _wrong(model, model, 3.0) == "layer7.norm holds [2.0], not 3 throughout"
+    model["layer7.norm"].fill_(3.0)
+    model["layer9.weight"][-5000:] = 2.0  # torn: the tail of a tensor from the version before
+    assert _wrong(model, model, 3.0).startswith("layer9.weight holds [2.0, 3.0]")
+    assert _wrong(model, {**model, "layer1.norm": torch.zeros(1024)}, 3.0) == "layer1.norm did not land in the model's tensor"

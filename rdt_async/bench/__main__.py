@@ -2,8 +2,11 @@
 
 The headline is `e2e`: from the producing call until the consumer has read every byte,
 every rdt path against Ray's (object store default and zero-copy, Ray's own RDT), as
-ratios to the best Ray path of the same run. The other benches time pieces (a fetch of
-a ref in hand, a transport against its raw library).
+ratios to the best Ray path of the same run. With `--hosts three`, `fanout` moves one
+object to 8 consumers on two other hosts, and `publish` times a trainer publishing a
+state dict every step to 8 subscribers there (`rdt.Publisher` against Ray's zero-copy
+store and the hand-written pattern; issue 33's targets). The other benches time pieces
+(a fetch of a ref in hand, a transport against its raw library).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default="",
                     help="file for the JSON results ('-': stdout, the default without --out)")
     ap.add_argument(
-        "--only", default="", help="comma-separated: e2e,fanout," + ",".join(OTHERS)
+        "--only", default="", help="comma-separated: e2e,fanout,publish," + ",".join(OTHERS)
     )
     ap.add_argument("--e2e-sizes", default="4K,1M,64M,256M", help="sizes of the end-to-end passes")
     ap.add_argument("--e2e-paths", default="", help="comma-separated, e.g. 'rdt auto,ray object store zero-copy'")
@@ -42,10 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hosts", choices=HOSTS, default="1",
                     help="1: one host; flat or split (2 is flat): e2e consumers on a second host, joined by a "
                          "veth link that is its default route (flat) or on a data network that is nobody's "
-                         "(split); three: split with a third host, for the fan-out across hosts (network "
-                         "namespaces: needs root)")
+                         "(split); three: split with a third host, for the fan-out and the publishing across "
+                         "hosts (network namespaces: needs root)")
     ap.add_argument("--fanout-sizes", default="256M,512M,1G",
                     help="sizes of the fan-out across hosts (--hosts three): 1 producer, 8 consumers on 2 hosts")
+    ap.add_argument("--publish-sizes", default="1G",
+                    help="state-dict sizes of the versioned publishing across hosts (--hosts three): a trainer "
+                         "publishes ~200 tensors every step to 8 subscribers on 2 hosts")
     ap.add_argument("--write-costs", default="", metavar="FILE",
                     help="fit auto's cost model to the e2e passes and merge it into FILE (for RDT_AUTO_COSTS)")
     ap.add_argument("--quick", action="store_true",
@@ -100,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
             from . import _fanout
 
             rows += _fanout.run([parse_size(s) for s in args.fanout_sizes.split(",")], args.repeat, hosts, progress)
+        if want("publish") and (hosts == 3 or "publish" in only):
+            from . import _publish
+
+            rows += _publish.run([parse_size(s) for s in args.publish_sizes.split(",")], args.repeat, hosts, progress)
         for bench in others:
             with progress.step(bench):
                 rows += _other(bench, sizes, args.repeat)
@@ -208,6 +218,15 @@ def checks(rows: list[dict[str, Any]]) -> dict[str, Any]:
             key = f"fanout_{r['case'].replace('rdt ', '').replace(', into=', '_into')}_{human(r['size']).replace(' ', '')}"
             out[f"{key}_x{r['consumers']}_hosts3_vs_ray_zero_copy"] = r["vs_ray_zero_copy"]
             out[f"{key}_worst_ping_ms"] = r["loop_stall_ms"]
+    for r in rows:
+        if r["bench"] == "publish" and r["case"] in ("rdt publish", "rdt publish, stream") and "seconds" in r:
+            key = f"publish{'_stream' if r['case'].endswith('stream') else ''}_{human(r['size']).replace(' ', '')}"
+            key += f"_x{r['subscribers']}_hosts3"
+            for target in ("vs_ray_zero_copy", "vs_hand_written"):
+                if target in r:
+                    out[f"{key}_{target}"] = r[target]
+            out[f"{key}_worst_ping_ms"] = r["loop_stall_ms"]
+            out[f"{key}_trainer_stall_vs_one_copy"] = r["trainer_stall_vs_one_copy"]
     resp = [r for r in rows if r["bench"] == "responsiveness"]
     if resp:
         out["worst_ping_ms_while_arriving"] = round(max(r["worst_ping_ms"] for r in resp), 1)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -39,6 +40,30 @@ ZERO_COPY_ENV = {"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}}
 def _weights(size: int) -> dict[str, torch.Tensor]:
     n = max(1, size // 4 // PARTS)
     return {f"layer{i}": torch.full((n,), 1.0) for i in range(PARTS)}
+
+
+def placements() -> list[dict[str, Any]]:
+    """Actor options for the consumers: `PER_HOST` on each of the two consumer hosts."""
+    return [{"num_cpus": 0, "resources": {h: 1}} for h in HOSTS for _ in range(PER_HOST)]
+
+
+def in_turns(paths: tuple[str, ...], r: int) -> tuple[str, ...]:
+    """The paths in round `r`'s order: each round starts one further along."""
+    return paths[r % len(paths):] + paths[: r % len(paths)]
+
+
+def vs_ray_zero_copy(rows: list[dict[str, Any]]) -> None:
+    """Give each timed row its ratio to the Ray zero-copy row's `seconds` (if that one ran)."""
+    ray_s = next((r["seconds"] for r in rows if r["case"] == RAY_ZERO_COPY and "seconds" in r), None)
+    for row in rows:
+        if ray_s and "seconds" in row:
+            row["vs_ray_zero_copy"] = round(row["seconds"] / ray_s, 3)
+
+
+def fetches_since(before: dict[str, int]) -> dict[str, int]:
+    """This process's fetches by transport since `before` (an earlier `rdt.store_stats()["fetches"]`)."""
+    after = rdt.store_stats()["fetches"]
+    return {k: v - before.get(k, 0) for k, v in after.items() if v > before.get(k, 0)}
 
 
 @rdt.remote
@@ -70,12 +95,14 @@ class Trainer:
 class _Loader:
     """An async inference actor: its model's tensors are allocated (and written) once per size."""
 
+    weights = staticmethod(_weights)  # the model's tensors at a size
+
     def __init__(self) -> None:
         self.models: dict[int, dict[str, torch.Tensor]] = {}
 
     def model(self, size: int) -> dict[str, torch.Tensor]:
         if size not in self.models:
-            self.models = {size: {k: torch.zeros_like(v) for k, v in _weights(size).items()}}
+            self.models = {size: {k: torch.zeros_like(v) for k, v in self.weights(size).items()}}
         return self.models[size]
 
     def ready(self) -> bool:
@@ -93,8 +120,7 @@ class Loader(_Loader):
             got = await rdt.fetch(refs[0], into=model if into else None)
         finally:
             stalled = stall.stop()
-        after = rdt.store_stats()["fetches"]
-        used = next((k for k, v in after.items() if v > before.get(k, 0)), "?")
+        used = next(iter(fetches_since(before)), "?")
         total = await asyncio.to_thread(lambda: sum(float(t.sum()) for t in got.values()))
         if into:
             assert all(got[k].data_ptr() == model[k].data_ptr() for k in model), "into= did not land in the model"
@@ -118,38 +144,61 @@ def unavailable(hosts: int) -> str | None:
     return None if hosts >= 3 else "needs three hosts (--hosts three)"
 
 
-def run(sizes: list[int], repeat: int, hosts: int, progress: Progress | None = None) -> list[dict[str, Any]]:
-    """Every size, the paths in turns: a cold pass of each, then `repeat` rounds of warm ones."""
+Sized = Callable[[int], list[dict[str, Any]]]  # the rows at one size
+
+
+def each_size(bench: str, paths: tuple[str, ...], sizes: list[int], hosts: int, progress: Progress | None,
+              setup: Callable[[], tuple[list[Any], Sized]], what: str) -> list[dict[str, Any]]:
+    """The rows of `bench` at every size (or rows that say why it cannot run on this cluster).
+
+    `setup()` makes the actors (each has a `ready` method) and returns them with what runs
+    one size; they are killed at the end. `what`: the progress bar's step, `{size}` in it.
+    """
     progress = progress or Progress(False)
     why = unavailable(hosts)
     if why is not None:
-        progress.note(f"fanout: not run: {why}")
-        return [{"bench": "fanout", "case": p, "skipped": why} for p in PATHS]
+        progress.note(f"{bench}: not run: {why}")
+        return [{"bench": bench, "case": p, "skipped": why} for p in paths]
     progress.add(len(sizes))
-    trainer = Trainer.options(runtime_env=ZERO_COPY_ENV).remote()  # (the env matters to Ray's path only)
-    where = [{"num_cpus": 0, "resources": {h: 1}} for h in HOSTS for _ in range(PER_HOST)]
-    loaders = {
-        "rdt": [Loader.options(**w).remote() for w in where],
-        "ray": [RayLoader.options(**w, runtime_env=ZERO_COPY_ENV).remote() for w in where],
-    }
+    actors, one_size = setup()
     rows: list[dict[str, Any]] = []
     try:
-        ray.get([trainer.ready.remote(), *(a.ready.remote() for side in loaders.values() for a in side)], timeout=180)
+        ray.get([a.ready.remote() for a in actors], timeout=180)
         for size in sizes:
-            with progress.step(f"fanout {human(size)} to {len(where)} consumers on 2 hosts, {len(PATHS)} paths in turns"):
-                rows += _size(trainer, loaders, size, repeat)
-            ray.get(trainer.drop.remote())
+            with progress.step(what.format(size=human(size))):
+                rows += one_size(size)
     finally:
-        for a in (trainer, *(a for side in loaders.values() for a in side)):
+        for a in actors:
             ray.kill(a)
     return rows
+
+
+def run(sizes: list[int], repeat: int, hosts: int, progress: Progress | None = None) -> list[dict[str, Any]]:
+    """Every size, the paths in turns: a cold pass of each, then `repeat` rounds of warm ones."""
+
+    def setup() -> tuple[list[Any], Sized]:
+        trainer = Trainer.options(runtime_env=ZERO_COPY_ENV).remote()  # (the env matters to Ray's path only)
+        loaders = {
+            "rdt": [Loader.options(**w).remote() for w in placements()],
+            "ray": [RayLoader.options(**w, runtime_env=ZERO_COPY_ENV).remote() for w in placements()],
+        }
+
+        def one_size(size: int) -> list[dict[str, Any]]:
+            rows = _size(trainer, loaders, size, repeat)
+            ray.get(trainer.drop.remote())
+            return rows
+
+        return [trainer, *loaders["rdt"], *loaders["ray"]], one_size
+
+    return each_size("fanout", PATHS, sizes, hosts, progress, setup,
+                     f"fanout {{size}} to {len(HOSTS) * PER_HOST} consumers on 2 hosts, {len(PATHS)} paths in turns")
 
 
 def _size(trainer: Any, loaders: dict[str, list[Any]], size: int, repeat: int) -> list[dict[str, Any]]:
     want = float(max(1, size // 4 // PARTS) * PARTS)
     passes: dict[str, list[dict[str, Any]]] = {p: [] for p in PATHS}
     for r in range(repeat + 1):  # the first round is cold
-        for path in PATHS[r % len(PATHS):] + PATHS[: r % len(PATHS)]:
+        for path in in_turns(PATHS, r):
             passes[path].append(_one_pass(path, trainer, loaders, size, want))
     rows = []
     for path in PATHS:
@@ -164,9 +213,7 @@ def _size(trainer: Any, loaders: dict[str, list[Any]], size: int, repeat: int) -
             row["relayed"] = statistics.median(p["relayed"] for p in warm)
             row["paths"] = sorted({u for p in warm for u in p["used"]})
         rows.append(row)
-    ray_s = next(r["seconds"] for r in rows if r["case"] == RAY_ZERO_COPY)
-    for row in rows:
-        row["vs_ray_zero_copy"] = round(row["seconds"] / ray_s, 3)
+    vs_ray_zero_copy(rows)
     return rows
 
 

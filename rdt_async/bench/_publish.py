@@ -1,0 +1,301 @@
+"""Versioned publishing across hosts: a trainer publishes its state dict every step to 8 subscribers (issue 33).
+
+`python -m rdt_async.bench --hosts three --only publish`: a trainer on the head host
+keeps a state dict of ~200 tensors (`--publish-sizes`, 1 GiB by default) in shared
+memory; 8 async inference actors, 4 on each other host, load every version into their
+own model's tensors. A pass publishes `STEPS` versions, the trainer writing the step's
+number into every tensor first (its training step, not timed), by one path; the paths
+take turns, the order rotating each round:
+
+- `rdt publish`: an `rdt.Publisher` in the trainer; each subscriber waits in `await
+  sub.next(into=its model)`.
+- `rdt publish, stream`: the same publisher, each subscriber iterating
+  `sub.stream(into=its model)` tensor by tensor.
+- `ray object store zero-copy`: the trainer `ray.put`s the state dict once per step
+  (`RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1`) and the ref goes to all 8; each awaits it
+  and copies it into its model.
+- `hand-written`: today's pattern without a publisher (examples/weight_sync.py before
+  it): the trainer waits with `rdt.wait_tensor_freed` until nobody reads its weights,
+  writes them in place, and an `@rdt.method` returns them: a ref per step, which each
+  subscriber fetches with `rdt.fetch(ref, into=its model)`.
+
+Each subscriber checks the version it got (one element of every 4 KiB page of every
+tensor must hold the step's number: a wrong version or a mix of two is an error row, not
+a timing). `seconds`: the median over the warm steps (every round but the first) of
+the time from the trainer starting to publish (the `publish` call, `ray.put`, the
+producing method's body) until all 8 hold that version and have checked it;
+`trainer_stall_s`: how long publishing blocked the trainer (`hand-written`: its wait
+before writing in place), against one warm copy of the state dict (`one_copy_s`);
+`loop_stall_ms`: the subscribers' worst event-loop stall while versions arrived;
+`publisher_bytes`: the publisher's slots (`Publisher.stats()`) against the state's
+bytes. The subscribers are `rdt.remote` actors on every path (Ray's path only awaits
+a plain ref in them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import ray
+import torch
+
+import rdt_async as rdt
+
+from ._fanout import (
+    RAY_ZERO_COPY,
+    ZERO_COPY_ENV,
+    Sized,
+    _Loader,
+    each_size,
+    fetches_since,
+    in_turns,
+    placements,
+    vs_ray_zero_copy,
+)
+from ._loop import LoopStall
+from ._progress import Progress
+
+TENSORS = 200  # the state dict's: half of them large (a layer's weight), half 4 KiB (its norm)
+SMALL = 1024  # elements of a small tensor
+STEPS = 4  # versions a pass publishes
+PAGE = 4096  # a subscriber checks one element of every page
+RDT_PUBLISH, RDT_STREAM, HAND_WRITTEN = "rdt publish", "rdt publish, stream", "hand-written"
+PATHS = (RDT_PUBLISH, RDT_STREAM, RAY_ZERO_COPY, HAND_WRITTEN)
+PUBLISHED = (RDT_PUBLISH, RDT_STREAM)  # the subscribers wait for the version before it is published
+
+
+def _state(size: int) -> dict[str, torch.Tensor]:
+    """A state dict of `size` bytes in all (unwritten): `TENSORS` float32 tensors, as a model's."""
+    layers = TENSORS // 2
+    n = max(1, (size - layers * SMALL * 4) // 4 // layers)
+    state = {}
+    for i in range(layers):
+        state[f"layer{i}.weight"] = torch.empty(n)
+        state[f"layer{i}.norm"] = torch.empty(SMALL)
+    return state
+
+
+def _copy_into(dst: Mapping[str, torch.Tensor], src: Mapping[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, t in src.items():
+            dst[name].copy_(t)
+
+
+def _one_copy_s(state: Mapping[str, torch.Tensor]) -> float:
+    """One warm copy of `state` into tensors of its own: the median of 3, after one that warms them."""
+    into = {k: torch.empty_like(t) for k, t in state.items()}
+    took = []
+    for _ in range(4):
+        started = time.perf_counter()
+        _copy_into(into, state)
+        took.append(time.perf_counter() - started)
+    return statistics.median(took[1:])
+
+
+def _wrong(model: Mapping[str, torch.Tensor], got: Mapping[str, torch.Tensor], value: float) -> str | None:
+    """What is wrong with the version `got` (it must be `model`'s tensors, each holding `value`), or None."""
+    for name, t in model.items():
+        if got[name].data_ptr() != t.data_ptr():
+            return f"{name} did not land in the model's tensor"
+        flat = t.reshape(-1)
+        seen = torch.cat([flat[:: PAGE // t.element_size()], flat[-1:]])
+        if not bool((seen == value).all()):
+            return f"{name} holds {seen.unique().tolist()[:4]}, not {value:g} throughout"
+    return None
+
+
+@rdt.remote
+class Trainer:
+    """Keeps a state dict in shared memory; each step writes it, then publishes it by one path."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, torch.Tensor] = {}
+        self.publisher: rdt.Publisher | None = None
+
+    async def setup(self, size: int, name: str) -> dict[str, float]:
+        """Make the state dict and its publisher; its bytes and one warm copy's time."""
+        self.state = await asyncio.to_thread(lambda: {k: t.share_memory_() for k, t in _state(size).items()})
+        self.publisher = rdt.Publisher(name)
+        one_copy = await asyncio.to_thread(_one_copy_s, self.state)
+        return {"state_bytes": sum(t.nbytes for t in self.state.values()), "one_copy_s": one_copy}
+
+    async def step(self, path: str, value: float) -> tuple[float | None, float, list[Any]]:
+        """Train (write `value` everywhere), then publish by `path`: (when publishing began,
+        how long it blocked the trainer, refs for the subscribers)."""
+        started = time.perf_counter()
+        for t in self.state.values():
+            await rdt.wait_tensor_freed(t)  # hand-written: nobody may read the version before
+        waited = time.perf_counter() - started
+        await asyncio.to_thread(lambda: [t.fill_(value) for t in self.state.values()])
+        if path == HAND_WRITTEN:
+            return None, waited, []  # `weights` publishes it: the wait is what it cost the trainer
+        at, started = time.time(), time.perf_counter()
+        refs = []
+        if path == RAY_ZERO_COPY:
+            refs.append(ray.put(self.state))
+        else:
+            assert self.publisher is not None  # (made by setup)
+            await self.publisher.publish(self.state)
+        return at, time.perf_counter() - started, refs
+
+    @rdt.method(tensor_transport="auto")
+    def weights(self) -> dict[str, Any]:
+        """The hand-written path's publish: the kept weights themselves, and when it began."""
+        return {"at": time.time(), "weights": self.state}
+
+    def memory(self) -> dict[str, Any]:
+        assert self.publisher is not None
+        return self.publisher.stats()
+
+    def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
+        self.publisher, self.state = None, {}
+
+    def ready(self) -> bool:
+        return True
+
+
+@rdt.remote
+class Subscriber(_Loader):
+    """An async inference actor: loads each version into its own model's tensors and checks it."""
+
+    weights = staticmethod(_state)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sub: rdt.Subscription | None = None
+
+    async def prepare(self, size: int, trainer: Any, name: str) -> None:
+        """Allocate and write the model (warm), and subscribe to `name`."""
+        await asyncio.to_thread(self.model, size)
+        self.sub = rdt.subscribe(trainer, name)
+
+    async def take(self, path: str, size: int, value: float, refs: list[Any]) -> dict[str, Any]:
+        """Load the next version by `path`, then check it: when it was checked, the loop's
+        worst stall meanwhile, when publishing began (hand-written), what went wrong."""
+        model, sub = self.model(size), self.sub
+        assert sub is not None  # (made by prepare)
+        before = dict(rdt.store_stats()["fetches"])
+        at = None
+        stall = LoopStall()
+        try:
+            if path == RDT_PUBLISH:
+                got = (await sub.next(into=model))[1]
+            elif path == RDT_STREAM:
+                got = {n: t async for n, t in sub.stream(into=model)}
+            elif path == HAND_WRITTEN:
+                value_ = await rdt.fetch(refs[0], into={"at": None, "weights": model})
+                at, got = value_["at"], value_["weights"]
+            else:
+                state = await refs[0]  # views of the node's copy in Ray's store
+                await asyncio.to_thread(_copy_into, model, state)
+                got, state = model, None
+        finally:
+            stalled = stall.stop()
+        wrong = await asyncio.to_thread(_wrong, model, got, value)
+        return {"done": time.time(), "stall_s": stalled, "at": at, "wrong": wrong, "used": fetches_since(before),
+                "apply_s": sub.apply_s if path == RDT_PUBLISH else None}
+
+
+def run(sizes: list[int], repeat: int, hosts: int, progress: Progress | None = None) -> list[dict[str, Any]]:
+    """Every size, the paths in turns: a cold pass of each, then `repeat` rounds of warm ones."""
+
+    def setup() -> tuple[list[Any], Sized]:
+        trainer = Trainer.options(runtime_env=ZERO_COPY_ENV).remote()  # (the env matters to Ray's path only)
+        subs = [Subscriber.options(**w, runtime_env=ZERO_COPY_ENV).remote() for w in placements()]
+
+        def one_size(size: int) -> list[dict[str, Any]]:
+            try:
+                return _size(trainer, subs, size, repeat)
+            finally:
+                ray.get(trainer.close.remote())
+
+        return [trainer, *subs], one_size
+
+    return each_size("publish", PATHS, sizes, hosts, progress, setup,
+                     f"publish {{size}} every step to {len(placements())} subscribers on 2 hosts, "
+                     f"{len(PATHS)} paths in turns")
+
+
+def _size(trainer: Any, subs: list[Any], size: int, repeat: int) -> list[dict[str, Any]]:
+    name = f"weights-{size}"
+    setup = ray.get(trainer.setup.remote(size, name), timeout=600)
+    ray.get([s.prepare.remote(size, trainer, name) for s in subs], timeout=600)
+    passes: dict[str, list[list[dict[str, Any]]]] = {p: [] for p in PATHS}
+    failed: dict[str, str] = {}
+    memory: dict[str, Any] = {}
+    value = 0.0  # each step's number: every version differs from every other
+    for r in range(repeat + 1):  # the first round is cold
+        for path in in_turns(PATHS, r):
+            if path in failed:
+                continue
+            steps = []
+            try:
+                for _ in range(STEPS):
+                    value += 1
+                    steps.append(_one_step(path, trainer, subs, size, value))
+            except Exception as e:  # a wrong version, or a path that broke: its row says so
+                failed[path] = f"{type(e).__name__}: {e}"
+            passes[path].append(steps)
+            if path in PUBLISHED:
+                memory = ray.get(trainer.memory.remote())
+    rows = [_row(path, passes[path], failed.get(path), setup, memory, size, len(subs)) for path in PATHS]
+    _with_ratios(rows)
+    return rows
+
+
+def _with_ratios(rows: list[dict[str, Any]]) -> None:
+    """Give each timed row its ratios to Ray's zero-copy store and to the hand-written pattern."""
+    vs_ray_zero_copy(rows)
+    hand = next((r["seconds"] for r in rows if r["case"] == HAND_WRITTEN and "seconds" in r), None)
+    for row in rows:
+        if hand and "seconds" in row:
+            row["vs_hand_written"] = round(row["seconds"] / hand, 3)
+
+
+def _one_step(path: str, trainer: Any, subs: list[Any], size: int, value: float) -> dict[str, Any]:
+    """Publish one version by `path` and wait until every subscriber has checked it."""
+    takes = [s.take.remote(path, size, value, []) for s in subs] if path in PUBLISHED else []
+    at, stall, refs = ray.get(trainer.step.remote(path, value), timeout=600)
+    if path == HAND_WRITTEN:
+        refs = [trainer.weights.remote()]
+    takes = takes or [s.take.remote(path, size, value, refs) for s in subs]
+    del refs  # (each take holds its own)
+    out = ray.get(takes, timeout=600)
+    wrong = next((o["wrong"] for o in out if o["wrong"]), None)
+    if wrong is not None:
+        raise AssertionError(f"{path}, version {value:g}: {wrong}")
+    at = out[0]["at"] if at is None else at
+    used = [(k, n) for o in out for k, n in o["used"].items()]
+    return {"seconds": max(o["done"] for o in out) - at, "trainer_stall_s": stall,
+            "stall_s": max(o["stall_s"] for o in out), "apply_s": max(o["apply_s"] or 0.0 for o in out),
+            "link": sum(n for k, n in used if k != "relay"), "relayed": sum(n for k, n in used if k == "relay")}
+
+
+def _row(path: str, passes: list[list[dict[str, Any]]], error: str | None, setup: dict[str, float],
+         memory: dict[str, Any], size: int, subscribers: int) -> dict[str, Any]:
+    row: dict[str, Any] = {"bench": "publish", "case": path, "size": size, "subscribers": subscribers, "hosts": 3}
+    warm = [s for steps in passes[1:] for s in steps]
+    if error is not None or not warm:
+        return {**row, "error": error or "no warm step ran"}
+
+    def median(key: str) -> float:
+        return float(statistics.median(s[key] for s in warm))
+
+    row.update(cold_s=passes[0][0]["seconds"], seconds=median("seconds"), trainer_stall_s=median("trainer_stall_s"),
+               loop_stall_ms=round(max(s["stall_s"] for s in warm) * 1e3, 3))
+    row["trainer_stall_vs_one_copy"] = round(row["trainer_stall_s"] / setup["one_copy_s"], 3)
+    row["one_copy_s"], row["state_bytes"] = setup["one_copy_s"], setup["state_bytes"]
+    if path == RDT_PUBLISH:
+        row["apply_s"] = median("apply_s")  # the slowest subscriber's fetch, from the poll's answer
+    if path != RAY_ZERO_COPY:
+        row["link_transfers"], row["relayed"] = median("link"), median("relayed")
+    if path in PUBLISHED and memory:
+        row["publisher_slots"], row["publisher_bytes"] = memory["slots"], memory["slots"] * memory["slot_bytes"]
+        row["memory_vs_state"] = round(row["publisher_bytes"] / setup["state_bytes"], 3)
+    return row
