@@ -197,9 +197,10 @@ class Subscriber(_Loader):
                 got, state = model, None
         finally:
             stalled = stall.stop()
+        loaded = time.time()
         wrong = await asyncio.to_thread(_wrong, model, got, value)
-        return {"done": time.time(), "stall_s": stalled, "at": at, "wrong": wrong, "used": fetches_since(before),
-                "apply_s": sub.apply_s if path == RDT_PUBLISH else None}
+        return {"loaded": loaded, "done": time.time(), "stall_s": stalled, "at": at, "wrong": wrong,
+                "used": fetches_since(before), "apply_s": sub.apply_s if path == RDT_PUBLISH else None}
 
 
 def run(sizes: list[int], repeat: int, hosts: int, progress: Progress | None = None) -> list[dict[str, Any]]:
@@ -273,6 +274,7 @@ def _one_step(path: str, trainer: Any, subs: list[Any], size: int, value: float)
     at = out[0]["at"] if at is None else at
     used = [(k, n) for o in out for k, n in o["used"].items()]
     return {"seconds": max(o["done"] for o in out) - at, "trainer_stall_s": stall,
+            "first_loaded_s": min(o["loaded"] for o in out) - at, "all_loaded_s": max(o["loaded"] for o in out) - at,
             "stall_s": max(o["stall_s"] for o in out), "apply_s": max(o["apply_s"] or 0.0 for o in out),
             "link": sum(n for k, n in used if k != "relay"), "relayed": sum(n for k, n in used if k == "relay")}
 
@@ -289,6 +291,8 @@ def _row(path: str, passes: list[list[dict[str, Any]]], error: str | None, setup
 
     row.update(cold_s=passes[0][0]["seconds"], seconds=median("seconds"), trainer_stall_s=median("trainer_stall_s"),
                loop_stall_ms=round(max(s["stall_s"] for s in warm) * 1e3, 3))
+    # Where the time went: the first subscriber, then all, held the version (then checked it: `seconds`).
+    row["breakdown"] = {k: median(k) for k in ("first_loaded_s", "all_loaded_s")}
     row["trainer_stall_vs_one_copy"] = round(row["trainer_stall_s"] / setup["one_copy_s"], 3)
     row["one_copy_s"], row["state_bytes"] = setup["one_copy_s"], setup["state_bytes"]
     if path == RDT_PUBLISH:
