@@ -86,8 +86,11 @@ def _copy_into(dst: Mapping[str, torch.Tensor], src: Mapping[str, torch.Tensor])
 
 
 def _one_copy_s(state: Mapping[str, torch.Tensor]) -> float:
-    """One warm copy of `state` into tensors of its own: the median of 3, after one that warms them."""
-    into = {k: torch.empty_like(t) for k, t in state.items()}
+    """One warm copy of `state` into one storage of its own (as a publisher's slot): the median
+    of 3, after one that warms it. One storage, so that its memory goes back when it does."""
+    sizes = [t.numel() for t in state.values()]
+    flat = torch.empty(sum(sizes))  # (the state is float32)
+    into = {k: part.view(t.shape) for (k, t), part in zip(state.items(), flat.split(sizes))}
     took = []
     for _ in range(4):
         started = time.perf_counter()
@@ -212,9 +215,12 @@ def run(sizes: list[int], repeat: int, hosts: int, progress: Progress | None = N
 
         def one_size(size: int) -> list[dict[str, Any]]:
             try:
-                return _size(trainer, subs, size, repeat)
-            finally:
-                ray.get(trainer.close.remote())
+                rows = _size(trainer, subs, size, repeat)
+            except Exception as e:  # the setup failed, or an actor died: every path's row says so
+                error = f"{type(e).__name__}: {e}"
+                return [{"bench": "publish", "case": p, "size": size, "error": error} for p in PATHS]
+            ray.get(trainer.close.remote())
+            return rows
 
         return [trainer, *subs], one_size
 
@@ -240,11 +246,11 @@ def _size(trainer: Any, subs: list[Any], size: int, repeat: int) -> list[dict[st
                 for _ in range(STEPS):
                     value += 1
                     steps.append(_one_step(path, trainer, subs, size, value))
+                if path in PUBLISHED:
+                    memory = ray.get(trainer.memory.remote())
             except Exception as e:  # a wrong version, or a path that broke: its row says so
                 failed[path] = f"{type(e).__name__}: {e}"
             passes[path].append(steps)
-            if path in PUBLISHED:
-                memory = ray.get(trainer.memory.remote())
     rows = [_row(path, passes[path], failed.get(path), setup, memory, size, len(subs)) for path in PATHS]
     _with_ratios(rows)
     return rows
