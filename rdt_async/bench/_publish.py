@@ -45,6 +45,7 @@ import torch
 
 import rdt_async as rdt
 
+from ..transports._segments import idle_s
 from ._fanout import (
     RAY_ZERO_COPY,
     ZERO_COPY_ENV,
@@ -66,6 +67,10 @@ PAGE = 4096  # a subscriber checks one element of every page
 RDT_PUBLISH, RDT_STREAM, HAND_WRITTEN = "rdt publish", "rdt publish, stream", "hand-written"
 PATHS = (RDT_PUBLISH, RDT_STREAM, RAY_ZERO_COPY, HAND_WRITTEN)
 PUBLISHED = (RDT_PUBLISH, RDT_STREAM)  # the subscribers wait for the version before it is published
+# From this size on, a pause after each pass lets the idle pools of one path (rdt's warm
+# memfds and segments, kept RDT_SHM_IDLE_S) go before the next: with every host on one
+# machine, 8 subscribers' pools beside Ray's store would not fit in 24 GiB.
+CROWDED_BYTES = 512 << 20
 
 
 def _state(size: int) -> dict[str, torch.Tensor]:
@@ -216,10 +221,10 @@ def run(sizes: list[int], repeat: int, hosts: int, progress: Progress | None = N
         def one_size(size: int) -> list[dict[str, Any]]:
             try:
                 rows = _size(trainer, subs, size, repeat)
+                ray.get(trainer.close.remote())
             except Exception as e:  # the setup failed, or an actor died: every path's row says so
                 error = f"{type(e).__name__}: {e}"
                 return [{"bench": "publish", "case": p, "size": size, "error": error} for p in PATHS]
-            ray.get(trainer.close.remote())
             return rows
 
         return [trainer, *subs], one_size
@@ -251,6 +256,8 @@ def _size(trainer: Any, subs: list[Any], size: int, repeat: int) -> list[dict[st
             except Exception as e:  # a wrong version, or a path that broke: its row says so
                 failed[path] = f"{type(e).__name__}: {e}"
             passes[path].append(steps)
+            if size >= CROWDED_BYTES:
+                time.sleep(idle_s() + 2)
     rows = [_row(path, passes[path], failed.get(path), setup, memory, size, len(subs)) for path in PATHS]
     _with_ratios(rows)
     return rows
