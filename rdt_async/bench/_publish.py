@@ -208,7 +208,7 @@ class Subscriber(_Loader):
         loaded = time.time()
         wrong = await asyncio.to_thread(_wrong, model, got, value)
         return {"loaded": loaded, "done": time.time(), "stall_s": stalled, "at": at, "wrong": wrong,
-                "used": fetches_since(before), "apply_s": sub.apply_s if path == RDT_PUBLISH else None}
+                "used": fetches_since(before), "apply_s": sub.apply_s if path in PUBLISHED else None}
 
 
 def run(sizes: list[int], repeat: int, hosts: int, progress: Progress | None = None) -> list[dict[str, Any]]:
@@ -223,7 +223,7 @@ def run(sizes: list[int], repeat: int, hosts: int, progress: Progress | None = N
                 rows = _size(trainer, subs, size, repeat)
                 ray.get(trainer.close.remote())
             except Exception as e:  # the setup failed, or an actor died: every path's row says so
-                error = f"{type(e).__name__}: {e}"
+                error = f"{type(e).__name__}: {e}"[:400]
                 return [{"bench": "publish", "case": p, "size": size, "error": error} for p in PATHS]
             return rows
 
@@ -254,7 +254,7 @@ def _size(trainer: Any, subs: list[Any], size: int, repeat: int) -> list[dict[st
                 if path in PUBLISHED:
                     memory = ray.get(trainer.memory.remote())
             except Exception as e:  # a wrong version, or a path that broke: its row says so
-                failed[path] = f"{type(e).__name__}: {e}"
+                failed[path] = f"{type(e).__name__}: {e}"[:400]
             passes[path].append(steps)
             if size >= CROWDED_BYTES:
                 time.sleep(idle_s() + 2)
@@ -287,9 +287,23 @@ def _one_step(path: str, trainer: Any, subs: list[Any], size: int, value: float)
     at = out[0]["at"] if at is None else at
     used = [(k, n) for o in out for k, n in o["used"].items()]
     return {"seconds": max(o["done"] for o in out) - at, "trainer_stall_s": stall,
-            "first_loaded_s": min(o["loaded"] for o in out) - at, "all_loaded_s": max(o["loaded"] for o in out) - at,
-            "stall_s": max(o["stall_s"] for o in out), "apply_s": max(o["apply_s"] or 0.0 for o in out),
-            "link": sum(n for k, n in used if k != "relay"), "relayed": sum(n for k, n in used if k == "relay")}
+            "stall_s": max(o["stall_s"] for o in out), "link": sum(n for k, n in used if k != "relay"),
+            "relayed": sum(n for k, n in used if k == "relay"), "breakdown": _breakdown(out, at)}
+
+
+def _breakdown(out: list[dict[str, Any]], at: float) -> dict[str, float]:
+    """When (from `at`) the subscribers held the version: the first, those that read it over
+    the link, those the relay served, all; and (publisher) when the last heard of it."""
+    linked = [o["loaded"] for o in out if any(k != "relay" for k in o["used"])]
+    relayed = [o["loaded"] for o in out if "relay" in o["used"]]
+    times = {"first_loaded_s": min(o["loaded"] for o in out), "all_loaded_s": max(o["loaded"] for o in out)}
+    if all(o["apply_s"] is not None for o in out):  # (its fetch, from the poll's answer)
+        times["answered_s"] = max(o["loaded"] - o["apply_s"] for o in out)
+    if linked:
+        times["link_loaded_s"] = max(linked)
+    if relayed:
+        times["relayed_loaded_s"] = max(relayed)
+    return {k: t - at for k, t in times.items()}
 
 
 def _row(path: str, passes: list[list[dict[str, Any]]], error: str | None, setup: dict[str, float],
@@ -304,12 +318,11 @@ def _row(path: str, passes: list[list[dict[str, Any]]], error: str | None, setup
 
     row.update(cold_s=passes[0][0]["seconds"], seconds=median("seconds"), trainer_stall_s=median("trainer_stall_s"),
                loop_stall_ms=round(max(s["stall_s"] for s in warm) * 1e3, 3))
-    # Where the time went: the first subscriber, then all, held the version (then checked it: `seconds`).
-    row["breakdown"] = {k: median(k) for k in ("first_loaded_s", "all_loaded_s")}
+    # Where the time went, until every subscriber had checked the version (`seconds`).
+    every = [k for k in warm[0]["breakdown"] if all(k in s["breakdown"] for s in warm)]
+    row["breakdown"] = {k: round(statistics.median(s["breakdown"][k] for s in warm), 4) for k in every}
     row["trainer_stall_vs_one_copy"] = round(row["trainer_stall_s"] / setup["one_copy_s"], 3)
     row["one_copy_s"], row["state_bytes"] = setup["one_copy_s"], setup["state_bytes"]
-    if path == RDT_PUBLISH:
-        row["apply_s"] = median("apply_s")  # the slowest subscriber's fetch, from the poll's answer
     if path != RAY_ZERO_COPY:
         row["link_transfers"], row["relayed"] = median("link"), median("relayed")
     if path in PUBLISHED and memory:
