@@ -45,7 +45,6 @@ import torch
 
 import rdt_async as rdt
 
-from ..transports._segments import idle_s
 from ._fanout import (
     RAY_ZERO_COPY,
     ZERO_COPY_ENV,
@@ -67,10 +66,13 @@ PAGE = 4096  # a subscriber checks one element of every page
 RDT_PUBLISH, RDT_STREAM, HAND_WRITTEN = "rdt publish", "rdt publish, stream", "hand-written"
 PATHS = (RDT_PUBLISH, RDT_STREAM, RAY_ZERO_COPY, HAND_WRITTEN)
 PUBLISHED = (RDT_PUBLISH, RDT_STREAM)  # the subscribers wait for the version before it is published
-# From this size on, a pause after each pass lets the idle pools of one path (rdt's warm
-# memfds and segments, kept RDT_SHM_IDLE_S) go before the next: with every host on one
-# machine, 8 subscribers' pools beside Ray's store would not fit in 24 GiB.
-CROWDED_BYTES = 512 << 20
+# Every host shares one machine (24 GiB here): 8 models, the trainer's slots and Ray's
+# store on three nodes leave no room for rdt's idle warm shared memory, kept 10 s by
+# default (the relay's memfds, each version's, stay mapped that long in every subscriber
+# of a host). The actors keep it IDLE_S instead, and each pass is followed by a pause that
+# lets one path's idle memory go before the next.
+IDLE_S = 1.0
+ENV = {"env_vars": {**ZERO_COPY_ENV["env_vars"], "RDT_SHM_IDLE_S": str(IDLE_S)}}  # (zero-copy: Ray's path only)
 
 
 def _state(size: int) -> dict[str, torch.Tensor]:
@@ -215,8 +217,8 @@ def run(sizes: list[int], repeat: int, hosts: int, progress: Progress | None = N
     """Every size, the paths in turns: a cold pass of each, then `repeat` rounds of warm ones."""
 
     def setup() -> tuple[list[Any], Sized]:
-        trainer = Trainer.options(runtime_env=ZERO_COPY_ENV).remote()  # (the env matters to Ray's path only)
-        subs = [Subscriber.options(**w, runtime_env=ZERO_COPY_ENV).remote() for w in placements()]
+        trainer = Trainer.options(runtime_env=ENV).remote()
+        subs = [Subscriber.options(**w, runtime_env=ENV).remote() for w in placements()]
 
         def one_size(size: int) -> list[dict[str, Any]]:
             try:
@@ -256,8 +258,7 @@ def _size(trainer: Any, subs: list[Any], size: int, repeat: int) -> list[dict[st
             except Exception as e:  # a wrong version, or a path that broke: its row says so
                 failed[path] = f"{type(e).__name__}: {e}"[:400]
             passes[path].append(steps)
-            if size >= CROWDED_BYTES:
-                time.sleep(idle_s() + 2)
+            time.sleep(IDLE_S + 2)
     rows = [_row(path, passes[path], failed.get(path), setup, memory, size, len(subs)) for path in PATHS]
     _with_ratios(rows)
     return rows
