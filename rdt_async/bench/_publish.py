@@ -222,12 +222,10 @@ def run(sizes: list[int], repeat: int, hosts: int, progress: Progress | None = N
 
         def one_size(size: int) -> list[dict[str, Any]]:
             try:
-                rows = _size(trainer, subs, size, repeat)
-                ray.get(trainer.close.remote())
-            except Exception as e:  # the setup failed, or an actor died: every path's row says so
+                return _size(trainer, subs, size, repeat)
+            except Exception as e:  # the setup failed: every path's row says so
                 error = f"{type(e).__name__}: {e}"[:400]
                 return [{"bench": "publish", "case": p, "size": size, "error": error} for p in PATHS]
-            return rows
 
         return [trainer, *subs], one_size
 
@@ -241,12 +239,13 @@ def _size(trainer: Any, subs: list[Any], size: int, repeat: int) -> list[dict[st
     setup = ray.get(trainer.setup.remote(size, name), timeout=600)
     ray.get([s.prepare.remote(size, trainer, name) for s in subs], timeout=600)
     passes: dict[str, list[list[dict[str, Any]]]] = {p: [] for p in PATHS}
-    failed: dict[str, str] = {}
+    wrong: dict[str, str] = {}  # a wrong version: the row is an error, not a timing
+    broke: dict[str, str] = {}  # the path (or an actor) broke: the passes before still count
     memory: dict[str, Any] = {}
     value = 0.0  # each step's number: every version differs from every other
     for r in range(repeat + 1):  # the first round is cold
         for path in in_turns(PATHS, r):
-            if path in failed:
+            if path in wrong or path in broke:
                 continue
             steps = []
             try:
@@ -255,11 +254,18 @@ def _size(trainer: Any, subs: list[Any], size: int, repeat: int) -> list[dict[st
                     steps.append(_one_step(path, trainer, subs, size, value))
                 if path in PUBLISHED:
                     memory = ray.get(trainer.memory.remote())
-            except Exception as e:  # a wrong version, or a path that broke: its row says so
-                failed[path] = f"{type(e).__name__}: {e}"[:400]
-            passes[path].append(steps)
+            except AssertionError as e:
+                wrong[path] = f"{type(e).__name__}: {e}"[:400]
+            except Exception as e:
+                broke[path] = f"round {r}: {type(e).__name__}: {e}"[:400]
+            else:
+                passes[path].append(steps)
             time.sleep(IDLE_S + 2)
-    rows = [_row(path, passes[path], failed.get(path), setup, memory, size, len(subs)) for path in PATHS]
+    try:
+        ray.get(trainer.close.remote())
+    except ray.exceptions.RayError:  # (it died: the rows say what broke)
+        pass
+    rows = [_row(p, passes[p], wrong.get(p), broke.get(p), setup, memory, size, len(subs)) for p in PATHS]
     _with_ratios(rows)
     return rows
 
@@ -307,12 +313,14 @@ def _breakdown(out: list[dict[str, Any]], at: float) -> dict[str, float]:
     return {k: t - at for k, t in times.items()}
 
 
-def _row(path: str, passes: list[list[dict[str, Any]]], error: str | None, setup: dict[str, float],
-         memory: dict[str, Any], size: int, subscribers: int) -> dict[str, Any]:
+def _row(path: str, passes: list[list[dict[str, Any]]], wrong: str | None, broke: str | None,
+         setup: dict[str, float], memory: dict[str, Any], size: int, subscribers: int) -> dict[str, Any]:
     row: dict[str, Any] = {"bench": "publish", "case": path, "size": size, "subscribers": subscribers, "hosts": 3}
     warm = [s for steps in passes[1:] for s in steps]
-    if error is not None or not warm:
-        return {**row, "error": error or "no warm step ran"}
+    if wrong is not None or not warm:
+        return {**row, "error": wrong or broke or "no warm step ran"}
+    if broke is not None:
+        row["broke"] = broke  # after the passes timed here
 
     def median(key: str) -> float:
         return float(statistics.median(s[key] for s in warm))
