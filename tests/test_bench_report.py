@@ -254,3 +254,19 @@ def test_a_subscriber_s_check_finds_a_wrong_version_a_mix_and_a_torn_tensor():
     model["layer9.weight"][-5000:] = 2.0  # torn: the tail of a tensor from the version before
     assert _wrong(model, model, 3.0).startswith("layer9.weight holds [2.0, 3.0]")
     assert _wrong(model, {**model, "layer1.norm": torch.zeros(1024)}, 3.0) == "layer1.norm did not land in the model's tensor"
+
+
+def test_a_publish_path_that_broke_keeps_the_passes_it_finished_but_a_wrong_version_is_an_error():
+    from rdt_async.bench._publish import _row
+
+    step = {"seconds": 0.5, "trainer_stall_s": 0.02, "stall_s": 0.004, "link": 2, "relayed": 6,
+            "breakdown": {"first_loaded_s": 0.3, "all_loaded_s": 0.45}}
+    setup, memory = {"one_copy_s": 0.02, "state_bytes": 64 * MIB}, {"slots": 2, "slot_bytes": 64 * MIB}
+    cold_and_warm = [[step] * 4, [step] * 4]
+    broke = "round 2: OutOfMemoryError: 1 worker(s) were killed"
+    row = _row("rdt publish", cold_and_warm, None, broke, setup, memory, 64 * MIB, 8)
+    assert row["seconds"] == 0.5 and row["broke"] == broke and "error" not in row
+    assert row["breakdown"] == {"first_loaded_s": 0.3, "all_loaded_s": 0.45} and row["memory_vs_state"] == 2.0
+    assert _row("rdt publish", cold_and_warm[:1], None, broke, setup, memory, 64 * MIB, 8)["error"] == broke
+    wrong = "AssertionError: rdt publish, version 7: layer3.weight holds [6.0], not 7 throughout"
+    assert "seconds" not in _row("rdt publish", cold_and_warm, wrong, None, setup, memory, 64 * MIB, 8)
