@@ -28,7 +28,10 @@ producing method's body) until all 8 hold that version and have checked it;
 before writing in place), against one warm copy of the state dict (`one_copy_s`);
 `loop_stall_ms`: the subscribers' worst event-loop stall while versions arrived;
 `publisher_bytes`: the publisher's slots (`Publisher.stats()`) against the state's
-bytes. The subscribers are `rdt.remote` actors on every path (Ray's path only awaits
+bytes; `breakdown`: when the first subscriber, those that read over the link, those the
+relay served and all held the version (publishing paths: when the last heard of it). A
+path that breaks (an actor killed) keeps the passes it finished and says what broke
+(`broke`). The subscribers are `rdt.remote` actors on every path (Ray's path only awaits
 a plain ref in them).
 """
 
