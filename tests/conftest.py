@@ -93,6 +93,32 @@ def cluster():
             hosts.close()
 
 
+@pytest.fixture(scope="session")
+def sync_producer(cluster):
+    """A helpers.SyncProducer on the head host, shared by the modules that use it as it is
+    (each actor is a process that imports torch: ~5 CPU-s). A test frees what it made with
+    it; one that kills its producer, or needs one elsewhere, makes its own."""
+    import ray
+    from helpers import SyncProducer
+
+    p = SyncProducer.remote()
+    ray.get(p.pid.remote())  # up before a first test's deadlines start
+    yield p
+    ray.kill(p)
+
+
+@pytest.fixture(scope="session")
+def async_consumer(cluster):
+    """A helpers.AsyncConsumer on the head host, shared as sync_producer is."""
+    import ray
+    from helpers import AsyncConsumer
+
+    c = AsyncConsumer.remote()
+    ray.get(c.ping.remote())
+    yield c
+    ray.kill(c)
+
+
 @pytest.fixture
 def ray_session(cluster):
     """The shared cluster; checks that the test leaves no shared-memory segment behind."""

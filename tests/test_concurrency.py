@@ -84,15 +84,12 @@ class Watched(FetchesWithTimeout):
         return gc.get_freeze_count()
 
 
-# One producer and one consumer for the module (each actor is a new process that imports
+# The session's producer, and the module's actors (each actor is a new process that imports
 # torch): a test that kills its producer makes its own. Every test frees what it made.
 # Each is up before its first test starts, whose deadlines then time the test, not a start.
-@pytest.fixture(scope="module")
-def producer():
-    p = SyncProducer.remote()
-    ray.get(p.pid.remote())
-    yield p
-    ray.kill(p)
+@pytest.fixture
+def producer(sync_producer):
+    return sync_producer
 
 
 @pytest.fixture(scope="module")

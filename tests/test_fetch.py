@@ -9,7 +9,7 @@ import warnings
 import pytest
 import ray
 import torch
-from helpers import AsyncConsumer, SyncProducer, checksum
+from helpers import checksum
 
 import rdt_async as rdt
 
@@ -38,14 +38,14 @@ class ThreadedProducer:
         return (torch.full((n,), 2.0), "tag")
 
 
-@pytest.fixture(scope="module")
-def producer():
-    return SyncProducer.remote()
+@pytest.fixture
+def producer(sync_producer):
+    return sync_producer
 
 
-@pytest.fixture(scope="module")
-def consumer():
-    return AsyncConsumer.remote()
+@pytest.fixture
+def consumer(async_consumer):
+    return async_consumer
 
 
 def test_ref_resolves_to_rdt_object_whose_repr_says_how_to_fetch(producer):

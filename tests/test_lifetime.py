@@ -13,7 +13,7 @@ import pytest
 import ray
 import torch
 from conftest import rdt_segments, wait_until
-from helpers import AsyncConsumer, SyncProducer
+from helpers import SyncProducer
 
 import rdt_async as rdt
 
@@ -28,26 +28,19 @@ def segments_of(pid: int) -> set[str]:
     return {s for s in rdt_segments() if s.startswith(f"rdt-{pid}-")}
 
 
-@pytest.fixture(scope="module")
-def shared_producer(cluster):
-    p = SyncProducer.remote()
-    yield p, ray.get(p.pid.remote())
-    ray.kill(p)
+@pytest.fixture
+def producer(sync_producer):
+    """The session's shared producer, found and left clean: nothing in its store, no segment of its."""
+    p, pid = sync_producer, ray.get(sync_producer.pid.remote())
+    clean = lambda: objects_of(p) == 0 and not segments_of(pid)  # noqa: E731
+    wait_until(clean, 10, lambda: "the shared producer came with objects of another test")
+    yield p
+    wait_until(clean, 10, lambda: "the shared producer keeps objects")
 
 
 @pytest.fixture
-def producer(shared_producer):
-    """The shared producer, left as found: nothing in its store, no segment of its."""
-    p, pid = shared_producer
-    yield p
-    wait_until(lambda: objects_of(p) == 0 and not segments_of(pid), 10, lambda: "the shared producer keeps objects")
-
-
-@pytest.fixture(scope="module")
-def consumer(cluster):
-    c = AsyncConsumer.remote()
-    yield c
-    ray.kill(c)
+def consumer(async_consumer):
+    return async_consumer
 
 
 def test_store_goes_back_to_zero_when_refs_are_dropped(producer, consumer):

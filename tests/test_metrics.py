@@ -10,7 +10,6 @@ import pytest
 import ray
 import torch
 from conftest import wait_until
-from helpers import SyncProducer
 
 import rdt_async as rdt
 
@@ -73,11 +72,13 @@ def _wait_for(check, timeout: float = 60.0):
 
 
 @pytest.fixture
-def actors():
-    producer, reader = SyncProducer.remote(), Reader.remote()
-    yield producer, reader
+def actors(sync_producer):
+    """The session's producer (holding nothing of another test: its gauges count this one's
+    objects only) and a reader of this test's."""
+    wait_until(lambda: ray.get(sync_producer.stats.remote())["objects"] == 0, 10)
+    reader = Reader.remote()
+    yield sync_producer, reader
     ray.kill(reader)
-    ray.kill(producer)
 
 
 def test_fetches_bytes_latency_errors_and_held_objects_show_in_rays_metrics_endpoint(actors):

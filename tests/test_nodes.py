@@ -35,15 +35,15 @@ class Reader:
 
 
 @pytest.fixture(scope="module")
-def actors():
-    """One producer and one reader on each node, shared by the module's tests."""
+def actors(sync_producer):
+    """One producer and one reader on each node, shared by the module's tests (the producer
+    here is the session's)."""
     made = {
-        "here": SyncProducer.remote(),
         "there": SyncProducer.options(**ON_NODE2).remote(),
         "near": Reader.remote(),
         "far": Reader.options(**ON_NODE2).remote(),
     }
-    yield made
+    yield {"here": sync_producer, **made}
     for actor in made.values():
         ray.kill(actor)
 
