@@ -11,7 +11,8 @@ I/O: it yields each READ and learns its outcome. `read` posts them from the I/O 
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+import logging
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from typing import Any
 
 import torch
@@ -33,6 +34,13 @@ ALIGN = 64  # offsets of tensors that share a fetched block or a bounce chunk
 OWN_BYTES = BOUNCE_BYTES
 
 Desc = tuple[int, int, int, str]  # a producer's tensor: address, nbytes, device index, memory type
+_log = logging.getLogger("rdt_async")
+# What READs that outlived their cancel land in (ReadPlan._stuck): kept for the process's life.
+_held_by_nixl: list[Any] = []
+
+
+async def _nothing() -> None:
+    """No connection to close (a `disconnect` that does nothing)."""
 
 
 class ReadPlan:
@@ -67,15 +75,20 @@ class ReadPlan:
             else torch.zeros(1, dtype=torch.int64)  # registered for this fetch only
         )
         self._keys: list[Key] = []
+        self._held_by_nixl = False
 
     @property
     def in_scratch(self) -> bool:
         """Say whether every READ lands in memory registered once (what `read_now` needs)."""
         return self._bounce >= 0 and self._landing >= 0
 
-    async def read(self, agent: Agent, remote: str) -> list[torch.Tensor]:
+    async def read(
+        self, agent: Agent, remote: str, disconnect: Callable[[], Awaitable[None]] = _nothing
+    ) -> list[torch.Tensor]:
         """Register what the READs need, post them in order, and return the tensors.
 
+        `disconnect` closes the connection to `remote`: a cancelled READ that NIXL cannot
+        let go of otherwise (its reply held up by a partition) ends so.
         Runs on: consumer (I/O loop).
         Raises: ObjectFreedError if the liveness slot says the object is gone, else the
         first failed READ's error.
@@ -88,7 +101,7 @@ class ReadPlan:
             while True:
                 read = steps.send(None) if failed is None else steps.throw(failed)
                 try:
-                    await post(agent, remote, read)
+                    await post(agent, remote, read, disconnect, self._stuck)
                     failed = None
                 except Exception as exc:
                     failed = exc
@@ -112,8 +125,22 @@ class ReadPlan:
             steps.close()
         return True
 
+    def _stuck(self) -> None:
+        """A READ of this plan outlived its cancel, its connection closed: NIXL may still
+        write its memory, so `release` gives none of it back (a leak, never a late write
+        into memory used again)."""
+        self._held_by_nixl = True
+        _held_by_nixl.append((self._lands, self.out, self._lslot))  # their storages outlive every reference
+        _log.warning(
+            "rdt_async: a cancelled nixl READ of object %s could not be ended (its producer unreachable): "
+            "the memory it lands in stays registered and is never reused", self.info.obj_id
+        )
+
     def release(self) -> None:
-        """Give back the landing slot, the bounce chunk and the fetch's registrations (once)."""
+        """Give back the landing slot, the bounce chunk and the fetch's registrations (once),
+        unless a READ NIXL still holds lands in them."""
+        if self._held_by_nixl:
+            return
         self._scratch.landing.give(self._landing)
         self._scratch.bounce.give(self._bounce)
         self._landing = self._bounce = -1

@@ -16,7 +16,7 @@ import functools
 import os
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import torch
 
@@ -206,7 +206,7 @@ class NixlTransport(Transport[NixlMeta]):
                     raise _died(info)
                 remote = await here.peers.connect(meta)
                 epoch = here.peers.epoch(meta.agent)
-                return await self._read_object(here, remote, info, buffers)
+                return await self._read_object(here, remote, info, buffers, functools.partial(here.peers.forget, meta.agent, epoch))
             except asyncio.CancelledError:
                 raise
             except BaseException as exc:
@@ -223,16 +223,19 @@ class NixlTransport(Transport[NixlMeta]):
         raise AssertionError("unreachable: the second try returns or raises")
 
     async def _read_object(
-        self, here: _Here, remote: str, info: TransferInfo[NixlMeta], buffers: list[torch.Tensor] | None
+        self, here: _Here, remote: str, info: TransferInfo[NixlMeta], buffers: list[torch.Tensor] | None,
+        disconnect: Callable[[], Awaitable[None]],
     ) -> list[torch.Tensor]:
-        """READ the tensors, then the liveness slot; raise ObjectFreedError if it changed."""
+        """READ the tensors, then the liveness slot; raise ObjectFreedError if it changed.
+
+        `disconnect` drops this connection: a cancelled READ NIXL cannot end otherwise ends so."""
         plan = ReadPlan(info, buffers, here.scratch, here.memory)
         try:
             # Device memory just allocated here may still be in use by work queued on this
             # thread's streams (the caching allocator hands it out again); NIXL writes it
             # outside any stream. (Caller buffers were waited for on the caller's streams.)
             await _cuda.wait(_cuda.record(plan.out))
-            return await plan.read(here.agent, remote)
+            return await plan.read(here.agent, remote, disconnect)
         finally:
             plan.release()
 
@@ -253,7 +256,7 @@ class NixlTransport(Transport[NixlMeta]):
             async with asyncio.timeout(RECHECK_S):
                 remote = await here.peers.connect(meta)
                 epoch = here.peers.epoch(meta.agent)
-                await plan.read(here.agent, remote)
+                await plan.read(here.agent, remote, lambda: here.peers.forget(meta.agent, epoch))
             held = True
         except ObjectFreedError as exc:
             freed = exc

@@ -4,15 +4,19 @@ From the I/O loop, a READ up to INLINE_BYTES is posted inline when the agent is 
 a larger one is posted in the pool (under CMA the copy happens inside `transfer()`).
 Either way `check_xfer_state` is then polled with backoff. On the caller's thread the
 agent is held throughout and a READ still in progress after SPIN_S is handed to the I/O
-loop. Cancelling releases the handle, after any copy already running in the pool has
-ended; a READ NIXL cannot cancel yet is waited for up to ABORT_GRACE_S.
+loop. A cancelled READ is released only once it has ended, never while in progress:
+NIXL lets go of a READ in progress over UCX's TCP, and its reply, arriving later (a
+partition healing), then crashed the consumer in UCX's GET reply handler, or could write
+memory given back meanwhile. It is waited for up to ABORT_GRACE_S; one still in progress
+then has its connection closed, which ends it; one that outlives that too is never
+released, nor the memory it lands in (`stuck`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
 
 from ... import _io
@@ -41,9 +45,14 @@ class Read(NamedTuple):
         return sum(r[1] for r in self.remote)
 
 
-async def post(agent: Agent, remote: str, read: Read) -> None:
+async def post(
+    agent: Agent, remote: str, read: Read, disconnect: Callable[[], Awaitable[None]], stuck: Callable[[], None]
+) -> None:
     """READ from `remote` and wait for it; release the handle whatever happens.
 
+    A READ a cancel cannot release within ABORT_GRACE_S: `disconnect()` closes the
+    connection to `remote` (ending the READ in UCX), and if NIXL still holds it, `stuck()`
+    says that its memory must never be given back.
     Runs on: consumer (I/O loop). Posts inline up to INLINE_BYTES, else in the pool.
     Raises: TransferAbortedError, NIXL's errors.
     """
@@ -62,7 +71,10 @@ async def post(agent: Agent, remote: str, read: Read) -> None:
             raise TransferAbortedError(f"nixl READ from {remote} ended in state {state}")
     finally:
         if state == "PROC":
-            await _abort(agent, handle)
+            if await _ended(agent, handle) or await _ended(agent, handle, before=disconnect):
+                agent.call_soon(nx.release_xfer_handle, handle)
+            else:
+                stuck()
         else:
             agent.call_soon(nx.release_xfer_handle, handle)
 
@@ -116,11 +128,12 @@ def _finish_later(agent: Agent, handle: Any, on_end: Callable[[], None]) -> None
             except Exception:
                 state = "ERR"
             if state == "PROC":
-                await _abort(agent, handle)
-            else:
-                agent.call_soon(agent.nixl.release_xfer_handle, handle)
-        finally:
+                return  # still in progress: never released, nor its memory given back (on_end not called)
+            agent.call_soon(agent.nixl.release_xfer_handle, handle)
+        except BaseException:
             on_end()
+            raise
+        on_end()
 
     task = asyncio.get_running_loop().create_task(finish())
     _finishing.add(task)  # the loop keeps tasks only weakly
@@ -130,15 +143,21 @@ def _finish_later(agent: Agent, handle: Any, on_end: Callable[[], None]) -> None
 _finishing: set[asyncio.Task[None]] = set()
 
 
-async def _abort(agent: Agent, handle: Any) -> None:
-    """Release an in-progress transfer: NIXL cancels it, or we wait (bounded) until it ends."""
-    nx = agent.nixl
-    deadline = time.monotonic() + ABORT_GRACE_S
-    while True:
-        release = asyncio.ensure_future(agent.call(nx.release_xfer_handle, handle))
-        await _io.shielded(release)
-        if release.exception() is None:
-            return  # (an exception: NIXL could not cancel it yet)
-        if time.monotonic() > deadline:
-            return  # NIXL keeps the handle on its leak list and frees it with the agent
-        await _io.shielded(asyncio.sleep(0.001))
+async def _ended(agent: Agent, handle: Any, before: Callable[[], Awaitable[None]] | None = None) -> bool:
+    """Wait (through any cancel) up to ABORT_GRACE_S for a READ to leave PROC; `before`
+    runs first. Returns whether it ended (done or failed: its handle may be released)."""
+    if before is not None:
+        done = asyncio.ensure_future(before())
+        await _io.shielded(done)
+        if not done.cancelled():
+            done.exception()  # retrieved: where it failed, the READ's state says whether that mattered
+
+    async def wait() -> str:
+        try:
+            return await _wait_state(agent, handle, ABORT_GRACE_S)
+        except Exception:
+            return "ERR"  # NIXL's error: no longer in progress
+
+    state = asyncio.ensure_future(wait())
+    await _io.shielded(state)
+    return state.result() != "PROC"
