@@ -36,11 +36,7 @@ OWN_BYTES = BOUNCE_BYTES
 Desc = tuple[int, int, int, str]  # a producer's tensor: address, nbytes, device index, memory type
 _log = logging.getLogger("rdt_async")
 # What READs that outlived their cancel land in (ReadPlan._stuck): kept for the process's life.
-_held_by_nixl: list[Any] = []
-
-
-async def _nothing() -> None:
-    """No connection to close (a `disconnect` that does nothing)."""
+_kept_for_nixl: list[Any] = []
 
 
 class ReadPlan:
@@ -82,9 +78,7 @@ class ReadPlan:
         """Say whether every READ lands in memory registered once (what `read_now` needs)."""
         return self._bounce >= 0 and self._landing >= 0
 
-    async def read(
-        self, agent: Agent, remote: str, disconnect: Callable[[], Awaitable[None]] = _nothing
-    ) -> list[torch.Tensor]:
+    async def read(self, agent: Agent, remote: str, disconnect: Callable[[], Awaitable[None]]) -> list[torch.Tensor]:
         """Register what the READs need, post them in order, and return the tensors.
 
         `disconnect` closes the connection to `remote`: a cancelled READ that NIXL cannot
@@ -119,18 +113,18 @@ class ReadPlan:
         steps = self._steps()
         try:
             for read in steps:
-                if not post_now(agent, remote, read, self.release):
+                if not post_now(agent, remote, read, self.release, self._stuck):
                     return False
         finally:
             steps.close()
         return True
 
     def _stuck(self) -> None:
-        """A READ of this plan outlived its cancel, its connection closed: NIXL may still
-        write its memory, so `release` gives none of it back (a leak, never a late write
+        """A READ of this plan outlived its cancel (its connection closed) or its hand-off:
+        NIXL may still write its memory, so `release` gives none of it back (a leak, never a late write
         into memory used again)."""
         self._held_by_nixl = True
-        _held_by_nixl.append((self._lands, self.out, self._lslot))  # their storages outlive every reference
+        _kept_for_nixl.append((self._lands, self.out, self._lslot))  # their storages outlive every reference
         _log.warning(
             "rdt_async: a cancelled nixl READ of object %s could not be ended (its producer unreachable): "
             "the memory it lands in stays registered and is never reused", self.info.obj_id

@@ -256,7 +256,7 @@ class NixlTransport(Transport[NixlMeta]):
             async with asyncio.timeout(RECHECK_S):
                 remote = await here.peers.connect(meta)
                 epoch = here.peers.epoch(meta.agent)
-                await plan.read(here.agent, remote, lambda: here.peers.forget(meta.agent, epoch))
+                await plan.read(here.agent, remote, functools.partial(here.peers.forget, meta.agent, epoch))
             held = True
         except ObjectFreedError as exc:
             freed = exc

@@ -79,11 +79,12 @@ async def post(
             agent.call_soon(nx.release_xfer_handle, handle)
 
 
-def post_now(agent: Agent, remote: str, read: Read, on_end: Callable[[], None]) -> bool:
+def post_now(agent: Agent, remote: str, read: Read, on_end: Callable[[], None], stuck: Callable[[], None]) -> bool:
     """READ DRAM regions on this thread, the agent held (by the caller); False if NIXL left it in progress.
 
     A READ left in progress is handed to the I/O loop, which releases its handle and
-    calls `on_end` once it ends. Raises: TransferAbortedError, NIXL's errors.
+    calls `on_end` once it ends (`stuck` instead if it is still in progress after
+    ABORT_GRACE_S: never released, nor its memory given back). Raises: TransferAbortedError, NIXL's errors.
     """
     nx = agent.nixl
     handle = nx.initialize_xfer("READ", nx.get_xfer_descs(read.local, "DRAM"), nx.get_xfer_descs(read.remote, "DRAM"), remote)
@@ -96,7 +97,7 @@ def post_now(agent: Agent, remote: str, read: Read, on_end: Callable[[], None]) 
         quietly(nx.release_xfer_handle, handle)
         raise
     if state == "PROC":
-        _io.call_soon(_finish_later, agent, handle, on_end)
+        _io.call_soon(_finish_later, agent, handle, on_end, stuck)
         return False
     quietly(nx.release_xfer_handle, handle)
     if state != "DONE":
@@ -118,8 +119,9 @@ async def _wait_state(agent: Agent, handle: Any, within: float | None = None) ->
     return state
 
 
-def _finish_later(agent: Agent, handle: Any, on_end: Callable[[], None]) -> None:
-    """Wait on the I/O loop for a READ left in progress, release it, then call `on_end`."""
+def _finish_later(agent: Agent, handle: Any, on_end: Callable[[], None], stuck: Callable[[], None]) -> None:
+    """Wait on the I/O loop for a READ left in progress, release it, then call `on_end`
+    (`stuck` where it is still in progress after ABORT_GRACE_S)."""
 
     async def finish() -> None:
         try:
@@ -128,7 +130,8 @@ def _finish_later(agent: Agent, handle: Any, on_end: Callable[[], None]) -> None
             except Exception:
                 state = "ERR"
             if state == "PROC":
-                return  # still in progress: never released, nor its memory given back (on_end not called)
+                stuck()
+                return  # never released, nor its memory given back (on_end not called)
             agent.call_soon(agent.nixl.release_xfer_handle, handle)
         except BaseException:
             on_end()
