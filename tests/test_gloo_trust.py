@@ -170,7 +170,7 @@ def test_the_rendezvous_keys_live_in_the_gcs_under_their_group_and_go_with_it(fo
         assert ray.get(d.fetch_sum.remote([a.make.remote(10, 3.0)])) == (30.0, {"gloo": 1})
     finally:
         rdt.destroy_collective_group(g4)
-    assert not [k for k in _rendezvous_keys() if k.startswith((_of("kv-two"), _of("kv-four")))]
+    assert not [k for k in _rendezvous_keys() if k.startswith((_of("kv-two").encode(), _of("kv-four").encode()))]
 
 
 def test_a_failed_creation_leaves_no_key_and_ends_the_others_joins_at_once(four):
@@ -209,7 +209,7 @@ def test_crafted_group_names_stay_in_their_own_keys(four):
     finally:
         for g in groups[1:]:
             rdt.destroy_collective_group(g)
-    assert not [k for k in _rendezvous_keys() if k.startswith(tuple(_of(g.name) for g in groups))]
+    assert not [k for k in _rendezvous_keys() if k.startswith(tuple(_of(g.name).encode() for g in groups))]
     with pytest.raises(rdt.CollectiveGroupError, match="a group's name is a str of at most 256 characters, not int"):
         rdt.create_collective_group([p, c], name=7)
 
