@@ -57,7 +57,14 @@ def cluster():
     # default: under that pressure Ray runs gc.collect() in every worker, holding each
     # one's GIL for 100-350 ms, which the loop-lag bounds then blame on the transfer.
     store = {"object_store_memory": OBJECT_STORE_BYTES}
-    head = {"num_cpus": 16, "resources": {"head": 1000}, "_system_config": system, "include_dashboard": False, **store}
+    # No log monitor (it polls every worker's log files, ~1.5 CPU-s a minute per host and
+    # more as files pile up; worker logs stay in the session's log directory), and the
+    # agents' node report once a minute, not every 5 s (no test reads it): on 2 cores,
+    # what the cluster spends idle, the tests wait for.
+    quiet = {"include_log_monitor": False}
+    os.environ.setdefault("REPORTER_UPDATE_INTERVAL_MS", "60000")
+    head = {"num_cpus": 16, "resources": {"head": 1000}, "_system_config": system, "include_dashboard": False,
+            **store, **quiet}
     here = os.path.dirname(os.path.abspath(__file__))
     path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
     # Idle warm segments go after 1 s (not 10): the leak check below waits for them.
@@ -80,9 +87,9 @@ def cluster():
                 c.add_node(num_cpus=0, resources={"node3": 1000}, **store)
             c.wait_for_nodes()
         else:
-            hosts.add("node2", c.address, {"node2": 1000})
+            hosts.add("node2", c.address, {"node2": 1000}, start_args=["--include-log-monitor=False"])
             if TOPOLOGY == "three":
-                hosts.add("node3", c.address, {"node3": 1000})
+                hosts.add("node3", c.address, {"node3": 1000}, start_args=["--include-log-monitor=False"])
         c.hosts = hosts
         yield c
     finally:

@@ -32,7 +32,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 _PREFIX = "rdt"
 TOPOLOGIES = ("flat", "split")
@@ -90,13 +90,15 @@ class Hosts:
         return link
 
     def add(self, name: str, gcs_address: str, resources: dict[str, float], env: dict[str, str] | None = None,
-            timeout: float = 60.0) -> _Node:
-        """Start a Ray node (no CPUs, `resources`) on a new host and wait until it has joined."""
+            timeout: float = 60.0, start_args: Sequence[str] = ()) -> _Node:
+        """Start a Ray node (no CPUs, `resources`) on a new host and wait until it has joined.
+
+        `start_args`: more options for its `ray start`."""
         import ray
 
         used = {n.link for n in self._nodes.values()}
         link = self._first if self._first not in used else self._link(max(int(k.name.rsplit("h", 1)[1]) for k in used) + 1)
-        node = _Node(name, link, gcs_address, resources, env or {})
+        node = _Node(name, link, gcs_address, resources, env or {}, start_args)
         self._nodes[name] = node
         deadline = time.monotonic() + timeout
         while not any(n["Alive"] and n["NodeManagerAddress"] == link.ns_ip for n in ray.nodes()):
@@ -243,7 +245,8 @@ def _comm(pid: int) -> str:
 class _Node:
     """`ray start --block` on the far end of `link`, in its own mount and UTS namespaces."""
 
-    def __init__(self, name: str, link: _Link, gcs_address: str, resources: dict[str, float], env: dict[str, str]):
+    def __init__(self, name: str, link: _Link, gcs_address: str, resources: dict[str, float], env: dict[str, str],
+                 start_args: Sequence[str] = ()):
         self.name, self.link = name, link
         ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
         script = _IN_HOST.format(boot_id=uuid.uuid4(), hostname=f"{_PREFIX}-{name}")
@@ -252,7 +255,7 @@ class _Node:
             ["ip", "netns", "exec", link.name, "unshare", "--mount", "--uts", "--propagation", "private",
              "sh", "-c", script, "sh", ray_cli, "start", f"--address={gcs_address}",
              f"--node-ip-address={link.ns_ip}", "--num-cpus=0", f"--resources={json.dumps(resources)}",
-             "--disable-usage-stats", "--block"],
+             "--disable-usage-stats", "--block", *start_args],
             stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True,
         )
 
