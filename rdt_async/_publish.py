@@ -113,7 +113,8 @@ class _Version:
     number: int
     published_at: float
     obj: RDTObject
-    slot: _Slot
+    views: dict[str, torch.Tensor]  # its tensors: a slot's views, or the caller's (lent)
+    slot: _Slot | None  # None: lent (`publish(lend=True)`)
     chunks: list[RDTObject] | None = None
     making: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)  # (used on the polls' loop)
 
@@ -179,6 +180,8 @@ class Publisher:
         self._publishing: asyncio.Lock | None = None
         self.closed = False
         self.dropped = 0
+        self.lent = 0  # versions published with lend=True
+        self.withdrawn = 0  # lent versions withdrawn by wait_unread while newest
         with _publishers_lock:
             if name in _publishers:
                 raise ValueError(
@@ -189,44 +192,96 @@ class Publisher:
 
     @property
     def version(self) -> int | None:
-        """The newest version published, or None."""
-        newest = self._newest
-        return None if newest is None else newest.number
+        """The newest version published (withdrawn or not), or None."""
+        return None if self._version < 0 else self._version
 
-    async def publish(self, state_dict: Mapping[str, torch.Tensor], /) -> int | None:
+    async def publish(self, state_dict: Mapping[str, torch.Tensor], /, *, lend: bool = False) -> int | None:
         """Publish a copy of `state_dict` as the next version; return its number (0, 1, ...).
 
         Returns once the copy is made (the caller may change its tensors then), never
         waiting for subscribers to read it. With every slot still read: waits for one
         (when_full="wait"), or returns None and publishes nothing (when_full="skip").
+
+        `lend=True`: no copy and no slot; the version is `state_dict`'s own tensors, which
+        must be in shared memory (`share_memory_()`). Subscribers read them as long as
+        they read that version, so the caller writes them again only once
+        `wait_unread(state_dict)` has returned (with two sets in turn, training into one
+        while the other is read, that wait is ~0).
         Runs on: producer (an async actor's loop; the copy runs off it).
-        Raises: TypeError for what is not a dict of CPU tensors by name; ValueError for a
-        state dict whose names, shapes or dtypes differ from the first one published;
-        RuntimeError once closed.
+        Raises: TypeError for what is not a dict of CPU tensors by name (with `lend`, in
+        shared memory); ValueError for a state dict whose names, shapes or dtypes differ
+        from the first one published, or lent while its buffers are the newest version's
+        (written while offered: call `wait_unread` first); RuntimeError once closed.
         """
         entries = self._check(state_dict)
+        if lend:
+            self._check_lendable(state_dict)
         if self._publishing is None:
             self._publishing = asyncio.Lock()
         async with self._publishing:
             if self.closed:
                 raise RuntimeError(f"rdt.Publisher {self.name!r} is closed; make a new one to publish again")
-            slot = await self._free_slot(entries)
-            if slot is None:
-                self.dropped += 1
-                return None
-            await _io.to_thread_finished(_copy, slot, state_dict)  # a cancel waits for the copy to end
-            obj = await _produce.produce_async(dict(slot.views), "auto")
+            if lend:
+                slot, views = None, dict(state_dict)
+            else:
+                slot = await self._free_slot(entries)
+                if slot is None:
+                    self.dropped += 1
+                    return None
+                await _io.to_thread_finished(_copy, slot, state_dict)  # a cancel waits for the copy to end
+                views = dict(slot.views)
+            obj = await _produce.produce_async(views, "auto")
             with self._lock:
                 if self.closed:  # closed while this version was copied: nobody may get it
                     del obj
                     raise RuntimeError(f"rdt.Publisher {self.name!r} was closed while this version was published")
                 self._version += 1
-                version = slot.version = self._version
-                old, self._newest = self._newest, _Version(version, time.time(), obj, slot)
+                version = self._version
+                if slot is None:
+                    self.lent += 1
+                else:
+                    slot.version = version
+                old, self._newest = self._newest, _Version(version, time.time(), obj, views, slot)
                 waiters, self._waiters = self._waiters, []
             del old, obj  # the version before: its slot is free once nobody reads it
             _wake(waiters)
             return version
+
+    def _check_lendable(self, state: Mapping[str, torch.Tensor]) -> None:
+        for k, t in state.items():
+            if not t.untyped_storage().is_shared():
+                raise TypeError(
+                    f"rdt.Publisher.publish(lend=True): {k!r} is not in shared memory; lend tensors that "
+                    "share_memory_() put there once (model.share_memory()), or publish a copy (lend=False)"
+                )
+        newest = self._newest
+        if newest is not None and newest.slot is None and _overlap(state.values(), newest.views.values()):
+            raise ValueError(
+                f"rdt.Publisher {self.name!r}: publish(lend=True) of the buffers the newest version "
+                f"({newest.number}) lends, which subscribers may be reading: write lent buffers only once "
+                "`await publisher.wait_unread(them)` has returned"
+            )
+
+    async def wait_unread(self, state_dict: Mapping[str, torch.Tensor], /) -> None:
+        """Return once no subscriber reads any tensor of `state_dict` (lent to a version,
+        `publish(lend=True)`): the caller may write them then. Bound it with
+        `asyncio.timeout`. Returns at once for tensors that no version holds.
+
+        The newest version's buffers are withdrawn first: a subscriber that has not asked
+        for that version yet gets the next one (as one too slow for it would), so the
+        trainer waits only for the transfers and views under way.
+        Runs on: producer (an async actor's loop).
+        """
+        tensors = list(state_dict.values())
+        with self._lock:
+            newest = self._newest
+            if newest is not None and newest.slot is None and _overlap(tensors, newest.views.values()):
+                self._newest = None  # withdrawn: nobody gets it from now on
+                self.withdrawn += 1
+        del newest  # (its object: held no more here)
+        _io.settle()  # views dropped just now: their frees have run
+        for t in tensors:
+            await store.wait_freed(t)
 
     def _check(self, state: Any) -> list[_Entry]:
         if not isinstance(state, Mapping) or not state:
@@ -312,6 +367,8 @@ class Publisher:
             "slots_busy": sum(s.busy() for s in self._slots),
             "slot_bytes": self._size,
             "skipped": self.dropped,
+            "lent": self.lent,  # versions published from the caller's own buffers
+            "withdrawn": self.withdrawn,  # of those, taken back while newest (wait_unread)
             "waiting": len(self._waiters),  # subscribers waiting for the next version
             "when_full": self.when_full,
             "chunks": len(self._groups),  # what a streaming subscriber fetches a version in
@@ -348,6 +405,18 @@ def _difference(old: list[_Entry], new: list[_Entry]) -> str:
         if (e.shape, e.dtype) != (o[name].shape, o[name].dtype):
             return f"{name!r} is {e.dtype} {list(e.shape)}, was {o[name].dtype} {list(o[name].shape)}"
     return "the names come in another order than the first version's"
+
+
+def _overlap(a: Any, b: Any) -> bool:
+    """Whether any tensor of `a` shares a byte with any of `b`."""
+    theirs = [_span(t) for t in b if t.nbytes]
+    return any(lo < hi2 and lo2 < hi for lo, hi in (_span(t) for t in a if t.nbytes) for lo2, hi2 in theirs)
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes `t` spans, as [start, end) addresses (from its first element to its last)."""
+    extent = sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
+    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
 
 
 def _wake(waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]]) -> None:
@@ -410,7 +479,7 @@ async def _chunks(pub: Publisher, version: _Version) -> list[RDTObject]:
         return [version.obj]  # one chunk: the version's own object
     async with version.making:
         if version.chunks is None:
-            views = version.slot.views
+            views = version.views
             version.chunks = [
                 await _produce.produce_async({n: views[n] for n in names}, "auto") for names in pub._groups
             ]

@@ -57,6 +57,29 @@ class Trainer:
             await asyncio.sleep(pause)
         return out
 
+    async def lend(self, name: str, which: str, version: int | None) -> int | str | None:
+        """Fill buffer set `which` ("a", "b": shared memory; "plain": not) as `version`
+        (None: leave it) and publish it lent: the version's number, or the error."""
+        if not hasattr(self, "sets"):
+            self.sets = {"a": _state(), "b": _state(), "plain": _state()}
+            for t in (*self.sets["a"].values(), *self.sets["b"].values()):
+                t.share_memory_()
+        for i, t in enumerate(self.sets[which].values() if version is not None else ()):
+            t.fill_(version + 1000 * i)
+        try:
+            return await self.pubs[name].publish(self.sets[which], lend=True)
+        except (TypeError, ValueError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+
+    async def unread(self, name: str, which: str, within: float) -> str:
+        """Wait (at most `within` s) until no subscriber reads buffer set `which`."""
+        try:
+            async with asyncio.timeout(within):
+                await self.pubs[name].wait_unread(self.sets[which])
+        except (TimeoutError, RuntimeError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "unread"
+
     async def publish_bad(self, name: str, what: str) -> str:
         pub = self.pubs[name]
         bad = {"l0": torch.zeros(3)} if what == "layout" else [torch.zeros(3)]
@@ -234,7 +257,7 @@ def _follow_every_version(trainer, here, there, last, follows) -> None:
     pub = ray.get(trainer.stats.remote("run"))
     assert 2 <= pub.pop("slots") <= 3  # made as needed, never more than slots=3
     assert pub == {"name": "run", "version": last, "slots_busy": 1, "slot_bytes": LAYERS * WIDTH * 4,
-                   "skipped": 0, "when_full": "wait", "waiting": 0, "chunks": 1}  # 4 MiB: one 32 MiB chunk
+                   "skipped": 0, "lent": 0, "withdrawn": 0, "when_full": "wait", "waiting": 0, "chunks": 1}  # 4 MiB: one 32 MiB chunk
     # Across hosts: one transfer of each version per node, the others mapped it from that one.
     fetches = [ray.get(s.stats.remote())["fetches"] for s in there]
     assert sum(f.get("relay", 0) for f in fetches) >= 1, fetches
@@ -441,3 +464,35 @@ def test_breaking_out_of_a_stream_midway_lets_go_of_everything_it_held(actors):
     finally:
         ray.get([s.drop.remote() for s in (here[0], there[0])])
         ray.get(trainer.close.remote("brk"))
+
+
+def test_lent_buffers_are_published_without_a_copy_and_written_again_only_once_unread(actors):
+    """Shared buffers published as they are (no slot, no copy); `wait_unread` holds a write
+    back while a subscriber still reads them: two sets in turn, and one set withdrawn."""
+    trainer, here, there = actors
+    ray.get(trainer.open.remote("lend"))
+    try:
+        assert ray.get(trainer.lend.remote("lend", "a", 0)) == 0
+        assert ray.get(here[0].keep_next.remote(trainer, "lend")) == 0  # views of set a, kept
+        assert ray.get(there[0].follow.remote(trainer, "lend", 0)) == [(0, True)]  # across hosts
+        again = ray.get(trainer.lend.remote("lend", "a", None))
+        assert again.startswith("ValueError: rdt.Publisher 'lend': publish(lend=True) of the buffers the newest "
+                                "version (0) lends"), again
+        # Two sets in turn: set a is read (here[0] keeps views of it) until it is let go.
+        assert ray.get(trainer.lend.remote("lend", "b", 1)) == 1
+        assert ray.get(trainer.unread.remote("lend", "a", 1.0)).startswith("TimeoutError")
+        assert ray.get(here[0].kept_exact.remote())  # nothing wrote it meanwhile
+        ray.get(here[0].drop.remote())
+        assert ray.get(trainer.unread.remote("lend", "a", 10.0)) == "unread"
+        # One set: the newest version's buffers are withdrawn, then waited for.
+        assert ray.get(trainer.unread.remote("lend", "b", 10.0)) == "unread"
+        assert ray.get(here[1].next_within.remote(trainer, "lend", 1.0)) == "TimeoutError: "  # withdrawn
+        assert ray.get(trainer.lend.remote("lend", "b", 2)) == 2
+        assert ray.get([s.follow.remote(trainer, "lend", 2) for s in (here[1], there[1])]) == [[(2, True)]] * 2
+        plain = ray.get(trainer.lend.remote("lend", "plain", 3))
+        assert plain.startswith("TypeError: rdt.Publisher.publish(lend=True): 'l0' is not in shared memory; "
+                                "lend tensors that share_memory_() put there once"), plain
+        stats = ray.get(trainer.stats.remote("lend"))
+        assert (stats["version"], stats["slots"], stats["lent"], stats["withdrawn"]) == (2, 0, 3, 1)  # no slot made
+    finally:
+        ray.get(trainer.close.remote("lend"))

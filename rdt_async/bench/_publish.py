@@ -66,9 +66,10 @@ TENSORS = 200  # the state dict's: half of them large (a layer's weight), half 4
 SMALL = 1024  # elements of a small tensor
 STEPS = 4  # versions a pass publishes
 PAGE = 4096  # a subscriber checks one element of every page
-RDT_PUBLISH, RDT_STREAM, HAND_WRITTEN = "rdt publish", "rdt publish, stream", "hand-written"
-PATHS = (RDT_PUBLISH, RDT_STREAM, RAY_ZERO_COPY, HAND_WRITTEN)
-PUBLISHED = (RDT_PUBLISH, RDT_STREAM)  # the subscribers wait for the version before it is published
+RDT_PUBLISH, RDT_LENT, RDT_STREAM = "rdt publish", "rdt publish, lent", "rdt publish, stream"
+HAND_WRITTEN = "hand-written"
+PATHS = (RDT_PUBLISH, RDT_LENT, RDT_STREAM, RAY_ZERO_COPY, HAND_WRITTEN)
+PUBLISHED = (RDT_PUBLISH, RDT_LENT, RDT_STREAM)  # the subscribers wait for the version before it is published
 # Every host shares one machine (24 GiB here): 8 models, the trainer's slots and Ray's
 # store on three nodes leave no room for rdt's idle warm shared memory, kept 10 s by
 # default (the relay's memfds, each version's, stay mapped that long in every subscriber
@@ -139,7 +140,9 @@ class Trainer:
     async def step(self, path: str, value: float) -> tuple[float | None, float, list[Any]]:
         """Train (write `value` everywhere), then publish by `path`: (when publishing began,
         how long it blocked the trainer, refs for the subscribers)."""
+        assert self.publisher is not None  # (made by setup)
         started = time.perf_counter()
+        await self.publisher.wait_unread(self.state)  # lent: its readers (other paths: nothing holds it)
         for t in self.state.values():
             await rdt.wait_tensor_freed(t)  # hand-written: nobody may read the version before
         waited = time.perf_counter() - started
@@ -151,9 +154,9 @@ class Trainer:
         if path == RAY_ZERO_COPY:
             refs.append(ray.put(self.state))
         else:
-            assert self.publisher is not None  # (made by setup)
-            await self.publisher.publish(self.state)
-        return at, time.perf_counter() - started, refs
+            await self.publisher.publish(self.state, lend=path == RDT_LENT)
+        stall = time.perf_counter() - started
+        return at, stall + (waited if path == RDT_LENT else 0.0), refs  # lent: the wait is its own
 
     @rdt.method(tensor_transport="auto")
     def weights(self) -> dict[str, Any]:
@@ -197,7 +200,7 @@ class Subscriber(_Loader):
         at = None
         stall = LoopStall()
         try:
-            if path == RDT_PUBLISH:
+            if path in (RDT_PUBLISH, RDT_LENT):
                 got = (await sub.next(into=model))[1]
             elif path == RDT_STREAM:
                 got = {n: t async for n, t in sub.stream(into=model)}
@@ -337,7 +340,10 @@ def _row(path: str, passes: list[list[dict[str, Any]]], wrong: str | None, broke
     row["one_copy_s"], row["state_bytes"] = setup["one_copy_s"], setup["state_bytes"]
     if path != RAY_ZERO_COPY:
         row["link_transfers"], row["relayed"] = median("link"), median("relayed")
-    if path in PUBLISHED and memory:
+    if path == RDT_LENT:
+        row["publisher_slots"] = row["publisher_bytes"] = 0  # the trainer's own buffers, published as they are
+        row["memory_vs_state"] = 0.0
+    elif path in PUBLISHED and memory:
         row["publisher_slots"], row["publisher_bytes"] = memory["slots"], memory["slots"] * memory["slot_bytes"]
         row["memory_vs_state"] = round(row["publisher_bytes"] / setup["state_bytes"], 3)
     return row
