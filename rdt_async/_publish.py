@@ -447,9 +447,13 @@ async def serve_poll(name: str, after: int, wait_s: float, chunked: bool = False
         if pub.closed:
             return ("closed",)
         newest = pub._newest
-        if newest is None or newest.number <= after:
+        behind = newest is None or newest.number <= after
+        if behind:
             pub._waiters.append((loop, fut))
-    if newest is None or newest.number <= after:
+    if behind:
+        # Not held while this poll waits (up to wait_s): the version it already has would
+        # stay held here, its lent buffers unwritable (`wait_unread`) or its slot busy.
+        newest = None
         waited = True
         try:
             await asyncio.wait_for(fut, wait_s)
@@ -463,8 +467,8 @@ async def serve_poll(name: str, after: int, wait_s: float, chunked: bool = False
             if pub.closed:
                 return ("closed",)
             newest = pub._newest
-        if newest is None or newest.number <= after:
-            return ("none",)
+    if newest is None or newest.number <= after:
+        return ("none",)
     what: Any = await _chunks(pub, newest) if chunked else newest.obj
     return ("ok", newest.number, newest.published_at, what, waited)
 

@@ -480,14 +480,21 @@ def test_lent_buffers_are_published_without_a_copy_and_written_again_only_once_u
                                 "version (0) lends"), again
         # Two sets in turn: set a is read (here[0] keeps views of it) until it is let go.
         assert ray.get(trainer.lend.remote("lend", "b", 1)) == 1
+        pending = there[0].follow.remote(trainer, "lend", 2)  # takes version 1, then waits for 2
         assert ray.get(trainer.unread.remote("lend", "a", 1.0)).startswith("TimeoutError")
         assert ray.get(here[0].kept_exact.remote())  # nothing wrote it meanwhile
         ray.get(here[0].drop.remote())
         assert ray.get(trainer.unread.remote("lend", "a", 10.0)) == "unread"
-        # One set: the newest version's buffers are withdrawn, then waited for.
-        assert ray.get(trainer.unread.remote("lend", "b", 10.0)) == "unread"
+        # One set: the newest version's buffers are withdrawn, then waited for; a subscriber
+        # waiting for the next version holds nothing of them (its poll held them ~10 s).
+        def taken() -> list:
+            return [s["version"] for s in ray.get(there[0].stats.remote())["subscriptions"] if s["name"] == "lend"]
+
+        wait_until(lambda: taken() == [1], 30, taken)
+        assert ray.get(trainer.unread.remote("lend", "b", 3.0)) == "unread"
         assert ray.get(here[1].next_within.remote(trainer, "lend", 1.0)) == "TimeoutError: "  # withdrawn
         assert ray.get(trainer.lend.remote("lend", "b", 2)) == 2
+        assert ray.get(pending, timeout=60) == [(1, True), (2, True)]
         assert ray.get([s.follow.remote(trainer, "lend", 2) for s in (here[1], there[1])]) == [[(2, True)]] * 2
         plain = ray.get(trainer.lend.remote("lend", "plain", 3))
         assert plain.startswith("TypeError: rdt.Publisher.publish(lend=True): 'l0' is not in shared memory; "
