@@ -51,8 +51,8 @@ def main() -> None:
         expected = x
         for i in range(STAGES):
             expected = torch.tanh(expected @ layer(i))
-        gap = (y - expected).abs().max().item()  # (rounding: ~1e-6; a wrong tensor: ~1)
-        assert torch.allclose(y, expected, atol=1e-5), f"micro-batch {m} differs from a local pass by up to {gap:.3g}"
+        gap = (y - expected).abs().max().item()  # (rounding: up to ~1e-4 seen; a wrong tensor: ~1)
+        assert torch.allclose(y, expected, rtol=1e-4, atol=1e-4), f"micro-batch {m} differs from a local pass by up to {gap:.3g}"
     print(f"{MICRO_BATCHES} micro-batches of {BATCH}x{WIDTH} through {STAGES} stages in {took * 1e3:.0f} ms, "
           f"all match a local forward pass")
 
