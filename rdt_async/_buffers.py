@@ -76,7 +76,7 @@ def check_apart(buffers: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]
         if span is None:
             continue
         for j, (t, other) in enumerate(zip(tensors, theirs)):
-            if other is None or span[0] != other[0] or span[2] <= other[1] or other[2] <= span[1]:
+            if not overlap(span, other):
                 continue
             if i == j and span == other and b.stride() == t.stride():
                 continue
@@ -176,6 +176,11 @@ def _span(t: torch.Tensor) -> _Span | None:
     (device, base), start, end = found[0]
     key = -1 if t.is_cpu else t.get_device() if t.is_cuda else str(device)
     return (key, int(base) + start, int(base) + end)
+
+
+def overlap(a: _Span | None, b: _Span | None) -> bool:
+    """Whether two spans (`_span`'s) share a byte."""
+    return a is not None and b is not None and a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
 
 
 def _check_disjoint(spans: list[_Span | None]) -> None:

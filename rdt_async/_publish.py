@@ -34,13 +34,14 @@ import itertools
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import ray
 import torch
 
 from . import _io, _metrics, _produce, _ray, _tree
+from ._buffers import _span, overlap
 from ._errors import ObjectFreedError, TransferError, translating
 from ._local import aligned_layout
 from ._object import RDTObject
@@ -254,8 +255,8 @@ class Publisher:
                     f"rdt.Publisher.publish(lend=True): {k!r} is not in shared memory; lend tensors that "
                     "share_memory_() put there once (model.share_memory()), or publish a copy (lend=False)"
                 )
-        newest = self._newest
-        if newest is not None and newest.slot is None and _overlap(state.values(), newest.views.values()):
+        newest = self._lending(state.values())
+        if newest is not None:
             raise ValueError(
                 f"rdt.Publisher {self.name!r}: publish(lend=True) of the buffers the newest version "
                 f"({newest.number}) lends, which subscribers may be reading: write lent buffers only once "
@@ -274,14 +275,19 @@ class Publisher:
         """
         tensors = list(state_dict.values())
         with self._lock:
-            newest = self._newest
-            if newest is not None and newest.slot is None and _overlap(tensors, newest.views.values()):
+            if self._lending(tensors) is not None:
                 self._newest = None  # withdrawn: nobody gets it from now on
                 self.withdrawn += 1
-        del newest  # (its object: held no more here)
         _io.settle()  # views dropped just now: their frees have run
         for t in tensors:
             await store.wait_freed(t)
+
+    def _lending(self, tensors: Iterable[torch.Tensor]) -> _Version | None:
+        """The newest version, if it is lent from memory that `tensors` share."""
+        newest = self._newest
+        if newest is not None and newest.slot is None and _share(tensors, newest.views.values()):
+            return newest
+        return None
 
     def _check(self, state: Any) -> list[_Entry]:
         if not isinstance(state, Mapping) or not state:
@@ -407,16 +413,10 @@ def _difference(old: list[_Entry], new: list[_Entry]) -> str:
     return "the names come in another order than the first version's"
 
 
-def _overlap(a: Any, b: Any) -> bool:
+def _share(a: Iterable[torch.Tensor], b: Iterable[torch.Tensor]) -> bool:
     """Whether any tensor of `a` shares a byte with any of `b`."""
-    theirs = [_span(t) for t in b if t.nbytes]
-    return any(lo < hi2 and lo2 < hi for lo, hi in (_span(t) for t in a if t.nbytes) for lo2, hi2 in theirs)
-
-
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """The bytes `t` spans, as [start, end) addresses (from its first element to its last)."""
-    extent = sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
-    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+    theirs = [_span(t) for t in b]
+    return any(overlap(_span(t), other) for t in a for other in theirs)
 
 
 def _wake(waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]]) -> None:
