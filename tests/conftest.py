@@ -62,6 +62,7 @@ def cluster():
     # agents' node report once a minute, not every 5 s (no test reads it): on 2 cores,
     # what the cluster spends idle, the tests wait for.
     quiet = {"include_log_monitor": False}
+    quiet_host = ["--include-log-monitor=False"]  # (the same, for a host's `ray start`)
     os.environ.setdefault("REPORTER_UPDATE_INTERVAL_MS", "60000")
     head = {"num_cpus": 16, "resources": {"head": 1000}, "_system_config": system, "include_dashboard": False,
             **store, **quiet}
@@ -87,9 +88,9 @@ def cluster():
                 c.add_node(num_cpus=0, resources={"node3": 1000}, **store)
             c.wait_for_nodes()
         else:
-            hosts.add("node2", c.address, {"node2": 1000}, start_args=["--include-log-monitor=False"])
+            hosts.add("node2", c.address, {"node2": 1000}, start_args=quiet_host)
             if TOPOLOGY == "three":
-                hosts.add("node3", c.address, {"node3": 1000}, start_args=["--include-log-monitor=False"])
+                hosts.add("node3", c.address, {"node3": 1000}, start_args=quiet_host)
         c.hosts = hosts
         yield c
     finally:

@@ -159,19 +159,21 @@ def test_a_nixl_read_cut_off_past_its_cancel_never_lands_in_memory_reused_since(
     consumer in UCX's GET reply handler, or wrote memory the process had reused)."""
     _, make, consumer = far.pair("nixl")
     grace = ray.get(consumer.abort_grace.remote(1.0))  # the module's other tests keep the default
-    assert ray.get(consumer.fetch_total.remote([make.remote(1)], 60), timeout=90) == 1.0 * N  # connected
-    ref = make.remote(4)
-    ray.wait([ref], timeout=60)
-    far.host.link.set_up(False)
     try:
-        assert ray.get(consumer.fetch_then_wait.remote([ref], 1.0, 4.0), timeout=60) == "timeout"
+        assert ray.get(consumer.fetch_total.remote([make.remote(1)], 60), timeout=90) == 1.0 * N  # connected
+        ref = make.remote(4)
+        ray.wait([ref], timeout=60)
+        far.host.link.set_up(False)
+        try:
+            assert ray.get(consumer.fetch_then_wait.remote([ref], 1.0, 4.0), timeout=60) == "timeout"
+        finally:
+            far.host.link.set_up(True)
+        time.sleep(2)  # whatever was still in flight arrives now
+        assert ray.get(consumer.ping.remote(), timeout=10) == "pong"  # alive
+        assert ray.get(consumer.fetch_total.remote([ref], 60), timeout=90) == 4.0 * N  # and reads again, exact
+        assert ray.get(consumer.fetch_total.remote([make.remote(5)], 60), timeout=90) == 5.0 * N
     finally:
-        far.host.link.set_up(True)
-    time.sleep(2)  # whatever was still in flight arrives now
-    assert ray.get(consumer.ping.remote(), timeout=10) == "pong"  # alive
-    assert ray.get(consumer.fetch_total.remote([ref], 60), timeout=90) == 4.0 * N  # and reads again, exact
-    assert ray.get(consumer.fetch_total.remote([make.remote(5)], 60), timeout=90) == 5.0 * N
-    ray.get(consumer.abort_grace.remote(grace))
+        ray.get(consumer.abort_grace.remote(grace))
 
 
 def test_a_link_that_stays_down_ends_every_fetch_with_peer_died_error(far):
