@@ -313,7 +313,7 @@ def _get(x: Any, timeout: float | None, device: str | torch.device | None, into:
     done, value = fetch_now(x, device=device, into=into, tensor_transport=asked)
     if done:
         return value
-    started = _io.Started.of(fetch_object(x, device=device, into=into, start=value))
+    started = _io.Started.of(fetch_object(x, device=device, into=into, start=value, tensor_transport=asked))
     fut = started.future
     try:
         started.launch()  # inside the try: a Ctrl-C landing around it is handled below

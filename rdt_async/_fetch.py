@@ -22,6 +22,7 @@ import torch
 
 from . import _buffers, _cuda, _io, _metrics, _object, _ray, _relay, _tree
 from ._errors import (
+    CollectiveGroupError,
     ObjectFreedError,
     PeerDiedError,
     RDTError,
@@ -196,7 +197,7 @@ async def fetch_object(
     began = time.perf_counter()
     name = obj.transport  # until one is chosen
     try:
-        start = start or _start(obj, into, device, tensor_transport)
+        start = start or await _started(obj, into, device, tensor_transport)
         if isinstance(start, _Done):
             tensors, buffers, name = start.tensors, start.buffers, start.transport
         else:
@@ -228,12 +229,34 @@ async def fetch_object(
     except BaseException as exc:
         _metrics.failed(name, exc)
         if isinstance(exc, PeerDiedError):
-            _ray.lost(obj.producer)
+            _lost(obj)
         release_frames(exc)
         del exc  # (a cycle through this frame otherwise: see _api._all_or_none)
         raise
     _record(obj, name, began)
     return _tree.unflatten(obj.skeleton, tensors)
+
+
+async def _started(obj: RDTObject, into: Any, device: Any, asked: str | None) -> _Start:
+    """`_start`, where a group both ends share is broken: the producer's death may be
+    why, and then that is the error (asked of Ray; a producer on another node cannot be
+    seen to die from here)."""
+    try:
+        return _start(obj, into, device, asked)
+    except CollectiveGroupError as exc:
+        await _raise_if_producer_died(obj, obj.transport, exc)
+        raise
+
+
+def _lost(obj: RDTObject) -> None:
+    """A fetch from `obj`'s producer ended in PeerDiedError: remember it, and let the
+    transports here let go of what they keep for that producer (connections, metadata)."""
+    _ray.lost(obj.producer)
+    for transport in _registry.created():
+        try:
+            transport.peer_gone(obj.producer.node_id, obj.producer.pid)
+        except Exception:  # letting go is best effort: the fetch's own error is what counts
+            log.warning("rdt_async: %s could not let go of %s", transport.name, obj.producer.label, exc_info=True)
 
 
 def _landed(tensors: list[torch.Tensor], buffers: list[torch.Tensor]) -> bool:
@@ -304,7 +327,7 @@ async def _fetch_over(
             if name in without:
                 raise
             transport = _registry.get(name)
-            info = TransferInfo(obj.obj_id, obj.specs, meta, hold=obj, producer_pid=obj.producer.pid)
+            info = TransferInfo(obj.obj_id, obj.specs, meta, hold=obj, producer_pid=obj.producer.pid, producer_node=obj.producer.node_id)
             del exc
             continue
         if used is not None:
@@ -431,6 +454,9 @@ def fetch_now(obj: RDTObject, *, device: Any, into: Any, tensor_transport: str |
     try:
         start = _start(obj, into, device, tensor_transport)
     except BaseException as exc:
+        if isinstance(exc, CollectiveGroupError) and obj.producer.serves and not _ray.known_lost(obj.producer):
+            del exc
+            return False, None  # a broken group: Ray may know why (the producer died), `fetch_object` asks
         _metrics.failed(obj.transport, exc)
         del exc  # (a cycle through this frame otherwise: see _api._all_or_none)
         raise
@@ -480,7 +506,7 @@ def _start(obj: RDTObject, into: Any, device: Any = None, asked: str | None = No
     transport = _registry.get(name)
     if buffers is None and device is not None:
         buffers = _device_buffers(obj, transport, torch.device(device))
-    info = TransferInfo(obj.obj_id, obj.specs, meta, hold=obj, producer_pid=obj.producer.pid)
+    info = TransferInfo(obj.obj_id, obj.specs, meta, hold=obj, producer_pid=obj.producer.pid, producer_node=obj.producer.node_id)
     ready = _cuda.record(buffers or ())
     if not ready:  # device buffers wait for the caller's streams first: never now
         try:

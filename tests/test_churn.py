@@ -168,7 +168,9 @@ def test_churning_actors_keep_bounded_state_and_shed_it_when_idle(churners, clus
 
 def test_a_consumer_keeps_at_most_max_peers_nixl_connections_and_drops_dead_producers(churners, ray_session):
     import ray
-    from conftest import wait_until
+    from conftest import ON_NODE2, wait_until
+
+    import rdt_async as rdt
 
     if importlib.util.find_spec("nixl") is None:
         pytest.skip("nixl is not installed")
@@ -188,5 +190,20 @@ def test_a_consumer_keeps_at_most_max_peers_nixl_connections_and_drops_dead_prod
         ray.kill(doomed)
         wait_until(lambda: ray.get(consumer.counts.remote())["nixl_remotes"] == held - 1, IDLE_S * 3 + 10)
         assert ray.get(consumer.fetch.remote([producers[0].make_nixl.remote(7)]), timeout=60) == 7.0
+        # One of the other host, which this host cannot see go: its connection goes once a
+        # fetch from it over any transport (here tcp, no nixl read) finds it dead.
+        far = churner.options(**ON_NODE2).remote()
+        assert ray.get(consumer.fetch.remote([far.make_nixl.remote(8)]), timeout=60) == 8.0
+        kept = far.make.remote(9)  # auto: tcp across hosts
+        ray.wait([kept])
+        held = ray.get(consumer.counts.remote())["nixl_remotes"]
+        ray.kill(far)
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(far.counts.remote(), timeout=60)
+        time.sleep(IDLE_S * 2)  # (the sweep has looked: it cannot tell)
+        assert ray.get(consumer.counts.remote())["nixl_remotes"] == held
+        with pytest.raises(rdt.PeerDiedError, match=r"tcp fetch of \w+: the producer .* died"):
+            ray.get(consumer.fetch.remote([kept]), timeout=60)
+        wait_until(lambda: ray.get(consumer.counts.remote())["nixl_remotes"] == held - 1, 10)
     finally:
         ray.get(consumer.most_nixl_peers.remote(256))

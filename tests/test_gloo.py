@@ -349,6 +349,40 @@ def test_producer_dying_between_the_tensors_of_one_transfer(survivors):
     ray.kill(p)
 
 
+def test_a_dead_producer_on_another_node_is_named_dead_over_a_group_another_member_broke(survivors):
+    # The consumers learn of a death on their own node from its pid, and of one a fetch
+    # found; a producer on another node that died while they fetched from someone else is
+    # Ray's to tell: a fetch of its object over the group that death broke asks Ray.
+    c, s = survivors
+    far, near = GlooProducer.options(**ON_NODE2).remote(), GlooProducer.remote()
+    g = rdt.create_collective_group([far, near, c, s])
+    try:
+        far_ref, near_ref = far.make.remote(1 << 16, 2.0), near.make.remote(1 << 16)
+        ray.wait([far_ref, near_ref], num_returns=2)
+        ray.kill(near)
+        with pytest.raises(rdt.PeerDiedError, match=DIED):
+            ray.get(c.sums.remote([near_ref]), timeout=60)
+        # A live producer's object over the broken group: the group's state (the other
+        # member's group is not broken: the failed transfer was not its own).
+        with pytest.raises(rdt.CollectiveGroupError, match=r"collective group '.*' is broken"):
+            ray.get(c.sums.remote([far_ref]), timeout=60)
+        assert ray.get(s.take.remote(far_ref), timeout=60) == 2.0 * (1 << 16)
+        ray.kill(far)
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(far.pid.remote(), timeout=60)
+        # Dead now: a death, which callers branch on to produce again elsewhere.
+        died = r"gloo fetch of \w+: the producer \(actor .*\) died \(CollectiveGroupError: .*is broken"
+        with pytest.raises(rdt.PeerDiedError, match=died):
+            ray.get(c.sums.remote([far_ref]), timeout=60)
+        with pytest.raises(rdt.PeerDiedError, match=DIED):
+            ray.get(s.take.remote(far_ref), timeout=60)
+        assert ray.get(c.ping.remote()) == "pong"
+    finally:
+        rdt.destroy_collective_group(g)
+        for a in (far, near):
+            ray.kill(a)
+
+
 def test_fetch_of_a_freed_gloo_object_fails_cleanly(pair):
     p, c, _, _ = pair
     ref = p.make.remote(1000)

@@ -121,6 +121,9 @@ class TransferInfo(Generic[M]):
     # only files that process made for this object. None where whoever drives the transport
     # made `meta` itself (a test, a benchmark): the pid `meta` names is taken as it stands.
     producer_pid: int | None = None
+    # The Ray node id of the producer's node, as the core knows it from the ref (None as
+    # above): with `producer_pid`, how `Transport.peer_gone` names a producer.
+    producer_node: str | None = None
 
 
 class Channel(Protocol):
@@ -435,6 +438,16 @@ class Transport(abc.ABC, Generic[M]):
         what was prepared: a transport may reuse it. Runs on: producer. Default: garbage_collect.
         """
         self.garbage_collect(obj_id, meta)
+
+    def peer_gone(self, node_id: str, pid: int) -> None:
+        """The producer process `pid` of Ray node `node_id` (`TransferInfo.producer_node`,
+        `producer_pid`) is gone: a fetch from it, over any transport, ended in PeerDiedError
+        (Ray declared it dead, or it disconnected). Let go of what this process keeps for it
+        (a connection, loaded metadata) instead of waiting to see it go, which a transport
+        cannot for a process on another node.
+
+        Runs on: consumer, any thread (the fetch's). Must be quick. Default: nothing.
+        """
 
     def register_memory(self, tensors: Sequence[torch.Tensor]) -> Any:
         """Make the memory of `tensors` ready for this transport until `deregister_memory`.

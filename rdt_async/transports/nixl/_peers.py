@@ -6,9 +6,10 @@ for every object over it).
 
 Bounded: a consumer outliving many producers (actors that come and go) holds no entry
 for each one it ever read from. A connection to a producer of this host whose process is
-gone is dropped (its remote agent removed from NIXL) within `SWEEP_S` of going idle; past
-`MAX_PEERS` connections, the least recently used idle one goes at once (the next read
-from it reconnects). A live producer's connection is otherwise kept: NIXL 1.5's
+gone is dropped (its remote agent removed from NIXL) within `SWEEP_S` of going idle; one
+to a producer of any host that a fetch found dead (`lost`, from the core) goes as soon as
+no read uses it; past `MAX_PEERS` connections, the least recently used idle one goes at
+once (the next read from it reconnects). A live producer's connection is otherwise kept: NIXL 1.5's
 `remove_remote_agent` closes a live peer's UCX endpoints without freeing them (they go
 with the worker: ai-dynamo/nixl#2025), so dropping and remaking connections to the same
 live producers would leak what keeping them holds once. A dead peer's endpoints are
@@ -57,6 +58,8 @@ class Peers:
         self._busy: collections.Counter[str] = collections.Counter()  # producer -> reads using it now
         self._idle: dict[str, float] = {}  # producer -> when its last read ended (not while one runs)
         self._removing: dict[str, asyncio.Task[None]] = {}  # producer -> its remote agent's removal
+        self._owners: dict[str, tuple[str, int]] = {}  # producer agent -> (Ray node, pid), as the core names it
+        self._doomed: set[str] = set()  # producers declared gone while reads used them (`lost`)
         self._sweeper = IdleSweep(self._sweep, lambda: SWEEP_S)
 
     def __len__(self) -> int:
@@ -73,17 +76,30 @@ class Peers:
             self._idle.pop(producer, None)
 
     def release(self, producer: str) -> None:
-        """A read from `producer` ended (however): its connection may go idle, and the least
-        recently used idle ones go past MAX_PEERS."""
+        """A read from `producer` ended (however): its connection may go idle (or go, if
+        the producer was declared gone meanwhile), and the least recently used idle ones
+        go past MAX_PEERS."""
         self._busy[producer] -= 1
         if self._busy[producer] <= 0:
             del self._busy[producer]
-            if producer in self._remotes:
+            if producer in self._doomed:
+                self._drop(producer)
+            elif producer in self._remotes:
                 with self._lock:
                     self._idle[producer] = time.monotonic()
                 self._sweeper.start()
         if len(self._remotes) > MAX_PEERS:
             self._shed(over=MAX_PEERS)
+
+    def lost(self, node: str, pid: int) -> None:
+        """The core learned that producer process `pid` of Ray node `node` is gone (a fetch
+        from it ended in PeerDiedError): drop its connection now, or once the reads using it
+        end. Runs on: consumer (I/O loop)."""
+        for producer in [p for p, owner in self._owners.items() if owner == (node, pid)]:
+            if self._busy.get(producer):
+                self._doomed.add(producer)
+            else:
+                self._drop(producer)
 
     def touch(self, producer: str) -> None:
         """A read on the caller's thread used the connection (`receive_nowait`): it is not idle."""
@@ -99,8 +115,9 @@ class Peers:
         """Return which connection to `producer` is the current one, or None."""
         return self._epochs.get(producer)
 
-    async def connect(self, meta: NixlMeta) -> str:
-        """Load the producer's metadata: its connection once, the object's regions each time.
+    async def connect(self, meta: NixlMeta, node: str | None = None) -> str:
+        """Load the producer's metadata: its connection once, the object's regions each time
+        (`node`: the producer's Ray node, as the core knows it, for `lost`).
 
         Runs on: consumer (I/O loop). Raises: PeerDiedError if the producer is unreachable.
         """
@@ -121,6 +138,8 @@ class Peers:
                 ) from exc
             remote = self._remotes[meta.agent] = name.decode() if isinstance(name, bytes) else name
             self._metas[meta.agent] = meta
+            if node is not None:
+                self._owners[meta.agent] = (node, meta.pid)
             self._connects += 1
             self._epochs[meta.agent] = self._connects
             if meta.agent not in self._busy:  # (connected outside a read: idle from now)
@@ -157,6 +176,8 @@ class Peers:
         (a connect to it meanwhile waits for that). Runs on: consumer (I/O loop)."""
         self._epochs.pop(producer, None)
         self._metas.pop(producer, None)
+        self._owners.pop(producer, None)
+        self._doomed.discard(producer)
         with self._lock:
             self._loaded.pop(producer, None)
             self._idle.pop(producer, None)

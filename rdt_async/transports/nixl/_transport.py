@@ -127,6 +127,13 @@ class NixlTransport(Transport[NixlMeta]):
         if here is not None and token.pid == here.agent.pid:
             here.memory.unhold(token.keys)
 
+    def peer_gone(self, node_id: str, pid: int) -> None:
+        """Drop the connection to a producer a fetch found dead (of any host: this one's
+        sweep sees only its own host's processes go)."""
+        here = self._current()
+        if here is not None:
+            _io.call_soon(here.peers.lost, node_id, pid)
+
     # -- the agent -------------------------------------------------------------------
 
     def _current(self) -> _Here | None:
@@ -204,7 +211,7 @@ class NixlTransport(Transport[NixlMeta]):
             try:
                 if not _alive(meta):  # checked first: a READ posted to a dead agent leaks inside NIXL
                     raise _died(info)
-                remote = await here.peers.connect(meta)
+                remote = await here.peers.connect(meta, info.producer_node)
                 epoch = here.peers.epoch(meta.agent)
                 return await self._read_object(here, remote, info, buffers, functools.partial(here.peers.forget, meta.agent, epoch))
             except asyncio.CancelledError:
@@ -254,7 +261,7 @@ class NixlTransport(Transport[NixlMeta]):
         held, epoch = False, None
         try:
             async with asyncio.timeout(RECHECK_S):
-                remote = await here.peers.connect(meta)
+                remote = await here.peers.connect(meta, info.producer_node)
                 epoch = here.peers.epoch(meta.agent)
                 await plan.read(here.agent, remote, functools.partial(here.peers.forget, meta.agent, epoch))
             held = True
