@@ -30,6 +30,23 @@ def open_fds() -> dict[str, str]:
     return out
 
 
+def kill_and_wait(actor: Any, timeout: float = 60.0) -> None:
+    """`ray.kill(actor)`, returning once Ray fails its calls (RayActorError): a call made
+    right after `ray.kill` may still run, as the kill reaches the actor later."""
+    import ray
+
+    ray.kill(actor)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=max(1.0, deadline - time.monotonic()))
+        except ray.exceptions.RayActorError:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{actor} still answers {timeout} s after ray.kill")
+        time.sleep(0.1)
+
+
 def cpu_seconds() -> float:
     """CPU time (user + system) of this process so far, from /proc."""
     with open("/proc/self/stat") as f:

@@ -20,7 +20,7 @@ import time
 
 import pytest
 import torch
-from probes import open_fds
+from probes import kill_and_wait, open_fds
 
 ACTORS_PER_HOST = 3
 CHURN_S = 12.0
@@ -197,9 +197,7 @@ def test_a_consumer_keeps_at_most_max_peers_nixl_connections_and_drops_dead_prod
         kept = far.make.remote(9)  # auto: tcp across hosts
         ray.wait([kept])
         held = ray.get(consumer.counts.remote())["nixl_remotes"]
-        ray.kill(far)
-        with pytest.raises(ray.exceptions.RayActorError):
-            ray.get(far.counts.remote(), timeout=60)
+        kill_and_wait(far)
         time.sleep(IDLE_S * 2)  # (the sweep has looked: it cannot tell)
         assert ray.get(consumer.counts.remote())["nixl_remotes"] == held
         with pytest.raises(rdt.PeerDiedError, match=r"tcp fetch of \w+: the producer .* died"):

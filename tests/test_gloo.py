@@ -13,7 +13,7 @@ import ray
 import torch
 from conftest import ON_NODE2, wait_until
 from helpers import checksum
-from probes import cancel_after
+from probes import cancel_after, kill_and_wait
 
 import rdt_async as rdt
 
@@ -367,9 +367,7 @@ def test_a_dead_producer_on_another_node_is_named_dead_over_a_group_another_memb
         with pytest.raises(rdt.CollectiveGroupError, match=r"collective group '.*' is broken"):
             ray.get(c.sums.remote([far_ref]), timeout=60)
         assert ray.get(s.take.remote(far_ref), timeout=60) == 2.0 * (1 << 16)
-        ray.kill(far)
-        with pytest.raises(ray.exceptions.RayActorError):
-            ray.get(far.pid.remote(), timeout=60)
+        kill_and_wait(far)
         # Dead now: a death, which callers branch on to produce again elsewhere.
         died = r"gloo fetch of \w+: the producer \(actor .*\) died \(CollectiveGroupError: .*is broken"
         with pytest.raises(rdt.PeerDiedError, match=died):
