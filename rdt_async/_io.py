@@ -30,7 +30,7 @@ log = logging.getLogger("rdt_async")
 COPIES = "copies"  # memory copies and native transfers: exports, shm reads, NIXL under CMA
 CALLS = "calls"  # blocking calls into Ray and the GCS (actor handles, records, anchors), transports' set-up
 SHM_READ = "shm-read"  # the second half of a split shm read (shm.SPLIT_READ_BYTES)
-SHM_WRITE = "shm-write"  # the other parts of a split copy into a segment (shm.SPLIT_WRITE_BYTES)
+SHM_WRITE = "shm-write"  # the other parts of a split copy into a segment (_local.SPLIT_WRITE_BYTES)
 # A split copy runs on this many cores: its caller's thread and SHM_WRITE's threads. Ray
 # starts workers with OMP_NUM_THREADS=1, so a `copy_` alone uses one core.
 COPY_CORES = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))

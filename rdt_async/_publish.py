@@ -43,7 +43,7 @@ import torch
 from . import _io, _metrics, _produce, _ray, _tree
 from ._buffers import _span, overlap
 from ._errors import ObjectFreedError, TransferError, translating
-from ._local import aligned_layout
+from ._local import SPLIT_WRITE_BYTES, aligned_layout, copy_split
 from ._object import RDTObject
 from ._store import store
 from ._tree import Slot
@@ -72,6 +72,8 @@ class _Slot:
 
     def __init__(self, entries: list[_Entry], size: int) -> None:
         self.base = torch.empty(max(size, ALIGN), dtype=torch.uint8).share_memory_()
+        self.size = size
+        self.offsets = [e.offset for e in entries]
         self.views = {e.name: _view(self.base, e) for e in entries}
         self.version: int | None = None
 
@@ -121,8 +123,12 @@ class _Version:
 
 
 def _copy(slot: _Slot, state: Mapping[str, torch.Tensor]) -> None:
-    """Copy the state dict into the slot (blocking: in the pool)."""
+    """Copy the state dict into the slot (blocking: in the pool), split across the actor's
+    cores where large, as shm's export copies (a slot is its twin: warm shared memory)."""
     with torch.no_grad():
+        if slot.size >= SPLIT_WRITE_BYTES and _io.COPY_CORES > 1:
+            copy_split(slot.base.numpy(), list(state.values()), slot.offsets)  # (in `_entries`' order, as `_check` saw)
+            return
         for name, t in state.items():
             slot.views[name].copy_(t)
 

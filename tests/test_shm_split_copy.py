@@ -12,7 +12,7 @@ import ray
 import torch
 
 import rdt_async as rdt
-from rdt_async import _io
+from rdt_async import _io, _local
 from rdt_async.testing import roundtrip
 from rdt_async.transports import shm
 
@@ -47,7 +47,7 @@ def same(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
 
 
 def test_the_threshold_and_cores_split_the_copies_tested_here():
-    assert odd_tensors(0)[0].nbytes > shm.SPLIT_WRITE_BYTES
+    assert odd_tensors(0)[0].nbytes > _local.SPLIT_WRITE_BYTES
     assert 1 <= _io.COPY_CORES <= 4 and _io.POOLS[_io.SHM_WRITE] == max(1, _io.COPY_CORES - 1)
 
 
@@ -58,14 +58,14 @@ def test_the_parts_cover_every_byte_once_in_about_equal_shares(parts):
     values = odd_tensors(1)
     offsets, size = shm.aligned_layout((t.nbytes for t in values), shm.ALIGN)
     mm = mmap.mmap(-1, size)
-    cut = shm._parts(mm, values, offsets, parts)
+    cut = _local._parts(mm, values, offsets, parts)
     assert len(cut) == parts
     shares = [sum(d.nbytes for d, _ in p) for p in cut]
     assert sum(shares) == sum(t.nbytes for t in values)
     cut_at = max(t.nbytes // t.shape[0] for t in values if t.dim() and t.numel() and not t.is_contiguous())
     assert max(shares) - min(shares) <= parts * max(cut_at, 4096)  # each cut at a row or a page
     for p in cut:
-        shm._copy_part(p)
+        _local._copy_part(p)
     assert cut == [[]] * parts  # the views of the mapping are dropped as they are copied
     got = [
         torch.frombuffer(mm, dtype=t.dtype, count=t.numel(), offset=o).view(t.shape) if t.numel() else t
@@ -82,6 +82,27 @@ def test_a_split_export_arrives_exact_through_a_segment():
     one = [odd_tensors(3)[0]]  # one tensor over the threshold, fetched into a buffer
     into = [torch.zeros_like(one[0])]
     same(asyncio.run(roundtrip(shm.ShmTransport(), one, buffers=into, obj_id="split-copy-into")), one)
+
+
+def test_a_publisher_s_copy_into_its_slot_is_split_and_exact(monkeypatch):
+    # A publisher's slot is shm's twin (warm shared memory): its copy is split the same way.
+    from rdt_async import _publish
+
+    values = [t.resolve_conj().resolve_neg() for t in odd_tensors(3)]  # (publish takes dense tensors)
+    state = {f"t{i}": t for i, t in enumerate(values)}
+    entries, size = _publish._layout(state)
+    slot = _publish._Slot(entries, size)
+    assert size >= _local.SPLIT_WRITE_BYTES
+    split = []
+    monkeypatch.setattr(_publish, "copy_split", lambda *a: split.append(1) or _local.copy_split(*a))
+    _publish._copy(slot, state)
+    assert split == ([1] if _io.COPY_CORES > 1 else [])
+    same([slot.views[k] for k in state], values)
+    for t in values:  # written again: the new values, not the old ones
+        if t.numel() and t.dtype.is_floating_point:
+            t.add_(1)
+    _publish._copy(slot, state)
+    same([slot.views[k] for k in state], values)
 
 
 def test_a_busy_write_pool_never_holds_an_export_up():
@@ -151,8 +172,8 @@ def test_byte_ranges_are_copied_by_memmove_and_the_rest_by_copy(monkeypatch):
     values = odd_tensors(5)
     offsets, size = shm.aligned_layout((t.nbytes for t in values), shm.ALIGN)
     mm = mmap.mmap(-1, size)
-    for p in shm._parts(mm, values, offsets, 3):
-        shm._copy_part(p)
+    for p in _local._parts(mm, values, offsets, 3):
+        _local._copy_part(p)
     contiguous = sum(t.nbytes for t in values if t.is_contiguous() and not (t.is_conj() or t.is_neg()))
     assert sum(moved) == contiguous and len(moved) >= 3  # the big tensor cut in three
     got = [
@@ -168,7 +189,7 @@ def _copy_timed(part: list, started: threading.Event, span: list[float]) -> None
     started.set()
     time.sleep(0.01)  # the other thread spins first
     span.append(time.perf_counter())
-    shm._copy_part(part)
+    _local._copy_part(part)
     span.append(time.perf_counter())
 
 

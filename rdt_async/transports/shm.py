@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
-import ctypes
 import dataclasses
 import errno
 import logging
@@ -54,7 +53,7 @@ import torch
 
 from .. import _io
 from .._errors import ObjectFreedError, PeerDiedError, RDTError, TransferError, TransportUnavailableError
-from .._local import aligned_layout, copy_into, pid_alive, view_in
+from .._local import SPLIT_WRITE_BYTES, aligned_layout, copy_into, copy_split, pid_alive, view_in
 from . import _mappings, _segments
 from ._base import (
     MAX_SPEC_BYTES,
@@ -73,13 +72,6 @@ ALIGN = 64
 NOWAIT_BYTES = 1 << 20
 # Reads into buffers from this size use two threads.
 SPLIT_READ_BYTES = 16 << 20
-# Copies into a segment from this size (all of an object's tensors together) are split
-# in byte ranges across _io.COPY_CORES threads: Ray starts workers with OMP_NUM_THREADS=1,
-# and one thread's `copy_` into a shared mapping reaches 2/3 of what two do (256 MiB: 51
-# ms, 34 ms on two free cores). Below it the hand-off costs more than it saves (8 MiB:
-# 0.9 ms on one thread, 1.5 ms split; 16 MiB: about even).
-SPLIT_WRITE_BYTES = 16 << 20
-_SPLIT_ALIGN = 4096  # where a contiguous tensor's bytes are cut between threads
 
 # Runs in the guardian: detach from the producer's process tree, sweep what dead
 # producers of our PID namespace left, then wait for our producer's end (EOF on stdin)
@@ -246,7 +238,7 @@ class ShmTransport(Transport[ShmMeta]):
             raise
         try:
             if size >= SPLIT_WRITE_BYTES and _io.COPY_CORES > 1:
-                _copy_split(seg.mm, tensors, offsets)
+                copy_split(seg.mm, tensors, offsets)
             else:
                 for t, off in zip(tensors, offsets):
                     if t.numel():
@@ -295,83 +287,6 @@ class ShmTransport(Transport[ShmMeta]):
 
     def lends_memory(self, meta: ShmMeta) -> bool:
         return any(sh is not None for sh in meta.shared)  # consumers map the producer's storage
-
-
-def _copy_split(mm: Any, tensors: Sequence[torch.Tensor], offsets: Sequence[int]) -> None:
-    """Copy `tensors` into the mapping `mm` at `offsets` in _io.COPY_CORES parts of about
-    equal bytes at once: this thread copies one, the SHM_WRITE pool the others.
-
-    A part the pool has not started when this thread is done with its own, this thread
-    copies too: a busy pool never makes a copy slower than one thread's. Blocking.
-    """
-    mine, *others = _parts(mm, tensors, offsets, _io.COPY_CORES)
-    futures = [_io.pool(_io.SHM_WRITE).submit(_copy_part, p) for p in others]
-    try:
-        _copy_part(mine)
-        for f, p in zip(futures, others):
-            if f.cancel():  # not started: the pool is busy with other copies
-                _copy_part(p)
-    finally:  # those started write into `mm`, which the caller may drop next
-        # (one cancelled counts as done for `wait` only once the pool dequeues it)
-        concurrent.futures.wait([f for f in futures if not f.cancelled()])
-    for f in futures:
-        if not f.cancelled():
-            f.result()
-
-
-def _parts(
-    mm: Any, tensors: Sequence[torch.Tensor], offsets: Sequence[int], n: int
-) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Cut the copies of `tensors` into `mm` into at most `n` lists of (destination, source)
-    of about equal bytes: a contiguous tensor as bytes anywhere (at _SPLIT_ALIGN), another
-    along its first dimension."""
-    total = sum(t.numel() * t.element_size() for t in tensors)
-    target = max(1, -(-total // n))
-    parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[]]
-    filled = 0
-    for t, off in zip(tensors, offsets):
-        nbytes = t.numel() * t.element_size()
-        if not nbytes:
-            continue
-        src = t.detach()
-        if src.is_contiguous() and not (src.is_conj() or src.is_neg()):
-            dst = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=off)
-            src, unit = src.view(-1).view(torch.uint8), 1
-        else:  # (a lazy conjugate or negation too: `copy_` resolves it, a byte view would not)
-            src = src.reshape(1) if src.dim() == 0 else src
-            dst = torch.frombuffer(mm, dtype=t.dtype, count=t.numel(), offset=off).view(src.shape)
-            unit = nbytes // src.shape[0]
-        rows, at = src.shape[0], 0
-        while at < rows:
-            take = rows - at if len(parts) == n else min(rows - at, max(1, -(-(target - filled) // unit)))
-            if unit == 1 and at + take < rows:  # cut at a multiple of _SPLIT_ALIGN bytes into the tensor
-                take = min(rows - at, -(-(at + take) // _SPLIT_ALIGN) * _SPLIT_ALIGN - at)
-            parts[-1].append((dst[at : at + take], src[at : at + take]))
-            at += take
-            filled += take * unit
-            if filled >= target and len(parts) < n:
-                parts.append([])
-                filled = 0
-    return [p for p in parts if p] or [[]]
-
-
-def _copy_part(part: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copy each (destination, source) of `part`: byte ranges by libc's memmove, the rest by `copy_`.
-
-    memmove (the GIL released, as by `copy_`) picks its stores by size: past libc's
-    non-temporal threshold (glibc: about 3/4 of the last-level cache) it writes around
-    the cache, sparing the read of each destination line that `copy_`'s stores make
-    (256 MiB on one thread here: 1.3-1.7x faster than `copy_`; the same below it).
-    """
-    try:
-        for i in range(len(part)):
-            dst, src = part[i]
-            if dst.dtype == src.dtype == torch.uint8 and dst.dim() == src.dim() == 1 and src.is_contiguous():
-                ctypes.memmove(dst.data_ptr(), src.data_ptr(), dst.numel())  # (`_parts`: same length, no overlap)
-            else:
-                dst.copy_(src)
-    finally:
-        part.clear()  # no view of the mapping outlives the copy, in a traceback either
 
 
 def _made(obj_id: str, meta: ShmMeta) -> str | None:
