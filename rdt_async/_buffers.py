@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import bisect
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -181,6 +181,12 @@ def _span(t: torch.Tensor) -> _Span | None:
 def overlap(a: _Span | None, b: _Span | None) -> bool:
     """Whether two spans (`_span`'s) share a byte."""
     return a is not None and b is not None and a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
+
+
+def share(a: Iterable[torch.Tensor], b: Iterable[torch.Tensor]) -> bool:
+    """Whether any tensor of `a` shares a byte with any of `b`."""
+    theirs = [_span(t) for t in b]
+    return any(overlap(_span(t), other) for t in a for other in theirs)
 
 
 def _check_disjoint(spans: list[_Span | None]) -> None:

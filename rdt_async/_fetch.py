@@ -259,6 +259,11 @@ def _lost(obj: RDTObject) -> None:
             log.warning("rdt_async: %s could not let go of %s", transport.name, obj.producer.label, exc_info=True)
 
 
+def _info(obj: RDTObject, meta: Any) -> TransferInfo[Any]:
+    """What a transport is told of `obj` to fetch it with `meta`."""
+    return TransferInfo(obj.obj_id, obj.specs, meta, hold=obj, producer_pid=obj.producer.pid, producer_node=obj.producer.node_id)
+
+
 def _landed(tensors: list[torch.Tensor], buffers: list[torch.Tensor]) -> bool:
     """Whether `tensors` are the caller's `buffers` (the read landed there), not views of a memfd."""
     return all(t.data_ptr() == b.data_ptr() for t, b in zip(tensors, buffers))
@@ -327,7 +332,7 @@ async def _fetch_over(
             if name in without:
                 raise
             transport = _registry.get(name)
-            info = TransferInfo(obj.obj_id, obj.specs, meta, hold=obj, producer_pid=obj.producer.pid, producer_node=obj.producer.node_id)
+            info = _info(obj, meta)
             del exc
             continue
         if used is not None:
@@ -506,7 +511,7 @@ def _start(obj: RDTObject, into: Any, device: Any = None, asked: str | None = No
     transport = _registry.get(name)
     if buffers is None and device is not None:
         buffers = _device_buffers(obj, transport, torch.device(device))
-    info = TransferInfo(obj.obj_id, obj.specs, meta, hold=obj, producer_pid=obj.producer.pid, producer_node=obj.producer.node_id)
+    info = _info(obj, meta)
     ready = _cuda.record(buffers or ())
     if not ready:  # device buffers wait for the caller's streams first: never now
         try:

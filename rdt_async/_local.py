@@ -71,10 +71,23 @@ SPLIT_WRITE_BYTES = 16 << 20
 _SPLIT_ALIGN = 4096  # where a contiguous tensor's bytes are cut between threads
 
 
-def copy_split(mm: Any, tensors: Sequence[torch.Tensor], offsets: Sequence[int]) -> None:
-    """Copy `tensors` into the mapping `mm` (any writable buffer) at byte `offsets`, in
-    _io.COPY_CORES parts of about equal bytes at once: this thread copies one, the
-    SHM_WRITE pool the others.
+def copy_to(mm: Any, tensors: Sequence[torch.Tensor], offsets: Sequence[int]) -> None:
+    """Copy `tensors` into the mapping `mm` (any writable buffer) at byte `offsets`: on
+    this thread below SPLIT_WRITE_BYTES in all (or with one core), else split (`_copy_split`).
+    Blocking."""
+    if sum(t.numel() * t.element_size() for t in tensors) < SPLIT_WRITE_BYTES or _io.COPY_CORES == 1:
+        for t, off in zip(tensors, offsets):
+            if t.numel():
+                dst = torch.frombuffer(mm, dtype=t.dtype, count=t.numel(), offset=off)
+                dst.view(t.shape).copy_(t)
+                del dst
+        return
+    _copy_split(mm, tensors, offsets)
+
+
+def _copy_split(mm: Any, tensors: Sequence[torch.Tensor], offsets: Sequence[int]) -> None:
+    """`copy_to` in _io.COPY_CORES parts of about equal bytes at once: this thread copies
+    one, the SHM_WRITE pool the others.
 
     A part the pool has not started when this thread is done with its own, this thread
     copies too: a busy pool never makes a copy slower than one thread's. Blocking.

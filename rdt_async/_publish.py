@@ -41,9 +41,9 @@ import ray
 import torch
 
 from . import _io, _metrics, _produce, _ray, _tree
-from ._buffers import _span, overlap
+from ._buffers import share
 from ._errors import ObjectFreedError, TransferError, translating
-from ._local import SPLIT_WRITE_BYTES, aligned_layout, copy_split
+from ._local import aligned_layout, copy_to
 from ._object import RDTObject
 from ._store import store
 from ._tree import Slot
@@ -72,7 +72,6 @@ class _Slot:
 
     def __init__(self, entries: list[_Entry], size: int) -> None:
         self.base = torch.empty(max(size, ALIGN), dtype=torch.uint8).share_memory_()
-        self.size = size
         self.offsets = [e.offset for e in entries]
         self.views = {e.name: _view(self.base, e) for e in entries}
         self.version: int | None = None
@@ -126,11 +125,7 @@ def _copy(slot: _Slot, state: Mapping[str, torch.Tensor]) -> None:
     """Copy the state dict into the slot (blocking: in the pool), split across the actor's
     cores where large, as shm's export copies (a slot is its twin: warm shared memory)."""
     with torch.no_grad():
-        if slot.size >= SPLIT_WRITE_BYTES and _io.COPY_CORES > 1:
-            copy_split(slot.base.numpy(), list(state.values()), slot.offsets)  # (in `_entries`' order, as `_check` saw)
-            return
-        for name, t in state.items():
-            slot.views[name].copy_(t)
+        copy_to(slot.base.numpy(), list(state.values()), slot.offsets)  # (in `_entries`' order, as `_check` saw)
 
 
 _publishers: dict[str, Publisher] = {}  # this process's, by name
@@ -291,7 +286,7 @@ class Publisher:
     def _lending(self, tensors: Iterable[torch.Tensor]) -> _Version | None:
         """The newest version, if it is lent from memory that `tensors` share."""
         newest = self._newest
-        if newest is not None and newest.slot is None and _share(tensors, newest.views.values()):
+        if newest is not None and newest.slot is None and share(tensors, newest.views.values()):
             return newest
         return None
 
@@ -417,12 +412,6 @@ def _difference(old: list[_Entry], new: list[_Entry]) -> str:
         if (e.shape, e.dtype) != (o[name].shape, o[name].dtype):
             return f"{name!r} is {e.dtype} {list(e.shape)}, was {o[name].dtype} {list(o[name].shape)}"
     return "the names come in another order than the first version's"
-
-
-def _share(a: Iterable[torch.Tensor], b: Iterable[torch.Tensor]) -> bool:
-    """Whether any tensor of `a` shares a byte with any of `b`."""
-    theirs = [_span(t) for t in b]
-    return any(overlap(_span(t), other) for t in a for other in theirs)
 
 
 def _wake(waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]]) -> None:

@@ -53,7 +53,7 @@ import torch
 
 from .. import _io
 from .._errors import ObjectFreedError, PeerDiedError, RDTError, TransferError, TransportUnavailableError
-from .._local import SPLIT_WRITE_BYTES, aligned_layout, copy_into, copy_split, pid_alive, view_in
+from .._local import aligned_layout, copy_into, copy_to, pid_alive, view_in
 from . import _mappings, _segments
 from ._base import (
     MAX_SPEC_BYTES,
@@ -237,14 +237,7 @@ class ShmTransport(Transport[ShmMeta]):
                 raise _no_room(size, exc) from exc
             raise
         try:
-            if size >= SPLIT_WRITE_BYTES and _io.COPY_CORES > 1:
-                copy_split(seg.mm, tensors, offsets)
-            else:
-                for t, off in zip(tensors, offsets):
-                    if t.numel():
-                        dst = torch.frombuffer(seg.mm, dtype=t.dtype, count=t.numel(), offset=off)
-                        dst.view(t.shape).copy_(t)
-                        del dst
+            copy_to(seg.mm, tensors, offsets)
         except BaseException:
             _segments.pool.discard(seg.name)
             raise
