@@ -24,6 +24,7 @@ Needs root (namespaces, veth, mounts). `Hosts.unavailable()` says why not, for a
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -52,7 +53,7 @@ class Hosts:
         if topology not in TOPOLOGIES:
             raise ValueError(f"topology={topology!r}: give one of {', '.join(TOPOLOGIES)}")
         self.topology = topology
-        self._key = _free_key()  # 10.<key>.<n>.0/24 per host: concurrent sessions differ
+        self._key, self._claim = _free_key()  # 10.<key>.<n>.0/24 per host: concurrent sessions differ
         self._nodes: dict[str, _Node] = {}
         self._bridge: _Bridge | None = None
         if topology == "split":
@@ -63,6 +64,7 @@ class Hosts:
         except BaseException:
             if self._bridge is not None:
                 self._bridge.delete()
+            os.close(self._claim)
             raise
         self.head_ip = self._first.root_ip  # the first link's near end (split: the bridge's): every host reaches it
 
@@ -127,15 +129,25 @@ class Hosts:
         self._first.delete()
         if self._bridge is not None:
             self._bridge.delete()
+        os.close(self._claim)
 
 
-def _free_key() -> int:
-    """A key no namespace of ours uses (another session's, or one a killed session left)."""
-    used = set(os.listdir("/run/netns")) if os.path.isdir("/run/netns") else set()
+def _free_key() -> tuple[int, int]:
+    """A key no namespace of ours uses (another session's, or one a killed session left),
+    and the descriptor whose lock claims it: sessions that start at once (pytest-xdist's
+    workers) cannot take the same key, and a killed session's claim ends with it."""
     for i in range(200):
         key = (os.getpid() + i) % 200 + 20
+        fd = os.open(f"/run/{_PREFIX}-hosts-{key}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        used = os.listdir("/run/netns") if os.path.isdir("/run/netns") else []
         if not any(name.startswith(f"{_PREFIX}{key}h") for name in used):
-            return key
+            return key, fd
+        os.close(fd)
     raise RuntimeError("no free network-namespace key: remove stale /run/netns/rdt* namespaces (`ip netns del`)")
 
 
