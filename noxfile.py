@@ -76,7 +76,15 @@ def tests(session: nox.Session) -> None:
     _install_torch(session)
     # nixl and ucxx ship Linux wheels only; elsewhere their tests skip and say why.
     session.install(".[tests,nixl,ucxx]" if sys.platform == "linux" else ".[tests]")
-    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *session.posargs)
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *_workers(), *session.posargs)
+
+
+def _workers() -> list[str]:
+    """pytest-xdist's options: a worker per core, 2 to 4, each a Ray cluster (and test hosts)
+    of its own, a module to one worker (its module-scoped actors are made once). The tests
+    spend about a third of a lone run waiting (Ray's verdicts, deadlines, process starts);
+    two workers on 2 cores fill it. `nox -s tests -- -n 0` runs them in this process."""
+    return ["-n", str(min(max(os.cpu_count() or 1, 2), 4)), "--dist", "loadfile"]
 
 
 @nox.session

@@ -72,6 +72,11 @@ class Consumer:
         }
 
 
+# A loop stalled by a transfer, not a slow one: fetches that block the loop hold it back to
+# back for most of a check (~3 s here). Under the suite's two test workers on 2 cores, an
+# actor that only waits for a core lagged 0.26 and 0.32 s with nothing blocked.
+MAX_LAG = 0.6
+
 def _rss_mib() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
@@ -107,7 +112,7 @@ def test_hundreds_in_flight_tens_at_once_exact_and_then_nothing_held(actors, tra
     assert ray.get(producer.held.remote()) == kept  # auto's small objects ride in their refs
     report = ray.get(consumer.check_all.remote(refs, 32), timeout=300)
     assert report["bad"] == []
-    assert report["max_lag"] < 0.25, report  # a loop stalled by a transfer, not a slow one
+    assert report["max_lag"] < MAX_LAG, report
     assert report["threads"] < 40, report
     del refs
     deadline = time.monotonic() + 30
@@ -123,7 +128,7 @@ def test_fan_out_to_many_async_consumers_exact(actors):
     refs = [producer.make.remote(i, 1 << 22) for i in range(2)]  # 16 MiB each
     reports = ray.get([c.check_all.remote(refs, 2) for c in consumers], timeout=300)
     assert [r["bad"] for r in reports] == [[]] * 6
-    assert max(r["max_lag"] for r in reports) < 0.25, reports
+    assert max(r["max_lag"] for r in reports) < MAX_LAG, reports
     del refs
     deadline = time.monotonic() + 30
     while ray.get(producer.held.remote()) and time.monotonic() < deadline:

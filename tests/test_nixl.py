@@ -254,7 +254,7 @@ def test_views_share_one_registration_per_storage(producer):
     assert torch.equal(got[1], torch.arange(100, 300, dtype=torch.float32))
     assert ray.get(producer.state.remote())["registrations"] == before + 1
     del refs
-    wait_until(lambda: ray.get(producer.state.remote())["registrations"] == before, 10)
+    wait_until(lambda: ray.get(producer.state.remote())["registrations"] == before, 30)
 
 
 def test_cancel_mid_read_releases_and_fetch_again_works(producer, consumer):
