@@ -80,11 +80,12 @@ def tests(session: nox.Session) -> None:
 
 
 def _workers() -> list[str]:
-    """pytest-xdist's options: a worker per core, 2 to 4, each a Ray cluster (and test hosts)
-    of its own, a module to one worker (its module-scoped actors are made once). The tests
-    spend about a third of a lone run waiting (Ray's verdicts, deadlines, process starts);
-    two workers on 2 cores fill it. `nox -s tests -- -n 0` runs them in this process."""
-    return ["-n", str(min(max(os.cpu_count() or 1, 2), 4)), "--dist", "loadfile"]
+    """pytest-xdist's options: a worker per core this process may use, 2 to 4, each with a
+    Ray cluster (and test hosts) of its own, a module to one worker (its module-scoped
+    actors are made once). A lone run waits a third of its time (Ray's verdicts, deadlines,
+    process starts); two workers on 2 cores fill it. `nox -s tests -- -n 0`: one process."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return ["-n", str(min(max(cores, 2), 4)), "--dist", "loadfile"]
 
 
 @nox.session
