@@ -172,13 +172,15 @@ def _wrap_class(cls: type) -> type:
 
 def _warming_init(init: Callable[..., Any] | None, transports: list[str]) -> Callable[..., Any]:
     """`init` (the class's own, or object's), after loading the transports the actor's
-    methods produce over, and the one `auto` is likely to need (see `_produce.at_creation`);
-    then the objects made so far are frozen out of the garbage collector's scans."""
+    methods produce over, and the one `auto` is likely to need (see `_produce.at_creation`),
+    and with the I/O loop and pool threads started (`_io.prestart`); then the objects made
+    so far are frozen out of the garbage collector's scans."""
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         _install_per_call()  # this actor's own calls with .options(tensor_transport=...)
         _ray.warm_serialization()
         _produce.warm_up(_produce.at_creation(transports))
+        _io.prestart()  # a first transfer starts no thread on the actor's loop
         if init is not None:
             init(self, *args, **kwargs)
         else:

@@ -3,7 +3,8 @@
 Every transfer of a process runs as a task on one event loop owned by rdt_async (the
 I/O loop). Callers on other loops get an asyncio future completed with
 `call_soon_threadsafe`; blocking callers wait on a `concurrent.futures.Future`.
-Nothing here starts before it is first used.
+Nothing here starts before it is first used, or before an `rdt.remote` actor's creation
+(`prestart`).
 """
 
 from __future__ import annotations
@@ -92,6 +93,19 @@ def pool(purpose: str = COPIES) -> concurrent.futures.ThreadPoolExecutor:
                     POOLS[purpose], thread_name_prefix=f"rdt-{purpose}"
                 )
     return p
+
+
+def prestart(purposes: tuple[str, ...] = (CALLS, COPIES)) -> None:
+    """Start the I/O loop and a thread of each pool for `purposes` now (blocking briefly).
+
+    A pool starts a thread inside `submit` when none is idle, and `Thread.start` waits
+    until the new thread runs: on a busy host, 100-200 ms for which the submitting loop
+    stood still. An `rdt.remote` actor calls this at creation, before its loop serves, so
+    that its first transfers find a thread waiting.
+    """
+    io_loop()
+    for purpose in purposes:
+        pool(purpose).submit(int).result()
 
 
 async def to_thread(fn: Callable[..., T], *args: Any, purpose: str = COPIES) -> T:

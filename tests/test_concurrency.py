@@ -251,6 +251,16 @@ def test_io_work_uses_a_bounded_number_of_threads(producer, watched):
     assert many - few <= 4  # the bounded pool, not a thread per transfer
 
 
+def test_an_actor_s_first_transfer_finds_its_threads_started():
+    # A pool starts a thread inside `submit` when none is idle, and Thread.start waits until
+    # the thread runs: on a busy host a producer's loop stood 166 ms in its first auto
+    # object's submit. An rdt.remote actor starts them at creation, before its loop serves.
+    fresh = Watched.remote()  # its own: no transfer has run in it
+    names = ray.get(fresh.__ray_call__.remote(lambda self: sorted(t.name for t in threading.enumerate())))
+    ray.kill(fresh)
+    assert {"rdt-io", "rdt-calls_0", "rdt-copies_0"} <= set(names), names
+
+
 @pytest.mark.parametrize("freeze", ["1", "0"])
 def test_what_an_actor_holds_at_creation_is_left_out_of_full_collections(watched, freeze):
     # A full collection of a process with torch and Ray loaded held the GIL ~0.1 s, and an
