@@ -80,12 +80,18 @@ def tests(session: nox.Session) -> None:
 
 
 def _workers() -> list[str]:
-    """pytest-xdist's options: a worker per core this process may use, 2 to 4, each with a
-    Ray cluster (and test hosts) of its own, a module to one worker (its module-scoped
-    actors are made once). A lone run waits a third of its time (Ray's verdicts, deadlines,
-    process starts); two workers on 2 cores fill it. `nox -s tests -- -n 0`: one process."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return ["-n", str(min(max(cores, 2), 4)), "--dist", "loadfile"]
+    """pytest-xdist's options, where RDT_TEST_WORKERS asks for them: that many workers
+    (`auto`: one per core this process may use, 2 to 4), each with a Ray cluster and test
+    hosts of its own, a module to one worker. One process by default: two workers on 2
+    cores ran the suite in 858-934 s, not ~1260 s, but 3 of 7 such runs tripped a loop-lag
+    bound (an actor or the driver waiting 0.17-0.39 s for a core)."""
+    asked = os.environ.get("RDT_TEST_WORKERS", "")
+    if asked in ("", "0", "1"):
+        return []
+    if asked == "auto":
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        asked = str(min(max(cores, 2), 4))
+    return ["-n", asked, "--dist", "loadfile"]
 
 
 @nox.session
