@@ -54,7 +54,6 @@ def cluster():
     health = {"health_check_period_ms": 1000, "health_check_timeout_ms": 1000, "health_check_failure_threshold": 10}
     # Ray's own metrics interval (10 s: test_metrics waits for its numbers); no dashboard
     # (its agents, which export metrics, still run).
-    system = {**health}
     # A user's object store (Ray's default: 30% of memory), not Cluster's 150 MiB test
     # default: under that pressure Ray runs gc.collect() in every worker, holding each
     # one's GIL for 100-350 ms, which the loop-lag bounds then blame on the transfer.
@@ -66,7 +65,7 @@ def cluster():
     quiet = {"include_log_monitor": False}
     quiet_host = ["--include-log-monitor=False"]  # (the same, for a host's `ray start`)
     os.environ.setdefault("REPORTER_UPDATE_INTERVAL_MS", "60000")
-    head = {"num_cpus": 16, "resources": {"head": 1000}, "_system_config": system, "include_dashboard": False,
+    head = {"num_cpus": 16, "resources": {"head": 1000}, "_system_config": health, "include_dashboard": False,
             **store, **quiet}
     here = os.path.dirname(os.path.abspath(__file__))
     path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
@@ -175,7 +174,7 @@ def _wait_until(cond, timeout: float, what=lambda: "condition"):
     """Poll `cond` every 50 ms for `timeout` s. A ref held only by a cycle goes with a full
     collection, which costs 0.1-0.3 s of this process's CPU: one at once, then one a second."""
     deadline = time.monotonic() + timeout
-    collected = -1.0
+    collected = float("-inf")  # (monotonic's zero is arbitrary)
     while not cond():
         now = time.monotonic()
         if now - collected >= 1.0:
