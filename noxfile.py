@@ -80,12 +80,13 @@ def tests(session: nox.Session) -> None:
 
 
 def _workers() -> list[str]:
-    """pytest-xdist's options, where RDT_TEST_WORKERS asks for them: that many workers
-    (`auto`: one per core this process may use, 2 to 4), each with a Ray cluster and test
-    hosts of its own, a module to one worker. One process by default: two workers on 2
-    cores ran the suite in 858-934 s, not ~1260 s, but 3 of 7 such runs tripped a loop-lag
-    bound (an actor or the driver waiting 0.17-0.39 s for a core)."""
-    asked = os.environ.get("RDT_TEST_WORKERS", "")
+    """pytest-xdist's options: RDT_TEST_WORKERS workers (`auto`, the default: one per core
+    this process may use, 2 to 4; `1`: one process), each with a Ray cluster and test hosts
+    of its own, a module to one worker. Two workers on 2 cores keep the machine busy where
+    one process left a third of it idle (Ray's verdicts, deadlines, process starts). The
+    loop-lag bounds hold under that contention because the probe leaves out the time a
+    loop's thread only waited for a core (tests/probes.py)."""
+    asked = os.environ.get("RDT_TEST_WORKERS", "auto")
     if asked in ("", "0", "1"):
         return []
     if asked == "auto":

@@ -61,8 +61,36 @@ def idle_cpu(seconds: float) -> float:
     return cpu_seconds() - t0
 
 
+class RunDelay:
+    """How long a thread has waited, runnable, for a core: the kernel's schedstat for it
+    (its second field, in ns). Zero where the kernel does not keep it."""
+
+    def __init__(self, native_id: int) -> None:
+        try:
+            self._fd: int | None = os.open(f"/proc/self/task/{native_id}/schedstat", os.O_RDONLY)
+        except OSError:
+            self._fd = None
+
+    def __call__(self) -> float:
+        if self._fd is None:
+            return 0.0
+        return int(os.pread(self._fd, 128, 0).split()[1]) / 1e9
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
 class LagProbe:
     """Measures how late an event loop wakes a 5 ms sleeper: a blocked loop shows here.
+
+    A late wake-up has two causes: something held the loop (a copy on its thread, a native
+    wait, another of our threads keeping the GIL), or the loop's thread was ready to run and
+    the machine gave it no core (another process, another test worker). Only the first is
+    the code's doing, so `max_lag` is the worst wake-up's lateness less the time the loop's
+    thread spent waiting for a core meanwhile (the kernel counts it, per thread), and
+    `max_late` the lateness as it was; `report()` says both.
 
     A watcher thread samples the loop thread's stack while a wake-up is over 20 ms late:
     `culprit` is the sample from the worst stall, so a failing bound names what held the
@@ -71,15 +99,24 @@ class LagProbe:
 
     def __init__(self) -> None:
         self.max_lag = 0.0
+        self.max_late = 0.0
+        self.waited = 0.0  # for a core, during the wake-up with the worst max_lag
         self.culprit = ""
         self._task: asyncio.Task[None] | None = None
         self._beat = 0.0
         self._stop = threading.Event()
+        self._run_delay: RunDelay | None = None
 
     def start(self) -> None:
-        self.max_lag, self.culprit, self._beat = 0.0, "", time.perf_counter()
+        self.max_lag, self.max_late, self.waited, self.culprit = 0.0, 0.0, 0.0, ""
+        self._beat = time.perf_counter()
         self._stop.clear()
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        # Opened here, before the code under test runs: a test that counts this process's
+        # descriptors around its body sees none of the probe's come or go.
+        if self._run_delay is not None:
+            self._run_delay.close()
+        self._run_delay = RunDelay(threading.get_native_id())
+        self._task = asyncio.get_running_loop().create_task(self._run(self._run_delay))
         threading.Thread(
             target=self._watch, args=(threading.get_ident(),), daemon=True, name="lag-probe"
         ).start()
@@ -92,19 +129,29 @@ class LagProbe:
             await self._task
         except asyncio.CancelledError:
             pass
+        if self._run_delay is not None:
+            self._run_delay.close()
         return self.max_lag
 
     def report(self) -> str:
         """The worst lag, and the loop's stack during it if one was sampled."""
-        return f"loop blocked {self.max_lag * 1000:.0f} ms" + (
-            f"; the loop thread was in:\n{self.culprit}" if self.culprit else ""
+        return (
+            f"loop blocked {self.max_lag * 1000:.0f} ms (that wake-up was "
+            f"{(self.max_lag + self.waited) * 1000:.0f} ms late, {self.waited * 1000:.0f} ms of it waiting for a core; "
+            f"the latest of all: {self.max_late * 1000:.0f} ms)"
+            + (f"; the loop thread was in:\n{self.culprit}" if self.culprit else "")
         )
 
-    async def _run(self) -> None:
+    async def _run(self, run_delay: RunDelay) -> None:
         while True:
+            d0 = run_delay()
             t0 = self._beat = time.perf_counter()
             await asyncio.sleep(0.005)
-            self.max_lag = max(self.max_lag, time.perf_counter() - t0 - 0.005)
+            late = time.perf_counter() - t0 - 0.005
+            waited = run_delay() - d0
+            self.max_late = max(self.max_late, late)
+            if late - waited > self.max_lag:
+                self.max_lag, self.waited = late - waited, waited
 
     def _watch(self, loop_thread: int) -> None:
         worst = 0.02

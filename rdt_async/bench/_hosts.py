@@ -53,7 +53,8 @@ class Hosts:
         if topology not in TOPOLOGIES:
             raise ValueError(f"topology={topology!r}: give one of {', '.join(TOPOLOGIES)}")
         self.topology = topology
-        self._key, self._claim = _free_key()  # 10.<key>.<n>.0/24 per host: concurrent sessions differ
+        self._claim = _free_key()  # 10.<key>.<n>.0/24 per host: concurrent sessions differ
+        self._key = self._claim.key
         self._nodes: dict[str, _Node] = {}
         self._bridge: _Bridge | None = None
         if topology == "split":
@@ -64,7 +65,7 @@ class Hosts:
         except BaseException:
             if self._bridge is not None:
                 self._bridge.delete()
-            os.close(self._claim)
+            self._claim.release()
             raise
         self.head_ip = self._first.root_ip  # the first link's near end (split: the bridge's): every host reaches it
 
@@ -129,25 +130,55 @@ class Hosts:
         self._first.delete()
         if self._bridge is not None:
             self._bridge.delete()
-        os.close(self._claim)
+        self._claim.release()
 
 
-def _free_key() -> tuple[int, int]:
+class _KeyClaim:
+    """A network key held by this process: an exclusive flock on /run/rdt-hosts-KEY.lock.
+    Sessions that start at once (pytest-xdist's workers) cannot take the same key, and a
+    killed session's claim ends with its process. Released, the file goes too: removed
+    while still locked, so a process that opened it before checks that what it locked is
+    still the file at that path (it is not) and opens again."""
+
+    def __init__(self, key: int, fd: int, path: str) -> None:
+        self.key, self._fd, self._path = key, fd, path
+
+    @classmethod
+    def take(cls, key: int) -> _KeyClaim | None:
+        path = f"/run/{_PREFIX}-hosts-{key}.lock"
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                return None
+            try:
+                if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                    return cls(key, fd, path)
+            except FileNotFoundError:
+                pass
+            os.close(fd)  # its holder removed it as we locked: lock the path's new file
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._path)
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _free_key() -> _KeyClaim:
     """A key no namespace of ours uses (another session's, or one a killed session left),
-    and the descriptor whose lock claims it: sessions that start at once (pytest-xdist's
-    workers) cannot take the same key, and a killed session's claim ends with it."""
+    claimed for this process."""
     for i in range(200):
-        key = (os.getpid() + i) % 200 + 20
-        fd = os.open(f"/run/{_PREFIX}-hosts-{key}.lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
+        claim = _KeyClaim.take((os.getpid() + i) % 200 + 20)
+        if claim is None:
             continue
         used = os.listdir("/run/netns") if os.path.isdir("/run/netns") else []
-        if not any(name.startswith(f"{_PREFIX}{key}h") for name in used):
-            return key, fd
-        os.close(fd)
+        if not any(name.startswith(f"{_PREFIX}{claim.key}h") for name in used):
+            return claim
+        claim.release()
     raise RuntimeError("no free network-namespace key: remove stale /run/netns/rdt* namespaces (`ip netns del`)")
 
 
