@@ -61,20 +61,40 @@ def idle_cpu(seconds: float) -> float:
     return cpu_seconds() - t0
 
 
-class RunDelay:
-    """How long a thread has waited, runnable, for a core: the kernel's schedstat for it
-    (its second field, in ns). Zero where the kernel does not keep it."""
+def _schedstat(path: str | int) -> tuple[float, float]:
+    """A thread's time on a core and time waiting, runnable, for one (s): its schedstat,
+    by path or open descriptor. Zeros where the kernel keeps none."""
+    try:
+        if isinstance(path, int):
+            fields = os.pread(path, 128, 0).split()
+        else:
+            with open(path, "rb") as f:
+                fields = f.read().split()
+        return int(fields[0]) / 1e9, int(fields[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0, 0.0
 
-    def __init__(self, native_id: int) -> None:
+
+class Threads:
+    """Where this process's threads spent their time, per thread: the loop's through a
+    descriptor opened once (`start`, before the code under test counts descriptors), the
+    other Python threads' (those that take the GIL) read and closed at once."""
+
+    def __init__(self, loop_thread: int) -> None:
+        self.loop_thread = loop_thread
         try:
-            self._fd: int | None = os.open(f"/proc/self/task/{native_id}/schedstat", os.O_RDONLY)
+            self._fd: int | None = os.open(f"/proc/self/task/{loop_thread}/schedstat", os.O_RDONLY)
         except OSError:
             self._fd = None
 
-    def __call__(self) -> float:
+    def loop(self) -> tuple[float, float]:
+        return _schedstat(self._fd) if self._fd is not None else (0.0, 0.0)
+
+    def others_waits(self) -> dict[int, float]:
         if self._fd is None:
-            return 0.0
-        return int(os.pread(self._fd, 128, 0).split()[1]) / 1e9
+            return {}
+        ids = {t.native_id for t in threading.enumerate()} - {self.loop_thread, None}
+        return {tid: _schedstat(f"/proc/self/task/{tid}/schedstat")[1] for tid in ids}
 
     def close(self) -> None:
         if self._fd is not None:
@@ -85,12 +105,15 @@ class RunDelay:
 class LagProbe:
     """Measures how late an event loop wakes a 5 ms sleeper: a blocked loop shows here.
 
-    A late wake-up has two causes: something held the loop (a copy on its thread, a native
-    wait, another of our threads keeping the GIL), or the loop's thread was ready to run and
-    the machine gave it no core (another process, another test worker). Only the first is
-    the code's doing, so `max_lag` is the worst wake-up's lateness less the time the loop's
-    thread spent waiting for a core meanwhile (the kernel counts it, per thread), and
-    `max_late` the lateness as it was; `report()` says both.
+    A wake-up is late because something held the loop (a copy on its thread, a native wait,
+    another of our threads keeping the GIL) or because the machine gave the process no
+    core (another process, another test worker). Only the first is the code's doing. The
+    kernel says, per thread, how long each was on a core and how long it waited, runnable,
+    for one. So `max_lag` is the worst lateness less what the cores excuse: the time the
+    loop's thread waited for one, and, of the time it was asleep past its 5 ms (on the GIL,
+    a lock or a blocking call), no more than another Python thread of ours waited for a
+    core meanwhile (a GIL holder the machine preempted). `max_late` is the lateness as it
+    was; `report()` says both, and how the worst wake-up's time was spent.
 
     A watcher thread samples the loop thread's stack while a wake-up is over 20 ms late:
     `culprit` is the sample from the worst stall, so a failing bound names what held the
@@ -100,23 +123,21 @@ class LagProbe:
     def __init__(self) -> None:
         self.max_lag = 0.0
         self.max_late = 0.0
-        self.waited = 0.0  # for a core, during the wake-up with the worst max_lag
+        self.worst = ""  # how the worst wake-up's time was spent
         self.culprit = ""
         self._task: asyncio.Task[None] | None = None
         self._beat = 0.0
         self._stop = threading.Event()
-        self._run_delay: RunDelay | None = None
+        self._threads: Threads | None = None
 
     def start(self) -> None:
-        self.max_lag, self.max_late, self.waited, self.culprit = 0.0, 0.0, 0.0, ""
+        self.max_lag, self.max_late, self.worst, self.culprit = 0.0, 0.0, "", ""
         self._beat = time.perf_counter()
         self._stop.clear()
-        # Opened here, before the code under test runs: a test that counts this process's
-        # descriptors around its body sees none of the probe's come or go.
-        if self._run_delay is not None:
-            self._run_delay.close()
-        self._run_delay = RunDelay(threading.get_native_id())
-        self._task = asyncio.get_running_loop().create_task(self._run(self._run_delay))
+        if self._threads is not None:
+            self._threads.close()
+        self._threads = Threads(threading.get_native_id())
+        self._task = asyncio.get_running_loop().create_task(self._run(self._threads))
         threading.Thread(
             target=self._watch, args=(threading.get_ident(),), daemon=True, name="lag-probe"
         ).start()
@@ -129,29 +150,40 @@ class LagProbe:
             await self._task
         except asyncio.CancelledError:
             pass
-        if self._run_delay is not None:
-            self._run_delay.close()
+        if self._threads is not None:
+            self._threads.close()
         return self.max_lag
 
     def report(self) -> str:
-        """The worst lag, and the loop's stack during it if one was sampled."""
+        """The worst lag, how that wake-up's time went, and the loop's stack during it."""
         return (
-            f"loop blocked {self.max_lag * 1000:.0f} ms (that wake-up was "
-            f"{(self.max_lag + self.waited) * 1000:.0f} ms late, {self.waited * 1000:.0f} ms of it waiting for a core; "
-            f"the latest of all: {self.max_late * 1000:.0f} ms)"
+            f"loop blocked {self.max_lag * 1000:.0f} ms ({self.worst}; the latest wake-up of all: "
+            f"{self.max_late * 1000:.0f} ms late)"
             + (f"; the loop thread was in:\n{self.culprit}" if self.culprit else "")
         )
 
-    async def _run(self, run_delay: RunDelay) -> None:
+    async def _run(self, threads: Threads) -> None:
+        # From one wake-up to the next, reads included: the GIL can be lost in those too.
+        (cpu0, wait0), others0 = threads.loop(), threads.others_waits()
+        t0 = self._beat = time.perf_counter()
         while True:
-            d0 = run_delay()
-            t0 = self._beat = time.perf_counter()
             await asyncio.sleep(0.005)
-            late = time.perf_counter() - t0 - 0.005
-            waited = run_delay() - d0
+            (cpu1, wait1), others1 = threads.loop(), threads.others_waits()
+            t1 = self._beat = time.perf_counter()
+            elapsed, cpu, waited = t1 - t0, cpu1 - cpu0, wait1 - wait0
+            late = elapsed - 0.005
+            asleep = max(0.0, elapsed - cpu - waited - 0.005)  # past its sleep: the GIL, a lock, a blocking call
+            others = max((others1[t] - others0[t] for t in others1.keys() & others0.keys()), default=0.0)
+            lag = late - waited - min(asleep, others)
             self.max_late = max(self.max_late, late)
-            if late - waited > self.max_lag:
-                self.max_lag, self.waited = late - waited, waited
+            if lag > self.max_lag:
+                self.max_lag = lag
+                self.worst = (
+                    f"that wake-up was {late * 1000:.0f} ms late: the loop's thread ran {cpu * 1000:.0f} ms, "
+                    f"waited {waited * 1000:.0f} ms for a core and slept {asleep * 1000:.0f} ms past its 5 ms "
+                    f"while another Python thread of ours waited up to {others * 1000:.0f} ms for one"
+                )
+            (cpu0, wait0), others0, t0 = (cpu1, wait1), others1, t1
 
     def _watch(self, loop_thread: int) -> None:
         worst = 0.02

@@ -142,10 +142,12 @@ class Trainer:
         how long it blocked the trainer, refs for the subscribers)."""
         assert self.publisher is not None  # (made by setup)
         started = time.perf_counter()
-        await self.publisher.wait_unread(self.state)  # lent: its readers (other paths: nothing holds it)
-        for t in self.state.values():
-            await rdt.wait_tensor_freed(t)  # hand-written: nobody may read the version before
-        waited = time.perf_counter() - started
+        if path == RDT_LENT:
+            await self.publisher.wait_unread(self.state)  # the version it lent: its readers are done
+        elif path == HAND_WRITTEN:
+            for t in self.state.values():
+                await rdt.wait_tensor_freed(t)  # nobody may read the version before
+        waited = time.perf_counter() - started  # (other paths copied it: nothing holds the state)
         await asyncio.to_thread(lambda: [t.fill_(value) for t in self.state.values()])
         if path == HAND_WRITTEN:
             return None, waited, []  # `weights` publishes it: the wait is what it cost the trainer

@@ -58,7 +58,7 @@ class Peers:
         self._busy: collections.Counter[str] = collections.Counter()  # producer -> reads using it now
         self._idle: dict[str, float] = {}  # producer -> when its last read ended (not while one runs)
         self._removing: dict[str, asyncio.Task[None]] = {}  # producer -> its remote agent's removal
-        self._owners: dict[str, tuple[str, int]] = {}  # producer agent -> (Ray node, pid), as the core names it
+        self._nodes: dict[str, str] = {}  # producer agent -> its Ray node, as the core names it (its pid: `_metas`)
         self._doomed: set[str] = set()  # producers declared gone while reads used them (`lost`)
         self._sweeper = IdleSweep(self._sweep, lambda: SWEEP_S)
 
@@ -95,7 +95,7 @@ class Peers:
         """The core learned that producer process `pid` of Ray node `node` is gone (a fetch
         from it ended in PeerDiedError): drop its connection now, or once the reads using it
         end. Runs on: consumer (I/O loop)."""
-        for producer in [p for p, owner in self._owners.items() if owner == (node, pid)]:
+        for producer in [p for p, at in self._nodes.items() if at == node and self._metas[p].pid == pid]:
             if self._busy.get(producer):
                 self._doomed.add(producer)
             else:
@@ -139,7 +139,7 @@ class Peers:
             remote = self._remotes[meta.agent] = name.decode() if isinstance(name, bytes) else name
             self._metas[meta.agent] = meta
             if node is not None:
-                self._owners[meta.agent] = (node, meta.pid)
+                self._nodes[meta.agent] = node
             self._connects += 1
             self._epochs[meta.agent] = self._connects
             if meta.agent not in self._busy:  # (connected outside a read: idle from now)
@@ -176,7 +176,7 @@ class Peers:
         (a connect to it meanwhile waits for that). Runs on: consumer (I/O loop)."""
         self._epochs.pop(producer, None)
         self._metas.pop(producer, None)
-        self._owners.pop(producer, None)
+        self._nodes.pop(producer, None)
         self._doomed.discard(producer)
         with self._lock:
             self._loaded.pop(producer, None)
