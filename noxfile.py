@@ -84,8 +84,9 @@ def _workers() -> list[str]:
     this process may use, 2 to 4; `1`: one process), each with a Ray cluster and test hosts
     of its own, a module to one worker. Two workers on 2 cores keep the machine busy where
     one process left a third of it idle (Ray's verdicts, deadlines, process starts). The
-    loop-lag bounds hold under that contention because the probe leaves out the time a
-    loop's thread only waited for a core (tests/probes.py)."""
+    loop-lag bounds hold under that contention because the probe leaves out the time the
+    loop waited while the machine gave no core to its thread, or to a thread of ours that
+    held the GIL (tests/probes.py)."""
     asked = os.environ.get("RDT_TEST_WORKERS", "auto")
     if asked in ("", "0", "1"):
         return []
