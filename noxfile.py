@@ -80,14 +80,15 @@ def tests(session: nox.Session) -> None:
 
 
 def _workers() -> list[str]:
-    """pytest-xdist's options: RDT_TEST_WORKERS workers (`auto`, the default: one per core
-    this process may use, 2 to 4; `1`: one process), each with a Ray cluster and test hosts
-    of its own, a module to one worker. Two workers on 2 cores keep the machine busy where
-    one process left a third of it idle (Ray's verdicts, deadlines, process starts). The
-    loop-lag bounds hold under that contention because the probe leaves out the time the
-    loop waited while the machine gave no core to its thread, or to a thread of ours that
-    held the GIL (tests/probes.py)."""
-    asked = os.environ.get("RDT_TEST_WORKERS", "auto")
+    """pytest-xdist's options, where RDT_TEST_WORKERS asks for them: that many workers
+    (`auto`: one per core this process may use, 2 to 4), each with a Ray cluster and test
+    hosts of its own, a module to one worker. One process by default. Two workers on 2
+    cores ran the suite in 926-954 s, not ~1260 s, and the lag probe leaves out the time
+    the loop waited while the machine gave no core to its thread or to a Python thread of
+    ours that held the GIL (tests/probes.py); still, 1 of the 2 last such CI runs tripped
+    a bound: the driver's loop in test_collectives waited 442 ms on a GIL that no thread
+    the probe sees was waiting for (a C++ thread of Ray's, or a gen-2 collection)."""
+    asked = os.environ.get("RDT_TEST_WORKERS", "1")
     if asked in ("", "0", "1"):
         return []
     if asked == "auto":

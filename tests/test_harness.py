@@ -1,6 +1,7 @@
 """The suite's own tools, which its verdicts rest on: the loop-lag probe must see a loop
-that is held and must not blame the code for a loop whose thread only waited for a core;
-test hosts of sessions that start at once (pytest-xdist's workers) never share a network."""
+that is held, and must not blame the code for a loop that waited only because the machine
+gave no core to its thread or to the thread holding the GIL; test hosts of sessions that
+start at once (pytest-xdist's workers) never share a network."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from probes import LagProbe
 from rdt_async.bench import _hosts
 
 # A real-time process that spins on one core for `seconds` once it says "spinning" (with
-# `on_signal`: once it gets SIGUSR1 after that): a thread of ours pinned there gets no time
-# meanwhile but what Linux's fair server leaves others (~50 ms a second).
+# "1" after them: once it gets SIGUSR1, or 10 s on): a thread of ours pinned there gets no
+# time meanwhile but what Linux's fair server leaves others (~50 ms a second).
 HOG = """
 import os, signal, sys, time
 os.sched_setaffinity(0, {int(sys.argv[1])})
@@ -29,7 +30,7 @@ os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
 print("spinning", flush=True)
 if sys.argv[3] == "1":
-    signal.sigwait({signal.SIGUSR1})
+    signal.sigtimedwait({signal.SIGUSR1}, 10)
 end = time.monotonic() + float(sys.argv[2])
 while time.monotonic() < end:
     pass
