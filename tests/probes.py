@@ -157,8 +157,8 @@ class LagProbe:
     def report(self) -> str:
         """The worst lag, how that wake-up's time went, and the loop's stack during it."""
         return (
-            f"loop blocked {self.max_lag * 1000:.0f} ms ({self.worst}; the latest wake-up of all: "
-            f"{self.max_late * 1000:.0f} ms late)"
+            f"loop blocked {self.max_lag * 1000:.0f} ms ({self.worst or 'no wake-up was late'}; "
+            f"the latest wake-up of all: {self.max_late * 1000:.0f} ms late)"
             + (f"; the loop thread was in:\n{self.culprit}" if self.culprit else "")
         )
 

@@ -161,10 +161,10 @@ time.sleep(float(sys.argv[2]))
 """
 
 
-def _claim_elsewhere(key: int, hold: float) -> subprocess.Popen[str]:
+def _claim_elsewhere(key: int, hold: float) -> tuple[subprocess.Popen[str], str]:
+    """A process that tries to take `key` and holds what it got for `hold` s; what it said."""
     p = subprocess.Popen([sys.executable, "-c", CLAIM, str(key), str(hold), _hosts.__file__], stdout=subprocess.PIPE, text=True)
-    p.word = p.stdout.readline().strip()  # type: ignore[attr-defined]
-    return p
+    return p, p.stdout.readline().strip()
 
 
 @pytest.mark.skipif(not os.access("/run", os.W_OK), reason="test hosts claim their keys under /run (root)")
@@ -174,18 +174,19 @@ def test_a_network_key_is_held_by_one_process_until_it_lets_go_or_dies():
     assert claim is not None, "another session holds key 219"
     path = f"/run/rdt-hosts-{key}.lock"
     try:
-        other = _claim_elsewhere(key, 0)
-        assert (other.word, other.wait()) == ("refused", 0)
+        other, word = _claim_elsewhere(key, 0)
+        with other:
+            assert (word, other.wait()) == ("refused", 0)
         assert _hosts._KeyClaim.take(key) is None  # not even twice in one process (flock is per open file)
     finally:
         claim.release()
     assert not os.path.exists(path)  # nothing left under /run
-    holder = _claim_elsewhere(key, 60)
-    try:
-        assert holder.word == "taken" and _hosts._KeyClaim.take(key) is None
-    finally:
-        holder.kill()
-        holder.wait()
+    holder, word = _claim_elsewhere(key, 60)
+    with holder:
+        try:
+            assert word == "taken" and _hosts._KeyClaim.take(key) is None
+        finally:
+            holder.kill()
     again = _hosts._KeyClaim.take(key)  # a killed holder's claim ended with it
     assert again is not None
     again.release()
