@@ -93,6 +93,11 @@ def cluster():
             if TOPOLOGY == "three":
                 hosts.add("node3", c.address, {"node3": 1000}, start_args=quiet_host)
         c.hosts = hosts
+        # What the driver holds by now (torch, Ray, the collected test modules: ~220k objects)
+        # goes to the permanent generation. A full collection walks every object, holding
+        # the GIL (~130 ms on an idle core here): Ray's PythonGCThread runs one whenever
+        # Ray asks every worker for one, and an async test's loop waits through it.
+        gc.freeze()
         yield c
     finally:
         ray.shutdown()

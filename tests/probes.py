@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import sys
 import threading
@@ -90,16 +91,50 @@ class Threads:
     def loop(self) -> tuple[float, float]:
         return _schedstat(self._fd) if self._fd is not None else (0.0, 0.0)
 
-    def others_waits(self) -> dict[int, float]:
+    def others(self) -> dict[int, tuple[float, float]]:
+        """Each other Python thread's time on a core and time waiting for one."""
         if self._fd is None:
             return {}
         ids = {t.native_id for t in threading.enumerate()} - {self.loop_thread, None}
-        return {tid: _schedstat(f"/proc/self/task/{tid}/schedstat")[1] for tid in ids}
+        return {tid: _schedstat(f"/proc/self/task/{tid}/schedstat") for tid in ids}
 
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+class Collections:
+    """The garbage collections this process ran while installed, and on which thread: a
+    full one walks every object of the process (130 ms here with torch and Ray imported),
+    holding the GIL, on whichever thread allocated last, or on Ray's PythonGCThread when
+    Ray asks every worker for one."""
+
+    def __init__(self) -> None:
+        self.done: list[tuple[float, float, int, str]] = []  # (start, end, generation, thread)
+        self._started: dict[int, float] = {}
+
+    def __enter__(self) -> Collections:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        now, ident = time.perf_counter(), threading.get_ident()
+        if phase == "start":
+            self._started[ident] = now
+        elif (began := self._started.pop(ident, None)) is not None and now - began > 0.005:
+            self.done.append((began, now, info["generation"], threading.current_thread().name))
+            del self.done[:-50]
+
+    def between(self, t0: float, t1: float) -> str:
+        spans = [(min(end, t1) - max(start, t0), gen, name) for start, end, gen, name in self.done
+                 if end > t0 and start < t1]
+        return ", ".join(f"a generation-{gen} collection ran {span * 1000:.0f} ms on {name}"
+                         for span, gen, name in spans)
 
 
 class LagProbe:
@@ -129,6 +164,7 @@ class LagProbe:
         self._beat = 0.0
         self._stop = threading.Event()
         self._threads: Threads | None = None
+        self._collections = Collections()
 
     def start(self) -> None:
         self.max_lag, self.max_late, self.worst, self.culprit = 0.0, 0.0, "", ""
@@ -137,6 +173,8 @@ class LagProbe:
         if self._threads is not None:
             self._threads.close()
         self._threads = Threads(threading.get_native_id())
+        self._collections.__exit__()
+        self._collections = Collections().__enter__()
         self._task = asyncio.get_running_loop().create_task(self._run(self._threads))
         threading.Thread(
             target=self._watch, args=(threading.get_ident(),), daemon=True, name="lag-probe"
@@ -152,6 +190,7 @@ class LagProbe:
             pass
         if self._threads is not None:
             self._threads.close()
+        self._collections.__exit__()
         return self.max_lag
 
     def report(self) -> str:
@@ -164,26 +203,45 @@ class LagProbe:
 
     async def _run(self, threads: Threads) -> None:
         # From one wake-up to the next, reads included: the GIL can be lost in those too.
-        (cpu0, wait0), others0 = threads.loop(), threads.others_waits()
-        t0 = self._beat = time.perf_counter()
+        # The other threads' counters are read every 50 ms and at a late wake-up (a read a
+        # tick costs ~15% of a core with Ray's threads): a late wake-up weighs them over
+        # its own time and at most the 50 ms before it.
+        (cpu0, wait0), others0 = threads.loop(), threads.others()
+        t0 = self._beat = since = time.perf_counter()
         while True:
             await asyncio.sleep(0.005)
-            (cpu1, wait1), others1 = threads.loop(), threads.others_waits()
-            t1 = self._beat = time.perf_counter()
-            elapsed, cpu, waited = t1 - t0, cpu1 - cpu0, wait1 - wait0
-            late = elapsed - 0.005
-            asleep = max(0.0, elapsed - cpu - waited - 0.005)  # past its sleep: the GIL, a lock, a blocking call
-            others = max((others1[t] - others0[t] for t in others1.keys() & others0.keys()), default=0.0)
-            lag = late - waited - min(asleep, others)
-            self.max_late = max(self.max_late, late)
-            if lag > self.max_lag:
-                self.max_lag = lag
-                self.worst = (
-                    f"that wake-up was {late * 1000:.0f} ms late: the loop's thread ran {cpu * 1000:.0f} ms, "
-                    f"waited {waited * 1000:.0f} ms for a core and slept {asleep * 1000:.0f} ms past its 5 ms "
-                    f"while another Python thread of ours waited up to {others * 1000:.0f} ms for one"
-                )
-            (cpu0, wait0), others0, t0 = (cpu1, wait1), others1, t1
+            cpu1, wait1 = threads.loop()
+            t1 = time.perf_counter()
+            if t1 - t0 > 0.025 or t1 - since > 0.05:
+                others1 = threads.others()
+                (cpu1, wait1), t1 = threads.loop(), time.perf_counter()
+                self._weigh(t0, t1, cpu1 - cpu0, wait1 - wait0, others0, others1)
+                others0, since = others1, t1
+            elif t1 - t0 - 0.005 - (wait1 - wait0) > self.max_lag:  # (at most 20 ms: no other thread's read)
+                self.max_lag = t1 - t0 - 0.005 - (wait1 - wait0)
+                self.worst = f"that wake-up was {(t1 - t0 - 0.005) * 1000:.0f} ms late"
+            self.max_late = max(self.max_late, t1 - t0 - 0.005)
+            (cpu0, wait0), t0 = (cpu1, wait1), t1
+            self._beat = t1
+
+    def _weigh(self, t0: float, t1: float, cpu: float, waited: float,
+               others0: dict[int, tuple[float, float]], others1: dict[int, tuple[float, float]]) -> None:
+        late = t1 - t0 - 0.005
+        asleep = max(0.0, late - cpu - waited)  # past its sleep: the GIL, a lock, a blocking call
+        zero = (0.0, 0.0)  # (a thread started since the last read: all its time is since)
+        others = max((others1[t][1] - others0.get(t, zero)[1] for t in others1), default=0.0)
+        lag = late - waited - min(asleep, others)
+        if lag > self.max_lag:
+            self.max_lag = lag
+            ran = max(((others1[t][0] - others0.get(t, zero)[0], t) for t in others1), default=(0.0, 0))
+            names = {t.native_id: t.name for t in threading.enumerate()}
+            self.worst = "; ".join(filter(None, (
+                f"that wake-up was {late * 1000:.0f} ms late: the loop's thread ran {cpu * 1000:.0f} ms, "
+                f"waited {waited * 1000:.0f} ms for a core and slept {asleep * 1000:.0f} ms past its 5 ms "
+                f"while another Python thread of ours waited up to {others * 1000:.0f} ms for one "
+                f"(the busiest, {names.get(ran[1], ran[1])}, ran {ran[0] * 1000:.0f} ms)",
+                self._collections.between(t0, t1),
+            )))
 
     def _watch(self, loop_thread: int) -> None:
         worst = 0.02
@@ -192,7 +250,18 @@ class LagProbe:
             if late > worst and loop_thread in (frames := sys._current_frames()):
                 worst = late
                 self.culprit = _stacks(frames, loop_thread)
+                if _within(frames[loop_thread], LagProbe._run.__code__):
+                    self.culprit = ("(the loop had woken and was reading the kernel's counters, waiting for the GIL "
+                                    "in a read: the other threads' stacks say who held it)\n" + self.culprit)
             frames = {}  # a frame held past its function's return keeps its locals (and the values in them)
+
+
+def _within(frame: Any, code: Any) -> bool:
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _stacks(frames: dict[int, Any], loop_thread: int) -> str:

@@ -217,5 +217,5 @@ async def fetch(producer: Producer, info: TransferInfo[Any], buffers: list[torch
             tensors = await request.wait()
     finally:
         lag = await asyncio.shield(probe.stop())
-    assert lag < MAX_LAG, f"{transport.name} blocked the consumer's loop for {lag * 1000:.0f} ms"
+    assert lag < MAX_LAG, f"{transport.name} blocked the consumer's loop for {lag * 1000:.0f} ms: {probe.report()}"
     return tensors
