@@ -159,6 +159,7 @@ class LagProbe:
         self.max_lag = 0.0
         self.max_late = 0.0
         self.worst = ""  # how the worst wake-up's time was spent
+        self.worst_ran = 0.0  # the longest another Python thread ran meanwhile (s)
         self.culprit = ""
         self._task: asyncio.Task[None] | None = None
         self._beat = 0.0
@@ -167,7 +168,7 @@ class LagProbe:
         self._collections = Collections()
 
     def start(self) -> None:
-        self.max_lag, self.max_late, self.worst, self.culprit = 0.0, 0.0, "", ""
+        self.max_lag, self.max_late, self.worst, self.worst_ran, self.culprit = 0.0, 0.0, "", 0.0, ""
         self._beat = time.perf_counter()
         self._stop.clear()
         if self._threads is not None:
@@ -234,6 +235,7 @@ class LagProbe:
         if lag > self.max_lag:
             self.max_lag = lag
             ran = max(((others1[t][0] - others0.get(t, zero)[0], t) for t in others1), default=(0.0, 0))
+            self.worst_ran = ran[0]
             names = {t.native_id: t.name for t in threading.enumerate()}
             self.worst = "; ".join(filter(None, (
                 f"that wake-up was {late * 1000:.0f} ms late: the loop's thread ran {cpu * 1000:.0f} ms, "
@@ -244,15 +246,18 @@ class LagProbe:
             )))
 
     def _watch(self, loop_thread: int) -> None:
-        worst = 0.02
+        worst, sampled = 0.02, False
         while not self._stop.wait(0.005):
             late = time.perf_counter() - self._beat - 0.005
             if late > worst and loop_thread in (frames := sys._current_frames()):
-                worst = late
-                self.culprit = _stacks(frames, loop_thread)
-                if _within(frames[loop_thread], LagProbe._run.__code__):
-                    self.culprit = ("(the loop had woken and was reading the kernel's counters, waiting for the GIL "
-                                    "in a read: the other threads' stacks say who held it)\n" + self.culprit)
+                worst = late + 0.01  # (a sample formats every thread's stack: one per 10 ms of a stall)
+                if not _within(frames[loop_thread], LagProbe._run.__code__):
+                    self.culprit, sampled = _stacks(frames, loop_thread), True
+                elif not sampled:  # the loop has woken and waits in the probe's own reads (the GIL)
+                    self.culprit, sampled = ("(the loop had woken and was reading the kernel's counters: the other "
+                                             "threads' stacks say who held the GIL)\n" + _stacks(frames, loop_thread), True)
+            elif late < 0.02:  # (a stall's first sample stays once the loop is back in the probe)
+                sampled = False
             frames = {}  # a frame held past its function's return keeps its locals (and the values in them)
 
 

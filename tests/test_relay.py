@@ -383,19 +383,28 @@ def _producer_and_servers(k: int):
 
         async def load_into_twice(self, refs):
             """Each object in turn, fetched twice at once into two buffers of this process:
-            [(sums, what the relay did)] (one after the other: idle memfds go after RDT_SHM_IDLE_S=1 here)."""
+            [(sums, what the relay did)] (one after the other). Idle memfds go after
+            RDT_SHM_IDLE_S, 1 s in this session: 30 s meanwhile, or on a loaded machine the
+            first's memfd could go before the second asks (seen with two pytest-xdist workers)."""
             objs = [await r for r in refs]
             bufs = [{"w": torch.zeros(objs[0].specs[0].shape)} for _ in range(2)]
             out = []
-            for obj in objs:
-                before = rdt.store_stats()["relay"]
-                got = await asyncio.gather(*(rdt.fetch(obj, into=b) for b in bufs))
-                after = rdt.store_stats()["relay"]
-                assert all(g["w"].data_ptr() == b["w"].data_ptr() for g, b in zip(got, bufs))
-                did = {k: after[k] - before[k] for k in ("claimed", "landed", "copied", "handed", "mapped")}
-                out.append(([float(g["w"].double().sum()) for g in got], did))
-                del got
-                await asyncio.sleep(0.2)  # the second's mapping goes: the memfd is back, warm
+            idle_s, os.environ["RDT_SHM_IDLE_S"] = os.environ.get("RDT_SHM_IDLE_S"), "30"  # (read at each sweep)
+            try:
+                for obj in objs:
+                    before = rdt.store_stats()["relay"]
+                    got = await asyncio.gather(*(rdt.fetch(obj, into=b) for b in bufs))
+                    after = rdt.store_stats()["relay"]
+                    assert all(g["w"].data_ptr() == b["w"].data_ptr() for g, b in zip(got, bufs))
+                    did = {k: after[k] - before[k] for k in ("claimed", "landed", "copied", "handed", "mapped")}
+                    out.append(([float(g["w"].double().sum()) for g in got], did))
+                    del got
+                    await asyncio.sleep(0.2)  # the second's mapping goes: the memfd is back, warm
+            finally:
+                if idle_s is None:
+                    del os.environ["RDT_SHM_IDLE_S"]
+                else:
+                    os.environ["RDT_SHM_IDLE_S"] = idle_s
             return out
 
         async def scribble(self) -> None:
