@@ -80,15 +80,13 @@ def tests(session: nox.Session) -> None:
 
 
 def _workers() -> list[str]:
-    """pytest-xdist's options, where RDT_TEST_WORKERS asks for them: that many workers
-    (`auto`: one per core this process may use, 2 to 4), each with a Ray cluster and test
-    hosts of its own, a module to one worker. One process by default. Two workers on 2
-    cores ran the suite in 926-954 s, not ~1260 s, and the lag probe leaves out the time
-    the loop waited while the machine gave no core to its thread or to a Python thread of
-    ours that held the GIL (tests/probes.py); still, 1 of the 2 last such CI runs tripped
-    a bound: the driver's loop in test_collectives waited 442 ms on a GIL that no thread
-    the probe sees was waiting for (a C++ thread of Ray's, or a gen-2 collection)."""
-    asked = os.environ.get("RDT_TEST_WORKERS", "1")
+    """pytest-xdist's options: RDT_TEST_WORKERS workers (default `auto`: one per core this
+    process may use, 2 to 4; `1`: one process), each with a Ray cluster and test hosts of
+    its own, a module to one worker. On 2 cores two workers ran the suite in ~950-1000 s,
+    one process in ~1310 s. The loop-lag probe (tests/probes.py) leaves out the time a loop
+    waited because the machine gave no core to its thread or to a Python thread of ours
+    that held the GIL, and names the thread that ran and any garbage collection meanwhile."""
+    asked = os.environ.get("RDT_TEST_WORKERS", "auto")
     if asked in ("", "0", "1"):
         return []
     if asked == "auto":

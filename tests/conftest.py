@@ -1,5 +1,5 @@
 """One two-host Ray cluster on this machine, shared by the whole session (by each
-pytest-xdist worker where RDT_TEST_WORKERS asks for several: each has a cluster and
+pytest-xdist worker, as `nox -s tests` runs it (RDT_TEST_WORKERS): each has a cluster and
 hosts of its own, a module to one worker).
 
 The second node runs on its own host: a network namespace joined to this one by a veth
