@@ -82,7 +82,7 @@ def tests(session: nox.Session) -> None:
 def _workers() -> list[str]:
     """pytest-xdist's options: RDT_TEST_WORKERS workers (default `auto`: one per core this
     process may use, 2 to 4; `1`: one process), each with a Ray cluster and test hosts of
-    its own, a module to one worker. On 2 cores two workers ran the suite in ~950-1000 s,
+    its own, a module to one worker. On 2 cores two workers ran the suite in 885-1000 s,
     one process in ~1310 s. The loop-lag probe (tests/probes.py) leaves out the time a loop
     waited because the machine gave no core to its thread or to a Python thread of ours
     that held the GIL, and names the thread that ran and any garbage collection meanwhile."""
