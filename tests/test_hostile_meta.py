@@ -293,15 +293,16 @@ def test_crafted_ray_manager_metadata_is_refused(maker):
 
 
 def test_checks_cost_microseconds(maker):
-    """The nixl check of a 1000-tensor object runs in well under a millisecond per fetch."""
+    """The nixl check of a 1000-tensor object costs ~1 ms of CPU per fetch, not more (a bound
+    for a check that grows quadratically, not a speed test: that is the bench's)."""
     from rdt_async.transports._base import TransferInfo
     from rdt_async.transports.nixl._check import check
 
     obj = ray.get(maker.many_small.remote(1000))
     info = TransferInfo(obj.obj_id, obj.specs, obj.meta["nixl"], hold=obj)
     check(info, None)
-    began = time.perf_counter()
+    began = time.thread_time()  # (this thread's CPU: a loaded machine's preemption is not the check's)
     for _ in range(20):
         check(info, None)
-    per_fetch = (time.perf_counter() - began) / 20
-    assert per_fetch < 0.01, per_fetch  # ~1 us per tensor here
+    per_fetch = (time.thread_time() - began) / 20
+    assert per_fetch < 0.02, per_fetch  # ~1 us per tensor here: a check quadratic in the tensors fails
