@@ -111,30 +111,33 @@ class Collections:
     Ray asks every worker for one."""
 
     def __init__(self) -> None:
-        self.done: list[tuple[float, float, int, str]] = []  # (start, end, generation, thread)
+        self.done: list[tuple[float, float, int, int]] = []  # (start, end, generation, thread ident)
         self._started: dict[int, float] = {}
 
-    def __enter__(self) -> Collections:
+    def install(self) -> None:
         gc.callbacks.append(self._callback)
-        return self
 
-    def __exit__(self, *exc: object) -> None:
+    def remove(self) -> None:
         if self._callback in gc.callbacks:
             gc.callbacks.remove(self._callback)
 
     def _callback(self, phase: str, info: dict[str, int]) -> None:
+        # (Runs at every collection, on any thread: names are looked up at report time, as
+        # `current_thread()` here would register a thread of Ray's C++ as a Python one.)
         now, ident = time.perf_counter(), threading.get_ident()
         if phase == "start":
             self._started[ident] = now
         elif (began := self._started.pop(ident, None)) is not None and now - began > 0.005:
-            self.done.append((began, now, info["generation"], threading.current_thread().name))
+            self.done.append((began, now, info["generation"], ident))
             del self.done[:-50]
 
     def between(self, t0: float, t1: float) -> str:
-        spans = [(min(end, t1) - max(start, t0), gen, name) for start, end, gen, name in self.done
-                 if end > t0 and start < t1]
-        return ", ".join(f"a generation-{gen} collection ran {span * 1000:.0f} ms on {name}"
-                         for span, gen, name in spans)
+        names = {t.ident: t.name for t in threading.enumerate()}
+        return ", ".join(
+            f"a generation-{gen} collection ran {(min(end, t1) - max(start, t0)) * 1000:.0f} ms "
+            f"on {names.get(ident, f'thread {ident}')}"
+            for start, end, gen, ident in self.done if end > t0 and start < t1
+        )
 
 
 class LagProbe:
@@ -160,6 +163,7 @@ class LagProbe:
         self.max_late = 0.0
         self.worst = ""  # how the worst wake-up's time was spent
         self.worst_ran = 0.0  # the longest another Python thread ran meanwhile (s)
+        self.max_excused = 0.0  # the most a wake-up's GIL wait was excused (s): a holder's core wait
         self.culprit = ""
         self._task: asyncio.Task[None] | None = None
         self._beat = 0.0
@@ -169,13 +173,15 @@ class LagProbe:
 
     def start(self) -> None:
         self.max_lag, self.max_late, self.worst, self.worst_ran, self.culprit = 0.0, 0.0, "", 0.0, ""
+        self.max_excused = 0.0
         self._beat = time.perf_counter()
         self._stop.clear()
         if self._threads is not None:
             self._threads.close()
         self._threads = Threads(threading.get_native_id())
-        self._collections.__exit__()
-        self._collections = Collections().__enter__()
+        self._collections.remove()
+        self._collections = Collections()
+        self._collections.install()
         self._task = asyncio.get_running_loop().create_task(self._run(self._threads))
         threading.Thread(
             target=self._watch, args=(threading.get_ident(),), daemon=True, name="lag-probe"
@@ -191,7 +197,7 @@ class LagProbe:
             pass
         if self._threads is not None:
             self._threads.close()
-        self._collections.__exit__()
+        self._collections.remove()
         return self.max_lag
 
     def report(self) -> str:
@@ -213,25 +219,27 @@ class LagProbe:
             await asyncio.sleep(0.005)
             cpu1, wait1 = threads.loop()
             t1 = time.perf_counter()
+            others1 = None
             if t1 - t0 > 0.025 or t1 - since > 0.05:
                 others1 = threads.others()
                 (cpu1, wait1), t1 = threads.loop(), time.perf_counter()
-                self._weigh(t0, t1, cpu1 - cpu0, wait1 - wait0, others0, others1)
+            late, waited = t1 - t0 - 0.005, wait1 - wait0
+            self.max_late = max(self.max_late, late)
+            if others1 is not None:
+                self._weigh(t0, t1, late, cpu1 - cpu0, waited, others0, others1)
                 others0, since = others1, t1
-            elif t1 - t0 - 0.005 - (wait1 - wait0) > self.max_lag:  # (at most 20 ms: no other thread's read)
-                self.max_lag = t1 - t0 - 0.005 - (wait1 - wait0)
-                self.worst = f"that wake-up was {(t1 - t0 - 0.005) * 1000:.0f} ms late"
-            self.max_late = max(self.max_late, t1 - t0 - 0.005)
+            elif late - waited > self.max_lag:  # (at most 20 ms late: no other thread's read)
+                self.max_lag, self.worst = late - waited, f"that wake-up was {late * 1000:.0f} ms late"
             (cpu0, wait0), t0 = (cpu1, wait1), t1
             self._beat = t1
 
-    def _weigh(self, t0: float, t1: float, cpu: float, waited: float,
+    def _weigh(self, t0: float, t1: float, late: float, cpu: float, waited: float,
                others0: dict[int, tuple[float, float]], others1: dict[int, tuple[float, float]]) -> None:
-        late = t1 - t0 - 0.005
         asleep = max(0.0, late - cpu - waited)  # past its sleep: the GIL, a lock, a blocking call
         zero = (0.0, 0.0)  # (a thread started since the last read: all its time is since)
         others = max((others1[t][1] - others0.get(t, zero)[1] for t in others1), default=0.0)
         lag = late - waited - min(asleep, others)
+        self.max_excused = max(self.max_excused, min(asleep, others))
         if lag > self.max_lag:
             self.max_lag = lag
             ran = max(((others1[t][0] - others0.get(t, zero)[0], t) for t in others1), default=(0.0, 0))

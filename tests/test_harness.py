@@ -155,10 +155,10 @@ def test_a_loop_waiting_for_the_gil_of_a_thread_that_waits_for_a_core_is_not_bla
         os.sched_setaffinity(0, before)
     assert done == [sum(range(n))]
     assert probe.max_late > 0.45, probe.report()  # the loop waited all along
-    # but is blamed for no more than the holder ran (~0.2 s), not for its 0.5 s wait (which a
-    # loaded machine may split from the run into another wake-up)
+    # but is blamed for no more than the holder ran (~0.2 s), and its 0.5 s wait is excused
+    # (a loaded machine may split the wait and the run into two wake-ups)
     assert probe.max_lag < probe.worst_ran + 0.1, probe.report()
-    assert probe.max_lag < 0.45, probe.report()
+    assert probe.max_excused > 0.4, probe.report()
 
 
 CLAIM = """

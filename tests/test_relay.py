@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import secrets
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -389,8 +390,7 @@ def _producer_and_servers(k: int):
             objs = [await r for r in refs]
             bufs = [{"w": torch.zeros(objs[0].specs[0].shape)} for _ in range(2)]
             out = []
-            idle_s, os.environ["RDT_SHM_IDLE_S"] = os.environ.get("RDT_SHM_IDLE_S"), "30"  # (read at each sweep)
-            try:
+            with mock.patch.dict(os.environ, {"RDT_SHM_IDLE_S": "30"}):  # (read at each sweep)
                 for obj in objs:
                     before = rdt.store_stats()["relay"]
                     got = await asyncio.gather(*(rdt.fetch(obj, into=b) for b in bufs))
@@ -400,11 +400,6 @@ def _producer_and_servers(k: int):
                     out.append(([float(g["w"].double().sum()) for g in got], did))
                     del got
                     await asyncio.sleep(0.2)  # the second's mapping goes: the memfd is back, warm
-            finally:
-                if idle_s is None:
-                    del os.environ["RDT_SHM_IDLE_S"]
-                else:
-                    os.environ["RDT_SHM_IDLE_S"] = idle_s
             return out
 
         async def scribble(self) -> None:
