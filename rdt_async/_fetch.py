@@ -57,6 +57,10 @@ def choose_transport(
     `fell_back`: each with why). Returns the transport's name and the metadata its fetch needs.
     """
     name = obj.transport
+    carried = _in_ref(obj.meta) if name == _registry.AUTO and not (without or fell_back or _avoid) else None
+    if carried is not None:  # a small object: `auto` picks its bytes whatever else it knows
+        store.record_choice(obj.obj_id, _auto.in_ref(carried))
+        return carried, obj.meta[carried]
     shared = _shared_group(obj)
     if name == _registry.AUTO:
         avoided = _avoided(obj.producer.node_id) & frozenset(obj.meta) if _avoid else frozenset()
@@ -86,6 +90,16 @@ def choose_transport(
             return _registry.FALLBACK, None  # the consumer is outside the producer's groups
         return name, shared[1]
     return name, obj.meta.get(name)
+
+
+def _in_ref(meta: dict[str, Any]) -> str | None:
+    """The transport `auto` takes for an object whose bytes came with the ref, else None
+    (the first by name, as `_auto.choose` takes it): a 4 KiB fetch skips the cost model."""
+    carried = [n for n in meta if n != "groups" and _carries_bytes(n)]
+    if not carried:
+        return None
+    cls = _registry.known_class(min(carried))
+    return min(carried) if cls is not None and cls.reach == "cluster" and not cls.needs_group else None
 
 
 def _reach(name: str) -> str:

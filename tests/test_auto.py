@@ -157,3 +157,26 @@ def test_the_benchs_physical_limit_reads_every_byte_and_leaves_no_file(ray_sessi
     assert glob.glob("/dev/shm/rdtbench-limit-*") == []
     assert unavailable(LIMIT, hosts=1) is None
     assert unavailable(LIMIT, hosts=2) == "one host only"  # across hosts the limit is the network's: a row saying so
+
+
+def test_a_fetch_of_a_small_object_takes_its_bytes_without_the_cost_model(monkeypatch):
+    """`choose_transport`'s shortcut for bytes that came with the ref says what `choose` says,
+    and steps aside where the fetch has already left a path out."""
+    import torch
+
+    from rdt_async import _fetch
+    from rdt_async._object import Process, RDTObject
+    from rdt_async._store import store
+    from rdt_async.transports._base import TensorSpec
+    from rdt_async.transports.inline import encode
+
+    t = torch.arange(16.0)
+    specs = (TensorSpec((16,), torch.float32, "cpu", 64),)
+    meta = {"inline": (encode(t),), "groups": {}}
+    obj = RDTObject("ab" * 12, Process("a" * 56, "1:00"), "auto", specs, None, meta, {}, None)
+    monkeypatch.setattr(_auto, "choose_remembered", lambda *a: pytest.fail("the cost model ran"))
+    assert _fetch.choose_transport(obj, "b" * 56) == ("inline", meta["inline"])
+    assert store.stats()["auto"][-1] == {"obj_id": "ab" * 12, **_auto.choose(facts(64, prepared=("inline",))).as_dict()}
+    monkeypatch.undo()
+    # Left out by this fetch (it failed there): the cost model picks among the rest.
+    assert _fetch.choose_transport(obj, "b" * 56, without=frozenset({"inline"})) == ("object_store", None)

@@ -109,7 +109,7 @@ def choose(f: Facts, costs: Mapping[str, Cost] | None = None) -> Choice:
     """The candidate expected to finish first; ties go to the earlier one in `candidates`."""
     carried = sorted(f.prepared & f.in_ref)
     if carried:
-        return Choice(carried[0], "small: the bytes came with the ref")
+        return in_ref(carried[0])
     table = costs if costs is not None else cost_table(f.gpu)
     where = "node" if f.same_node else "hosts"
     estimates = {}
@@ -123,6 +123,12 @@ def choose(f: Facts, costs: Mapping[str, Cost] | None = None) -> Choice:
     ranked = " < ".join(f"{n} {estimates[n] * 1e3:.3g} ms" for n in sorted(estimates, key=lambda n: estimates[n]))
     place = "this node" if f.same_node else "another node"
     return Choice(best, f"{_size(f.nbytes)} {'GPU' if f.gpu else 'CPU'} from {place}: {ranked}", estimates)
+
+
+@functools.cache
+def in_ref(name: str) -> Choice:
+    """The choice of an object whose bytes came with the ref (over `name`): nothing beats it."""
+    return Choice(name, "small: the bytes came with the ref")
 
 
 def may_beat(name: str, other: str, *, gpu: bool = False, min_bytes: int = 1 << 20) -> bool:

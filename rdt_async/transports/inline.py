@@ -10,6 +10,7 @@ return its tensors while they live (see `_object._Recent`).
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 
 import torch
@@ -86,7 +87,11 @@ def decode(meta: Sequence[bytes], specs: Sequence[tuple[Sequence[int], torch.dty
 
 
 def encode(t: torch.Tensor) -> bytes:
-    """The bytes of a CPU tensor, for `decode`."""
+    """The bytes of a CPU tensor, for `decode` (one copy, read where the tensor lies)."""
+    if not t.is_cpu or t.layout != torch.strided:
+        raise TransferError(f"inline carries the bytes of dense CPU tensors, not a {t.layout} tensor on {t.device}")
     if t.numel() == 0:
         return b""
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
