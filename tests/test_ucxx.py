@@ -241,6 +241,29 @@ def test_contract_suite_in_a_process_of_its_own():
     assert passed and int(passed.group(1)) >= 9 and "failed" not in out.stdout, out.stdout[-3000:]
 
 
+def test_loading_ucxx_in_a_thread_leaves_the_processs_loop_free():
+    """UCX's libucs takes ~0.4 s to load here (its constructors probe UCX's modules), and
+    loaded through ctypes, as ucxx's loader does, all that time holds the GIL: a consumer's
+    first ucxx fetch, loaded on its I/O loop, stalled its actor's loop 404-408 ms in the
+    bench's fan-out across hosts. The library now opens without the GIL first."""
+    code = (
+        "import asyncio, sys\n"
+        "from probes import LagProbe\n"
+        "from rdt_async.transports import _registry\n"
+        "async def main():\n"
+        "    probe = LagProbe()\n"
+        "    probe.start()\n"
+        "    await asyncio.to_thread(_registry.get('ucxx').warm_up)\n"
+        "    lag = await probe.stop()\n"
+        "    print('loaded', 'ucxx._lib.libucxx' in sys.modules, lag < 0.1, round(lag * 1e3), probe.report().replace(chr(10), ' '))\n"
+        "asyncio.run(main())\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "tests")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.splitlines()[-1].startswith("loaded True True "), out.stdout[-3000:]
+
+
 @pytest.mark.parametrize("level", [None, "ERROR"])
 def test_ucx_and_ucxx_print_nothing_unless_ucxx_log_level_asks(level):
     # ucxx's import sets UCX_MEMTYPE_CACHE, which its own UCX then reports as unused;

@@ -9,6 +9,7 @@ first of the two that loads its UCX in a process owns it, and the other says so
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 import threading
@@ -41,3 +42,20 @@ def claim(name: str) -> None:
         if reason is not None:
             raise TransportUnavailableError(f"transport {name!r} is unavailable: {reason}")
         _owner = (os.getpid(), name)
+
+
+def open_libraries(paths: list[str]) -> None:
+    """dlopen each of `paths` (RTLD_LOCAL|RTLD_NOW, as ctypes' CDLL does) without the GIL.
+
+    `libucs`'s constructors take ~0.4 s here (they load and probe UCX's modules). Opened by
+    `ctypes.CDLL`, as the wheels' loaders do, that time holds the GIL: every other thread
+    of the process, its actor's event loop too, stands still. Called through libc, a
+    foreign function, it does not; the loaders' own dlopen then finds the library open.
+    A library that does not open is left to them (they say why).
+    """
+    libc = ctypes.CDLL(None)
+    dlopen = libc.dlopen
+    dlopen.restype, dlopen.argtypes = ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_int]
+    for path in paths:
+        if os.path.isfile(path):
+            dlopen(os.fsencode(path), os.RTLD_LOCAL | os.RTLD_NOW)  # (never closed: the loaders keep it)

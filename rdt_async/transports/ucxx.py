@@ -420,8 +420,30 @@ _lock = threading.Lock()
 async def _worker_async() -> _Worker:
     w = _workers.get(os.getpid())
     if w is None:
-        w = _workers[os.getpid()] = _Worker()
+        # Loading UCX holds the GIL ~0.4 s (`_ucx.open_libraries`): its slow part first, in
+        # a thread and without the GIL, so that neither loop of this process stands still.
+        await _io.to_thread(_open_ucx, purpose=_io.CALLS)
+        w = _workers.get(os.getpid())
+        if w is None:
+            w = _workers[os.getpid()] = _Worker()
     return w
+
+
+@functools.cache
+def _open_ucx() -> None:
+    """Open the libucx wheel's UCX ahead of ucxx's own loader (which then finds it open),
+    once this process may load it (`_ucx.claim`). A system UCX is left to the loader."""
+    if _import_reason() is not None or os.environ.get("RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY", "false").lower() != "false":
+        return
+    try:
+        spec = importlib.util.find_spec("libucx")
+    except (ImportError, ValueError):
+        return
+    if spec is None or not spec.submodule_search_locations:
+        return
+    _ucx.claim("ucxx")
+    lib = os.path.join(next(iter(spec.submodule_search_locations)), "lib")
+    _ucx.open_libraries([os.path.join(lib, name) for name in ("libucs.so", "libucs_signal.so", "libuct.so", "libucp.so")])
 
 
 def _worker_blocking() -> _Worker:
