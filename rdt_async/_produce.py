@@ -154,9 +154,11 @@ def warm_up(names: Iterable[str]) -> None:
 
     Runs on: either side (blocking): at an actor's creation, before its loop serves
     anything (see `at_creation`); and in the pool at a transport's first use otherwise.
-    Loading NIXL or UCXX holds the GIL for ~0.3-0.5 s whatever thread does it, so a
-    first object made or fetched later would stall the actor's loop that long. `auto`
-    stands for nothing here: `at_creation` says when it means nixl.
+    Loading NIXL holds the GIL for ~0.05 s (up to ~0.3 s from a cold page cache)
+    whatever thread does it, and creating its agent takes ~0.5 s, so a first object
+    made or fetched later would wait that long (UCXX opens its UCX without the GIL,
+    `transports/ucxx._open_ucx`). `auto` stands for nothing here: `at_creation` says
+    when it means nixl.
     """
     for name in dict.fromkeys(names):
         if name == _registry.AUTO or (os.getpid(), name) in _warm or not loads_here(name):
