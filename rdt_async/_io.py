@@ -82,6 +82,16 @@ def on_io_thread() -> bool:
 _pools: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
 
 
+def declare(purpose: str, threads: int) -> str:
+    """Add a pool of at most `threads` threads for `purpose` to POOLS (a transport's own,
+    at its import): `pool(purpose)` makes it on first use, and it ends with the others at
+    exit. Returns `purpose`. Raises: ValueError if `purpose` has another bound."""
+    with _lock:
+        if POOLS.setdefault(purpose, threads) != threads:
+            raise ValueError(f"pool {purpose!r} has {POOLS[purpose]} threads, not {threads}")
+    return purpose
+
+
 def pool(purpose: str = COPIES) -> concurrent.futures.ThreadPoolExecutor:
     """Return this process's bounded pool for `purpose` (one of POOLS), made on first use."""
     p = _pools.get(purpose)

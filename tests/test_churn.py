@@ -140,7 +140,8 @@ def test_churning_actors_keep_bounded_state_and_shed_it_when_idle(churners, clus
     assert rounds >= 8, f"only {rounds} rounds in {CHURN_S} s"
     peak = {k: max(c[k] for snap in busy for c in snap) for k in busy[0][0]}
     producers = len(actors)  # each consumer reads from every other actor
-    pools = sum(_io.POOLS.values()) + 64  # the I/O pools' bounds, and tcp's receiving threads
+    pools = sum(_io.POOLS.values())  # every pool's bound, tcp's receiving threads (tcp.STREAMS) too
+    assert _io.POOLS[tcp.STREAMS] == 64
     assert peak["tcp_listeners"] <= 1
     assert peak["tcp_kept_per_producer"] <= tcp.IDLE_CONNECTIONS
     assert peak["tcp_send_threads"] <= producers * tcp.IDLE_CONNECTIONS

@@ -279,3 +279,28 @@ def _wait_until(cond, timeout: float, what=lambda: "") -> None:
     while not cond():
         assert time.monotonic() < deadline, f"not true in {timeout} s: {what()}"
         time.sleep(0.02)
+
+
+def test_a_transports_own_pool_is_declared_with_its_bound_and_made_like_the_others(monkeypatch):
+    """tcp's receiving threads were a private pool of 64 beside the named ones; now every pool
+    is in `_io.POOLS`, bounded, and ends with the others at exit."""
+    from rdt_async.transports import tcp
+
+    monkeypatch.setattr(_io, "POOLS", dict(_io.POOLS))
+    monkeypatch.setattr(_io, "_pools", dict(_io._pools))
+    assert _io.POOLS[tcp.STREAMS] == 64 and tcp._threads() is _io.pool(tcp.STREAMS)
+    name = _io.declare("mine", 3)
+    assert name == "mine" and _io.declare("mine", 3) == "mine"  # again, the same bound: a no-op
+    with pytest.raises(ValueError, match="pool 'mine' has 3 threads, not 4"):
+        _io.declare("mine", 4)
+    p = _io.pool("mine")
+    release = threading.Event()
+    busy = [p.submit(release.wait, 10) for _ in range(5)]
+    time.sleep(0.2)
+    assert sum(f.running() for f in busy) == 3  # the bound holds: the rest queue
+    release.set()
+    assert all(f.result(10) for f in busy)
+    assert sorted(t.name for t in threading.enumerate() if t.name.startswith("rdt-mine")) == [
+        f"rdt-mine_{i}" for i in range(3)
+    ]
+    p.shutdown(wait=True)

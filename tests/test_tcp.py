@@ -15,6 +15,7 @@ from conftest import MAX_STALL_S, ON_NODE2, wait_until
 from helpers import Probed
 
 import rdt_async as rdt
+from rdt_async import _io
 from rdt_async.transports import _registry, tcp
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -319,7 +320,7 @@ async def test_a_cancel_does_not_wait_for_streams_queued_behind_other_fetches(mo
     from rdt_async.transports._base import TensorSpec, TransferInfo
 
     pool = concurrent.futures.ThreadPoolExecutor(1)
-    monkeypatch.setattr(tcp, "_pool", pool)
+    monkeypatch.setitem(_io._pools, tcp.STREAMS, pool)
     release = threading.Event()
     pool.submit(release.wait, 30)  # the one thread is busy elsewhere
     t = tcp.TcpTransport()

@@ -407,16 +407,12 @@ def _plan(sizes: Sequence[int], streams: int) -> list[list[tuple[int, int, int]]
     return [p for p in plans if p] or [[]]
 
 
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
+# A receive's streams block in recv_into: a pool of their own, never queued behind copies.
+STREAMS = _io.declare("tcp-streams", 64)
 
 
 def _threads() -> concurrent.futures.ThreadPoolExecutor:
-    global _pool
-    if _pool is None:
-        with _idle_lock:
-            if _pool is None:
-                _pool = concurrent.futures.ThreadPoolExecutor(64, thread_name_prefix="rdt-tcp-recv")
-    return _pool
+    return _io.pool(STREAMS)
 
 
 class TcpTransport(Transport[TcpMeta]):
