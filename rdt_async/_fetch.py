@@ -95,11 +95,9 @@ def choose_transport(
 def _in_ref(meta: dict[str, Any]) -> str | None:
     """The transport `auto` takes for an object whose bytes came with the ref, else None
     (the first by name, as `_auto.choose` takes it): a 4 KiB fetch skips the cost model."""
-    carried = [n for n in meta if n != "groups" and _carries_bytes(n)]
-    if not carried:
-        return None
-    cls = _registry.known_class(min(carried))
-    return min(carried) if cls is not None and cls.reach == "cluster" and not cls.needs_group else None
+    carried = min((n for n in meta if n != "groups" and _carries_bytes(n)), default=None)
+    cls = None if carried is None else _registry.known_class(carried)
+    return carried if cls is not None and cls.reach == "cluster" and not cls.needs_group else None
 
 
 def _reach(name: str) -> str:
