@@ -83,6 +83,7 @@ class Threads:
 
     def __init__(self, loop_thread: int) -> None:
         self.loop_thread = loop_thread
+        self.skip: set[int | None] = {loop_thread, None}  # (and the probe's own watcher, once started)
         try:
             self._fd: int | None = os.open(f"/proc/self/task/{loop_thread}/schedstat", os.O_RDONLY)
         except OSError:
@@ -95,7 +96,7 @@ class Threads:
         """Each other Python thread's time on a core and time waiting for one."""
         if self._fd is None:
             return {}
-        ids = {t.native_id for t in threading.enumerate()} - {self.loop_thread, None}
+        ids = {t.native_id for t in threading.enumerate()} - self.skip
         return {tid: _schedstat(f"/proc/self/task/{tid}/schedstat") for tid in ids}
 
     def close(self) -> None:
@@ -183,9 +184,14 @@ class LagProbe:
         self._collections = Collections()
         self._collections.install()
         self._task = asyncio.get_running_loop().create_task(self._run(self._threads))
-        threading.Thread(
+        watcher = threading.Thread(
             target=self._watch, args=(threading.get_ident(),), daemon=True, name="lag-probe"
-        ).start()
+        )
+        watcher.start()
+        # The watcher's own waits for a core excuse nothing: it holds the GIL only to sample,
+        # and a stall it sampled (a blocking call on the loop's thread) must not be excused
+        # by the time the sampling itself waited for a core.
+        self._threads.skip.add(watcher.native_id)
 
     async def stop(self) -> float:
         assert self._task is not None
@@ -258,7 +264,8 @@ class LagProbe:
         while not self._stop.wait(0.005):
             late = time.perf_counter() - self._beat - 0.005
             if late > worst and loop_thread in (frames := sys._current_frames()):
-                worst = late + 0.01  # (a sample formats every thread's stack: one per 10 ms of a stall)
+                worst = late * 1.5  # (a sample formats every thread's stack: ~2 ms of a core each,
+                # so a stall is sampled at 20, 30, 45, 68 ... ms, not every 10 ms)
                 if not _within(frames[loop_thread], LagProbe._run.__code__):
                     self.culprit, sampled = _stacks(frames, loop_thread), True
                 elif not sampled:  # the loop has woken and waits in the probe's own reads (the GIL)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 from datetime import timedelta
 
@@ -16,10 +15,10 @@ from rdt_async.transports.gloo import poll_works
 
 @pytest.fixture(scope="module")
 def pgs():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False)
+    # Port 0: the store binds a port the kernel picks, so no other process can take it
+    # between a pick and the bind (two test workers raced for one before).
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    port = store.port
     out: dict[int, object] = {}
 
     def join(rank: int) -> None:
