@@ -40,7 +40,9 @@ from rdt_async.testing import MockTransport
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 REPO = Path(__file__).resolve().parents[1]
-SPOOL = tempfile.mkdtemp(prefix="rdt-custom-transport-")
+# Named, not made: the transports make their folders under it as they spool, and the fixture
+# below removes it. (Made at import, a test worker that only collected this module left it.)
+SPOOL = os.path.join(tempfile.gettempdir(), f"rdt-custom-transport-{os.getpid()}-{os.urandom(4).hex()}")
 
 
 def _load_example():
