@@ -14,8 +14,9 @@ walks through it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import glob
 import os
-import shutil
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,9 +45,8 @@ class SpoolTransport(rdt.Transport[SpoolMeta]):
 
     def prepare(self, obj_id: str, tensors: Sequence[torch.Tensor]) -> SpoolMeta:
         """Write the tensors to a file. Runs on: producer, when the value is returned."""
-        folder = os.path.join(self.root, str(os.getpid()))
-        os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, f"{obj_id}.pt")
+        os.makedirs(self.root, exist_ok=True)
+        path = os.path.join(self.root, f"{os.getpid()}-{obj_id}.pt")  # (a dead producer's are found by pid)
         torch.save([t.detach().clone() for t in tensors], path)  # clone: views save only their bytes
         return SpoolMeta(path, os.getpid())
 
@@ -56,7 +56,9 @@ class SpoolTransport(rdt.Transport[SpoolMeta]):
         """Read the file off the loop. Runs on: consumer (rdt_async's I/O loop)."""
         meta = info.meta
         if not _alive(meta.pid):
-            shutil.rmtree(os.path.dirname(meta.path), ignore_errors=True)
+            for stale in glob.glob(os.path.join(self.root, f"{meta.pid}-*.pt")):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(stale)
             why = f"the producer of {info.obj_id} (pid {meta.pid}) died"
             raise rdt.PeerDiedError(why, obj_id=info.obj_id)
         try:

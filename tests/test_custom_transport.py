@@ -390,6 +390,8 @@ def objects_of(actor) -> int:
 
 
 def files_of(transport: str, pid: int) -> list[str]:
+    if transport == "file-spool":  # (the example's layout: ROOT/PID-OBJ.pt)
+        return [p.name for p in Path(ROOTS[transport]).glob(f"{pid}-*.pt")]
     folder = os.path.join(ROOTS[transport], str(pid))
     return os.listdir(folder) if os.path.isdir(folder) else []
 
