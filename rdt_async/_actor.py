@@ -426,7 +426,7 @@ def _fetch_args_blocking(
             "a sync method of an async actor received an RDT object: make the method "
             "`async def` so its arguments can be fetched without blocking the loop"
         )
-    return _io.submit(_fetch_args(args, kwargs, f)).result()
+    return _io.start(_fetch_args(args, kwargs, f)).result()
 
 
 def _control_methods(is_async: bool) -> dict[str, Any]:
@@ -436,7 +436,7 @@ def _control_methods(is_async: bool) -> dict[str, Any]:
     if is_async:
 
         async def rdt__send(self: Any, obj_id: str, transport: str, request: Any) -> Any:
-            return await _io.run_io(_produce.serve_send(obj_id, transport, request))
+            return await _io.start(_produce.serve_send(obj_id, transport, request))
 
         async def rdt__free(self: Any, obj_id: str) -> None:
             _produce.serve_free(obj_id)
@@ -461,7 +461,7 @@ def _control_methods(is_async: bool) -> dict[str, Any]:
     else:
 
         def rdt__send(self: Any, obj_id: str, transport: str, request: Any) -> Any:  # type: ignore[misc]
-            return _io.submit(_produce.serve_send(obj_id, transport, request)).result()
+            return _io.start(_produce.serve_send(obj_id, transport, request)).result()
 
         def rdt__free(self: Any, obj_id: str) -> None:  # type: ignore[misc]
             _produce.serve_free(obj_id)

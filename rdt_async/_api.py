@@ -27,7 +27,6 @@ from ._fetch import fetch_now, fetch_object
 from ._object import RDTObject
 from ._store import store
 from .transports import _registry
-from .transports._base import SETTLE_S
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -313,25 +312,17 @@ def _get(x: Any, timeout: float | None, device: str | torch.device | None, into:
     done, value = fetch_now(x, device=device, into=into, tensor_transport=asked)
     if done:
         return value
-    started = _io.Started.of(fetch_object(x, device=device, into=into, start=value, tensor_transport=asked))
-    fut = started.future
+    # Timed out or interrupted (Ctrl-C), `result` aborts the fetch and returns once the
+    # transport let go: nothing writes `into` afterwards.
+    started = _io.Started(fetch_object(x, device=device, into=into, start=value, tensor_transport=asked))
     try:
-        started.launch()  # inside the try: a Ctrl-C landing around it is handled below
-        return fut.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return started.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
     except concurrent.futures.TimeoutError as exc:
-        if fut.done():
-            raise
-        fut.cancel()
-        started.wait_settled(SETTLE_S)  # the transport let go: nothing writes `into` afterwards
+        if started.done() and not started.future.cancelled():
+            raise  # the fetch's own
         raise TimeoutError(f"rdt.get() timed out after {timeout} s; the transfer was aborted") from exc
-    except BaseException:  # Ctrl-C (KeyboardInterrupt), or any other way out of the wait
-        if not fut.done():
-            fut.cancel()
-            started.launch()  # if the interrupt came before it was launched: it settles at once
-            started.wait_settled(SETTLE_S)  # as for a timeout: nothing writes `into` afterwards
-        raise
     finally:
-        del fut, started  # the future holds the error, whose traceback holds this frame: break the cycle
+        del started  # its future holds the error, whose traceback holds this frame: break the cycle
 
 
 def put(value: Any, /, *, tensor_transport: str = "auto") -> Any:

@@ -1,8 +1,8 @@
 """The per-process I/O loop thread, one bounded thread pool per purpose, and loop bridging.
 
 Every transfer of a process runs as a task on one event loop owned by rdt_async (the
-I/O loop). Callers on other loops get an asyncio future completed with
-`call_soon_threadsafe`; blocking callers wait on a `concurrent.futures.Future`.
+I/O loop). `start(coro)` is the one way onto it: callers on other loops await the
+`Started` it returns, blocking callers wait with its `result()`.
 Nothing here starts before it is first used, or before an `rdt.remote` actor's creation
 (`prestart`).
 """
@@ -13,13 +13,12 @@ import asyncio
 import atexit
 import collections
 import concurrent.futures
-import dataclasses
 import logging
 import os
 import threading
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Generator
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
@@ -164,37 +163,42 @@ async def to_thread_finished(fn: Callable[..., T], *args: Any, undo: Callable[[T
     return result
 
 
-def submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-    """Run a coroutine on the I/O loop; cancelling the returned future cancels it."""
-    return start(coro).future
+SETTLE_S = 60.0  # the longest a cancelled coroutine's cleanup is waited for (a transport's abort)
 
 
-@dataclasses.dataclass
 class Started(Generic[T]):
-    """A coroutine run on the I/O loop: its result, its task, when it has fully ended."""
+    """A coroutine run on the I/O loop: the one way onto it, from any thread or loop.
 
-    future: concurrent.futures.Future[T]  # cancelling it cancels the task
-    settled: concurrent.futures.Future[None]  # set once the coroutine has exited, cleanup and all
-    task: asyncio.Task[T] | None = None  # set once it runs
-    coro: Coroutine[Any, Any, T] | None = dataclasses.field(default=None, repr=False)  # until it runs
+    Await it (from any loop: the caller's loop is never blocked), or wait for it from a
+    plain thread with `result()`. `cancel()` cancels the task; `settle()`/`wait_settled()`
+    wait until the coroutine has exited, cleanup and all. `wait()` and `result()` give up
+    as a caller expects of a transfer into its memory: cancelled, timed out or interrupted,
+    they abort the work and return only once it has let go, so nothing writes the caller's
+    buffers afterwards.
+    """
 
-    @classmethod
-    def of(cls, coro: Coroutine[Any, Any, T]) -> Started[T]:
-        """`coro`, not yet running: `launch()` starts it."""
-        return cls(concurrent.futures.Future(), concurrent.futures.Future(), coro=coro)
+    def __init__(self, coro: Coroutine[Any, Any, T]) -> None:
+        """`coro`, not yet running: `launch()` starts it (`start()` does both)."""
+        self.future: concurrent.futures.Future[T] = concurrent.futures.Future()  # cancelling it cancels the task
+        self.settled: concurrent.futures.Future[None] = concurrent.futures.Future()  # set once the coroutine exited
+        self.task: asyncio.Task[T] | None = None  # set once it runs
+        self._coro: Coroutine[Any, Any, T] | None = coro  # until it runs
+        self._launched = False
 
     def launch(self) -> None:
         """Start the coroutine on the I/O loop; again after a cancel: a no-op if it ran,
         else `settled` is set at once. So a caller interrupted anywhere around the first
         call (Ctrl-C lands between any two bytecodes) cancels `future`, launches again and
-        waits for `settled`, knowing nothing runs after that."""
+        waits for `settled`, knowing nothing runs after that. On the I/O loop the task
+        starts in this iteration, with no hop through the loop's self-pipe (~0.1 ms)."""
         if on_io_thread():
             self._create()
         else:
             io_loop().call_soon_threadsafe(self._create)
+        self._launched = True
 
     def _create(self) -> None:  # on the I/O loop
-        coro, self.coro = self.coro, None
+        coro, self._coro = self._coro, None
         if coro is None:
             return  # it ran (or was closed) already
         fut, settled = self.future, self.settled
@@ -207,6 +211,58 @@ class Started(Generic[T]):
         task.add_done_callback(lambda t: _copy_outcome(t, fut, settled))
         fut.add_done_callback(lambda f: f.cancelled() and task.get_loop().call_soon_threadsafe(task.cancel))
 
+    def __await__(self) -> Generator[Any, None, T]:
+        """Its result, from any loop; cancelling the await cancels the task (without
+        waiting for its cleanup: `wait()` waits)."""
+        task = self.task
+        if task is not None and on_io_thread():
+            return task.__await__()  # started from the I/O loop: no wrapping future
+        return asyncio.wrap_future(self.future).__await__()
+
+    async def wait(self) -> T:
+        """Await the result; cancelling this await cancels the work and returns once it
+        has let go. Any other failure cancels what is left of the work."""
+        try:
+            return await self
+        except asyncio.CancelledError:
+            self.cancel()  # (awaiting it from another loop cancelled it already)
+            await shielded(self.settle())
+            raise
+        except BaseException:
+            self.cancel()
+            raise
+
+    def result(self, timeout: float | None = None) -> T:
+        """Wait for the result from a thread that runs no event loop (starting the coroutine
+        if it was not). On `timeout` (`TimeoutError`) or an interrupt (Ctrl-C), the work is
+        cancelled and waited for until it has let go (at most `SETTLE_S`), then it raises."""
+        fut = self.future
+        try:
+            if not self._launched:
+                self.launch()  # inside the try: a Ctrl-C landing around it is handled below
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            if fut.done():  # (it ended as the wait gave up)
+                return fut.result()
+            fut.cancel()
+            self.wait_settled(SETTLE_S)
+            raise
+        except BaseException:  # Ctrl-C (KeyboardInterrupt), or any other way out of the wait
+            if not fut.done():
+                fut.cancel()
+                self.launch()  # if the interrupt came before it was launched: it settles at once
+                self.wait_settled(SETTLE_S)
+            raise
+        finally:
+            del fut  # the future holds the error, whose traceback holds this frame: break the cycle
+
+    def cancel(self) -> bool:
+        """Cancel the work; what it held is released on the I/O loop."""
+        return self.future.cancel()
+
+    def done(self) -> bool:
+        return self.future.done()
+
     def wait_settled(self, timeout: float) -> bool:
         """Wait (from a thread) until the coroutine has exited; False on timeout."""
         try:
@@ -215,7 +271,7 @@ class Started(Generic[T]):
         except concurrent.futures.TimeoutError:
             return False
 
-    async def settle(self, timeout: float) -> bool:
+    async def settle(self, timeout: float = SETTLE_S) -> bool:
         """Await (from any loop) until the coroutine has exited; False on timeout."""
         waited: asyncio.Future[Any] = (
             self.task if self.task is not None and on_io_thread() else asyncio.wrap_future(self.settled)
@@ -225,14 +281,9 @@ class Started(Generic[T]):
 
 
 def start(coro: Coroutine[Any, Any, T]) -> Started[T]:
-    """Run a coroutine on the I/O loop, like `submit`, and say when it has fully ended.
-
-    Cancelling `future` cancels the task; `settled` is set once the coroutine has exited
-    (after its cleanup on cancel), or at once if it was cancelled before it started. On
-    the I/O loop the task starts in this iteration, with no hop through the loop's
-    self-pipe, and is awaited there directly (~0.1 ms saved per hop).
-    """
-    started = Started.of(coro)
+    """Run a coroutine on the I/O loop: `await` the result from any loop, `.result()` from
+    a thread, `.cancel()` to cancel it (see `Started`)."""
+    started = Started(coro)
     started.launch()
     return started
 
@@ -249,17 +300,6 @@ def _copy_outcome(task: asyncio.Task[T], fut: concurrent.futures.Future[T], sett
     else:
         task.exception()  # retrieved: the caller gave up on it
     settled.set_result(None)
-
-
-def run_io(coro: Coroutine[Any, Any, T]) -> Awaitable[T]:
-    """Run a coroutine on the I/O loop and return an awaitable for the caller's loop.
-
-    Runs on: the caller's loop. Awaiting it never blocks that loop; cancelling it
-    cancels the task on the I/O loop, whose cleanup then runs there.
-    """
-    if on_io_thread():
-        return asyncio.ensure_future(coro)
-    return asyncio.wrap_future(submit(coro))
 
 
 def running_loop() -> asyncio.AbstractEventLoop | None:

@@ -101,6 +101,46 @@ async def test_a_cancelled_fetch_request_returns_once_the_transport_let_go():
     assert request.done()
 
 
+def test_a_thread_that_gives_up_on_a_started_coroutine_returns_once_it_let_go():
+    """`Started.result` from a plain thread: at its timeout the work is cancelled and its
+    cleanup has run when TimeoutError reaches the caller; a result that lands first wins."""
+    events: list[str] = []
+
+    async def holds_on(seconds: float) -> str:
+        try:
+            await asyncio.sleep(seconds)
+            return "done"
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.2)  # a transport's abort that takes a while
+            events.append("let go")
+            raise
+
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        _io.start(holds_on(30)).result(0.05)
+    assert events == ["let go"] and time.monotonic() - t0 < 10
+    assert _io.start(holds_on(0)).result(10) == "done"
+    unstarted = _io.Started(holds_on(30))  # result() starts what was not launched
+    with pytest.raises(TimeoutError):
+        unstarted.result(0.05)
+    assert events == ["let go", "let go"] and unstarted.wait_settled(0)
+
+
+async def test_a_started_coroutine_is_awaited_from_another_loop_and_from_the_io_loop():
+    async def twice(x: int) -> int:
+        await asyncio.sleep(0)
+        return 2 * x
+
+    assert await _io.start(twice(2)) == 4  # from this (pytest's) loop
+
+    async def nested() -> int:  # on the I/O loop: awaited there without a wrapping future
+        started = _io.start(twice(3))
+        assert started.task is not None
+        return await started
+
+    assert await _io.start(nested()) == 6
+
+
 def test_a_transport_without_receive_cannot_be_made():
     class NoReceive(rdt.Transport[None]):
         pass

@@ -482,13 +482,13 @@ def test_small_reads_from_this_host_are_done_on_the_callers_thread(producer):
     small = [producer.make.remote(1000, seed=i) for i in range(3)]
     large = producer.big.remote(1 << 16)  # 256 KiB: above BOUNCE_BYTES, the I/O loop's job
     ray.wait([*small, large], num_returns=4)
-    blocked = _io.submit(asyncio.to_thread(time.sleep, 0))  # warm the loop's default executor
+    blocked = _io.start(asyncio.to_thread(time.sleep, 0))  # warm the loop's default executor
     blocked.result(10)
 
     async def block_the_loop() -> None:
         time.sleep(1.5)
 
-    blocked = _io.submit(block_the_loop())
+    blocked = _io.start(block_the_loop())
     time.sleep(0.05)
     t0 = time.monotonic()
     for i, ref in enumerate(small):

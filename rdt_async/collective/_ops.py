@@ -48,7 +48,7 @@ async def allreduce_async(
     results are dropped.
     """
     check_op(op)
-    return await _io.run_io(_over_refs(Allreduce, refs, group, tensor_transport, op=op, inplace=inplace))
+    return await _io.start(_over_refs(Allreduce, refs, group, tensor_transport, op=op, inplace=inplace))
 
 
 @blocking_twin(allreduce_async)
@@ -89,7 +89,7 @@ async def reduce_scatter_async(
 ) -> list[Any]:
     """Async twin of `reduce_scatter`; never blocks the loop."""
     check_op(op)
-    return await _io.run_io(_over_refs(ReduceScatter, refs, group, tensor_transport, op=op))
+    return await _io.start(_over_refs(ReduceScatter, refs, group, tensor_transport, op=op))
 
 
 @blocking_twin(reduce_scatter_async)
@@ -119,7 +119,7 @@ async def allgather_async(
     tensor_transport: str | None = None,
 ) -> list[Any]:
     """Async twin of `allgather`; never blocks the loop."""
-    return await _io.run_io(_over_refs(Allgather, refs, group, tensor_transport))
+    return await _io.start(_over_refs(Allgather, refs, group, tensor_transport))
 
 
 @blocking_twin(allgather_async)
@@ -148,7 +148,7 @@ async def broadcast_async(
     tensor_transport: str | None = None,
 ) -> list[Any]:
     """Async twin of `broadcast`; never blocks the loop."""
-    return await _io.run_io(_broadcast(ref, tuple(to), group, tensor_transport))
+    return await _io.start(_broadcast(ref, tuple(to), group, tensor_transport))
 
 
 @blocking_twin(broadcast_async)

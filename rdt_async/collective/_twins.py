@@ -35,7 +35,7 @@ def blocking_twin(
         def blocking(*args: P.args, **kwargs: P.kwargs) -> T:
             if _io.running_loop() is not None:
                 raise RuntimeError(f"rdt.{verb}() would block this thread's event loop; await rdt.{twin}() here")
-            return _io.submit(async_fn(*args, **kwargs)).result()
+            return _io.start(async_fn(*args, **kwargs)).result()
 
         return blocking
 

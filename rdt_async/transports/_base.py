@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import abc
-import asyncio
 import contextlib
 import functools
 import math
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Literal, Protocol, TypeVar
 
@@ -177,21 +176,20 @@ class NoStore:
 NO_STORE = NoStore()
 
 
-# How long a cancelled fetch waits for its transport's cleanup (transports bound their own).
-SETTLE_S = 60.0
-
-
-class FetchRequest:
+class FetchRequest(_io.Started[list[torch.Tensor]]):
     """An in-flight fetch: await it for the tensors, cancel it to abort.
 
     The work runs on the process's I/O loop; awaiting the request from any loop never
-    blocks that loop, and `result()` waits from plain threads.
+    blocks that loop, and `result()` waits from plain threads. `wait()` (a loop) and
+    `result()` (a thread) abort the transfer when the caller gives up (cancelled, timed
+    out, interrupted) and return only once it has let go: a receive into the caller's
+    buffers that cannot be interrupted lands first, so nothing writes them afterwards.
+    Errors are the transport's own: the core translates them (`_errors.translating`).
     """
 
-    def __init__(self, transport: str, started: _io.Started[list[torch.Tensor]]) -> None:
+    def __init__(self, transport: str, receive: Coroutine[Any, Any, list[torch.Tensor]]) -> None:
+        super().__init__(receive)
         self.transport = transport
-        self._started = started
-        self._future = started.future
 
     @classmethod
     def start(
@@ -207,45 +205,9 @@ class FetchRequest:
         Runs on: consumer, any thread. This is how the core drives a transport, and how
         a test drives one without the core (`channel` may be left out for one-sided ones).
         """
-        return cls(transport.name, _io.start(transport.receive(info, buffers, channel)))
-
-    def __await__(self) -> Generator[Any, None, list[torch.Tensor]]:
-        task = self._started.task
-        if task is not None and _io.on_io_thread():
-            return task.__await__()  # started from the I/O loop: no wrapping future
-        return asyncio.wrap_future(self._future).__await__()
-
-    async def settle(self, timeout: float = SETTLE_S) -> bool:
-        """Await until the transfer's work has fully ended (its cleanup after a cancel)."""
-        return await self._started.settle(timeout)
-
-    async def wait(self) -> list[torch.Tensor]:
-        """Await the tensors; cancelling this await aborts the transfer and returns once it let go.
-
-        A receive into the caller's buffers that cannot be interrupted lands first, so
-        nothing writes them after the cancel. A failure cancels what is left of the work.
-        Errors are the transport's own: the core translates them (`_errors.translating`).
-        """
-        try:
-            return await self
-        except asyncio.CancelledError:
-            self.cancel()  # (awaiting it from another loop cancelled it already)
-            await _io.shielded(self.settle())
-            raise
-        except BaseException:
-            self.cancel()
-            raise
-
-    def cancel(self) -> bool:
-        """Abort the transfer; what it held is released on the I/O loop."""
-        return self._future.cancel()
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def result(self, timeout: float | None = None) -> list[torch.Tensor]:
-        """Wait for the tensors from a thread that runs no event loop."""
-        return self._future.result(timeout)
+        request = cls(transport.name, transport.receive(info, buffers, channel))
+        request.launch()
+        return request
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "in flight"

@@ -454,7 +454,7 @@ def _worker_blocking() -> _Worker:
     if _io.on_io_thread():
         raise RuntimeError("the ucxx worker must be created before use on the I/O loop")
     with _lock:
-        return _io.submit(_worker_async()).result()
+        return _io.start(_worker_async()).result()
 
 
 class UcxxTransport(Transport[UcxxMeta]):
@@ -483,7 +483,7 @@ class UcxxTransport(Transport[UcxxMeta]):
     def prepare(self, obj_id: str, tensors: Sequence[torch.Tensor]) -> UcxxMeta:
         w = _worker_blocking()
         w.store = self.store
-        address = _io.submit(_listen(w)).result() if w.address is None else w.address
+        address = _io.start(_listen(w)).result() if w.address is None else w.address
         _objects[obj_id] = [t.detach().contiguous() for t in tensors]
         return address
 

@@ -113,7 +113,7 @@ def _producer_main(conn: Any, transport_name: str, device: str) -> None:
                 if obj_id not in objects:
                     raise ObjectFreedError(f"object {obj_id} was freed", obj_id=obj_id)
                 tensors, meta = objects[obj_id]
-                reply = _io.submit(transport.send_multiple_tensors(obj_id, tensors, meta, request)).result()
+                reply = _io.start(transport.send_multiple_tensors(obj_id, tensors, meta, request)).result()
                 _send_out_of_band(conn, ("ok", reply))
             elif op == "free":
                 tensors, meta = objects.pop(msg[1])
