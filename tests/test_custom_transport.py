@@ -621,15 +621,6 @@ def test_an_unknown_name_in_a_method_names_register_transport():
         rdt.method(tensor_transport="never-registered")
 
 
-def test_the_example_runs_on_the_cluster(capsys):
-    example.main()
-    out = capsys.readouterr().out
-    assert "server loaded (sum of w, step, sum of layer 0): (30.0, 2, 2.0)" in out
-    assert "server fetched w[1]: [6.0, 8.0, 10.0]" in out
-    assert "server fetched over: {'spool': 2}" in out
-    assert "objects the trainer still holds: 0" in out
-
-
 class _LostOnFetch(MockTransport):
     """A user's failure injection: every fetch says the producer went away."""
 
