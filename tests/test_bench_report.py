@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import os
 import struct
+import subprocess
 import sys
 import time
 
@@ -127,6 +129,35 @@ async def test_loop_stall_counts_a_stall_still_under_way():
     await asyncio.sleep(0.01)
     time.sleep(0.05)  # the probe has not run since: `stop` sees the stall all the same
     assert stall.stop() >= 0.04
+
+
+async def test_loop_stall_holds_a_blocking_call_against_the_loop_but_not_a_wait_for_a_core():
+    """`held` counts what the loop's thread did (a blocking call: held) and leaves out what
+    the machine did to it (no core free): `worst` counts both, as a caller feels them."""
+    stall = LoopStall()
+    await asyncio.sleep(0.01)
+    time.sleep(0.06)  # held: the thread blocks, runnable time it does not wait
+    await asyncio.sleep(0.01)
+    stall.stop()
+    assert stall.worst >= 0.05 and stall.held >= 0.05
+    if not os.path.exists("/proc/thread-self/schedstat"):
+        pytest.skip("no per-thread schedstat here: held equals worst")
+    stall = LoopStall()
+    affinity = os.sched_getaffinity(0)
+    core = min(affinity)
+    hog = subprocess.Popen([sys.executable, "-c", f"import os, time\nos.sched_setaffinity(0, {{{core}}})\n"
+                            "end = time.monotonic() + 1.5\nwhile time.monotonic() < end: pass"])
+    try:
+        os.sched_setaffinity(0, {core})  # this thread shares the hog's one core
+        for _ in range(100):
+            await asyncio.sleep(0.005)
+    finally:
+        os.sched_setaffinity(0, affinity)
+        hog.wait()
+    stall.stop()
+    # The scheduler shares the core: wake-ups come late, by the time this thread waited
+    # for it, which `held` leaves out.
+    assert stall.worst > stall.held + 0.002, (stall.worst, stall.held)
 
 
 async def test_loop_stall_is_near_zero_on_a_free_loop():
@@ -259,13 +290,14 @@ def test_a_subscriber_s_check_finds_a_wrong_version_a_mix_and_a_torn_tensor():
 def test_a_publish_path_that_broke_keeps_the_passes_it_finished_but_a_wrong_version_is_an_error():
     from rdt_async.bench._publish import _row
 
-    step = {"seconds": 0.5, "trainer_stall_s": 0.02, "stall_s": 0.004, "link": 2, "relayed": 6,
+    step = {"seconds": 0.5, "trainer_stall_s": 0.02, "stall_s": 0.004, "held_s": 0.002, "link": 2, "relayed": 6,
             "breakdown": {"first_loaded_s": 0.3, "all_loaded_s": 0.45}}
     setup, memory = {"one_copy_s": 0.02, "state_bytes": 64 * MIB}, {"slots": 2, "slot_bytes": 64 * MIB}
     cold_and_warm = [[step] * 4, [step] * 4]
     broke = "round 2: OutOfMemoryError: 1 worker(s) were killed"
     row = _row("rdt publish", cold_and_warm, None, broke, setup, memory, 64 * MIB, 8)
     assert row["seconds"] == 0.5 and row["broke"] == broke and "error" not in row
+    assert (row["loop_stall_ms"], row["loop_held_ms"]) == (4.0, 2.0)
     assert row["breakdown"] == {"first_loaded_s": 0.3, "all_loaded_s": 0.45} and row["memory_vs_state"] == 2.0
     assert _row("rdt publish", cold_and_warm[:1], None, broke, setup, memory, 64 * MIB, 8)["error"] == broke
     wrong = "AssertionError: rdt publish, version 7: layer3.weight holds [6.0], not 7 throughout"

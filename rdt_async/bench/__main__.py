@@ -218,6 +218,8 @@ def checks(rows: list[dict[str, Any]]) -> dict[str, Any]:
             key = f"fanout_{r['case'].replace('rdt ', '').replace(', into=', '_into')}_{human(r['size']).replace(' ', '')}"
             out[f"{key}_x{r['consumers']}_hosts3_vs_ray_zero_copy"] = r["vs_ray_zero_copy"]
             out[f"{key}_worst_ping_ms"] = r["loop_stall_ms"]
+            if "loop_held_ms" in r:
+                out[f"{key}_loop_held_ms"] = r["loop_held_ms"]
     for r in rows:
         if r["bench"] == "publish" and r["case"] in ("rdt publish", "rdt publish, stream") and "seconds" in r:
             key = f"publish{'_stream' if r['case'].endswith('stream') else ''}_{human(r['size']).replace(' ', '')}"
@@ -226,6 +228,8 @@ def checks(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 if target in r:
                     out[f"{key}_{target}"] = r[target]
             out[f"{key}_worst_ping_ms"] = r["loop_stall_ms"]
+            if "loop_held_ms" in r:
+                out[f"{key}_loop_held_ms"] = r["loop_held_ms"]
             out[f"{key}_trainer_stall_vs_one_copy"] = r["trainer_stall_vs_one_copy"]
     resp = [r for r in rows if r["bench"] == "responsiveness"]
     if resp:

@@ -7,7 +7,8 @@ given), `rdt auto, into=` (each fetches into its own warm buffers, as a model lo
 weights) and Ray's zero-copy object store (each gets the ref as its argument; Ray pulls
 the object to a node once). The clock runs from the producing call until every consumer
 has read every byte. Each row carries the consumers' worst event-loop stall while the
-object arrived (`loop_stall_ms`) and what the node relay did: how many fetches of the
+object arrived (`loop_stall_ms`; `loop_held_ms`: the same less the loop thread's waits for
+a core, as 8 consumers copying on a 2-core machine wait) and what the node relay did: how many fetches of the
 object crossed the link (`link_transfers`, the rest mapped a neighbour's copy:
 `relayed`), median over the warm passes.
 """
@@ -111,8 +112,9 @@ class _Loader:
 
 @rdt.remote
 class Loader(_Loader):
-    async def load(self, refs: list[Any], size: int, into: bool) -> tuple[float, float, str]:
-        """(sum of what arrived, the loop's worst stall while it arrived, the path it took)."""
+    async def load(self, refs: list[Any], size: int, into: bool) -> tuple[float, float, float, str]:
+        """(sum of what arrived, the loop's worst stall while it arrived and that less its
+        waits for a core, the path it took)."""
         model = self.model(size)
         before = dict(rdt.store_stats()["fetches"])
         stall = LoopStall()
@@ -124,19 +126,19 @@ class Loader(_Loader):
         total = await asyncio.to_thread(lambda: sum(float(t.sum()) for t in got.values()))
         if into:
             assert all(got[k].data_ptr() == model[k].data_ptr() for k in model), "into= did not land in the model"
-        return total, stalled, used
+        return total, stalled, stall.held, used
 
 
 @ray.remote
 class RayLoader(_Loader):
-    async def load(self, refs: list[Any], size: int, into: bool) -> tuple[float, float, str]:
+    async def load(self, refs: list[Any], size: int, into: bool) -> tuple[float, float, float, str]:
         stall = LoopStall()
         try:
             got = await refs[0]
         finally:
             stalled = stall.stop()
         total = await asyncio.to_thread(lambda: sum(float(t.sum()) for t in got.values()))
-        return total, stalled, "ray"
+        return total, stalled, stall.held, "ray"
 
 
 def unavailable(hosts: int) -> str | None:
@@ -207,6 +209,7 @@ def _size(trainer: Any, loaders: dict[str, list[Any]], size: int, repeat: int) -
             "bench": "fanout", "case": path, "size": size, "consumers": len(loaders["rdt"]), "hosts": 3,
             "cold_s": cold["seconds"], "seconds": statistics.median(p["seconds"] for p in warm),
             "loop_stall_ms": round(max(p["stall_s"] for p in warm) * 1e3, 3),
+            "loop_held_ms": round(max(p["held_s"] for p in warm) * 1e3, 3),
         }
         if path != RAY_ZERO_COPY:
             row["link_transfers"] = statistics.median(p["link"] for p in warm)
@@ -224,8 +227,8 @@ def _one_pass(path: str, trainer: Any, loaders: dict[str, list[Any]], size: int,
     out = ray.get([a.load.remote([ref], size, path.endswith("into=")) for a in side], timeout=600)
     took = time.perf_counter() - t0
     del ref
-    if any(total != want for total, _, _ in out):
-        raise AssertionError(f"fanout {path}: read {[t for t, _, _ in out]}, expected {want} each")
-    used = [u for _, _, u in out]
-    return {"seconds": took, "stall_s": max(s for _, s, _ in out), "used": used,
+    if any(total != want for total, *_ in out):
+        raise AssertionError(f"fanout {path}: read {[t for t, *_ in out]}, expected {want} each")
+    used = [u for *_, u in out]
+    return {"seconds": took, "stall_s": max(s for _, s, _, _ in out), "held_s": max(h for _, _, h, _ in out), "used": used,
             "link": sum(u != "relay" for u in used), "relayed": used.count("relay")}

@@ -26,7 +26,8 @@ the time from the trainer starting to publish (the `publish` call, `ray.put`, th
 producing method's body) until all 8 hold that version and have checked it;
 `trainer_stall_s`: how long publishing blocked the trainer (`hand-written`: its wait
 before writing in place), against one warm copy of the state dict (`one_copy_s`);
-`loop_stall_ms`: the subscribers' worst event-loop stall while versions arrived;
+`loop_stall_ms`: the subscribers' worst event-loop stall while versions arrived
+(`loop_held_ms`: less the loop thread's waits for a core);
 `publisher_bytes`: the publisher's slots (`Publisher.stats()`) against the state's
 bytes; `breakdown`: when the first subscriber, those that read over the link, those the
 relay served and all held the version (publishing paths: when the last heard of it). A
@@ -217,7 +218,7 @@ class Subscriber(_Loader):
             stalled = stall.stop()
         loaded = time.time()
         wrong = await asyncio.to_thread(_wrong, model, got, value)
-        return {"loaded": loaded, "done": time.time(), "stall_s": stalled, "at": at, "wrong": wrong,
+        return {"loaded": loaded, "done": time.time(), "stall_s": stalled, "held_s": stall.held, "at": at, "wrong": wrong,
                 "used": fetches_since(before), "apply_s": sub.apply_s if path in PUBLISHED else None}
 
 
@@ -302,7 +303,7 @@ def _one_step(path: str, trainer: Any, subs: list[Any], size: int, value: float)
     at = out[0]["at"] if at is None else at
     used = [(k, n) for o in out for k, n in o["used"].items()]
     return {"seconds": max(o["done"] for o in out) - at, "trainer_stall_s": stall,
-            "stall_s": max(o["stall_s"] for o in out), "link": sum(n for k, n in used if k != "relay"),
+            "stall_s": max(o["stall_s"] for o in out), "held_s": max(o["held_s"] for o in out), "link": sum(n for k, n in used if k != "relay"),
             "relayed": sum(n for k, n in used if k == "relay"), "breakdown": _breakdown(out, at)}
 
 
@@ -334,7 +335,8 @@ def _row(path: str, passes: list[list[dict[str, Any]]], wrong: str | None, broke
         return float(statistics.median(s[key] for s in warm))
 
     row.update(cold_s=passes[0][0]["seconds"], seconds=median("seconds"), trainer_stall_s=median("trainer_stall_s"),
-               loop_stall_ms=round(max(s["stall_s"] for s in warm) * 1e3, 3))
+               loop_stall_ms=round(max(s["stall_s"] for s in warm) * 1e3, 3),
+               loop_held_ms=round(max(s["held_s"] for s in warm) * 1e3, 3))
     # Where the time went, until every subscriber had checked the version (`seconds`).
     every = [k for k in warm[0]["breakdown"] if all(k in s["breakdown"] for s in warm)]
     row["breakdown"] = {k: round(statistics.median(s["breakdown"][k] for s in warm), 4) for k in every}
