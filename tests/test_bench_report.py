@@ -302,3 +302,16 @@ def test_a_publish_path_that_broke_keeps_the_passes_it_finished_but_a_wrong_vers
     assert _row("rdt publish", cold_and_warm[:1], None, broke, setup, memory, 64 * MIB, 8)["error"] == broke
     wrong = "AssertionError: rdt publish, version 7: layer3.weight holds [6.0], not 7 throughout"
     assert "seconds" not in _row("rdt publish", cold_and_warm, wrong, None, setup, memory, 64 * MIB, 8)
+
+
+def test_a_publish_size_this_machine_cannot_hold_is_refused_with_the_size_that_fits():
+    """Every host of `--hosts three` is on this machine: 1 GiB to 8 subscribers took 22 GB
+    before Ray's OOM killer ended the run. Refused at once, naming a size to pass instead."""
+    from rdt_async.bench._publish import too_big
+
+    why = too_big(1 << 30, 8, available=24 << 30)
+    assert why is not None and why.startswith("publishing 1 GiB to 8 subscribers needs about 23 GiB of memory")
+    fits = int(why.split("--publish-sizes ")[1].split("M")[0])
+    assert 512 < fits < 1024 and too_big(fits << 20, 8, available=24 << 30) is None
+    assert too_big(256 << 20, 8, available=24 << 30) is None
+    assert too_big(1 << 30, 8, available=64 << 30) is None

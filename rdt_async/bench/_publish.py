@@ -62,6 +62,7 @@ from ._fanout import (
 )
 from ._loop import LoopStall
 from ._progress import Progress
+from ._units import human
 
 TENSORS = 200  # the state dict's: half of them large (a layer's weight), half 4 KiB (its norm)
 SMALL = 1024  # elements of a small tensor
@@ -230,6 +231,9 @@ def run(sizes: list[int], repeat: int, hosts: int, progress: Progress | None = N
         subs = [Subscriber.options(**w, runtime_env=ENV).remote() for w in placements()]
 
         def one_size(size: int) -> list[dict[str, Any]]:
+            short = too_big(size, len(subs))
+            if short is not None:  # (this machine holds every host: refused before it runs out)
+                return [{"bench": "publish", "case": p, "size": size, "error": short} for p in PATHS]
             try:
                 return _size(trainer, subs, size, repeat)
             except Exception as e:  # the setup failed: every path's row says so
@@ -241,6 +245,41 @@ def run(sizes: list[int], repeat: int, hosts: int, progress: Progress | None = N
     return each_size("publish", PATHS, sizes, hosts, progress, setup,
                      f"publish {{size}} every step to {len(placements())} subscribers on 2 hosts, "
                      f"{len(PATHS)} paths in turns")
+
+
+# Memory a run takes per byte of the state, every host on this machine: the trainer's state
+# and slots, each subscriber's model and what it reads into, each host's relayed copies,
+# Ray's store on each node. 1 GiB to 8 subscribers went to 22 GB and Ray's OOM killer.
+BYTES_PER_STATE_BYTE = 21
+BASE_BYTES = 2 << 30  # the processes themselves (torch in each)
+
+
+def too_big(size: int, subscribers: int, available: int | None = None) -> str | None:
+    """Why publishing `size` to `subscribers` cannot run on this machine, or None: the
+    three hosts share its memory (`MemAvailable` unless `available` is given)."""
+    need = BYTES_PER_STATE_BYTE * size * subscribers // 8 + BASE_BYTES
+    if available is None:
+        available = _available_bytes()
+    if available is None:
+        return None
+    budget = available * 9 // 10  # (Ray's OOM killer acts at 95% used)
+    if need <= budget:
+        return None
+    fits = max(0, (budget - BASE_BYTES) * 8 // (BYTES_PER_STATE_BYTE * subscribers))
+    return (f"publishing {human(size)} to {subscribers} subscribers needs about {human(need)} of memory "
+            f"with every host on this machine, which has {human(available)} available: pass "
+            f"--publish-sizes {fits >> 20}M or less, or run on a machine with more memory")
+
+
+def _available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def _size(trainer: Any, subs: list[Any], size: int, repeat: int) -> list[dict[str, Any]]:
