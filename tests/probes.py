@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from rdt_async.bench._loop import schedstat
+
 
 def checksum(t: torch.Tensor) -> float:
     return float(t.double().sum())
@@ -62,20 +64,6 @@ def idle_cpu(seconds: float) -> float:
     return cpu_seconds() - t0
 
 
-def _schedstat(path: str | int) -> tuple[float, float]:
-    """A thread's time on a core and time waiting, runnable, for one (s): its schedstat,
-    by path or open descriptor. Zeros where the kernel keeps none."""
-    try:
-        if isinstance(path, int):
-            fields = os.pread(path, 128, 0).split()
-        else:
-            with open(path, "rb") as f:
-                fields = f.read().split()
-        return int(fields[0]) / 1e9, int(fields[1]) / 1e9
-    except (OSError, IndexError, ValueError):
-        return 0.0, 0.0
-
-
 class Threads:
     """Where this process's threads spent their time, per thread: the loop's through a
     descriptor opened once (`start`, before the code under test counts descriptors), the
@@ -90,14 +78,14 @@ class Threads:
             self._fd = None
 
     def loop(self) -> tuple[float, float]:
-        return _schedstat(self._fd) if self._fd is not None else (0.0, 0.0)
+        return schedstat(self._fd) if self._fd is not None else (0.0, 0.0)
 
     def others(self) -> dict[int, tuple[float, float]]:
         """Each other Python thread's time on a core and time waiting for one."""
         if self._fd is None:
             return {}
         ids = {t.native_id for t in threading.enumerate()} - self.skip
-        return {tid: _schedstat(f"/proc/self/task/{tid}/schedstat") for tid in ids}
+        return {tid: schedstat(f"/proc/self/task/{tid}/schedstat") for tid in ids}
 
     def close(self) -> None:
         if self._fd is not None:

@@ -7,6 +7,20 @@ import os
 import time
 
 
+def schedstat(path: str | int) -> tuple[float, float]:
+    """A thread's time on a core and time waiting, runnable, for one (s): its schedstat,
+    by path or open descriptor. Zeros where the kernel keeps none."""
+    try:
+        if isinstance(path, int):
+            fields = os.pread(path, 128, 0).split()
+        else:
+            with open(path, "rb") as f:
+                fields = f.read().split()
+        return int(fields[0]) / 1e9, int(fields[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0, 0.0
+
+
 class LoopStall:
     """Time the running loop's worst stall from now until `stop()`.
 
@@ -33,12 +47,7 @@ class LoopStall:
 
     def _core_wait(self) -> float:
         """Seconds this thread has waited, runnable, for a core (0 where unknown)."""
-        if self._sched is None:
-            return 0.0
-        try:
-            return int(os.pread(self._sched, 64, 0).split()[1]) / 1e9
-        except (OSError, IndexError, ValueError):
-            return 0.0
+        return 0.0 if self._sched is None else schedstat(self._sched)[1]
 
     async def _run(self) -> None:
         while True:
