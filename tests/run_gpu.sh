@@ -25,7 +25,8 @@ stage() {  # name, seconds, command...
 }
 
 pytest=(python3 -m pytest -q -p no:cacheprovider -rfEs)
-stage contract-cuda 240 env RDT_CONTRACT_DEVICE=cuda "${pytest[@]}" --junitxml="$out/contract-cuda.xml" tests/transports
-stage bench-gpu 300 python3 -m rdt_async.bench.gpu --json "$out/bench-gpu.json"
-stage contract-cpu 240 env RDT_CONTRACT_DEVICE=cpu RDT_CONTRACT_TRANSPORTS=shm,object_store,nixl "${pytest[@]}" --junitxml="$out/contract-cpu.xml" tests/transports
+stage nixl-probe 80 python3 tests/gpu_nixl_probe.py "$out"
+stage contract-cuda 150 env RDT_CONTRACT_DEVICE=cuda "${pytest[@]}" --junitxml="$out/contract-cuda.xml" tests/transports
+stage bench-gpu 120 python3 -m rdt_async.bench.gpu --json "$out/bench-gpu.json"
+stage contract-cpu 80 env RDT_CONTRACT_DEVICE=cpu RDT_CONTRACT_TRANSPORTS=shm,object_store,nixl "${pytest[@]}" --junitxml="$out/contract-cpu.xml" tests/transports
 cat "$out/summary.txt"

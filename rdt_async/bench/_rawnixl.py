@@ -9,9 +9,10 @@ def agent(name: str) -> Any:
     """A NIXL agent set up as the transport's own (UCX, no progress thread)."""
     from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
-    from rdt_async.transports.nixl._agent import import_reason
+    from rdt_async.transports.nixl._agent import import_reason, ucx_defaults
 
     import_reason()  # NIXL's INFO lines off stdout, as for the transport's own agents
+    ucx_defaults()  # the UCX settings a user would need too (cuda_ipc GETs on a GPU without NVLink)
     cfg = nixl_agent_config(
         enable_prog_thread=False, backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
     )

@@ -18,6 +18,7 @@ import logging
 import os
 import secrets
 import socket
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -34,6 +35,12 @@ INSTALL_HINT = "pip install 'rdt_async[nixl]'"
 # producer polling every 20 ms held cross-host reads to 40 ms at 4 KiB and 0.2 GiB/s. With
 # it, 6.6 ms and ~1 GiB/s; idle, the thread costs ~0.4% of a core (1 ms: ~4%; 0: a core).
 PROGRESS_US = 10_000
+# UCX settings this transport needs and UCX's defaults do not give, set for this process
+# before its first agent unless the user set them. UCX turns cuda_ipc's GET off on a GPU
+# without NVLink links ("auto": reads slower than writes on some PCIe systems), and a NIXL
+# READ is a GET: a READ of GPU memory on the same node then went over TCP through host
+# staging, 0.43 GB/s on an H100 where the device copy moves ~1.5 TB/s.
+UCX_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
 _BUSY = object()  # what `try_call` returns when the agent is held elsewhere
 
 
@@ -55,6 +62,22 @@ def import_reason() -> str | None:
         # a library's stdout belongs to the program. NIXL_LOG_LEVEL still rules.
         logging.getLogger("nixl").setLevel(logging.WARNING)
     return None
+
+
+def ucx_defaults() -> None:
+    """Set up this process for UCX before an agent is made: this transport's settings
+    (UCX_DEFAULTS) where the environment names none, and a CUDA context where the
+    process has a GPU.
+
+    UCX gives an agent its CUDA transports for remote reads only if the process has a
+    CUDA context when the agent is made: made first, a READ of GPU memory on the same
+    node went over TCP for the agent's life (0.5 GB/s on an H200, against ~1.5 TB/s).
+    """
+    for key, value in UCX_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.synchronize()  # makes the current device's primary context, if not yet made
 
 
 def _progress_delay_us() -> int:
@@ -96,6 +119,7 @@ class Agent:
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         self.name = f"rdt-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+        ucx_defaults()  # UCX reads its environment when the agent's backend makes its context
         delay = _progress_delay_us()
         cfg = nixl_agent_config(
             enable_prog_thread=delay > 0,
