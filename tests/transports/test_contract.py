@@ -508,3 +508,61 @@ async def test_cuda_ipc_a_fetch_cancelled_while_its_segment_is_first_mapped_leav
             break
         await asyncio.sleep(0.05)
     assert closed == [0x10000] and not maps._maps  # closed once, when idle
+
+
+GPU_READ_FLOOR_GB_S = 20.0  # a device path moves 100s of GB/s; UCX's TCP path through the host moved 0.43
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="a floor on reads of GPU memory: the GPU machine's run")
+async def test_nixl_reads_gpu_memory_over_a_device_path():
+    # One node, one GPU, two processes: a NIXL READ of GPU memory must take a device path
+    # (UCX's cuda_ipc), not TCP through host memory. UCX turns cuda_ipc's GETs off on GPUs
+    # without NVLink; the transport turns them on (UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on).
+    if os.environ.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "on") != "on":
+        pytest.skip("the environment sets UCX_CUDA_IPC_ENABLE_GET_ZCOPY")
+    sizes = (64 << 20,)  # 256 MiB of float32, and the small ones
+    with own_producer("nixl") as p:
+        info = p.make(60, sizes)
+        buffers = [torch.empty(s.shape, dtype=s.dtype, device="cuda") for s in info.specs]
+        best = float("inf")
+        for _ in range(4):
+            t0 = time.perf_counter()
+            got = await fetch(p, info, buffers)
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        assert_same(got, expect(60, sizes))
+    gb_s = sum(b.numel() * b.element_size() for b in buffers) / best / 1e9
+    assert gb_s >= GPU_READ_FLOOR_GB_S, (
+        f"nixl read GPU memory at {gb_s:.2f} GB/s (best of 4, 256 MiB): UCX took a host path, not cuda_ipc"
+    )
+
+
+CROSS_FLOOR_GB_S = 2.0  # through a stage: GB/s; over TCP through host staging it moved 0.4-0.8
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="reads across devices: the GPU machine's run")
+@pytest.mark.parametrize("src, dst", [("cpu", "cuda"), ("cuda", "cpu")])
+async def test_nixl_reads_across_devices_on_one_node_through_a_stage(src, dst):
+    # UCX has no path between host and device memory of two processes (CMA is host to
+    # host, CUDA IPC device to device): the read lands in a stage of the source's kind
+    # and is copied by the device; the values arrive whole, at GB/s.
+    if _registry.transport_class("nixl").unavailable_reason():
+        pytest.skip("nixl is not installed")
+    sizes = (16 << 20, 1000)  # 64 MiB of float32, and a small one (read directly)
+    p = Producer("nixl", src)
+    try:
+        info = p.make(61, sizes)
+        buffers = [torch.empty(s.shape, dtype=s.dtype, device=dst) for s in info.specs]
+        best = float("inf")
+        for _ in range(4):
+            for b in buffers:
+                b.zero_()
+            t0 = time.perf_counter()
+            got = await fetch(p, info, buffers)
+            best = min(best, time.perf_counter() - t0)
+            assert [g.data_ptr() for g in got] == [b.data_ptr() for b in buffers]
+            assert_same(got, expect(61, sizes))
+    finally:
+        p.close()
+    gb_s = sum(b.numel() * b.element_size() for b in buffers) / best / 1e9
+    assert gb_s >= CROSS_FLOOR_GB_S, f"nixl read {src} -> {dst} at {gb_s:.2f} GB/s (best of 4, 64 MiB): not through a stage"

@@ -1,7 +1,8 @@
 """One fetch's READs, planned once and run from the I/O loop or on the caller's thread.
 
 A plan decides where each tensor lands (the caller's buffers, else one block per
-device; the bounce buffer when the object is small and bound for CPU), what must be
+device; the bounce buffer when the object is small and bound for CPU; a stage of the
+source's kind of memory when it crosses devices on one node, see `_stage_device`), what must be
 registered for the fetch, and the order of the READs: the tensors, one request per
 device, then the object's liveness slot into a landing slot, then the check of its
 token and the copy out of the bounce buffer. `_steps` writes that order once, without
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ... import _alloc
+from ... import _alloc, _cuda, _io
 from ..._local import aligned_layout, copy_into
 from .._base import TransferInfo
 from .._kit import local_device
@@ -50,9 +51,12 @@ class ReadPlan:
         memory: Registrations,
         *,
         tensors: bool = True,
+        same_host: bool = False,
     ) -> None:
-        """Plan the READs of `info` (with `tensors=False`, of its liveness slot alone)."""
+        """Plan the READs of `info` (with `tensors=False`, of its liveness slot alone);
+        `same_host`: the producer runs on this node."""
         self.info = info
+        self._same_host = same_host
         self._scratch, self._memory = scratch, memory
         self.out: list[torch.Tensor] = []
         self._pairs: list[tuple[torch.Tensor, Desc]] = []  # destination bytes, remote tensor
@@ -65,6 +69,11 @@ class ReadPlan:
                     own.append(buffers is None and _owns(spec))
         self._bounce = scratch.bounce.take() if tensors and _fits_bounce(self._pairs) else -1
         self._lands = self._bounce_views() if self._bounce >= 0 else _lands_apart(self._pairs, own)
+        # Reads that cross devices on one node: (pair index, where their stage goes), made by `read`.
+        self._to_stage = [
+            (k, where) for k, (d, s) in enumerate(self._pairs)
+            if self._bounce < 0 and (where := _stage_device(d, s, same_host)) is not None
+        ]
         self._landing = scratch.landing.take()
         self._lslot = (
             scratch.landing.view(self._landing) if self._landing >= 0
@@ -87,6 +96,7 @@ class ReadPlan:
         Raises: ObjectFreedError if the liveness slot says the object is gone, else the
         first failed READ's error.
         """
+        staged = await self._make_stages() if self._to_stage else []
         to_register = (self._lands if self._bounce < 0 else []) + ([self._lslot] if self._landing < 0 else [])
         self._keys = await self._memory.register_all(to_register)
         steps = self._steps()
@@ -100,9 +110,22 @@ class ReadPlan:
                 except Exception as exc:
                     failed = exc
         except StopIteration:
-            return self.out
+            pass
         finally:
             steps.close()
+        if staged:  # a device copy (ms at these sizes): in the pool, finished on return
+            await _io.to_thread_finished(_cuda.settled, copy_into, [d for d, _ in staged], [st for _, st in staged])
+        return self.out
+
+    async def _make_stages(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Allocate the stages (in the pool: pinned memory's first allocation takes ms) and
+        land those READs in them; return (destination, stage) pairs."""
+        stages = await _io.to_thread(_new_stages, [(self._pairs[k][0].numel(), where) for k, where in self._to_stage])
+        # Memory just allocated may still be in use by work queued on its device's streams.
+        await _cuda.wait(_cuda.record([st for st in stages if st.is_cuda]))
+        for (k, _), st in zip(self._to_stage, stages):
+            self._lands[k] = st
+        return [(self._pairs[k][0], st) for (k, _), st in zip(self._to_stage, stages)]
 
     def read_now(self, agent: Agent, remote: str) -> bool:
         """Post the READs on this thread, the agent held (by the caller). Needs `in_scratch`.
@@ -166,7 +189,8 @@ class ReadPlan:
         check_slot(self._lslot, self.info, error)
         if error is not None:
             raise error
-        apart = [(d, land) for (d, _), land in zip(self._pairs, self._lands) if land is not d]
+        apart = [(d, land) for (d, _), land in zip(self._pairs, self._lands) if land is not d and land.device == d.device]
+        # (stages, on another device, are copied out by `read`, off the I/O loop)
         if apart:
             copy_into([d for d, _ in apart], [land for _, land in apart])
 
@@ -183,7 +207,10 @@ class ReadPlan:
         reads = []
         for (_, remote_mem, _), group in groups.items():
             local_mem, index = mem_type(group[0][0]), dev_index(group[0][0])
-            reads.append(Read([(d.data_ptr(), d.numel(), index) for d, _ in group], [s[:3] for _, s in group], local_mem, remote_mem))
+            on_device = self._same_host and local_mem == remote_mem == "VRAM"
+            reads.append(
+                Read([(d.data_ptr(), d.numel(), index) for d, _ in group], [s[:3] for _, s in group], local_mem, remote_mem, on_device)
+            )
         return reads
 
     def _bounce_views(self) -> list[torch.Tensor]:
@@ -199,22 +226,52 @@ def _owns(spec: Any) -> bool:
     return 0 < spec.nbytes <= OWN_BYTES and local_device(spec.device).type == "cpu"
 
 
+# Reads that cross devices on one node land in a stage of the source's kind from this size.
+STAGE_BYTES = 1 << 20
+
+
+def _stage_device(d: torch.Tensor, s: Desc, same_host: bool) -> torch.device | None:
+    """Where a READ of `s` into `d` lands first when it crosses devices on one node
+    (pinned host memory: the CPU; or a GPU of this process), else None.
+
+    UCX moves memory between two processes of a node with CUDA IPC (device to device)
+    or CMA (host to host); a READ from one kind into the other has neither and goes
+    over TCP through host staging (0.4-0.8 GB/s on an H200, where a pinned cudaMemcpy
+    moves 54). So it is read into memory of the source's kind here, and copied into `d`
+    by the device after.
+    """
+    if not same_host or d.numel() < STAGE_BYTES or not torch.cuda.is_available():
+        return None
+    if s[3] == "DRAM" and d.device.type == "cuda":
+        return torch.device("cpu")
+    if s[3] == "VRAM" and d.device.type == "cpu":
+        return local_device(f"cuda:{s[2]}")
+    return None
+
+
+def _new_stages(wanted: list[tuple[int, torch.device]]) -> list[torch.Tensor]:
+    """Allocate stages of (bytes, device): host ones pinned (torch's pinned cache: warm after the first)."""
+    return [
+        torch.empty(n, dtype=torch.uint8, pin_memory=True) if where.type == "cpu"
+        else torch.empty(n, dtype=torch.uint8, device=where)
+        for n, where in wanted
+    ]
+
+
 def _lands_apart(pairs: list[tuple[torch.Tensor, Desc]], own: list[bool]) -> list[torch.Tensor]:
     """Where each READ lands without a bounce chunk: the destination itself, but for
     tensors of their own, one block for them all (one registration, copied out after)."""
+    out = [d for d, _ in pairs]
     sizes = [d.numel() for (d, _), o in zip(pairs, own) if o]
     if not sizes:
-        return [d for d, _ in pairs]
+        return out
     offsets, total = aligned_layout(sizes, ALIGN)
     block = _alloc.empty((total,), torch.uint8)
     at = iter(offsets)
-    out = []
-    for (d, _), o in zip(pairs, own):
+    for k, o in enumerate(own):
         if o:
             i = next(at)
-            out.append(block[i : i + d.numel()])
-        else:
-            out.append(d)
+            out[k] = block[i : i + pairs[k][0].numel()]
     return out
 
 

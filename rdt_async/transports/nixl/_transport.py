@@ -236,7 +236,7 @@ class NixlTransport(Transport[NixlMeta]):
         """READ the tensors, then the liveness slot; raise ObjectFreedError if it changed.
 
         `disconnect` drops this connection: a cancelled READ NIXL cannot end otherwise ends so."""
-        plan = ReadPlan(info, buffers, here.scratch, here.memory)
+        plan = ReadPlan(info, buffers, here.scratch, here.memory, same_host=info.meta.host == self._host)
         try:
             # Device memory just allocated here may still be in use by work queued on this
             # thread's streams (the caching allocator hands it out again); NIXL writes it
