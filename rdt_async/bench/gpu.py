@@ -130,6 +130,17 @@ def _raw_ipc(shares: dict[int, Any], sums: dict[Any, int]) -> list[dict[str, Any
         src = torch.empty(0, dtype=torch.uint8, device="cuda").set_(storage)[:n]
         dst = torch.empty(n, dtype=torch.uint8, device="cuda")
         rows.append(_row("raw CUDA IPC: mapped once, copy_", n, _timed(lambda: dst.copy_(src), n), first_map_s=mapped))
+        side = torch.cuda.Stream()
+
+        def on_side() -> None:  # as cuda_ipc copies: on a stream of its own, an event spun on
+            with torch.cuda.stream(side):
+                dst.copy_(src, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(side)
+            while not done.query():
+                pass
+
+        rows.append(_row("raw CUDA IPC: copy_ on a side stream, event spun", n, _timed(on_side, n)))
         assert _checksum(dst) == sums[("cuda", n)], f"raw IPC copy of {n} bytes differs"
     return rows
 
@@ -198,6 +209,67 @@ async def _fetch_rows(
     return rows
 
 
+async def _cuda_ipc_phases(infos: dict[Any, Any], sizes: list[int]) -> dict[str, Any]:
+    """Where a warm cuda_ipc fetch into reused buffers spends its time: the median time
+    from the call to each step's end (ms), its parts timed in place (diagnostics)."""
+    from rdt_async.transports import _registry, cuda_ipc
+    from rdt_async.transports._base import FetchRequest
+
+    marks: list[tuple[str, float]] = []
+
+    def timed(owner: Any, attr: str, is_async: bool) -> Any:
+        fn = getattr(owner, attr)
+
+        async def awrapper(*a: Any, **k: Any) -> Any:
+            marks.append((attr + " in", time.perf_counter()))
+            try:
+                return await fn(*a, **k)
+            finally:
+                marks.append((attr, time.perf_counter()))
+
+        def wrapper(*a: Any, **k: Any) -> Any:
+            marks.append((attr + " in", time.perf_counter()))
+            try:
+                return fn(*a, **k)
+            finally:
+                marks.append((attr, time.perf_counter()))
+
+        setattr(owner, attr, awrapper if is_async else wrapper)
+        return fn
+
+    patched = [
+        (cuda_ipc.CudaIpcTransport, "_check_live", False),
+        (cuda_ipc._Use, "mapped", True),
+        (cuda_ipc.CudaIpcTransport, "_queue_and_wait", True),
+        (cuda_ipc, "_wait_copy", False),
+    ]
+    saved = [(owner, attr, timed(owner, attr, is_async)) for owner, attr, is_async in patched]
+    transport = _registry.get("cuda_ipc")
+    out: dict[str, Any] = {}
+    try:
+        for n in [n for n in sizes if n in (4096, 1 << 30)]:
+            info, buffers = infos[("cuda_ipc", "cuda", n)], [torch.empty(n, dtype=torch.uint8, device="cuda")]
+            runs: list[dict[str, float]] = []
+            for i in range(12):
+                marks.clear()
+                t0 = time.perf_counter()
+                await FetchRequest.start(transport, info, buffers=buffers).wait()
+                end = time.perf_counter()
+                if i:
+                    run: dict[str, float] = {}
+                    for name, t in marks:
+                        run.setdefault(name, (t - t0) * 1e3)  # the first of each (a fetch checks liveness twice)
+                    run["returned"] = (end - t0) * 1e3
+                    runs.append(run)
+            names = sorted({k for r in runs for k in r}, key=lambda k: statistics.median(r.get(k, 0) for r in runs))
+            out[human(n)] = {k: round(statistics.median(r[k] for r in runs if k in r), 3) for k in names}
+            print(f"cuda_ipc phases {human(n)} (ms from the call): {out[human(n)]}", file=sys.stderr, flush=True)
+    finally:
+        for owner, attr, fn in saved:
+            setattr(owner, attr, fn)
+    return out
+
+
 class _LagProbe:
     """How late the loop wakes a 1 ms sleeper while transfers run (a blocked loop shows)."""
 
@@ -228,15 +300,19 @@ def checks(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The GPU issue's targets, as ratios against the raw copy of the same kind in this run."""
     by = {(r["case"], r["size"]): r for r in rows}
     out: dict[str, Any] = {}
-    pairs = {
-        "rdt cuda_ipc fetch cuda -> cuda, into= (reused)": "raw CUDA IPC: mapped once, copy_",
-        "rdt cuda_ipc fetch cuda -> cuda, fresh tensors": "raw CUDA IPC: mapped once, copy_",
-        "rdt nixl fetch cuda -> cuda, into= (reused)": "raw NIXL READ cuda -> cuda",
-        "rdt nixl fetch cpu -> cuda, into= (reused)": "raw NIXL READ cpu -> cuda",
-        "rdt nixl fetch cuda -> cpu, into= (reused)": "raw NIXL READ cuda -> cpu",
-        "rdt cuda_ipc fetch cuda -> cpu, into= (reused)": "CUDA -> pageable CPU copy_",
-    }
-    for case, raw in pairs.items():
+    pairs = [
+        ("rdt cuda_ipc fetch cuda -> cuda, into= (reused)", "raw CUDA IPC: mapped once, copy_"),
+        ("rdt cuda_ipc fetch cuda -> cuda, fresh tensors", "raw CUDA IPC: mapped once, copy_"),
+        ("rdt nixl fetch cuda -> cuda, into= (reused)", "raw NIXL READ cuda -> cuda"),
+        ("rdt nixl fetch cuda -> cuda, into= (reused)", "limit: device-to-device copy_, one process"),
+        ("rdt nixl fetch cpu -> cuda, into= (reused)", "raw NIXL READ cpu -> cuda"),
+        ("rdt nixl fetch cpu -> cuda, into= (reused)", "pageable CPU -> CUDA copy_"),
+        ("rdt nixl fetch cpu -> cuda, into= (reused)", "limit: pinned CPU -> CUDA cudaMemcpy"),
+        ("rdt nixl fetch cuda -> cpu, into= (reused)", "raw NIXL READ cuda -> cpu"),
+        ("rdt nixl fetch cuda -> cpu, into= (reused)", "CUDA -> pageable CPU copy_"),
+        ("rdt cuda_ipc fetch cuda -> cpu, into= (reused)", "CUDA -> pageable CPU copy_"),
+    ]
+    for case, raw in pairs:
         ratios = {
             human(s): round(r["gb_s"] / by[(raw, s)]["gb_s"], 3)
             for (c, s), r in by.items()
@@ -279,6 +355,12 @@ def main(argv: list[str] | None = None) -> int:
         for stage in stages:
             rows += stage()
             torch.cuda.empty_cache()
+        phases: dict[str, Any] = {}
+        if "cuda_ipc" in transports:
+            try:
+                phases = asyncio.run(_cuda_ipc_phases(got["infos"], sizes))
+            except Exception as exc:  # diagnostics: never the run's end
+                phases = {"error": f"{type(exc).__name__}: {exc}"}
     finally:
         conn.send("exit")
         proc.join(30)
@@ -293,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
             "cuda": torch.version.cuda,
         },
         "rows": rows,
+        "cuda_ipc_phases_ms": phases,
         "checks": checks(rows),
     }
     out = write_json(result, args.json)

@@ -60,7 +60,12 @@ TABLE_CACHE = 64  # liveness tables a consumer keeps mapped (one per producer, m
 MAP_IDLE_S = 2.0  # a mapped segment no fetch uses is closed after this long
 LINGER_S, LINGER_BYTES_PER_S = 0.25, 10e9
 SPIN_S = 100e-6  # how long the I/O loop checks a copy before handing the wait to the pool
-COPY_BYTES_PER_S = 1.6e12  # a device copy's pace (H100: ~1.5 TB/s): the pool sleeps this long first
+# A device copy's pace until one has been timed here (H100: ~1.5 TB/s, H200: ~2.1): the
+# pool sleeps for most of a copy's expected time first. Copies from PACE_BYTES on are timed
+# by the device, and the fastest pace seen rules after (a sleep past the copy's end is lost:
+# at a fixed 1.6 TB/s an H200's 4 GiB copy was waited for 0.4 ms too long).
+COPY_BYTES_PER_S = 1.6e12
+PACE_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -150,6 +155,7 @@ class CudaIpcTransport(Transport[CudaIpcMeta]):
         self._objects: dict[str, tuple[int, list[torch.Tensor]]] = {}  # obj_id -> slot, what it reads
         self._mapped: OrderedDict[str, _Table] = OrderedDict()  # the consumer's view of producers' tables
         self._streams: dict[int, torch.cuda.Stream] = {}
+        self._pace = 0.0  # bytes/s of the fastest device copy timed here (0: none yet)
 
     @classmethod
     def exports_here(cls) -> bool:
@@ -247,15 +253,21 @@ class CudaIpcTransport(Transport[CudaIpcMeta]):
     async def _queue_and_wait(self, pairs: list[tuple[torch.Tensor, IpcTensor]], sources: list[torch.Tensor]) -> None:
         """Queue the copies on this process's copy stream and wait until they have landed."""
         events = []
-        for device in {o.device for o, _ in pairs}:
+        nbytes = sum(m.nbytes for _, m in pairs)
+        devices = {o.device for o, _ in pairs}
+        timed = nbytes >= PACE_BYTES and len(devices) == 1
+        begun = torch.cuda.Event(enable_timing=True) if timed else None
+        for device in devices:
             stream = self._stream(device)
             # Fresh memory may still be in use by work queued on this thread's stream.
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
+                if begun is not None:
+                    begun.record(stream)
                 for (o, _), src in zip(pairs, sources):
                     if o.device == device:
                         o.view(-1).view(torch.uint8).copy_(src, non_blocking=True)
-                event = torch.cuda.Event()
+                event = torch.cuda.Event(enable_timing=timed)
                 event.record(stream)
                 events.append(event)
         # Not polled with loop sleeps: those under 1 ms last 1 ms (epoll's granularity),
@@ -263,12 +275,16 @@ class CudaIpcTransport(Transport[CudaIpcMeta]):
         # A short spin here catches small copies; larger ones are waited for in the pool,
         # asleep for the copy's expected time, then checked every ~50 µs. A cancel still
         # waits for the copy to land (it cannot be recalled): nothing writes it afterwards.
-        deadline = time.perf_counter() + SPIN_S
+        queued = time.perf_counter()
         while not all(e.query() for e in events):
-            if time.perf_counter() > deadline:
-                nbytes = sum(m.nbytes for _, m in pairs)
-                await _io.to_thread_finished(_wait_copy, events, nbytes / COPY_BYTES_PER_S)
+            if time.perf_counter() > queued + SPIN_S:
+                ends = queued + nbytes / (self._pace or COPY_BYTES_PER_S)  # the hop to the pool takes part of it
+                await _io.to_thread_finished(_wait_copy, events, ends)
                 break
+        if begun is not None:
+            took_s = begun.elapsed_time(events[0]) / 1e3
+            if took_s > 0:
+                self._pace = max(self._pace, nbytes / took_s)
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -511,10 +527,12 @@ def _copy_blocking(pairs: list[tuple[torch.Tensor, IpcTensor]], sources: list[to
     _cuda.settle(sources + [o for o, _ in pairs])
 
 
-def _wait_copy(events: list[torch.cuda.Event], expected_s: float) -> None:
-    """Sleep for most of a copy's expected time, then check its events every ~50 µs (in the pool)."""
-    if expected_s > 300e-6:
-        time.sleep(expected_s - 200e-6)
+def _wait_copy(events: list[torch.cuda.Event], ends: float) -> None:
+    """Sleep until shortly before a copy's expected end (`ends`, on perf_counter's clock),
+    then check its events every ~50 µs (in the pool)."""
+    asleep = ends - 200e-6 - time.perf_counter()
+    if asleep > 100e-6:
+        time.sleep(asleep)
     while not all(e.query() for e in events):
         time.sleep(20e-6)
 
