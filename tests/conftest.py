@@ -44,11 +44,7 @@ def cluster():
     from rdt_async.bench._hosts import Hosts
 
     why = "RDT_TEST_ONE_HOST=1" if os.environ.get("RDT_TEST_ONE_HOST") == "1" else Hosts.unavailable()
-    # Flat: the head's UCX uses its own link alone (Hosts.ucx_env: another session's links
-    # come and go in the head's namespace, and UCX lanes over one that went failed reads).
-    hosts = None if why else Hosts(TOPOLOGY if TOPOLOGY != "three" else "split", own_ucx_devices=TOPOLOGY == "flat")
-    if hosts is not None:
-        os.environ.update(hosts.ucx_env)  # before any node starts: every head process has it
+    hosts = None if why else Hosts(TOPOLOGY if TOPOLOGY != "three" else "split")
     if hosts is not None and hosts.topology == "split":
         # The split rig's data network is a Linux bridge, whose address UCX's TCP leaves
         # out unless told (ucxx, nixl): set before any node starts, so every process has it.

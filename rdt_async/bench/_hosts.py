@@ -49,13 +49,10 @@ class Hosts:
     `topology`: "flat" or "split" (see the module's docstring).
     """
 
-    def __init__(self, topology: str = "flat", *, own_ucx_devices: bool = False) -> None:
-        """`own_ucx_devices`: each host's UCX (ucxx, nixl) uses its own link alone
-        (UCX_NET_DEVICES), and `ucx_env` says the same for the head's processes."""
+    def __init__(self, topology: str = "flat") -> None:
         if topology not in TOPOLOGIES:
             raise ValueError(f"topology={topology!r}: give one of {', '.join(TOPOLOGIES)}")
         self.topology = topology
-        self.own_ucx_devices = own_ucx_devices
         self._claim = _free_key()  # 10.<key>.<n>.0/24 per host: concurrent sessions differ
         self._key = self._claim.key
         self._nodes: dict[str, _Node] = {}
@@ -71,18 +68,6 @@ class Hosts:
             self._claim.release()
             raise
         self.head_ip = self._first.root_ip  # the first link's near end (split: the bridge's): every host reaches it
-
-    @property
-    def ucx_env(self) -> dict[str, str]:
-        """The environment that confines the head's UCX to its own link (`own_ucx_devices`).
-
-        UCX's TCP uses every network device it finds as a lane. In the head's namespace
-        those include other sessions' links, which come and go (a host added or removed):
-        an endpoint with a lane over one that went was closed under a read (ucxx: the
-        producer's endpoint closed, with two test workers on the flat topology).
-        """
-        dev = self._bridge.dev if self._bridge is not None else self._first.root_dev
-        return {"UCX_NET_DEVICES": dev} if self.own_ucx_devices else {}
 
     @staticmethod
     def unavailable() -> str | None:
@@ -116,8 +101,6 @@ class Hosts:
 
         used = {n.link for n in self._nodes.values()}
         link = self._first if self._first not in used else self._link(max(int(k.name.rsplit("h", 1)[1]) for k in used) + 1)
-        if self.own_ucx_devices:
-            env = {"UCX_NET_DEVICES": link.ns_dev, **(env or {})}
         node = _Node(name, link, gcs_address, resources, env or {}, start_args)
         self._nodes[name] = node
         deadline = time.monotonic() + timeout
