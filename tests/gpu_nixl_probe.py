@@ -41,14 +41,15 @@ def _agent(name: str) -> object:
     import torch
     from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
+    from rdt_async.transports.nixl._agent import ucx_settings
+
     order = os.environ["PROBE_ORDER"]
     if order == "cuda-first":
         torch.cuda.synchronize()
-    elif order == "rdt":
-        from rdt_async.transports.nixl._agent import ucx_defaults
-
-        ucx_defaults()
     cfg = nixl_agent_config(enable_prog_thread=False, backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+    if order == "rdt":
+        with ucx_settings():
+            return nixl_agent(name, cfg)
     return nixl_agent(name, cfg)
 
 

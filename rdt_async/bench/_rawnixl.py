@@ -9,14 +9,14 @@ def agent(name: str) -> Any:
     """A NIXL agent set up as the transport's own (UCX, no progress thread)."""
     from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
-    from rdt_async.transports.nixl._agent import import_reason, ucx_defaults
+    from rdt_async.transports.nixl._agent import import_reason, ucx_settings
 
     import_reason()  # NIXL's INFO lines off stdout, as for the transport's own agents
-    ucx_defaults()  # the UCX settings a user would need too (cuda_ipc GETs on a GPU without NVLink)
     cfg = nixl_agent_config(
         enable_prog_thread=False, backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
     )
-    return nixl_agent(name, cfg)
+    with ucx_settings():  # what a user would need too (cuda_ipc GETs on a GPU without NVLink)
+        return nixl_agent(name, cfg)
 
 
 def read(agent: Any, local: Any, remote_descs: Any, remote: str) -> None:

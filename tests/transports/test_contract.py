@@ -566,3 +566,22 @@ async def test_nixl_reads_across_devices_on_one_node_through_a_stage(src, dst):
         p.close()
     gb_s = sum(b.numel() * b.element_size() for b in buffers) / best / 1e9
     assert gb_s >= CROSS_FLOOR_GB_S, f"nixl read {src} -> {dst} at {gb_s:.2f} GB/s (best of 4, 64 MiB): not through a stage"
+
+
+def test_nixl_sets_ucx_cuda_settings_only_with_a_gpu_and_only_while_its_agent_is_made(monkeypatch):
+    from rdt_async.transports.nixl import _agent
+
+    key = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
+    monkeypatch.delenv(key, raising=False)
+    with _agent.ucx_settings():  # no GPU here (or stand-in): UCX would warn of a CUDA variable it lacks
+        if not torch.cuda.is_available():
+            assert key not in os.environ
+    assert key not in os.environ  # not left to the process's children
+    monkeypatch.setattr(_agent, "_cuda_context", lambda: True)
+    with _agent.ucx_settings():
+        assert os.environ[key] == "on"
+    assert key not in os.environ
+    monkeypatch.setenv(key, "auto")  # the user's choice stands
+    with _agent.ucx_settings():
+        assert os.environ[key] == "auto"
+    assert os.environ[key] == "auto"

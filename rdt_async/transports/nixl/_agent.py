@@ -11,6 +11,7 @@ would stall for the copy.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
@@ -20,7 +21,7 @@ import secrets
 import socket
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from ... import _io
@@ -35,8 +36,8 @@ INSTALL_HINT = "pip install 'rdt_async[nixl]'"
 # producer polling every 20 ms held cross-host reads to 40 ms at 4 KiB and 0.2 GiB/s. With
 # it, 6.6 ms and ~1 GiB/s; idle, the thread costs ~0.4% of a core (1 ms: ~4%; 0: a core).
 PROGRESS_US = 10_000
-# UCX settings this transport needs and UCX's defaults do not give, set for this process
-# before its first agent unless the user set them. UCX turns cuda_ipc's GET off on a GPU
+# UCX settings this transport needs and UCX's defaults do not give, set while an agent is
+# made in a process with a GPU, unless the user set them (`ucx_settings`). UCX turns cuda_ipc's GET off on a GPU
 # without NVLink links ("auto": reads slower than writes on some PCIe systems), and a NIXL
 # READ is a GET: a READ of GPU memory on the same node then went over TCP through host
 # staging, 0.43 GB/s on an H100 where the device copy moves ~1.5 TB/s.
@@ -64,20 +65,38 @@ def import_reason() -> str | None:
     return None
 
 
-def ucx_defaults() -> None:
-    """Set up this process for UCX before an agent is made: this transport's settings
-    (UCX_DEFAULTS) where the environment names none, and a CUDA context where the
-    process has a GPU.
+@contextlib.contextmanager
+def ucx_settings() -> Iterator[None]:
+    """Make an agent inside: UCX gets this transport's settings (UCX_DEFAULTS) where the
+    environment names none, and a CUDA context first, where the process has a GPU.
 
     UCX gives an agent its CUDA transports for remote reads only if the process has a
     CUDA context when the agent is made: made first, a READ of GPU memory on the same
     node went over TCP for the agent's life (0.5 GB/s on an H200, against ~1.5 TB/s).
+    The settings are UCX's CUDA ones, so only a process with a GPU gets them (elsewhere
+    UCX warns of a variable it does not know), and only while the agent is made (UCX
+    reads them then): they are not left to the process's children.
     """
-    for key, value in UCX_DEFAULTS.items():
-        os.environ.setdefault(key, value)
+    added = {k: v for k, v in UCX_DEFAULTS.items() if k not in os.environ} if _cuda_context() else {}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
+
+
+def _cuda_context() -> bool:
+    """Make the current device's primary CUDA context if this process has a usable GPU; say whether it has."""
     torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available():
-        torch.cuda.synchronize()  # makes the current device's primary context, if not yet made
+    if torch is None or not torch.cuda.is_available() or torch.cuda._is_in_bad_fork():
+        return False
+    try:
+        torch.cuda.synchronize()  # makes the context, if not yet made
+    except Exception as exc:  # CUDA unusable here: CPU memory still moves
+        logging.getLogger("rdt_async").debug("rdt_async: nixl's agent is made without a CUDA context: %s", exc)
+        return False
+    return True
 
 
 def _progress_delay_us() -> int:
@@ -119,14 +138,14 @@ class Agent:
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         self.name = f"rdt-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
-        ucx_defaults()  # UCX reads its environment when the agent's backend makes its context
         delay = _progress_delay_us()
         cfg = nixl_agent_config(
             enable_prog_thread=delay > 0,
             backends=["UCX"],
             sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
         )
-        self.nixl = _new_agent(nixl_agent, self.name, cfg, delay)
+        with ucx_settings():  # UCX reads its environment as the agent's backend makes its context
+            self.nixl = _new_agent(nixl_agent, self.name, cfg, delay)
         if "UCX" not in self.nixl.backends:
             raise TransportUnavailableError(
                 f"transport 'nixl' is unavailable: NIXL's UCX backend did not load; reinstall with {INSTALL_HINT}"
