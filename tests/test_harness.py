@@ -129,6 +129,20 @@ def test_a_loop_waiting_for_the_gil_of_a_thread_that_waits_for_a_core_is_not_bla
     """A thread of ours wakes a hog on its own core and keeps the GIL through a C call
     (~0.2 s of a core's time): preempted by the hog for 0.5 s, it holds the GIL, and the
     loop waits on it. The time the holder ran is the code's; the time it waited is not."""
+    # The scene needs the machine's cores as arranged; another test process running at
+    # once (a CI worker beside this one) can break it up: it is set up anew up to 3 times,
+    # and all its claims must hold in one of them.
+    reports = []
+    for _ in range(3):
+        failed = _gil_waits_for_a_core_once()
+        if failed is None:
+            return
+        reports.append(failed)
+    pytest.fail("\n".join(reports))
+
+
+def _gil_waits_for_a_core_once() -> str | None:
+    """One run of the scene above: None if every claim held, else which did not and the probe's report."""
     cpus = sorted(os.sched_getaffinity(0))
     before = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {cpus[0]})  # the loop's thread: a core of its own
@@ -154,11 +168,15 @@ def test_a_loop_waiting_for_the_gil_of_a_thread_that_waits_for_a_core_is_not_bla
     finally:
         os.sched_setaffinity(0, before)
     assert done == [sum(range(n))]
-    assert probe.max_late > 0.45, probe.report()  # the loop waited all along
-    # but is blamed for no more than the holder ran (~0.2 s), and its 0.5 s wait is excused
-    # (a loaded machine may split the wait and the run into two wake-ups)
-    assert probe.max_lag < probe.worst_ran + 0.1, probe.report()
-    assert probe.max_excused > 0.4, probe.report()
+    claims = {
+        "max_late > 0.45 (the loop waited all along)": probe.max_late > 0.45,
+        # but is blamed for no more than the holder ran (~0.2 s), and its 0.5 s wait is
+        # excused (a loaded machine may split the wait and the run into two wake-ups)
+        "max_lag < worst_ran + 0.1": probe.max_lag < probe.worst_ran + 0.1,
+        "max_excused > 0.4": probe.max_excused > 0.4,
+    }
+    broken = [c for c, held in claims.items() if not held]
+    return f"{', '.join(broken)}: {probe.report()}" if broken else None
 
 
 CLAIM = """
