@@ -24,6 +24,7 @@ import torch
 from . import _io, _object, _produce, _ray, _registered, _relay
 from ._errors import RDTError, one_chain, release_frames, translating
 from ._fetch import fetch_now, fetch_object
+from ._fetched import fetched
 from ._object import RDTObject
 from ._store import store
 from .transports import _registry
@@ -408,7 +409,9 @@ def store_stats() -> dict[str, Any]:
     holds, and the registrations and deregistrations made so far)."""
     from . import _publish
 
-    return {**store.stats(), "relay": _relay.stats(), **_publish.stats(), "registered": _registered.stats()}
+    return {
+        **store.stats(), **fetched.stats(), "relay": _relay.stats(), **_publish.stats(), "registered": _registered.stats()
+    }
 
 
 def register_transport(name: str, devices: Sequence[str], cls: type) -> None:

@@ -31,6 +31,7 @@ from ._errors import (
     release_frames,
     translating,
 )
+from ._fetched import fetched
 from ._local import copy_into
 from ._membership import groups
 from ._object import RDTObject
@@ -59,7 +60,7 @@ def choose_transport(
     name = obj.transport
     carried = _in_ref(obj.meta) if name == _registry.AUTO and not (without or fell_back or _avoid) else None
     if carried is not None:  # a small object: `auto` picks its bytes whatever else it knows
-        store.record_choice(obj.obj_id, _auto.in_ref(carried))
+        fetched.choice(obj.obj_id, _auto.in_ref(carried))
         return carried, obj.meta[carried]
     shared = _shared_group(obj)
     if name == _registry.AUTO:
@@ -79,7 +80,7 @@ def choose_transport(
         if avoided or fell_back:
             note = f"; {', '.join(sorted(avoided))} left out: could not reach that node lately" if avoided else ""
             choice = dataclasses.replace(choice, why=choice.why + note, fell_back=fell_back)
-        store.record_choice(obj.obj_id, choice)
+        fetched.choice(obj.obj_id, choice)
         name = choice.transport
     cls = _registry.transport_class(name)
     if cls.reach == "node" and obj.producer.node_id != node_id:
@@ -557,7 +558,7 @@ def _device_buffers(obj: RDTObject, transport: Transport[Any], device: torch.dev
 
 def _record(obj: RDTObject, transport: str, began: float) -> None:
     if obj.specs:
-        store.fetches[transport] += 1
+        fetched.count(transport)
         _metrics.fetched(transport, obj.nbytes, time.perf_counter() - began)
         log.debug("rdt_async: fetched %s over %s (%d bytes)", obj.obj_id, transport, obj.nbytes)
 

@@ -93,9 +93,6 @@ class Store:
         # Objects freed explicitly whose consumers may still view the producer's memory
         # (Transport.lends_memory): their holds, kept until their last ref goes.
         self._lent: dict[str, list[_Span]] = {}
-        self.fetches: collections.Counter[str] = collections.Counter()
-        # The last choices `auto` made for fetches here, and why (transports/_auto.py).
-        self.choices: collections.deque[tuple[str, Any]] = collections.deque(maxlen=32)  # (obj_id, Choice)
 
     # -- holds -------------------------------------------------------------------------
 
@@ -291,27 +288,16 @@ class Store:
         with self._lock:
             self._waiters = [w for w in self._waiters if w[1] is not wake]
 
-    def record_choice(self, obj_id: str, choice: Any) -> None:
-        """Keep what `auto` picked for a fetch of `obj_id` (an `_auto.Choice`), and why."""
-        with self._lock:
-            self.choices.append((obj_id, choice))  # said as a dict when asked (`stats`)
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("rdt_async: auto picked %s for %s: %s", choice.transport, obj_id, choice.why)
-
     def stats(self) -> dict[str, Any]:
         with self._lock:
             objects = list(self._objects.values())
             nbytes = self._bytes
-            fetches = dict(self.fetches)
-            choices = [{"obj_id": obj_id, **choice.as_dict()} for obj_id, choice in self.choices]
             lent = len(self._lent)
         return {
             "objects": len(objects),
             "lent": lent,  # freed explicitly, their bytes still viewed by consumers (shm)
             "bytes": nbytes,
             "tensors": sum(len(o.tensors) for o in objects),
-            "fetches": fetches,
-            "auto": choices,
         }
 
 

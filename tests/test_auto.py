@@ -165,8 +165,8 @@ def test_a_fetch_of_a_small_object_takes_its_bytes_without_the_cost_model(monkey
     import torch
 
     from rdt_async import _fetch
+    from rdt_async._fetched import fetched
     from rdt_async._object import Process, RDTObject
-    from rdt_async._store import store
     from rdt_async.transports._base import TensorSpec
     from rdt_async.transports.inline import encode
 
@@ -176,7 +176,7 @@ def test_a_fetch_of_a_small_object_takes_its_bytes_without_the_cost_model(monkey
     obj = RDTObject("ab" * 12, Process("a" * 56, "1:00"), "auto", specs, None, meta, {}, None)
     monkeypatch.setattr(_auto, "choose_remembered", lambda *a: pytest.fail("the cost model ran"))
     assert _fetch.choose_transport(obj, "b" * 56) == ("inline", meta["inline"])
-    assert store.stats()["auto"][-1] == {"obj_id": "ab" * 12, **_auto.choose(facts(64, prepared=("inline",))).as_dict()}
+    assert fetched.stats()["auto"][-1] == {"obj_id": "ab" * 12, **_auto.choose(facts(64, prepared=("inline",))).as_dict()}
     monkeypatch.undo()
     # Left out by this fetch (it failed there): the cost model picks among the rest.
     assert _fetch.choose_transport(obj, "b" * 56, without=frozenset({"inline"})) == ("object_store", None)
