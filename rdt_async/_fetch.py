@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from . import _buffers, _cuda, _io, _metrics, _object, _ray, _relay, _tree
+from ._avoid import avoided, unusable
 from ._errors import (
     CollectiveGroupError,
     ObjectFreedError,
@@ -38,7 +39,7 @@ from ._object import RDTObject
 from ._produce import loads_here, shared_with_producer
 from ._store import log, store
 from .transports import _auto, _registry
-from .transports._base import FetchRequest, TransferInfo, Transport, Unreachable
+from .transports._base import FetchRequest, TransferInfo, Transport
 
 
 def choose_transport(
@@ -50,7 +51,7 @@ def choose_transport(
     candidate both ends can use (shm and cuda_ipc on one node, nixl where prepared and
     loadable here, a group both ends are in, the object store) that the cost model of
     transports/_auto.py expects to finish first, leaving out paths that could not reach
-    the producer's node lately (`_avoided`); the choice and its reasons are kept in
+    the producer's node lately (`_avoid.avoided`); the choice and its reasons are kept in
     `rdt.store_stats()["auto"]`. A one-sided transport that cannot reach this node
     falls back to object_store. Gloo/NCCL objects go over a group both ends share,
     else object_store.
@@ -58,14 +59,14 @@ def choose_transport(
     `fell_back`: each with why). Returns the transport's name and the metadata its fetch needs.
     """
     name = obj.transport
-    carried = _in_ref(obj.meta) if name == _registry.AUTO and not (without or fell_back or _avoid) else None
+    carried = _in_ref(obj.meta) if name == _registry.AUTO and not (without or fell_back or avoided.any()) else None
     if carried is not None:  # a small object: `auto` picks its bytes whatever else it knows
         fetched.choice(obj.obj_id, _auto.in_ref(carried))
         return carried, obj.meta[carried]
     shared = _shared_group(obj)
     if name == _registry.AUTO:
-        avoided = _avoided(obj.producer.node_id) & frozenset(obj.meta) if _avoid else frozenset()
-        prepared = frozenset(obj.meta) - {"groups"} - without - avoided
+        left_out = avoided.of(obj.producer.node_id) & frozenset(obj.meta) if avoided.any() else frozenset()
+        prepared = frozenset(obj.meta) - {"groups"} - without - left_out
         facts = _auto.Facts(
             nbytes=obj.nbytes,
             gpu=any(not s.device.startswith("cpu") for s in obj.specs),
@@ -77,8 +78,8 @@ def choose_transport(
             in_ref=frozenset(n for n in prepared if _carries_bytes(n)),
         )
         choice = _auto.choose_remembered(facts, loads_here)
-        if avoided or fell_back:
-            note = f"; {', '.join(sorted(avoided))} left out: could not reach that node lately" if avoided else ""
+        if left_out or fell_back:
+            note = f"; {', '.join(sorted(left_out))} left out: could not reach that node lately" if left_out else ""
             choice = dataclasses.replace(choice, why=choice.why + note, fell_back=fell_back)
         fetched.choice(obj.obj_id, choice)
         name = choice.transport
@@ -282,37 +283,6 @@ def _landed(tensors: list[torch.Tensor], buffers: list[torch.Tensor]) -> bool:
     return all(t.data_ptr() == b.data_ptr() for t, b in zip(tensors, buffers))
 
 
-# (producer's node, transport) -> until when (time.monotonic) `auto` leaves that path out for
-# that node's objects: it could not reach the node (`_fetch_over`).
-AVOID_S = 300.0
-_avoid: dict[tuple[str, str], float] = {}
-
-
-def _avoided(node: str) -> frozenset[str]:
-    now = time.monotonic()
-    for key in [k for k, until in _avoid.items() if until <= now]:
-        del _avoid[key]
-    return frozenset(t for (n, t) in _avoid if n == node)
-
-
-def _unusable(exc: BaseException) -> str | None:
-    """Why the path a fetch took cannot be used with its producer, or None (the fetch failed).
-
-    A transport that cannot serve the fetch here (not loadable, no room), or one that could
-    not reach the producer before anything moved (`Unreachable`: no route, refused, no answer).
-    """
-    if isinstance(exc, TransportUnavailableError):
-        return str(exc)
-    if isinstance(exc, (PeerDiedError, ObjectFreedError)) or not isinstance(exc, TransferError):
-        return None
-    cause: BaseException | None = exc
-    while cause is not None:
-        if isinstance(cause, Unreachable):
-            return str(cause)
-        cause = cause.__cause__
-    return None
-
-
 async def _fetch_over(
     obj: RDTObject,
     transport: Transport[Any],
@@ -326,7 +296,7 @@ async def _fetch_over(
 
     The one fallback of a fetch: the reason goes into `store_stats()["auto"]`, is logged
     once per node and path, and `auto` leaves a path that could not reach a node out of
-    that node's fetches for `AVOID_S`. A transport named explicitly, by the producer or by
+    that node's fetches for `_avoid.AVOID_S`. A transport named explicitly, by the producer or by
     the consumer (`asked`), fails instead.
     """
     chosen = asked or obj.transport
@@ -335,10 +305,10 @@ async def _fetch_over(
         try:
             tensors = await _transfer(obj, transport, info, buffers)
         except (TransportUnavailableError, TransferError) as exc:
-            why = _unusable(exc) if chosen == _registry.AUTO else None
+            why = unusable(exc) if chosen == _registry.AUTO else None
             if why is None or transport.name == _registry.FALLBACK:
                 raise
-            _note_unusable(obj, transport.name, exc, why)
+            avoided.note(obj.producer, transport.name, exc, why)
             fell_back.append((transport.name, why))
             without = frozenset(t for t, _ in fell_back)
             name, meta = choose_transport(obj, _ray.node_id(), without=without, fell_back=tuple(fell_back))
@@ -351,26 +321,6 @@ async def _fetch_over(
         if used is not None:
             used[0] = transport.name
         return tensors, transport.name
-
-
-def _note_unusable(obj: RDTObject, name: str, exc: BaseException, why: str) -> None:
-    """Say, once per node and path, that `auto` falls back from `name`; leave it out a while."""
-    key = (obj.producer.node_id, name)
-    if isinstance(exc, TransferError):  # could not reach the node: not this object's doing
-        fresh = key not in _avoid or _avoid[key] <= time.monotonic()
-        _avoid[key] = time.monotonic() + AVOID_S
-    else:
-        fresh = key not in _warned
-        _warned.add(key)
-    if fresh:
-        log.warning(
-            "rdt_async: auto could not use %s with %s (node %s): %s; fetching over the next path. auto "
-            "leaves %s out for that node's objects for %g s", name, obj.producer.label, obj.producer.node_id[:12],
-            why, name, AVOID_S,
-        )
-
-
-_warned: set[tuple[str, str]] = set()
 
 
 def _only(

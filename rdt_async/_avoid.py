@@ -1,0 +1,84 @@
+"""Which paths `auto` leaves out for a while, and when a fetch's path counts as unusable.
+
+A fetch whose path cannot be used with its producer (`unusable`: a transport that cannot
+serve it here, or one that could not reach the producer before anything moved) goes on
+over the next candidate (`_fetch._fetch_over`). A path that could not reach a node is
+left out of that node's fetches for AVOID_S (`avoided`); each fallback is logged once
+per node and path.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from ._errors import ObjectFreedError, PeerDiedError, TransferError, TransportUnavailableError
+from .transports._base import Unreachable
+
+log = logging.getLogger("rdt_async")
+
+AVOID_S = 300.0  # how long `auto` leaves out a path that could not reach a node
+
+
+def unusable(exc: BaseException) -> str | None:
+    """Why the path a fetch took cannot be used with its producer, or None (the fetch failed).
+
+    A transport that cannot serve the fetch here (not loadable, no room), or one that could
+    not reach the producer before anything moved (`Unreachable`: no route, refused, no answer).
+    """
+    if isinstance(exc, TransportUnavailableError):
+        return str(exc)
+    if isinstance(exc, (PeerDiedError, ObjectFreedError)) or not isinstance(exc, TransferError):
+        return None
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, Unreachable):
+            return str(cause)
+        cause = cause.__cause__
+    return None
+
+
+class Avoided:
+    """(producer's node, transport) -> until when (time.monotonic) `auto` leaves that path
+    out for that node's objects; and the fallbacks already logged. `_lock` guards both."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._until: dict[tuple[str, str], float] = {}
+        self._warned: set[tuple[str, str]] = set()
+
+    def any(self) -> bool:
+        """Whether any path is left out now for some node (a fetch then asks `of`)."""
+        return bool(self._until)
+
+    def of(self, node: str) -> frozenset[str]:
+        """The paths left out for `node`'s objects now."""
+        now = time.monotonic()
+        with self._lock:
+            for key in [k for k, until in self._until.items() if until <= now]:
+                del self._until[key]
+            return frozenset(t for (n, t) in self._until if n == node)
+
+    def note(self, producer: Any, name: str, exc: BaseException, why: str) -> None:
+        """Say, once per node and path, that `auto` falls back from `name` for `producer`
+        (an `_object.Process`); leave the path out a while where it could not reach the node."""
+        key = (producer.node_id, name)
+        now = time.monotonic()
+        with self._lock:
+            if isinstance(exc, TransferError):  # could not reach the node: not this object's doing
+                fresh = key not in self._until or self._until[key] <= now
+                self._until[key] = now + AVOID_S
+            else:
+                fresh = key not in self._warned
+                self._warned.add(key)
+        if fresh:
+            log.warning(
+                "rdt_async: auto could not use %s with %s (node %s): %s; fetching over the next path. auto "
+                "leaves %s out for that node's objects for %g s", name, producer.label, producer.node_id[:12],
+                why, name, AVOID_S,
+            )
+
+
+avoided = Avoided()
