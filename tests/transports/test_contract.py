@@ -585,3 +585,26 @@ def test_nixl_sets_ucx_cuda_settings_only_with_a_gpu_and_only_while_its_agent_is
     with _agent.ucx_settings():
         assert os.environ[key] == "auto"
     assert os.environ[key] == "auto"
+
+
+def test_nixl_stages_only_reads_across_devices_on_one_node_from_a_mebibyte(monkeypatch):
+    # Where a READ lands first (`_plan._stage_device`); the GPU run checks the values.
+    from types import SimpleNamespace
+
+    from rdt_async.transports.nixl import _plan
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+
+    def dst(device: str, nbytes: int):
+        return SimpleNamespace(device=torch.device(device), numel=lambda: nbytes)
+
+    big, small = 1 << 20, (1 << 20) - 1
+    assert _plan._stage_device(dst("cuda:0", big), (0, big, 0, "DRAM"), True) == torch.device("cpu")
+    assert _plan._stage_device(dst("cpu", big), (0, big, 1, "VRAM"), True) == torch.device("cuda", 1)
+    assert _plan._stage_device(dst("cuda:0", small), (0, small, 0, "DRAM"), True) is None  # read directly
+    assert _plan._stage_device(dst("cuda:0", big), (0, big, 0, "DRAM"), False) is None  # another node: UCX's path
+    assert _plan._stage_device(dst("cuda:0", big), (0, big, 0, "VRAM"), True) is None  # same kind: CUDA IPC
+    assert _plan._stage_device(dst("cpu", big), (0, big, 0, "DRAM"), True) is None  # same kind: CMA
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _plan._stage_device(dst("cpu", big), (0, big, 0, "VRAM"), True) is None  # no GPU here to stage on
