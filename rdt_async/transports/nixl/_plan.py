@@ -240,11 +240,11 @@ def _stage_device(d: torch.Tensor, s: Desc, same_host: bool) -> torch.device | N
     moves 54). So it is read into memory of the source's kind here, and copied into `d`
     by the device after.
     """
-    if not same_host or d.numel() < STAGE_BYTES or not torch.cuda.is_available():
+    if not same_host or d.numel() < STAGE_BYTES:
         return None
-    if s[3] == "DRAM" and d.device.type == "cuda":
+    if s[3] == "DRAM" and d.device.type == "cuda":  # (a CUDA destination: CUDA is here)
         return torch.device("cpu")
-    if s[3] == "VRAM" and d.device.type == "cpu":
+    if s[3] == "VRAM" and d.device.type == "cpu" and torch.cuda.is_available():  # asked last: it calls into CUDA
         return local_device(f"cuda:{s[2]}")
     return None
 
@@ -261,17 +261,19 @@ def _new_stages(wanted: list[tuple[int, torch.device]]) -> list[torch.Tensor]:
 def _lands_apart(pairs: list[tuple[torch.Tensor, Desc]], own: list[bool]) -> list[torch.Tensor]:
     """Where each READ lands without a bounce chunk: the destination itself, but for
     tensors of their own, one block for them all (one registration, copied out after)."""
-    out = [d for d, _ in pairs]
     sizes = [d.numel() for (d, _), o in zip(pairs, own) if o]
     if not sizes:
-        return out
+        return [d for d, _ in pairs]
     offsets, total = aligned_layout(sizes, ALIGN)
     block = _alloc.empty((total,), torch.uint8)
     at = iter(offsets)
-    for k, o in enumerate(own):
+    out = []
+    for (d, _), o in zip(pairs, own):
         if o:
             i = next(at)
-            out[k] = block[i : i + pairs[k][0].numel()]
+            out.append(block[i : i + d.numel()])
+        else:
+            out.append(d)
     return out
 
 
