@@ -29,37 +29,27 @@ CASES = [("cuda", "cuda", 4096), ("cuda", "cuda", 256 << 20), ("cpu", "cuda", 64
 BUDGET_S = 2.0
 
 
-def _pattern(n: int, device: str) -> object:
-    import torch
-
-    g = torch.Generator(device=device).manual_seed(n)
-    return torch.randint(0, 256, (n,), dtype=torch.uint8, device=device, generator=g)
-
-
 def _agent(name: str) -> object:
     """A raw NIXL agent (UCX, no progress thread), made as PROBE_ORDER says."""
     import torch
-    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
-    from rdt_async.transports.nixl._agent import ucx_settings
+    from rdt_async.bench import _rawnixl
 
     order = os.environ["PROBE_ORDER"]
     if order == "cuda-first":
         torch.cuda.synchronize()
-    cfg = nixl_agent_config(enable_prog_thread=False, backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
-    if order == "rdt":
-        with ucx_settings():
-            return nixl_agent(name, cfg)
-    return nixl_agent(name, cfg)
+    return _rawnixl.agent(name, rdt_settings=order == "rdt")
 
 
 def _producer(conn: object) -> None:
     import torch
 
+    from rdt_async.bench.gpu import _pattern
+
     agent = _agent(f"probe-producer-{os.getpid()}")
     held = {}
     for src, _, n in CASES:
-        t = held[(src, n)] = _pattern(n, src)
+        t = held[(src, n)] = _pattern(n, src, n)
         agent.register_memory(t)
     torch.cuda.synchronize()
     sums = {k: int(t.sum(dtype=torch.int64)) for k, t in held.items()}

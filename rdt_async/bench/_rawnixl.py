@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 
-def agent(name: str) -> Any:
-    """A NIXL agent set up as the transport's own (UCX, no progress thread)."""
+def agent(name: str, *, rdt_settings: bool = True) -> Any:
+    """A NIXL agent set up as the transport's own (UCX, no progress thread); with
+    `rdt_settings=False`, without the UCX set-up rdt_async gives its agents (`ucx_settings`)."""
     from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
     from rdt_async.transports.nixl._agent import import_reason, ucx_settings
@@ -15,6 +16,8 @@ def agent(name: str) -> Any:
     cfg = nixl_agent_config(
         enable_prog_thread=False, backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
     )
+    if not rdt_settings:
+        return nixl_agent(name, cfg)
     with ucx_settings():  # what a user would need too (cuda_ipc GETs on a GPU without NVLink)
         return nixl_agent(name, cfg)
 
