@@ -101,6 +101,66 @@ async def test_a_cancelled_fetch_request_returns_once_the_transport_let_go():
     assert request.done()
 
 
+class _OnCallerLoop(_SlowToLetGo):
+    """As _SlowToLetGo, for a transport whose receive never blocks its loop: run on the caller's."""
+
+    name = "on-caller-loop"
+    receives_on_caller_loop = True
+    exited = threading.Event()
+    threads: list[threading.Thread] = []
+
+    async def receive(self, info, buffers, channel):
+        type(self).threads.append(threading.current_thread())
+        return await super().receive(info, buffers, channel) if buffers[0].sum() == 0 else buffers
+
+
+async def test_a_transport_that_receives_on_the_caller_loop_runs_there_and_lets_go_when_cancelled():
+    ones = [torch.ones(4)]
+    info = TransferInfo("o2", (TensorSpec.of(ones[0]),), None)
+    done = FetchRequest.start(_OnCallerLoop(), info, buffers=ones)
+    assert await done.wait() == ones and _OnCallerLoop.threads == [threading.current_thread()]
+
+    into = [torch.zeros(4)]
+    request = FetchRequest.start(_OnCallerLoop(), info, buffers=into)
+    assert request.task is not None and request.task.get_loop() is asyncio.get_running_loop()
+    with pytest.raises(RuntimeError, match="await it"):
+        request.result(1)  # would block the loop the receive runs on
+    waiter = asyncio.ensure_future(request.wait())
+    await _cancel_soon(waiter, 2)
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert _OnCallerLoop.exited.is_set() and into[0].sum().item() == 4.0  # nothing writes after
+    assert request.done() and len(_OnCallerLoop.threads) == 2
+
+    def from_a_thread() -> list[torch.Tensor]:  # no loop there: the I/O loop runs it
+        return FetchRequest.start(_OnCallerLoop(), info, buffers=ones).result(10)
+
+    assert await asyncio.to_thread(from_a_thread) == ones
+    assert _OnCallerLoop.threads[-1] is not threading.current_thread()
+
+
+async def test_poll_closely_sees_work_end_between_the_loops_other_tasks_and_gives_up_at_its_bound():
+    ended = threading.Event()
+    rounds = 0
+
+    async def other_work():
+        nonlocal rounds
+        while True:
+            rounds += 1
+            await asyncio.sleep(0)
+
+    beside = asyncio.ensure_future(other_work())
+    threading.Timer(0.003, ended.set).start()
+    t0 = time.perf_counter()
+    assert await _io.poll_closely(ended.is_set, t0 + 5)
+    seen = time.perf_counter() - t0
+    assert 0.003 <= seen < 1 and rounds > 5  # the loop ran its other task while it polled
+    t0 = time.perf_counter()
+    assert not await _io.poll_closely(lambda: False, t0 + 0.002)
+    assert 0.002 <= time.perf_counter() - t0 < 1
+    beside.cancel()
+
+
 def test_a_thread_that_gives_up_on_a_started_coroutine_returns_once_it_let_go():
     """`Started.result` from a plain thread: at its timeout the work is cancelled and its
     cleanup has run when TimeoutError reaches the caller; a result that lands first wins."""
