@@ -10,8 +10,8 @@ by the one consumer that maps it, and an object here is read by any number of fe
 Consumer: checks the slot, maps the segment (`cuIpcOpenMemHandle`, no copy; mapped once
 per process and kept while fetches use it, closed MAP_IDLE_S after the last), copies
 device-to-device into fresh memory or the caller's `into=` buffers on a copy stream of
-its own, polls the copy's CUDA event from the I/O loop with backoff, then reads the
-slot again: a token that changed means the object was freed during the read and the
+its own, waits for the copy's CUDA event on the caller's own loop (asleep for most of the
+copy's expected time, then polled between the loop's other work), then reads the slot again: a token that changed means the object was freed during the read and the
 fetch raises ObjectFreedError instead of returning bytes the producer's allocator may
 have handed to other tensors. A cancelled fetch returns once its copy has landed (a GPU
 copy cannot be recalled), so nothing writes the caller's buffers later.
@@ -59,13 +59,16 @@ TABLE_NAME = re.compile(r"rdt-([1-9][0-9]{0,9})-([0-9]{1,20})-ipc-[0-9a-f]{16}")
 TABLE_CACHE = 64  # liveness tables a consumer keeps mapped (one per producer, mostly)
 MAP_IDLE_S = 2.0  # a mapped segment no fetch uses is closed after this long
 LINGER_S, LINGER_BYTES_PER_S = 0.25, 10e9
-SPIN_S = 100e-6  # how long the I/O loop checks a copy before handing the wait to the pool
 # A device copy's pace until one has been timed here (H100: ~1.5 TB/s, H200: ~2.1): the
-# pool sleeps for most of a copy's expected time first. Copies from PACE_BYTES on are timed
+# loop sleeps for most of a copy's expected time first. Copies from PACE_BYTES on are timed
 # by the device, and the fastest pace seen rules after (a sleep past the copy's end is lost:
 # at a fixed 1.6 TB/s an H200's 4 GiB copy was waited for 0.4 ms too long).
 COPY_BYTES_PER_S = 1.6e12
 PACE_BYTES = 16 << 20
+# The loop sleeps until this long before a copy's expected end (its timers fire up to ~1 ms
+# late), then polls it closely until CLOSE_S past that end; a copy still running then (a
+# GPU busy with other work) is waited for in the pool.
+WAKE_EARLY_S, CLOSE_S = 1.5e-3, 2e-3
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,7 @@ class CudaIpcTransport(Transport[CudaIpcMeta]):
     one_sided = True
     reach = "node"
     inline_prepare_bytes = 1 << 62  # an export copies nothing: never worth a thread hop
+    receives_on_caller_loop = True  # it queues device copies and polls them
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # guards everything below
@@ -270,17 +274,18 @@ class CudaIpcTransport(Transport[CudaIpcMeta]):
                 event = torch.cuda.Event(enable_timing=timed)
                 event.record(stream)
                 events.append(event)
-        # Not polled with loop sleeps: those under 1 ms last 1 ms (epoll's granularity),
-        # which doubled a 1 GiB copy; nor a blocking-sync event (its wake-up cost 0.5 ms).
-        # A short spin here catches small copies; larger ones are waited for in the pool,
-        # asleep for the copy's expected time, then checked every ~50 µs. A cancel still
-        # waits for the copy to land (it cannot be recalled): nothing writes it afterwards.
-        queued = time.perf_counter()
-        while not all(e.query() for e in events):
-            if time.perf_counter() > queued + SPIN_S:
-                ends = queued + nbytes / (self._pace or COPY_BYTES_PER_S)  # the hop to the pool takes part of it
-                await _io.to_thread_finished(_wait_copy, events, ends)
-                break
+        # Waited for on this loop (the caller's: `receives_on_caller_loop`): asleep until
+        # shortly before the copy's expected end, then polled between the loop's other work.
+        # Not with loop sleeps alone (those under 1 ms last 1 ms: a 1 GiB copy doubled), a
+        # blocking-sync event (its wake-up cost 0.5 ms) or a hop to the pool (~0.3 ms there
+        # and back). A cancel still waits for the copy to land (it cannot be recalled):
+        # nothing writes the caller's buffers afterwards.
+        ends = time.perf_counter() + nbytes / (self._pace or COPY_BYTES_PER_S)
+        try:
+            await _wait_landed(events, ends)
+        except asyncio.CancelledError:
+            await _io.to_thread_finished(_wait_copy, events, ends)
+            raise
         if begun is not None:
             took_s = begun.elapsed_time(events[0]) / 1e3
             if took_s > 0:
@@ -392,17 +397,29 @@ def _device_of(m: IpcTensor | None) -> torch.device:
     return torch.device("cuda", _map_index(m) if m is not None else torch.cuda.current_device())
 
 
+@dataclass
+class _Mapped:
+    """One segment mapped here: its address and size once mapped (a future), and its users."""
+
+    future: concurrent.futures.Future[tuple[int, int]]
+    index: int  # the device it is mapped on
+    users: int = 0
+    idle_since: float = 0.0  # time.monotonic() when the last user left
+
+
 class _Mappings:
     """This process's mapped segments: each opened once, shared by the fetches using it.
 
     CUDA maps a handle once per process, so concurrent fetches from one segment share
-    the mapping; it is closed MAP_IDLE_S after the last of them ends.
+    the mapping; it is closed about MAP_IDLE_S after the last of them ends (one sweep on
+    the I/O loop: a fetch wakes no other thread). Thread-safe: fetches run on their
+    callers' loops.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        # handle -> [address or a future of it, users, idle timer]
-        self._maps: dict[bytes, list[Any]] = {}
+        self._maps: dict[bytes, _Mapped] = {}  # handle -> its mapping
+        self._sweeper = _segments.IdleSweep(self._sweep, lambda: MAP_IDLE_S)
 
     def using(self, tensors: list[IpcTensor]) -> _Use:
         return _Use(self, tensors)
@@ -412,41 +429,38 @@ class _Mappings:
         with self._lock:
             entry = self._maps.get(m.handle)
             if entry is None:
-                fut: concurrent.futures.Future[tuple[int, int]] = concurrent.futures.Future()
-                entry = self._maps[m.handle] = [fut, 0, None, _map_index(m)]
-                _io.pool().submit(_open_into, fut, m.handle, entry[3], m.device_uuid)
-            entry[1] += 1
-            if entry[2] is not None:
-                entry[2].cancel()
-                entry[2] = None
-            mapped: concurrent.futures.Future[tuple[int, int]] = entry[0]
-            return mapped
+                entry = self._maps[m.handle] = _Mapped(concurrent.futures.Future(), _map_index(m))
+                _io.pool().submit(_open_into, entry.future, m.handle, entry.index, m.device_uuid)
+            entry.users += 1
+            return entry.future
 
     def release(self, handle: bytes) -> None:
         with self._lock:
             entry = self._maps[handle]
-            entry[1] -= 1
-            if entry[1] == 0:
-                if entry[0].done() and (entry[0].cancelled() or entry[0].exception() is not None):
-                    del self._maps[handle]  # a map that failed: the next fetch tries anew
-                else:
-                    entry[2] = _io.io_loop().call_soon_threadsafe(self._idle, handle)
-
-    def _idle(self, handle: bytes) -> None:
-        with self._lock:
-            entry = self._maps.get(handle)
-            if entry is not None and entry[1] == 0:
-                entry[2] = asyncio.get_running_loop().call_later(MAP_IDLE_S, self._close, handle)
-
-    def _close(self, handle: bytes) -> None:
-        with self._lock:
-            entry = self._maps.get(handle)
-            if entry is None or entry[1] != 0:
+            entry.users -= 1
+            if entry.users:
                 return
-            del self._maps[handle]
-        fut, index = entry[0], entry[3]
-        if fut.done() and not fut.cancelled() and fut.exception() is None:
-            _io.pool().submit(_cudadrv.close_handle, fut.result()[0], index)  # a failure stays in its future
+            fut = entry.future
+            if fut.done() and (fut.cancelled() or fut.exception() is not None):
+                del self._maps[handle]  # a map that failed: the next fetch tries anew
+                return
+            entry.idle_since = time.monotonic()
+        self._sweeper.start()
+
+    def _sweep(self, cutoff: float) -> float | None:  # on the I/O loop
+        with self._lock:
+            idle = {h: e for h, e in self._maps.items() if e.users == 0}
+            for e in idle.values():
+                if not e.future.done():  # still being mapped (its fetch was cancelled): idle from its end
+                    e.idle_since = time.monotonic()
+            gone = [(h, e) for h, e in idle.items() if e.idle_since <= cutoff]
+            for h, _ in gone:
+                del self._maps[h]
+            left = _segments.oldest(e for h, e in idle.items() if h in self._maps)
+        for _, e in gone:
+            if not e.future.cancelled() and e.future.exception() is None:
+                _io.pool().submit(_cudadrv.close_handle, e.future.result()[0], e.index)  # a failure stays in its future
+        return left
 
 
 class _Use:
@@ -525,6 +539,20 @@ def _copy_blocking(pairs: list[tuple[torch.Tensor, IpcTensor]], sources: list[to
         else:
             o.copy_(src.view(o.dtype).view(o.shape))
     _cuda.settle(sources + [o for o, _ in pairs])
+
+
+async def _wait_landed(events: list[torch.cuda.Event], ends: float) -> None:
+    """Wait on this loop until the copies behind `events`, expected to end at `ends`
+    (perf_counter's clock), have landed."""
+
+    def landed() -> bool:
+        return all(e.query() for e in events)
+
+    early = ends - WAKE_EARLY_S - time.perf_counter()
+    if early > 0 and not landed():
+        await asyncio.sleep(early)
+    if not await _io.poll_closely(landed, max(ends, time.perf_counter()) + CLOSE_S):
+        await _io.to_thread_finished(_wait_copy, events, 0.0)
 
 
 def _wait_copy(events: list[torch.cuda.Event], ends: float) -> None:

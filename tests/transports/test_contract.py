@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import signal
 import subprocess
@@ -508,6 +509,45 @@ async def test_cuda_ipc_a_fetch_cancelled_while_its_segment_is_first_mapped_leav
             break
         await asyncio.sleep(0.05)
     assert closed == [0x10000] and not maps._maps  # closed once, when idle
+
+
+class _Copy:
+    """A stand-in for a queued copy's CUDA event: landed once `at` (perf_counter) has passed."""
+
+    def __init__(self, at: float) -> None:
+        self.at = at
+
+    def query(self) -> bool:
+        return time.perf_counter() >= self.at
+
+
+async def test_cuda_ipc_waits_for_a_copy_on_the_loop_asleep_first_and_hands_a_late_one_to_the_pool():
+    """cuda_ipc's wait for its copy: asleep on the loop until shortly before the expected
+    end, then polled between the loop's other work, seen within ~1 ms of landing; a copy
+    running past CLOSE_S is waited for in the pool (the loop's thread is not kept busy). The
+    events are stand-ins: this checks the wait's schedule, on any machine."""
+    from rdt_async.transports import cuda_ipc
+
+    ticks: list[float] = []
+
+    async def ticker():  # the loop stays free: its other task runs through the wait
+        while True:
+            ticks.append(time.perf_counter())
+            await asyncio.sleep(0.001)
+
+    beside = asyncio.ensure_future(ticker())
+    try:
+        for late_s in (0.0, 0.004):  # on time; running well past its expected end
+            t0 = time.perf_counter()
+            lands, expected = t0 + 0.02, t0 + 0.02 - late_s
+            ticks.clear()
+            await cuda_ipc._wait_landed([_Copy(lands)], expected)
+            seen = time.perf_counter() - lands
+            assert 0 <= seen < 0.005, f"landed {seen * 1e3:.2f} ms before it was seen (late by {late_s})"
+            gaps = [b - a for a, b in itertools.pairwise(ticks)]
+            assert len(ticks) >= 5 and max(gaps) < 0.01, f"the loop was held: gaps {gaps}"
+    finally:
+        beside.cancel()
 
 
 async def best_gb_s(p: Producer, obj_no: int, sizes: tuple[int, ...], device: str) -> float:
