@@ -121,6 +121,11 @@ class Registrations:
             self._add(key, t, agent.locked(agent.nixl.register_memory, [(*_region(t), "")], key[0]))
         return key
 
+    def use_known(self, t: torch.Tensor) -> Key | None:
+        """Take a use of `t`'s storage if it is registered already (no call into NIXL), else None."""
+        key, known = self._use(t)
+        return key if known else None
+
     def register_nowait(self, t: torch.Tensor) -> Key | None:
         """Register from the loop if that needs no wait (known storage, or a free agent)."""
         key, known = self._use(t)
@@ -140,7 +145,9 @@ class Registrations:
         keys: list[Key] = []
         try:
             for t in tensors:
-                key = self.register_nowait(t) if t.device.type == "cpu" else None
+                # Known storages (a user's `rdt.register_memory`) are taken here on any device;
+                # a new CPU one too where the agent is free; a new GPU one in the pool.
+                key = self.register_nowait(t) if t.device.type == "cpu" else self.use_known(t)
                 if key is None:
                     key = await _io.to_thread_finished(self.register, t, undo=lambda k: self.release([k]))
                 keys.append(key)
