@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one go, on a machine with torch+CUDA and no Ray.
-#   tests/run_gpu.sh OUTDIR
+#   tests/run_gpu.sh OUTDIR [STAGE...]   (default: every stage, in this order:
+#   nixl-probe contract-cuda bench-gpu contract-cpu)
 # Wheels in .whl/ (nixl, nixl-cu13, pytest-asyncio for that machine's Python) are
 # installed first when present. Writes logs, JUnit XML and the GPU benchmark's JSON
 # into OUTDIR, one file per stage, so a stage that hangs still leaves the others.
@@ -15,9 +16,11 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 { nvidia-smi; python3 -c "import torch, nixl, sys; print(sys.version, torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"; } >"$out/machine.txt" 2>&1
 
+wanted=" ${*:2} "
 stage() {  # name, seconds, command...
     local name=$1 limit=$2
     shift 2
+    [ "$wanted" = "  " ] || [[ "$wanted" == *" $name "* ]] || return 0
     local t0=$SECONDS
     timeout -k 10 "$limit" "$@" >"$out/$name.log" 2>&1
     local rc=$?

@@ -182,8 +182,13 @@ async def _fetch_rows(
         transport = _registry.get(name)
         await asyncio.to_thread(transport.warm_up)
         info = infos[(name, src_dev, n)]
-        for into in (False, True) if src_dev == dst_dev else (True,):
+        kinds = ["fresh tensors", "into= (reused)"] if src_dev == dst_dev else ["into= (reused)"]
+        if transport.registers_memory:
+            kinds.append("into= (registered)")  # rdt.register_memory once, as the docs advise
+        for kind in kinds:
+            into = kind != "fresh tensors"
             buffers = [torch.empty(n, dtype=torch.uint8, device=dst_dev)] if into else None
+            held = transport.register_memory(buffers) if buffers is not None and kind == "into= (registered)" else None
             times: list[float] = []
             out = None
             probe = _LagProbe()
@@ -203,15 +208,17 @@ async def _fetch_rows(
             stall = await probe.stop()
             assert out is not None and out[0].device.type == dst_dev
             assert _checksum(out[0]) == sums[(src_dev, n)], f"{name} fetch of {n} bytes differs"
-            kind = "into= (reused)" if into else "fresh tensors"
             rows.append(_row(f"rdt {name} fetch {src_dev} -> {dst_dev}, {kind}", n, times, first_s=first, max_stall_ms=stall * 1e3))
+            if held is not None:
+                transport.deregister_memory(held)
             del out, buffers
     return rows
 
 
-async def _cuda_ipc_phases(infos: dict[Any, Any], sizes: list[int]) -> dict[str, Any]:
-    """Where a warm cuda_ipc fetch into reused buffers spends its time: the median time
-    from the call to each step's end (ms), its parts timed in place (diagnostics)."""
+async def _phases(name: str, infos: dict[Any, Any], sizes: list[int]) -> dict[str, Any]:
+    """Where a warm fetch into reused buffers over `name` (cuda_ipc, nixl) spends its time:
+    the median time from the call to each step's start ("... in") and end (ms), its parts
+    timed in place (diagnostics)."""
     from rdt_async.transports import _registry, cuda_ipc
     from rdt_async.transports._base import FetchRequest
 
@@ -237,18 +244,33 @@ async def _cuda_ipc_phases(infos: dict[Any, Any], sizes: list[int]) -> dict[str,
         setattr(owner, attr, awrapper if is_async else wrapper)
         return fn
 
-    patched = [
-        (cuda_ipc.CudaIpcTransport, "_check_live", False),
-        (cuda_ipc._Use, "mapped", True),
-        (cuda_ipc.CudaIpcTransport, "_queue_and_wait", True),
-        (cuda_ipc, "_wait_copy", False),
-    ]
+    if name == "cuda_ipc":
+        patched = [
+            (cuda_ipc.CudaIpcTransport, "_check_live", False),
+            (cuda_ipc._Use, "mapped", True),
+            (cuda_ipc.CudaIpcTransport, "_queue_and_wait", True),
+            (cuda_ipc, "_wait_landed", True),
+            (cuda_ipc, "_wait_copy", False),
+        ]
+    else:
+        from rdt_async.transports.nixl import _memory, _peers, _plan, _transport, _xfer
+
+        patched = [
+            (_transport.NixlTransport, "_get_async", True),
+            (_peers.Peers, "connect", True),
+            (_plan.ReadPlan, "read", True),
+            (_memory.Registrations, "register_all", True),
+            (_plan, "post", True),
+            (_xfer, "_poll_on_loop", True),
+            (_xfer, "_poll_closely", False),
+        ]
     saved = [(owner, attr, timed(owner, attr, is_async)) for owner, attr, is_async in patched]
-    transport = _registry.get("cuda_ipc")
+    transport = _registry.get(name)
     out: dict[str, Any] = {}
     try:
-        for n in [n for n in sizes if n in (4096, 1 << 30)]:
-            info, buffers = infos[("cuda_ipc", "cuda", n)], [torch.empty(n, dtype=torch.uint8, device="cuda")]
+        for n in [n for n in sizes if n in (4096, 64 << 20, 1 << 30)]:
+            info, buffers = infos[(name, "cuda", n)], [torch.empty(n, dtype=torch.uint8, device="cuda")]
+            held = transport.register_memory(buffers) if transport.registers_memory else None  # as the docs advise
             runs: list[dict[str, float]] = []
             for i in range(12):
                 marks.clear()
@@ -257,17 +279,69 @@ async def _cuda_ipc_phases(infos: dict[Any, Any], sizes: list[int]) -> dict[str,
                 end = time.perf_counter()
                 if i:
                     run: dict[str, float] = {}
-                    for name, t in marks:
-                        run.setdefault(name, (t - t0) * 1e3)  # the first of each (a fetch checks liveness twice)
+                    for step, t in marks:
+                        run.setdefault(step, (t - t0) * 1e3)  # the first of each (a fetch checks liveness twice)
                     run["returned"] = (end - t0) * 1e3
                     runs.append(run)
-            names = sorted({k for r in runs for k in r}, key=lambda k: statistics.median(r.get(k, 0) for r in runs))
-            out[human(n)] = {k: round(statistics.median(r[k] for r in runs if k in r), 3) for k in names}
-            print(f"cuda_ipc phases {human(n)} (ms from the call): {out[human(n)]}", file=sys.stderr, flush=True)
+            if held is not None:
+                transport.deregister_memory(held)
+            steps = sorted({k for r in runs for k in r}, key=lambda k: statistics.median(r.get(k, 0) for r in runs))
+            out[human(n)] = {k: round(statistics.median(r[k] for r in runs if k in r), 3) for k in steps}
+            print(f"{name} phases {human(n)} (ms from the call): {out[human(n)]}", file=sys.stderr, flush=True)
     finally:
         for owner, attr, fn in saved:
             setattr(owner, attr, fn)
+    if name == "cuda_ipc" and ("cuda_ipc", "cuda", 4096) in infos:
+        out["parts_us"] = await _ipc_parts(infos[("cuda_ipc", "cuda", 4096)])
+        print(f"cuda_ipc parts (us, median): {out['parts_us']}", file=sys.stderr, flush=True)
     return out
+
+
+async def _ipc_parts(info: Any) -> dict[str, float]:
+    """What each step of queueing a 4 KiB cuda_ipc copy costs on this thread (µs, median of 50)."""
+    from rdt_async._local import pid_alive
+    from rdt_async.transports import _registry, cuda_ipc
+
+    transport = _registry.get("cuda_ipc")
+    dst = torch.empty(4096, dtype=torch.uint8, device="cuda")
+    side = torch.cuda.Stream()
+
+    def us(fn: Callable[[], Any]) -> float:
+        times = []
+        for _ in range(50):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        return round(statistics.median(times) * 1e6, 1)
+
+    def queued() -> None:
+        with torch.cuda.stream(side):
+            dst.copy_(src, non_blocking=True)
+
+    def in_ctx() -> None:
+        with torch.cuda.stream(side):
+            pass
+
+    def recorded() -> None:
+        torch.cuda.Event().record(side)
+
+    with cuda_ipc._mappings.using([info.meta.tensors[0]]) as use:
+        await use.mapped()
+        src = use.sources[0]
+        return {
+            "_checked": us(lambda: cuda_ipc._checked(info)),
+            "_check_live": us(lambda: transport._check_live(info)),
+            "pid_alive": us(lambda: pid_alive(info.meta.pid)),
+            "_wrap": us(lambda: cuda_ipc._wrap(src.data_ptr(), 4096, 0)),
+            "current_stream": us(lambda: torch.cuda.current_stream(dst.device)),
+            "wait_stream": us(lambda: side.wait_stream(torch.cuda.current_stream(dst.device))),
+            "stream ctx": us(in_ctx),
+            "ctx+copy_": us(queued),
+            "Event()+record": us(recorded),
+            "Event(timing)+record": us(lambda: torch.cuda.Event(enable_timing=True).record(side)),
+            "query": us(lambda: torch.cuda.Event().query()),
+        }
 
 
 class _LagProbe:
@@ -304,6 +378,7 @@ def checks(rows: list[dict[str, Any]]) -> dict[str, Any]:
         ("rdt cuda_ipc fetch cuda -> cuda, into= (reused)", "raw CUDA IPC: mapped once, copy_"),
         ("rdt cuda_ipc fetch cuda -> cuda, fresh tensors", "raw CUDA IPC: mapped once, copy_"),
         ("rdt nixl fetch cuda -> cuda, into= (reused)", "raw NIXL READ cuda -> cuda"),
+        ("rdt nixl fetch cuda -> cuda, into= (registered)", "raw NIXL READ cuda -> cuda"),
         ("rdt nixl fetch cuda -> cuda, into= (reused)", "limit: device-to-device copy_, one process"),
         ("rdt nixl fetch cpu -> cuda, into= (reused)", "raw NIXL READ cpu -> cuda"),
         ("rdt nixl fetch cpu -> cuda, into= (reused)", "pageable CPU -> CUDA copy_"),
@@ -356,11 +431,11 @@ def main(argv: list[str] | None = None) -> int:
             rows += stage()
             torch.cuda.empty_cache()
         phases: dict[str, Any] = {}
-        if "cuda_ipc" in transports:
+        for name in transports:
             try:
-                phases = asyncio.run(_cuda_ipc_phases(got["infos"], sizes))
+                phases[name] = asyncio.run(_phases(name, got["infos"], sizes))
             except Exception as exc:  # diagnostics: never the run's end
-                phases = {"error": f"{type(exc).__name__}: {exc}"}
+                phases[name] = {"error": f"{type(exc).__name__}: {exc}"}
     finally:
         conn.send("exit")
         proc.join(30)
@@ -375,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
             "cuda": torch.version.cuda,
         },
         "rows": rows,
-        "cuda_ipc_phases_ms": phases,
+        "phases_ms": phases,
         "checks": checks(rows),
     }
     out = write_json(result, args.json)
