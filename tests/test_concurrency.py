@@ -211,12 +211,12 @@ def test_ctrl_c_around_the_start_of_get_into_buffers_leaves_them_alone(producer,
     launch = _io.Started.launch
     interrupted = []
 
-    def interrupt_once(self):
+    def interrupt_once(self, **how):
         if interrupted:
-            return launch(self)
+            return launch(self, **how)
         interrupted.append(where)
         if where != "before":
-            launch(self)
+            launch(self, **how)
         if where == "mid-copy":
             time.sleep(0.005)
         raise KeyboardInterrupt
