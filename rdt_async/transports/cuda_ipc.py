@@ -10,8 +10,9 @@ by the one consumer that maps it, and an object here is read by any number of fe
 Consumer: checks the slot, maps the segment (`cuIpcOpenMemHandle`, no copy; mapped once
 per process and kept while fetches use it, closed MAP_IDLE_S after the last), copies
 device-to-device into fresh memory or the caller's `into=` buffers on a copy stream of
-its own, waits for the copy's CUDA event on the caller's own loop (asleep for most of the
-copy's expected time, then polled between the loop's other work), then reads the slot again: a token that changed means the object was freed during the read and the
+its own, waits for the copy's CUDA event on the caller's own loop (asleep for most of
+the copy's expected time, then polled between the loop's other work), then reads the
+slot again: a token that changed means the object was freed during the read and the
 fetch raises ObjectFreedError instead of returning bytes the producer's allocator may
 have handed to other tensors. A cancelled fetch returns once its copy has landed (a GPU
 copy cannot be recalled), so nothing writes the caller's buffers later.
