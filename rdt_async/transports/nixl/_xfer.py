@@ -1,7 +1,8 @@
 """One NIXL READ: posted from the I/O loop or on the caller's thread, waited for, released.
 
 From the I/O loop, a READ up to INLINE_BYTES is posted inline when the agent is free;
-a larger one is posted in the pool (under CMA the copy happens inside `transfer()`).
+a larger one is posted in the pool (under CMA the copy happens inside `transfer()`),
+except reads between GPUs of one node (UCX queues a device copy: posted inline).
 Either way `check_xfer_state` is then polled with backoff. On the caller's thread the
 agent is held throughout and a READ still in progress after SPIN_S is handed to the I/O
 loop. A cancelled READ is released only once it has ended, never while in progress:
