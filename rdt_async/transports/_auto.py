@@ -51,12 +51,13 @@ CPU_COSTS: dict[str, Cost] = {
     "object_store/hosts": Cost(0.0064, 0.30),
 }
 # GPU tensors. "node": fitted to `python -m rdt_async.bench.gpu` fetches (fresh tensors, 64
-# MiB-4 GiB, two processes on one H200, 2026-11-27; a fetch of a prepared object, no Ray).
+# MiB-4 GiB, two processes on one H200, two runs on two machines of 2026-11-27 averaged,
+# after cuda_ipc moved to the caller's loop; a fetch of a prepared object, no Ray).
 # The rest is not measured (one GPU, no Ray there): the order by design, one-sided NIXL,
 # then a group's NCCL, then the object store (through host memory).
 GPU_COSTS: dict[str, Cost] = {
-    "cuda_ipc/node": Cost(0.00054, 1760.0),
-    "nixl/node": Cost(0.00097, 1790.0),
+    "cuda_ipc/node": Cost(0.0003, 1830.0),
+    "nixl/node": Cost(0.00117, 1900.0),
     "nixl/hosts": Cost(0.004, 10.0),
     "nccl/node": Cost(0.004, 40.0),
     "nccl/hosts": Cost(0.006, 8.0),

@@ -37,9 +37,9 @@ INSTALL_HINT = "pip install 'rdt_async[nixl]'"
 # it, 6.6 ms and ~1 GiB/s; idle, the thread costs ~0.4% of a core (1 ms: ~4%; 0: a core).
 PROGRESS_US = 10_000
 # UCX settings this transport needs and UCX's defaults do not give, set while an agent is
-# made in a process with a GPU, unless the user set them (`ucx_settings`). UCX turns cuda_ipc's GET off on a GPU
-# without NVLink links ("auto": reads slower than writes on some PCIe systems), and a NIXL
-# READ is a GET: a READ of GPU memory on the same node then went over TCP through host
+# made in a process with a GPU, unless the user set them (`ucx_settings`). UCX turns
+# cuda_ipc's GET off on a GPU without NVLink links ("auto": reads slower than writes on
+# some PCIe systems), and a NIXL READ is a GET: a READ of GPU memory on the same node then went over TCP through host
 # staging, 0.43 GB/s on an H100 where the device copy moves ~1.5 TB/s.
 UCX_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
 _BUSY = object()  # what `try_call` returns when the agent is held elsewhere
