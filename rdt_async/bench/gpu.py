@@ -216,7 +216,8 @@ async def _fetch_rows(
 
 
 async def _phases(name: str, infos: dict[Any, Any], sizes: list[int]) -> dict[str, Any]:
-    """Where a warm fetch into reused buffers over `name` (cuda_ipc, nixl) spends its time:
+    """Where a warm fetch into reused buffers (registered, for a transport that registers
+    memory) over `name` (cuda_ipc, nixl) spends its time:
     the median time from the call to each step's start ("... in") and end (ms), its parts
     timed in place (diagnostics)."""
     from rdt_async.transports import _registry, cuda_ipc
