@@ -17,6 +17,7 @@ from ._registered import MemoryRegistration as MemoryRegistration
 from ._registered import register_memory as register_memory
 from ._registered import register_memory_sync as register_memory_sync
 from .transports._base import Channel as Channel
+from .transports._base import Cost as Cost
 from .transports._base import FetchRequest as FetchRequest
 from .transports._base import TensorSpec as TensorSpec
 from .transports._base import TransferInfo as TransferInfo
@@ -116,6 +117,7 @@ __all__ = [  # noqa: RUF022  (grouped by topic, as in the API reference)
     "FetchRequest",
     "TensorSpec",
     "TransferInfo",
+    "Cost",
     # errors
     "RDTError",
     "TransportUnavailableError",

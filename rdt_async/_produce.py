@@ -1,21 +1,19 @@
 """The producer's side: keep a returned value's tensors, prepare transports, serve sends and frees.
 
-`auto` and GPUs: a GPU object is exported for cuda_ipc (same-node consumers map it and
-copy once, device to device) where this process's memory can be exported, and prepared
-for nixl (other nodes) whenever this process can load it; else it goes through the
-object store. A CPU object stays inline when small, and is exported to shm for
-same-node consumers; on a cluster of several nodes it is prepared for tcp as well (a
-listener, once, and no copy), which consumers on other nodes read over parallel
-streams. NIXL is prepared for CPU objects only from AUTO_NIXL_MIN_BYTES on, where it
-loads and the cost table says it can beat tcp (an RDMA network's costs, measured and
-given in RDT_AUTO_COSTS). The consumer picks (`_fetch.py`).
+What `auto` prepares an object for is asked of the transports (`_auto.plan`: what each
+declares it costs, reaches and takes), never decided by their names. With the built-ins:
+a small CPU object rides in the ref (inline); a bigger one is exported to shm for
+consumers of this node, and on a cluster of several nodes prepared for tcp as well (a
+listener, once, and no copy), and for nixl where the costs say it reads faster (an RDMA
+network's, given in RDT_AUTO_COSTS). A GPU object is exported for cuda_ipc where this
+process's memory can be, and prepared for nixl for other nodes where NIXL loads. Else
+it goes through the object store. The consumer picks (`_fetch.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
 import os
 import secrets
 from collections.abc import Iterable, Iterator, Sequence
@@ -28,9 +26,8 @@ from ._errors import ObjectFreedError, TransportUnavailableError
 from ._membership import groups
 from ._object import Process, RDTObject, _anchors, _recent, here
 from ._store import StoredObject, log, store
-from .transports import _registry
+from .transports import _auto, _registry
 from .transports._base import TensorSpec, Transport
-from .transports.inline import AUTO_MAX_BYTES as INLINE_AUTO_MAX_BYTES
 
 _registry.hand_store(store)  # transports that answer requests themselves serve from it
 
@@ -62,33 +59,20 @@ def _prepared_transports(name: str, tensors: Sequence[torch.Tensor]) -> list[Tra
         _registry.get(_registry.FALLBACK).check_tensors(tensors)  # what auto falls back to
     except TransportUnavailableError as exc:  # said as what the user asked for: auto
         raise TransportUnavailableError(f"tensor_transport='auto' cannot move these tensors: {exc}") from exc
-    if all(t.device.type == "cpu" for t in tensors):
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        if nbytes <= INLINE_AUTO_MAX_BYTES:
-            return [_registry.get("inline")]  # small: the bytes ride in the ref
-        plan = [_registry.get("shm")]  # same node, CPU: the likely consumer
-        if _ray.several_nodes():  # for consumers on other nodes
-            plan.append(_registry.get("tcp"))  # (a listener, once; no copy)
-            if nbytes >= AUTO_NIXL_MIN_BYTES and _nixl_may_beat_tcp() and loads_here("nixl"):  # (loads: an import)
-                plan.append(_registry.get("nixl"))
-        return plan
-    plan = [_registry.get("cuda_ipc")] if _cuda_ipc_here() else []  # GPU, same node: mapped, one copy
-    if loads_here("nixl"):
-        plan.append(_registry.get("nixl"))  # GPU, other nodes (and the same one without cuda_ipc)
-    return plan  # nothing: object_store
+    devices = {t.device.type for t in tensors}
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    classes = _auto.plan(_registry.known_classes(), devices, nbytes, _ray.several_nodes(), exports_here)
+    return [_registry.get(c.name) for c in classes]  # nothing: object_store
 
 
-# Auto prepares nixl for CPU objects only from this size on, and only where the cost table
-# says NIXL can read them faster than tcp (an RDMA network, RDT_AUTO_COSTS; over TCP it
-# cannot): registering costs ~0.1 ms plus ~0.5 s once per process for the agent, and at
-# this size the producer already exports off its loop (Transport.inline_prepare_bytes).
-AUTO_NIXL_MIN_BYTES = 1 << 20
-
-
-def _nixl_may_beat_tcp() -> bool:
-    from .transports import _auto
-
-    return _auto.may_beat("nixl", "tcp", min_bytes=AUTO_NIXL_MIN_BYTES)
+@functools.cache
+def exports_here(cls: type[Transport[Any]]) -> bool:
+    """Whether this process can prepare objects for transport `cls` (checked once: it may
+    import a library)."""
+    try:
+        return cls.exports_here()
+    except Exception:
+        return False
 
 
 @functools.cache
@@ -96,15 +80,6 @@ def loads_here(name: str) -> bool:
     """Say whether this process can use transport `name` (checked once)."""
     try:
         return _registry.transport_class(name).unavailable_reason() is None
-    except Exception:
-        return False
-
-
-@functools.cache
-def _cuda_ipc_here() -> bool:
-    """Say whether this process can export CUDA tensors over cuda_ipc (checked once)."""
-    try:
-        return _registry.transport_class("cuda_ipc").exports_here()
     except Exception:
         return False
 
@@ -126,6 +101,8 @@ async def produce_async(value: Any, transport: str, *, owner: Process | None = N
     skeleton, tensors = _flatten(value)
     with store.holding(tensors):  # before the first await: wait_tensor_freed waits from now on
         await _cuda.wait(_cuda.record(tensors))  # as in `produce`, with the loop free meanwhile
+        if transport == _registry.AUTO and not _registry.builtins_loaded():  # (~60 ms of imports, once)
+            await _io.to_thread(_registry.known_classes, purpose=_io.CALLS)
         plan = _plan(transport, tensors)
         cold = [t.name for t in plan if (os.getpid(), t.name) not in _warm]
         if cold:  # e.g. NIXL's agent: ~0.45 s, once
@@ -169,34 +146,20 @@ def warm_up(names: Iterable[str]) -> None:
 
 def at_creation(named: Iterable[str]) -> list[str]:
     """What an `rdt.remote` actor loads at creation: the transports its methods name, and
-    nixl where `auto` is likely to take it (`RDT_WARM_NIXL`: 1 always, 0 never)."""
+    those whose `warm_at_creation` says so (NIXL where `auto` may take it)."""
     out = [n for n in named if n != _registry.AUTO]
-    setting = os.environ.get("RDT_WARM_NIXL", "")
-    if setting == "1" or (setting != "0" and _auto_may_take_nixl()):
-        out.append("nixl")
-    return out
-
-
-def _auto_may_take_nixl() -> bool:
-    """Auto reads other nodes' GPU objects over nixl, and CPU ones where the cost table says
-    NIXL beats tcp, as producer and consumer.
-
-    Not where UCXX is installed: the first of NIXL and UCXX to load owns the process's
-    UCX, and loading NIXL unasked would keep a later `ucxx` fetch out (set
-    RDT_WARM_NIXL=1 where auto is what matters).
-    """
-    if not (_installed("nixl") and not _installed("ucxx") and _ray.several_nodes()):
-        return False
-    return _gpus_here() or _nixl_may_beat_tcp()
+    classes = _registry.known_classes()
+    kinds = ["cpu", "gpu"] if _gpus_here() else ["cpu"]
+    for cls in classes:
+        when = cls.warm_at_creation()
+        if when == "always" or (when == "where auto may take it" and _auto.may_take(cls, classes, kinds, _ray.several_nodes())):
+            out.append(cls.name)
+    return list(dict.fromkeys(out))
 
 
 def _gpus_here() -> bool:
     """Whether this process sees a CUDA device (without creating a context)."""
     return bool(torch.cuda.is_available())
-
-
-def _installed(package: str) -> bool:
-    return importlib.util.find_spec(package) is not None
 
 
 @contextlib.contextmanager

@@ -227,10 +227,15 @@ _KV_NAMESPACE = "rdt_async"
 
 
 _published: dict[str, bytes] = {}
+_for_auto: dict[str, bool] = {}  # name -> its class says `auto_prepares`
 
 
 def _kv_key(name: str) -> bytes:
     return f"transport:{name}".encode()
+
+
+def _auto_key(name: str) -> bytes:
+    return f"auto:{name}".encode()
 
 
 def _kv_ready() -> bool:
@@ -242,6 +247,7 @@ def _kv_ready() -> bool:
 def _publish_transport(reg: _registry.Registration) -> None:
     """Publish a registration for the cluster. Raises: TypeError if it cannot be pickled."""
     _published[reg.name] = _pickle_transport(reg)
+    _for_auto[reg.name] = bool(getattr(reg.cls, "auto_prepares", False))
     hooks = ray._private.worker._post_init_hooks
     if _publish_all not in hooks:
         hooks.append(_publish_all)
@@ -254,6 +260,10 @@ def _publish_all() -> None:
 
     for name, blob in list(_published.items()):
         internal_kv._internal_kv_put(_kv_key(name), blob, overwrite=True, namespace=_KV_NAMESPACE)
+        if _for_auto.get(name):  # a mark the processes' `auto` list (`_auto_names`)
+            internal_kv._internal_kv_put(_auto_key(name), b"1", overwrite=True, namespace=_KV_NAMESPACE)
+        else:
+            internal_kv._internal_kv_del(_auto_key(name), namespace=_KV_NAMESPACE)
 
 
 def _pickle_transport(reg: _registry.Registration) -> bytes:
@@ -300,7 +310,18 @@ def _resolve_transport(name: str) -> tuple[Sequence[str], type] | None:
     return devices, cls
 
 
-_registry.set_cluster_hooks(resolve=_resolve_transport, publish=_publish_transport)
+def _auto_names() -> list[str]:
+    """Names of the transports published in this cluster whose class says `auto_prepares`
+    (none before ray.init): what every process's `auto` may prepare objects for."""
+    if not _kv_ready():
+        return []
+    from ray.experimental import internal_kv
+
+    keys = internal_kv._internal_kv_list(_auto_key(""), namespace=_KV_NAMESPACE)
+    return sorted(k.decode(errors="replace").partition(":")[2] for k in keys)
+
+
+_registry.set_cluster_hooks(resolve=_resolve_transport, publish=_publish_transport, listing=_auto_names)
 
 
 def warm_serialization() -> None:

@@ -7,8 +7,11 @@ import json
 
 import pytest
 
-from rdt_async.transports import _auto
+from rdt_async.transports import _auto, _registry
 from rdt_async.transports._auto import Cost, Facts
+from rdt_async.transports._base import Transport
+from rdt_async.transports.nixl import NixlTransport
+from rdt_async.transports.object_store import ObjectStoreTransport
 
 MiB = 1 << 20
 
@@ -60,9 +63,9 @@ def test_measured_costs_from_a_file_replace_the_defaults(tmp_path, monkeypatch):
     monkeypatch.setenv("RDT_AUTO_COSTS", str(path))
     table = _auto.cost_table(gpu=False)
     assert table["object_store/hosts"] == Cost(0.0, 100.0)
-    assert table["nixl/hosts"] == _auto.CPU_COSTS["nixl/hosts"]  # the rest stay
+    assert table["nixl/hosts"] == NixlTransport.auto_costs["cpu/hosts"]  # the rest stay
     assert _auto.choose(facts()).transport == "object_store"
-    assert _auto.cost_table(gpu=True) == _auto.GPU_COSTS  # the file has no "gpu" part
+    assert _auto.cost_table(gpu=True)["object_store/hosts"] == ObjectStoreTransport.auto_costs["gpu/hosts"]  # no "gpu" part
 
 
 def test_an_unreadable_cost_file_names_the_fix(tmp_path, monkeypatch):
@@ -180,3 +183,84 @@ def test_a_fetch_of_a_small_object_takes_its_bytes_without_the_cost_model(monkey
     monkeypatch.undo()
     # Left out by this fetch (it failed there): the cost model picks among the rest.
     assert _fetch.choose_transport(obj, "b" * 56, without=frozenset({"inline"})) == ("object_store", None)
+
+
+def test_the_built_ins_cost_table_is_what_each_declares_and_nothing_unmeasured_for_cpu():
+    cpu = _auto.cost_table(gpu=False)
+    assert set(cpu) == {
+        "shm/node", "tcp/node", "tcp/hosts", "nixl/node", "nixl/hosts",
+        "gloo/node", "gloo/hosts", "object_store/node", "object_store/hosts",
+    }  # nothing for ucxx (auto never takes it), inline (its bytes come with the ref) or nccl (GPU only)
+    gpu = _auto.cost_table(gpu=True)
+    assert set(gpu) == {
+        "cuda_ipc/node", "nixl/node", "nixl/hosts", "nccl/node", "nccl/hosts", "object_store/node", "object_store/hosts",
+    }
+    assert _auto.cost_table(False, ["shm", "no-such"]) == {"shm/node": Cost(0.0039, 2.30)}
+
+
+def plan_names(devices=("cpu",), nbytes=64 * MiB, several=False, *, not_here=(), asked=None):
+    def exports(cls):
+        if asked is not None:
+            asked.append(cls.name)
+        return cls.name not in not_here
+
+    return [c.name for c in _auto.plan(_registry.known_classes(), set(devices), nbytes, several, exports)]
+
+
+@pytest.mark.parametrize(
+    "devices, nbytes, several, not_here, expected",
+    [
+        (("cpu",), 4096, True, (), ["inline"]),  # small: the bytes ride in the ref, alone
+        (("cpu",), 64 << 10, False, (), ["inline"]),  # (inline's auto_max_bytes)
+        (("cpu",), (64 << 10) + 1, False, (), ["shm"]),
+        (("cpu",), MiB, False, (), ["shm"]),  # one node: shared memory only
+        (("cpu",), 64 * MiB, True, (), ["shm", "tcp"]),  # other nodes: tcp (cheaper than nixl over TCP)
+        # No /dev/shm here: this node's next cheapest (nixl's CMA reads), and tcp for the others.
+        (("cpu",), 64 * MiB, True, ("shm",), ["nixl", "tcp"]),
+        (("cpu",), 64 * MiB, False, ("shm", "nixl"), ["tcp"]),
+        (("cuda",), 64 * MiB, False, (), ["cuda_ipc"]),
+        (("cuda",), 64 * MiB, True, (), ["cuda_ipc", "nixl"]),
+        (("cuda",), 64 * MiB, False, ("cuda_ipc",), ["nixl"]),  # memory CUDA IPC cannot export
+        (("cuda",), 64 * MiB, True, ("nixl",), ["cuda_ipc"]),  # other nodes: the object store
+        (("cuda",), 64 * MiB, True, ("nixl", "cuda_ipc"), []),
+        (("cpu", "cuda"), 64 * MiB, True, (), ["nixl"]),  # mixed devices: what moves both
+    ],
+)
+def test_what_auto_prepares_an_object_for_is_asked_of_the_transports(devices, nbytes, several, not_here, expected):
+    assert plan_names(devices, nbytes, several, not_here=not_here) == expected
+
+
+def test_a_faster_network_for_nixl_prepares_it_beside_tcp_and_nixl_is_not_asked_otherwise(tmp_path, monkeypatch):
+    asked = []
+    assert plan_names(several=True, asked=asked) == ["shm", "tcp"]
+    assert "nixl" not in asked  # asking whether NIXL exports may load it (~0.3 s with the GIL)
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"cpu": {"nixl/hosts": [0.006, 10.0]}}))  # an RDMA network's, measured
+    monkeypatch.setenv("RDT_AUTO_COSTS", str(path))
+    assert plan_names(several=True) == ["shm", "nixl", "tcp"]  # tcp: free to prepare, the fallback
+    assert plan_names(nbytes=MiB, several=True) == ["shm", "tcp"]  # where tcp is still faster
+    assert plan_names(several=False) == ["shm"]
+
+
+class Fast(Transport):
+    """A user's node-local transport declaring shm's powers and a lower cost."""
+
+    name = "fast-local"
+    devices = ("cpu",)
+    reach = "node"
+    auto_prepares = True
+    auto_costs = {"cpu/node": Cost(0.0001, 100.0)}
+
+    async def receive(self, info, buffers, channel):
+        raise NotImplementedError
+
+
+def test_a_transport_of_yours_that_declares_shms_powers_takes_its_place(monkeypatch):
+    monkeypatch.setitem(_registry._classes, "fast-local", Fast)
+    assert plan_names(several=True) == ["fast-local", "tcp"]  # not shm: it costs less on this node
+    assert plan_names(several=True, not_here=("fast-local",)) == ["shm", "tcp"]
+    f = Facts(64 * MiB, False, True, frozenset({"fast-local", "tcp"}), frozenset({"fast-local", "tcp"}),
+              node_local=frozenset({"fast-local"}))
+    assert _auto.choose(f).transport == "fast-local"  # and the consumer takes it, by its declared cost
+    assert _auto.choose(dataclasses.replace(f, same_node=False)).transport == "tcp"  # (reach: one node)
+    assert _auto.cost_table(True, ["fast-local"]) == {}  # no GPU cost: never taken for GPU tensors

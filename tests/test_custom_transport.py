@@ -294,6 +294,60 @@ def test_a_node_local_transport_is_read_through_the_object_store_from_another_no
     wait_until(lambda: not files_of("file-spool", pid), 15, lambda: f"left: {files_of('file-spool', pid)}")
 
 
+# A transport of yours that declares shm's powers, and a lower cost than shm's, for objects of
+# one size only (every other object of this session keeps shm): `auto` takes it there.
+AUTO_SPOOL_BYTES = 4 * 250_007
+
+
+class AutoSpool(FileSpool):
+    auto_prepares = True
+    auto_min_bytes = auto_max_bytes = AUTO_SPOOL_BYTES
+    auto_costs = {"cpu/node": rdt.Cost(0.0001, 100.0)}
+
+
+@rdt.remote
+class AutoMaker:
+    def put(self, n):
+        return [rdt.put(torch.arange(n, dtype=torch.float32), tensor_transport="auto")]
+
+    def stats(self):
+        return rdt.store_stats()
+
+    def pid(self):
+        return os.getpid()
+
+
+def test_auto_prepares_a_transport_of_yours_and_consumers_take_it_where_it_declares_itself_cheapest(users):
+    """The core asks a transport what it costs and reaches, never its name: a registered
+    transport that says `auto_prepares` and costs less than shm on a node takes shm's place
+    there, in a producer created after the registration and in a consumer created before it."""
+    from rdt_async import _ray
+
+    name = f"auto-spool-{secrets.token_hex(3)}"
+    rdt.register_transport(name, ["cpu"], AutoSpool)
+    maker, user = AutoMaker.remote(), users["async"]  # (the user listed the cluster's transports before)
+    pid = ray.get(maker.pid.remote())
+    n = AUTO_SPOOL_BYTES // 4
+    [ref], [other] = ray.get(maker.put.remote(n)), ray.get(maker.put.remote(n + 1))
+    to_others = {"tcp"} if _ray.several_nodes() else set()  # (the test cluster's other hosts)
+    assert set(ray.get(ref).meta) - {"groups"} == {name, *to_others}  # not shm: it declared itself cheaper
+    assert set(ray.get(other).meta) - {"groups"} == {"shm", *to_others}  # outside its sizes
+    time.sleep(1.1)  # (a process lists the cluster's new transports at most once a second)
+    assert torch.equal(ray.get(user.fetch.remote([ref])), torch.arange(n, dtype=torch.float32))
+    assert ray.get(user.fetches.remote()).get(name) == 1  # (not the object store)
+    before = rdt.store_stats()
+    assert torch.equal(rdt.get(other, timeout=60), torch.arange(n + 1, dtype=torch.float32))
+    assert torch.equal(rdt.get(ref, timeout=60), torch.arange(n, dtype=torch.float32))
+    after = rdt.store_stats()
+    assert after["fetches"].get(name, 0) == before["fetches"].get(name, 0) + 1
+    assert after["fetches"].get("shm", 0) == before["fetches"].get("shm", 0) + 1
+    assert after["auto"][-1]["transport"] == name, after["auto"]
+    assert len(files_of("file-spool", pid)) == 1  # the spool holds that one object
+    del ref, other
+    wait_until(lambda: not files_of("file-spool", pid), 15, lambda: f"left: {files_of('file-spool', pid)}")
+    ray.kill(maker)
+
+
 @rdt.remote
 class AsyncMaker:
     @rdt.method(tensor_transport="file-spool")

@@ -396,13 +396,17 @@ def test_first_auto_transfer_across_nodes_and_the_actors_loops(warm, tmp_path):
         ("0", True, {"nixl"}, True, True, False),
     ],
 )
-def test_which_actors_load_nixl_at_creation(monkeypatch, setting, several, packages, beats, gpus, warms):
+def test_which_actors_load_nixl_at_creation(monkeypatch, tmp_path, setting, several, packages, beats, gpus, warms):
+    # Asked of the transports (`warm_at_creation`, auto's costs), not decided by name.
     from rdt_async import _produce
+    from rdt_async.transports.nixl import _transport
 
     monkeypatch.setenv("RDT_WARM_NIXL", setting)
     monkeypatch.setattr(_produce._ray, "several_nodes", lambda: several)
-    monkeypatch.setattr(_produce, "_installed", lambda name: name in packages)
-    monkeypatch.setattr(_produce, "_nixl_may_beat_tcp", lambda: beats)
+    monkeypatch.setattr(_transport, "_installed", lambda name: name in packages)
+    if beats:  # an RDMA network's costs, measured: NIXL reads other nodes' big CPU objects faster than tcp
+        (tmp_path / "costs.json").write_text('{"cpu": {"nixl/hosts": [0.006, 10.0]}}')
+        monkeypatch.setenv("RDT_AUTO_COSTS", str(tmp_path / "costs.json"))
     monkeypatch.setattr(_produce, "_gpus_here", lambda: gpus)
     assert _produce.at_creation(["auto", "shm"]) == (["shm", "nixl"] if warms else ["shm"])
 

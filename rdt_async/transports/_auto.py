@@ -1,14 +1,20 @@
-"""`auto`: the transport a fetch takes, by what both ends can use and what each path costs.
+"""`auto`: what a producer prepares an object for, and the transport a fetch takes, by
+what each transport declares (`Transport.auto_costs`, `auto_prepares`, `reach`, ...) and
+what each path costs. No transport is named here: one a user registers gets what the
+built-ins get.
 
 Ray-free: the caller states the facts (size, devices, same node or not, what the producer
 prepared, what loads here, a group both ends share) and gets a `Choice` that says what
-was picked, why, and what every candidate was expected to cost.
+was picked, why, and what every candidate was expected to cost; a producer gets the
+transport classes to prepare an object for (`plan`).
 
 The cost of a path is `latency + bytes / bandwidth`, fitted to end-to-end passes (clock
 from the producing call until the consumer has read every byte) by
-`python -m rdt_async.bench --only e2e [--hosts 2] --write-costs FILE`. The defaults below
-were measured so on a 2-core VM; `RDT_AUTO_COSTS=FILE` makes every process use the costs
-measured on your machines instead.
+`python -m rdt_async.bench --only e2e [--hosts 2] --write-costs FILE`. The built-ins'
+declared costs were measured so on a 2-core VM (CPU tensors, 2026-11-23; "hosts" over a
+veth link between network namespaces) and one H200 (GPU tensors on one node,
+2026-11-27); `RDT_AUTO_COSTS=FILE` makes every process use the costs measured on your
+machines instead.
 """
 
 from __future__ import annotations
@@ -18,52 +24,16 @@ import functools
 import json
 import os
 import statistics
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from typing import Any
 
-from ._registry import FALLBACK
+from ._base import Cost, GiB, Transport
+from ._registry import FALLBACK, known_class, known_classes
 
-GiB = 1 << 30
+__all__ = ["Choice", "Cost", "Facts", "candidates", "choose", "cost_table", "may_take", "plan"]
 
-
-@dataclasses.dataclass(frozen=True)
-class Cost:
-    """One fetch over a path: a fixed latency, then bytes at a bandwidth."""
-
-    latency_s: float
-    gib_s: float
-
-    def seconds(self, nbytes: int) -> float:
-        return self.latency_s + nbytes / (self.gib_s * GiB)
-
-
-# "<transport>/node" (same node) or "<transport>/hosts" (another node) -> Cost, CPU tensors.
-# Fitted to `--only e2e --e2e-sizes 4K,1M,16M,64M` (kept and fresh tensors, one consumer),
-# one run each, 2-core VM, 2026-11-23; "hosts" over a veth link between network namespaces.
-CPU_COSTS: dict[str, Cost] = {
-    "shm/node": Cost(0.0039, 2.30),
-    "nixl/node": Cost(0.0043, 1.98),
-    "gloo/node": Cost(0.0055, 1.33),
-    "object_store/node": Cost(0.0055, 0.81),
-    "nixl/hosts": Cost(0.0072, 0.86),
-    "tcp/hosts": Cost(0.0048, 1.52),
-    "tcp/node": Cost(0.0042, 1.72),
-    "gloo/hosts": Cost(0.0062, 1.03),
-    "object_store/hosts": Cost(0.0064, 0.30),
-}
-# GPU tensors. "node": fitted to `python -m rdt_async.bench.gpu` fetches (fresh tensors, 64
-# MiB-4 GiB, two processes on one H200, two runs on two machines of 2026-11-27 averaged,
-# after cuda_ipc moved to the caller's loop; a fetch of a prepared object, no Ray).
-# The rest is not measured (one GPU, no Ray there): the order by design, one-sided NIXL,
-# then a group's NCCL, then the object store (through host memory).
-GPU_COSTS: dict[str, Cost] = {
-    "cuda_ipc/node": Cost(0.0003, 1830.0),
-    "nixl/node": Cost(0.00117, 1900.0),
-    "nixl/hosts": Cost(0.004, 10.0),
-    "nccl/node": Cost(0.004, 40.0),
-    "nccl/hosts": Cost(0.006, 8.0),
-    "object_store/node": Cost(0.010, 1.0),
-    "object_store/hosts": Cost(0.012, 0.5),
-}
+TransportClass = type[Transport[Any]]
+PLACES = ("node", "hosts")  # a consumer on the producer's node; on another
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +83,7 @@ def choose(f: Facts, costs: Mapping[str, Cost] | None = None) -> Choice:
     carried = sorted(f.prepared & f.in_ref)
     if carried:
         return in_ref(carried[0])
-    table = costs if costs is not None else cost_table(f.gpu)
+    table = costs if costs is not None else cost_table(f.gpu, candidates(f))
     where = "node" if f.same_node else "hosts"
     estimates = {}
     for name in candidates(f):
@@ -132,16 +102,6 @@ def choose(f: Facts, costs: Mapping[str, Cost] | None = None) -> Choice:
 def in_ref(name: str) -> Choice:
     """The choice of an object whose bytes came with the ref (over `name`): nothing beats it."""
     return Choice(name, "small: the bytes came with the ref")
-
-
-def may_beat(name: str, other: str, *, gpu: bool = False, min_bytes: int = 1 << 20) -> bool:
-    """Whether, by the cost table, transport `name` reads objects of another node of
-    `min_bytes` or more faster than `other` does at some size (both costs known)."""
-    table = cost_table(gpu)
-    a, b = table.get(f"{name}/hosts"), table.get(f"{other}/hosts")
-    if a is None or b is None:
-        return a is not None
-    return a.seconds(min_bytes) < b.seconds(min_bytes) or a.gib_s > b.gib_s
 
 
 def choose_checked(f: Facts, loads: Callable[[str], bool], costs: Mapping[str, Cost] | None = None) -> Choice:
@@ -170,9 +130,98 @@ def _remembered(f: Facts, costs_path: str, loads: Callable[[str], bool]) -> Choi
     return choose_checked(f, loads)
 
 
-def cost_table(gpu: bool) -> dict[str, Cost]:
-    """The defaults, with what the file RDT_AUTO_COSTS names laid over them."""
-    return {**(GPU_COSTS if gpu else CPU_COSTS), **_overrides(os.environ.get("RDT_AUTO_COSTS", ""), gpu)}
+def cost_table(gpu: bool, names: Iterable[str] | None = None) -> dict[str, Cost]:
+    """"<transport>/<node|hosts>" -> Cost for CPU or GPU tensors: what the transports
+    `names` declare (default: every one this process knows, see `_registry.known_classes`),
+    with what the file RDT_AUTO_COSTS names laid over them."""
+    classes = known_classes() if names is None else [c for c in map(known_class, names) if c is not None]
+    kind = "gpu" if gpu else "cpu"
+    declared = {
+        f"{c.name}/{where}": cost
+        for c in classes
+        for where in PLACES
+        if (cost := c.auto_costs.get(f"{kind}/{where}")) is not None
+    }
+    overrides = _overrides(os.environ.get("RDT_AUTO_COSTS", ""), gpu)
+    if names is not None:
+        overrides = {k: v for k, v in overrides.items() if k.rpartition("/")[0] in names}
+    return {**declared, **overrides}
+
+
+def plan(
+    classes: Sequence[TransportClass],
+    devices: Collection[str],
+    nbytes: int,
+    several_nodes: bool,
+    exports: Callable[[TransportClass], bool],
+) -> list[TransportClass]:
+    """What a producer's `auto` prepares an object of `nbytes` on `devices` (torch device
+    types) for, of `classes`: those that say `auto_prepares`, move tensors on all of
+    `devices` and take objects of this size (`auto_min_bytes`, `auto_max_bytes`), and
+    `exports(cls)` (asked only of those that would be prepared, cheapest first: asking
+    may load a library).
+
+    One whose bytes ride in the ref (`carries_bytes`) is prepared alone. Otherwise: for
+    consumers on this node, the cheapest; on a cluster of several nodes, also the cheapest
+    that reaches other nodes, and every one that `prepares_freely` (their fallback).
+    Nothing where none fits: consumers read through the object store.
+    """
+    kind = "cpu" if set(devices) <= {"cpu"} else "gpu"
+    fit = [c for c in classes if _takes(c, devices, nbytes)]
+    for c in fit:
+        if c.carries_bytes and exports(c):
+            return [c]
+    out = [_cheapest(fit, kind, "node", nbytes, exports)]
+    if several_nodes:
+        reaching = [c for c in fit if c.reach == "cluster"]
+        out.append(_cheapest(reaching, kind, "hosts", nbytes, exports))
+        out += [c for c in reaching if c.prepares_freely and _cost(c, kind, "hosts") is not None and exports(c)]
+    return [c for c in dict.fromkeys(out) if c is not None]
+
+
+def may_take(cls: TransportClass, classes: Sequence[TransportClass], kinds: Iterable[str], several_nodes: bool) -> bool:
+    """Whether a producer's `auto` may prepare objects for `cls` (of `classes`) at some size
+    for consumers on other nodes, for tensors of `kinds` ("cpu", "gpu"): what an actor
+    loads at creation (`Transport.warm_at_creation`)."""
+    if not (several_nodes and cls.auto_prepares and cls.reach == "cluster"):
+        return False
+    for kind in kinds:
+        devices = ("cpu",) if kind == "cpu" else ("cuda",)
+        mine = _cost(cls, kind, "hosts")
+        if mine is None or not _takes(cls, devices, cls.auto_min_bytes):
+            continue
+        rivals = [
+            r for c in classes
+            if c is not cls and c.auto_prepares and c.reach == "cluster" and set(devices) <= set(c.devices)
+            and (r := _cost(c, kind, "hosts")) is not None
+        ]
+        at = max(cls.auto_min_bytes, 1)
+        if cls.prepares_freely or all(mine.seconds(at) < r.seconds(at) or mine.gib_s > r.gib_s for r in rivals):
+            return True
+    return False
+
+
+def _takes(cls: TransportClass, devices: Collection[str], nbytes: int) -> bool:
+    return (
+        cls.auto_prepares
+        and set(devices) <= set(cls.devices)
+        and cls.auto_min_bytes <= nbytes
+        and (cls.auto_max_bytes is None or nbytes <= cls.auto_max_bytes)
+    )
+
+
+def _cost(cls: TransportClass, kind: str, where: str) -> Cost | None:
+    """`cls`'s cost, RDT_AUTO_COSTS's where that file has one."""
+    overrides = _overrides(os.environ.get("RDT_AUTO_COSTS", ""), kind == "gpu")
+    return overrides.get(f"{cls.name}/{where}") or cls.auto_costs.get(f"{kind}/{where}")
+
+
+def _cheapest(
+    classes: Sequence[TransportClass], kind: str, where: str, nbytes: int, exports: Callable[[TransportClass], bool]
+) -> TransportClass | None:
+    """The one expected to fetch `nbytes` fastest at `where` that exports here (earlier wins ties)."""
+    costed = [(cost.seconds(nbytes), i, c) for i, c in enumerate(classes) if (cost := _cost(c, kind, where)) is not None]
+    return next((c for _, _, c in sorted(costed, key=lambda x: x[:2]) if exports(c)), None)
 
 
 @functools.cache

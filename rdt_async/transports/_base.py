@@ -6,7 +6,7 @@ import abc
 import contextlib
 import functools
 import math
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Literal, Protocol, TypeVar
 
@@ -16,6 +16,23 @@ from .. import _io
 from .._errors import RDTError, TransferError, TransportUnavailableError
 
 M = TypeVar("M")
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What one fetch over a path costs: a fixed latency, then bytes at a bandwidth."""
+
+    latency_s: float
+    gib_s: float
+
+    def seconds(self, nbytes: int) -> float:
+        return self.latency_s + nbytes / (self.gib_s * GiB)
+
+
+# When `auto` loads a transport in an `rdt.remote` actor at its creation (see
+# `Transport.warm_at_creation`): always, never, or where auto may prepare objects for it.
+WarmAt = Literal["always", "never", "where auto may take it"]
 
 
 @dataclass(frozen=True)
@@ -284,6 +301,26 @@ class Transport(abc.ABC, Generic[M]):
     # (NIXL registers it with its agent): objects made of it and fetches into it then skip
     # that work. `rdt.register_memory` refuses transports that say False.
     registers_memory: ClassVar[bool] = False
+    # -- what `auto` may do with it (transports/_auto.py) --
+    # The cost of one fetch over it, by "<cpu|gpu>/<node|hosts>" (CPU or GPU tensors; a
+    # consumer on the producer's node, or on another one), fitted to end-to-end passes by
+    # `python -m rdt_async.bench --only e2e --write-costs FILE` (RDT_AUTO_COSTS=FILE lays
+    # a file's over these). A consumer's `auto` takes, of the paths the producer prepared
+    # (and a group both are in, and the object store), the one it expects to finish first;
+    # a path with no cost for a place is not taken there.
+    auto_costs: ClassVar[Mapping[str, Cost]] = {}
+    # True if a producer's `auto` prepares objects for it unasked: for consumers on its
+    # node, the cheapest such transport (by `auto_costs`) that exports here; on a cluster
+    # of several nodes, also the cheapest that reaches other nodes, and every one that
+    # `prepares_freely`. A `carries_bytes` one is prepared alone, where the object fits.
+    auto_prepares: ClassVar[bool] = False
+    # The object sizes (bytes, all its tensors) for which `auto` prepares it.
+    auto_min_bytes: ClassVar[int] = 0
+    auto_max_bytes: ClassVar[int | None] = None
+    # True if preparing an object costs nothing per object (tcp: a listener made once, no
+    # copy): `auto` prepares it for other nodes' consumers beside a cheaper path, as
+    # their fallback before the object store.
+    prepares_freely: ClassVar[bool] = False
 
     @classmethod
     def group_meta(cls, group: str, rank: int) -> M:
@@ -307,6 +344,18 @@ class Transport(abc.ABC, Generic[M]):
         Default: whether the transport is available here (`unavailable_reason`).
         """
         return cls.unavailable_reason() is None
+
+    @classmethod
+    def warm_at_creation(cls) -> WarmAt:
+        """Say when an `rdt.remote` actor loads this transport as it is created, before its
+        loop serves anything (see `warm_up`), beside the transports its methods name.
+
+        Runs on: an actor's process, at creation (cheap: no import of a native library).
+        Default "never": for a transport whose first use is slow (NIXL's agent, ~0.5 s),
+        say "where auto may take it" (a cluster of several nodes where it is a path of
+        `auto` for this process's devices) or "always".
+        """
+        return "never"
 
     def warm_up(self) -> None:
         """Load native libraries and create this process's state now (blocking).

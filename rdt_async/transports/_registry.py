@@ -12,9 +12,11 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import inspect
+import logging
 import re
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -48,6 +50,7 @@ _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 _RAY_UNUSED = frozenset({"tensor_transport_backend", "actor_has_tensor_transport"})
 
 T = TypeVar("T")
+_log = logging.getLogger("rdt_async")
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,7 @@ class Registration:
 
 Resolver = Callable[[str], "tuple[Sequence[str], type] | None"]
 Publisher = Callable[[Registration], None]
+Lister = Callable[[], Sequence[str]]
 
 _lock = threading.RLock()  # reentrant: loading a transport may register one
 _classes: dict[str, type[Transport[Any]]] = {}
@@ -69,6 +73,9 @@ _instances: dict[str, Transport[Any]] = {}
 _registrations: dict[str, Registration] = {}
 _resolver: Resolver | None = None
 _publisher: Publisher | None = None
+_lister: Lister | None = None
+_listed_at: float | None = None  # when `_list_cluster` last listed the cluster's registrations
+LIST_AGAIN_S = 1.0
 _store: Keeper = NO_STORE
 
 
@@ -81,14 +88,15 @@ def hand_store(store: Keeper) -> None:
             inst.store = store
 
 
-def set_cluster_hooks(*, resolve: Resolver, publish: Publisher) -> None:
+def set_cluster_hooks(*, resolve: Resolver, publish: Publisher, listing: Lister | None = None) -> None:
     """Install how registrations reach other processes (the Ray layer does, at import).
 
     `publish(registration)` runs for each `register_transport` in this process and may
-    raise to refuse it; `resolve(name)` returns `(devices, cls)` registered elsewhere, or None.
+    raise to refuse it; `resolve(name)` returns `(devices, cls)` registered elsewhere, or
+    None; `listing()` the names registered anywhere so far whose class `auto_prepares`.
     """
-    global _resolver, _publisher
-    _resolver, _publisher = resolve, publish
+    global _resolver, _publisher, _lister
+    _resolver, _publisher, _lister = resolve, publish, listing
 
 
 def register(
@@ -148,6 +156,51 @@ def names() -> list[str]:
     with _lock:
         local = [n for n in _classes if n not in BUILTIN]
     return [AUTO, *BUILTIN, *local, *(n for n in _entry_points() if n not in local)]
+
+
+def known_classes() -> list[type[Transport[Any]]]:
+    """The built-in transports' classes (importing their modules: ~60 ms, once), then the
+    ones registered in this process or looked up here, and those registered anywhere in the
+    cluster with `auto_prepares`, by the first call that found the cluster up (one listing,
+    then each such class loaded). Imports no native library.
+
+    What cannot load here is left out (said once, at debug level): a process that cannot
+    use a transport never prepares objects for it.
+    """
+    _list_cluster(again_after_s=None)
+    with _lock:
+        local = [n for n in _classes if n not in BUILTIN]
+    return [c for c in (_lookup(n) for n in (*BUILTIN, *local)) if c is not None]
+
+
+def _list_cluster(again_after_s: float | None) -> None:
+    """Load the cluster's registrations that `auto` may prepare for: once, and again where
+    `again_after_s` have passed since (a name in an object's metadata this process does
+    not know may have been registered since: one listing a while, not a lookup a name)."""
+    global _listed_at
+    if _lister is None or (_listed_at is not None and (again_after_s is None or time.monotonic() - _listed_at < again_after_s)):
+        return
+    try:
+        names = list(_lister())
+    except Exception:  # (the cluster going down): the next call asks again
+        return
+    if names or _cluster_up():
+        _listed_at = time.monotonic()
+    for name in names:
+        try:
+            _lookup(name)
+        except Exception as exc:
+            _log.debug("rdt_async: transport %r is registered in the cluster but not loaded here: %s", name, exc)
+
+
+def _cluster_up() -> bool:
+    ray = sys.modules.get("ray")
+    return ray is not None and bool(ray.is_initialized())
+
+
+def builtins_loaded() -> bool:
+    """Whether every built-in transport's module is imported (`known_classes` would not import)."""
+    return all(n in _classes for n in BUILTIN)
 
 
 def check_name(name: str) -> str:
@@ -229,10 +282,16 @@ def available() -> dict[str, bool | str]:
 def known_class(name: str) -> type[Transport[Any]] | None:
     """The class of a built-in transport, or of one registered in this process, else None.
 
-    Asks no other process and scans no package: for names that came from another process
-    (an object's metadata), which only transports this process knows may answer for.
+    Scans no package and looks up no name elsewhere: for names that came from another
+    process (an object's metadata), which only transports this process knows may answer
+    for. Those it knows include the cluster's registrations that `auto` may prepare
+    objects for (listed once per process, see `known_classes`).
     """
-    if isinstance(name, str) and (name in _classes or name in BUILTIN):
+    if not isinstance(name, str):
+        return None
+    if name not in _classes and name not in BUILTIN and _lister is not None:
+        _list_cluster(again_after_s=LIST_AGAIN_S)  # registered since this process last listed?
+    if name in _classes or name in BUILTIN:
         return _lookup(name)
     return None
 

@@ -31,7 +31,7 @@ import collections
 import math
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, ClassVar
@@ -44,7 +44,7 @@ from .._errors import CollectiveGroupError, ObjectFreedError, PeerDiedError, RDT
 from .._membership import TAG_LIMIT as TAG_LIMIT
 from .._membership import Group as Group
 from .._membership import groups as groups
-from ._base import Channel, TransferInfo, Transport, check_specs
+from ._base import Channel, Cost, TransferInfo, Transport, check_specs
 from ._kit import delivered, landing_buffers
 from ._kvstore import KV, KVStore, StoreClosedError
 
@@ -188,6 +188,7 @@ class GlooTransport(Transport[GlooMeta]):
     one_sided = False
     needs_group = True  # a group of backend `name` both ends are in
     can_abort = False
+    auto_costs: ClassVar[Mapping[str, Cost]] = {"cpu/node": Cost(0.0055, 1.33), "cpu/hosts": Cost(0.0062, 1.03)}
 
     @classmethod
     def group_meta(cls, group: str, rank: int) -> GlooMeta:
@@ -421,6 +422,7 @@ class NcclTransport(GlooTransport):
     name = "nccl"
     backend = "nccl"
     devices = ("cuda",)
+    auto_costs: ClassVar[Mapping[str, Cost]] = {"gpu/node": Cost(0.004, 40.0), "gpu/hosts": Cost(0.006, 8.0)}  # not measured (one GPU)
     matches_in_order = True  # NCCL ignores tags: a send meets the pair's oldest posted receive
 
     def __init__(self) -> None:

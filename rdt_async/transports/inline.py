@@ -29,6 +29,8 @@ class InlineTransport(Transport[tuple[bytes, ...]]):
     devices = ("cpu",)
     one_sided = True
     carries_bytes = True
+    auto_prepares = True  # alone, for objects of at most AUTO_MAX_BYTES
+    auto_max_bytes = AUTO_MAX_BYTES
 
     def check_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
         super().check_tensors(tensors)
