@@ -1,4 +1,4 @@
-"""The fetch pipeline: check, choose the transport, transfer (through the node relay where it
+"""The fetch pipeline: check, choose the transport (`_choose`), transfer (through the node relay where it
 pays), watch the producer, land the tensors where the caller asked.
 
 Runs on: consumer. The verbs in `_api.py` call `fetch_object` (a loop) and `fetch_now`
@@ -22,6 +22,7 @@ import torch
 
 from . import _buffers, _cuda, _io, _metrics, _object, _ray, _relay, _tree
 from ._avoid import avoided, unusable
+from ._choose import asked_transport, choose_transport
 from ._errors import (
     CollectiveGroupError,
     ObjectFreedError,
@@ -34,159 +35,11 @@ from ._errors import (
 )
 from ._fetched import fetched
 from ._local import copy_into
-from ._membership import groups
 from ._object import RDTObject
-from ._produce import loads_here, shared_with_producer
+from ._produce import shared_with_producer
 from ._store import log, store
-from .transports import _auto, _registry
+from .transports import _registry
 from .transports._base import FetchRequest, TransferInfo, Transport
-
-
-def choose_transport(
-    obj: RDTObject, node_id: str, without: frozenset[str] = frozenset(), fell_back: tuple[tuple[str, str], ...] = ()
-) -> tuple[str, Any]:
-    """Pick the transport for a fetch of `obj` by a process on `node_id`.
-
-    `auto`: small CPU objects -> inline (the bytes came with the ref); otherwise the
-    candidate both ends can use (shm and cuda_ipc on one node, nixl where prepared and
-    loadable here, a group both ends are in, the object store) that the cost model of
-    transports/_auto.py expects to finish first, leaving out paths that could not reach
-    the producer's node lately (`_avoid.avoided`); the choice and its reasons are kept in
-    `rdt.store_stats()["auto"]`. A one-sided transport that cannot reach this node
-    falls back to object_store. Gloo/NCCL objects go over a group both ends share,
-    else object_store.
-    `without`: prepared transports `auto` must not pick (those that failed this fetch,
-    `fell_back`: each with why). Returns the transport's name and the metadata its fetch needs.
-    """
-    name = obj.transport
-    carried = _in_ref(obj.meta) if name == _registry.AUTO and not (without or fell_back or avoided.any()) else None
-    if carried is not None:  # a small object: `auto` picks its bytes whatever else it knows
-        fetched.choice(obj.obj_id, _auto.in_ref(carried))
-        return carried, obj.meta[carried]
-    shared = _shared_group(obj)
-    if name == _registry.AUTO:
-        left_out = avoided.of(obj.producer.node_id) & frozenset(obj.meta) if avoided.any() else frozenset()
-        prepared = frozenset(obj.meta) - {"groups"} - without - left_out
-        facts = _auto.Facts(
-            nbytes=obj.nbytes,
-            gpu=any(not s.device.startswith("cpu") for s in obj.specs),
-            same_node=obj.producer.node_id == node_id,
-            prepared=prepared,
-            loads_here=prepared,  # a guess: checked only if one wins (a check may import)
-            group=shared[0] if shared is not None else None,
-            node_local=frozenset(n for n in prepared if _reach(n) == "node"),
-            in_ref=frozenset(n for n in prepared if _carries_bytes(n)),
-        )
-        choice = _auto.choose_remembered(facts, loads_here)
-        if left_out or fell_back:
-            note = f"; {', '.join(sorted(left_out))} left out: could not reach that node lately" if left_out else ""
-            choice = dataclasses.replace(choice, why=choice.why + note, fell_back=fell_back)
-        fetched.choice(obj.obj_id, choice)
-        name = choice.transport
-    cls = _registry.transport_class(name)
-    if cls.reach == "node" and obj.producer.node_id != node_id:
-        return _registry.FALLBACK, None  # (auto never picks one from another node)
-    if cls.needs_group:
-        if shared is None or shared[0] != name:
-            _raise_if_broken(obj)  # a group we share is broken: say so, do not fall back
-            return _registry.FALLBACK, None  # the consumer is outside the producer's groups
-        return name, shared[1]
-    return name, obj.meta.get(name)
-
-
-def _in_ref(meta: dict[str, Any]) -> str | None:
-    """The transport `auto` takes for an object whose bytes came with the ref, else None
-    (the first by name, as `_auto.choose` takes it): a 4 KiB fetch skips the cost model."""
-    carried = min((n for n in meta if n != "groups" and _carries_bytes(n)), default=None)
-    cls = None if carried is None else _registry.known_class(carried)
-    return carried if cls is not None and cls.reach == "cluster" and not cls.needs_group else None
-
-
-def _reach(name: str) -> str:
-    """`Transport.reach` of a prepared transport (a name from the ref: only one this process
-    knows answers; another is no candidate anyway, as it cannot load here)."""
-    cls = _registry.known_class(name)
-    return "cluster" if cls is None else cls.reach
-
-
-def _carries_bytes(name: str) -> bool:
-    cls = _registry.known_class(name)
-    return cls is not None and cls.carries_bytes
-
-
-def asked_transport(obj: RDTObject, asked: str, node_id: str) -> tuple[str, Any]:
-    """The transport a consumer asked for (`fetch(x, tensor_transport=...)`) and its metadata,
-    if the producer can serve it to this process.
-
-    `auto` chooses among what the producer prepared, as for an object produced with it;
-    `object_store` always serves (the producer sends on request); a group's backend serves
-    over a group both ends are in; any other transport must have been prepared by the
-    producer (named by the method, `put` or `auto`'s plan).
-    Raises: TransportUnavailableError naming what the producer can serve and the fix.
-    """
-    if asked == _registry.AUTO:
-        return choose_transport(dataclasses.replace(obj, transport=_registry.AUTO), node_id)
-    if asked == "object_store":
-        return asked, obj.meta.get(asked)
-    where = f"fetch(..., tensor_transport={asked!r}) of {obj.obj_id} (held by {obj.producer.label})"
-    cls = _registry.known_class(asked)
-    if cls is not None and cls.needs_group:
-        shared = _shared_group(obj)
-        if shared is not None and shared[0] == asked:
-            return shared
-        _raise_if_broken(obj)
-        raise TransportUnavailableError(
-            f"{where}: this process shares no {asked} group with the producer; create one with "
-            f"rdt.create_collective_group([...], backend={asked!r}), or ask for 'object_store'",
-            obj_id=obj.obj_id,
-        )
-    if cls is not None and cls.reach == "node" and obj.producer.node_id != node_id:
-        raise TransportUnavailableError(
-            f"{where}: {asked} reaches only processes on the producer's node; ask for 'object_store' or 'auto'",
-            obj_id=obj.obj_id,
-        )
-    if asked not in obj.meta or asked == "groups":
-        served = sorted({*obj.meta} - {"groups"} | {"object_store"})
-        raise TransportUnavailableError(
-            f"{where}: the producer did not prepare {asked} for this object, so it cannot serve it; it serves "
-            f"{', '.join(served)}: ask for one of them, or produce it with tensor_transport={asked!r}",
-            obj_id=obj.obj_id,
-        )
-    return asked, obj.meta[asked]
-
-
-def _shared_group(obj: RDTObject) -> tuple[str, Any] | None:
-    """Return (backend, the backend's metadata) of a usable group both ends are in, or None."""
-    theirs = obj.meta.get("groups")
-    if not theirs:
-        return None
-    ours = groups.memberships()
-    devices = {s.device.split(":")[0] for s in obj.specs}
-    for name, (backend, rank) in theirs.items():
-        if name in ours and ours[name][0] == backend:
-            cls = _registry.transport_class(backend)
-            if devices <= set(cls.devices):
-                return backend, cls.group_meta(name, rank)
-    return None
-
-
-def _raise_if_broken(obj: RDTObject) -> None:
-    """A group this object's producer and this process share is broken: say why.
-
-    Where a fetch from this producer has ended in its death (the transfer that broke the
-    group, most often), or it died on this node, that is what the caller needs to know
-    (PeerDiedError: retry elsewhere), not the group's state.
-    """
-    theirs = obj.meta.get("groups") or {}
-    for group in groups.broken():
-        if group.name in theirs:
-            if _ray.known_lost(obj.producer):
-                raise PeerDiedError(
-                    f"{group.backend} fetch of {obj.obj_id}: the producer ({obj.producer.label}) died or "
-                    f"disconnected; its collective group {group.name!r} is broken ({group.broken})",
-                    obj_id=obj.obj_id,
-                )
-            group.check()
 
 
 def _relayed(obj: RDTObject, transport: str, buffers: list[torch.Tensor] | None) -> bool:

@@ -7,7 +7,7 @@ consumers of this node, and on a cluster of several nodes prepared for tcp as we
 listener, once, and no copy), and for nixl where the costs say it reads faster (an RDMA
 network's, given in RDT_AUTO_COSTS). A GPU object is exported for cuda_ipc where this
 process's memory can be, and prepared for nixl for other nodes where NIXL loads. Else
-it goes through the object store. The consumer picks (`_fetch.py`).
+it goes through the object store. The consumer picks (`_choose.py`).
 """
 
 from __future__ import annotations
@@ -59,10 +59,18 @@ def _prepared_transports(name: str, tensors: Sequence[torch.Tensor]) -> list[Tra
         _registry.get(_registry.FALLBACK).check_tensors(tensors)  # what auto falls back to
     except TransportUnavailableError as exc:  # said as what the user asked for: auto
         raise TransportUnavailableError(f"tensor_transport='auto' cannot move these tensors: {exc}") from exc
-    devices = {t.device.type for t in tensors}
+    devices = frozenset(t.device.type for t in tensors)
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    classes = _auto.plan(_registry.known_classes(), devices, nbytes, _ray.several_nodes(), exports_here)
-    return [_registry.get(c.name) for c in classes]  # nothing: object_store
+    costs = os.environ.get("RDT_AUTO_COSTS", "")
+    names = _auto_plan(devices, nbytes, _ray.several_nodes(), costs, _registry.generation())
+    return [_registry.get(n) for n in names]  # nothing: object_store
+
+
+@functools.lru_cache(maxsize=256)
+def _auto_plan(devices: frozenset[str], nbytes: int, several: bool, costs: str, generation: int) -> tuple[str, ...]:
+    """`_auto.plan`'s names, remembered per (facts, RDT_AUTO_COSTS, the classes known): a
+    producer returning objects like its last ones (a weight sync) pays a lookup."""
+    return tuple(c.name for c in _auto.plan(_registry.known_classes(), devices, nbytes, several, exports_here))
 
 
 @functools.cache

@@ -17,7 +17,7 @@ MiB = 1 << 20
 
 
 def facts(nbytes=64 * MiB, *, same_node=False, gpu=False, prepared=("shm", "nixl"), loads=None, group=None):
-    # What the consumer states from the transports' declared capabilities (_fetch.choose_transport).
+    # What the consumer states from the transports' declared capabilities (_choose.choose_transport).
     prepared = frozenset(prepared)
     loads = prepared if loads is None else frozenset(loads)
     return Facts(nbytes, gpu, same_node, prepared, loads, group, prepared & {"shm", "cuda_ipc"}, prepared & {"inline"})
@@ -167,7 +167,7 @@ def test_a_fetch_of_a_small_object_takes_its_bytes_without_the_cost_model(monkey
     and steps aside where the fetch has already left a path out."""
     import torch
 
-    from rdt_async import _fetch
+    from rdt_async import _choose
     from rdt_async._fetched import fetched
     from rdt_async._object import Process, RDTObject
     from rdt_async.transports._base import TensorSpec
@@ -178,33 +178,34 @@ def test_a_fetch_of_a_small_object_takes_its_bytes_without_the_cost_model(monkey
     meta = {"inline": (encode(t),), "groups": {}}
     obj = RDTObject("ab" * 12, Process("a" * 56, "1:00"), "auto", specs, None, meta, {}, None)
     monkeypatch.setattr(_auto, "choose_remembered", lambda *a: pytest.fail("the cost model ran"))
-    assert _fetch.choose_transport(obj, "b" * 56) == ("inline", meta["inline"])
+    assert _choose.choose_transport(obj, "b" * 56) == ("inline", meta["inline"])
     assert fetched.stats()["auto"][-1] == {"obj_id": "ab" * 12, **_auto.choose(facts(64, prepared=("inline",))).as_dict()}
     monkeypatch.undo()
     # Left out by this fetch (it failed there): the cost model picks among the rest.
-    assert _fetch.choose_transport(obj, "b" * 56, without=frozenset({"inline"})) == ("object_store", None)
+    assert _choose.choose_transport(obj, "b" * 56, without=frozenset({"inline"})) == ("object_store", None)
 
 
 def test_the_built_ins_cost_table_is_what_each_declares_and_nothing_unmeasured_for_cpu():
-    cpu = _auto.cost_table(gpu=False)
+    cpu = _auto.cost_table(False, _registry.BUILTIN)  # (other tests of the session register theirs)
     assert set(cpu) == {
         "shm/node", "tcp/node", "tcp/hosts", "nixl/node", "nixl/hosts",
         "gloo/node", "gloo/hosts", "object_store/node", "object_store/hosts",
     }  # nothing for ucxx (auto never takes it), inline (its bytes come with the ref) or nccl (GPU only)
-    gpu = _auto.cost_table(gpu=True)
+    gpu = _auto.cost_table(True, _registry.BUILTIN)
     assert set(gpu) == {
         "cuda_ipc/node", "nixl/node", "nixl/hosts", "nccl/node", "nccl/hosts", "object_store/node", "object_store/hosts",
     }
     assert _auto.cost_table(False, ["shm", "no-such"]) == {"shm/node": Cost(0.0039, 2.30)}
 
 
-def plan_names(devices=("cpu",), nbytes=64 * MiB, several=False, *, not_here=(), asked=None):
+def plan_names(devices=("cpu",), nbytes=64 * MiB, several=False, *, not_here=(), asked=None, more=()):
     def exports(cls):
         if asked is not None:
             asked.append(cls.name)
         return cls.name not in not_here
 
-    return [c.name for c in _auto.plan(_registry.known_classes(), set(devices), nbytes, several, exports)]
+    classes = [*map(_registry.transport_class, _registry.BUILTIN), *more]  # (not other tests' registrations)
+    return [c.name for c in _auto.plan(classes, set(devices), nbytes, several, exports)]
 
 
 @pytest.mark.parametrize(
@@ -257,8 +258,8 @@ class Fast(Transport):
 
 def test_a_transport_of_yours_that_declares_shms_powers_takes_its_place(monkeypatch):
     monkeypatch.setitem(_registry._classes, "fast-local", Fast)
-    assert plan_names(several=True) == ["fast-local", "tcp"]  # not shm: it costs less on this node
-    assert plan_names(several=True, not_here=("fast-local",)) == ["shm", "tcp"]
+    assert plan_names(several=True, more=[Fast]) == ["fast-local", "tcp"]  # not shm: it costs less on this node
+    assert plan_names(several=True, more=[Fast], not_here=("fast-local",)) == ["shm", "tcp"]
     f = Facts(64 * MiB, False, True, frozenset({"fast-local", "tcp"}), frozenset({"fast-local", "tcp"}),
               node_local=frozenset({"fast-local"}))
     assert _auto.choose(f).transport == "fast-local"  # and the consumer takes it, by its declared cost

@@ -274,14 +274,14 @@ def test_a_node_local_transport_is_read_through_the_object_store_from_another_no
     """The example says `reach = "node"` (its files are this node's): the core honours it as it
     does shm's. A consumer on another node fetches through the object store, and the node relay
     never relays the spool; a transport that declares nothing reaches the cluster."""
-    from rdt_async import _fetch, _ray, _relay
+    from rdt_async import _choose, _ray, _relay
 
     maker = makers["sync"]
     pid = ray.get(maker.pid.remote())
     ref = maker.file_spool.remote(11)
     obj = ray.get(ref)  # the RDTObject itself
-    assert _fetch.choose_transport(obj, _ray.node_id())[0] == "file-spool"
-    assert _fetch.choose_transport(obj, "e" * 56) == ("object_store", None)
+    assert _choose.choose_transport(obj, _ray.node_id())[0] == "file-spool"
+    assert _choose.choose_transport(obj, "e" * 56) == ("object_store", None)
     monkeypatch.setattr(_ray, "node_id", lambda: "e" * 56)  # this driver, as if on another node
     before = rdt.store_stats()["fetches"].get("object_store", 0)
     assert_same(rdt.get(ref, timeout=60), nested(11))

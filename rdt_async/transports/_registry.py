@@ -74,6 +74,8 @@ _registrations: dict[str, Registration] = {}
 _resolver: Resolver | None = None
 _publisher: Publisher | None = None
 _lister: Lister | None = None
+_generation = 0  # see generation()
+_known: list[type[Transport[Any]]] | None = None  # known_classes(), until the classes change
 _listed_at: float | None = None  # when `_list_cluster` last listed the cluster's registrations
 LIST_AGAIN_S = 1.0
 _store: Keeper = NO_STORE
@@ -123,6 +125,7 @@ def register(
         # New, or a re-definition of the same class (a re-run cell, a reloaded module).
         old_class, old_instance = _classes.get(name), _instances.pop(name, None)
         _registrations[name], _classes[name] = reg, effective
+        _changed()
         if origin == "register_transport" and _publisher is not None:
             try:
                 _publisher(reg)
@@ -137,6 +140,7 @@ def _restore(
 ) -> None:
     _put(_registrations, name, reg)
     _put(_classes, name, cls)
+    _changed()
     _put(_instances, name, inst)
 
 
@@ -158,6 +162,17 @@ def names() -> list[str]:
     return [AUTO, *BUILTIN, *local, *(n for n in _entry_points() if n not in local)]
 
 
+def generation() -> int:
+    """A number that changes whenever the classes this process knows change (for caches)."""
+    return _generation
+
+
+def _changed() -> None:
+    global _generation, _known
+    _generation += 1
+    _known = None
+
+
 def known_classes() -> list[type[Transport[Any]]]:
     """The built-in transports' classes (importing their modules: ~60 ms, once), then the
     ones registered in this process or looked up here, and those registered anywhere in the
@@ -167,10 +182,15 @@ def known_classes() -> list[type[Transport[Any]]]:
     What cannot load here is left out (said once, at debug level): a process that cannot
     use a transport never prepares objects for it.
     """
+    global _known
     _list_cluster(again_after_s=None)
-    with _lock:
-        local = [n for n in _classes if n not in BUILTIN]
-    return [c for c in (_lookup(n) for n in (*BUILTIN, *local)) if c is not None]
+    known = _known
+    if known is None:
+        with _lock:
+            local = [n for n in _classes if n not in BUILTIN]
+        known = [c for c in (_lookup(n) for n in (*BUILTIN, *local)) if c is not None]
+        _known = known if builtins_loaded() else None
+    return list(known)
 
 
 def _list_cluster(again_after_s: float | None) -> None:
@@ -305,6 +325,7 @@ def _lookup(name: str) -> type[Transport[Any]] | None:
         if cls is None and name in BUILTIN:
             module, _, attr = BUILTIN[name].partition(":")
             cls = _classes[name] = getattr(importlib.import_module(module), attr)
+            _changed()
         if cls is None and not _is_reserved(name):
             reg = _from_cluster(name) or _from_entry_point(name)
             cls = _classes.get(name) if reg is not None else None
