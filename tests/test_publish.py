@@ -277,7 +277,8 @@ def test_when_every_slot_is_read_publish_skips_or_waits_within_its_bound(actors)
         else:
             assert ray.get(trainer.publish.remote(name, 1, 0, 0.3)) == ["timeout"]
         assert ray.get(here[0].kept_exact.remote())  # what it keeps was never written meanwhile
-        ray.get(here[0].drop.remote())  # its slot goes back...
+        ray.get(here[0].drop.remote())  # its slot goes back (its free reaches the trainer a moment later)...
+        wait_until(lambda name=name: ray.get(trainer.stats.remote(name))["slots_busy"] == 1, 10)  # (the newest's)
         assert ray.get(trainer.publish.remote(name, 1, 0, 10)) == [2]  # ...and the next version takes it
         assert ray.get(here[1].follow.remote(trainer, name, 2, 0.0, True)) == [(2, True)]
         ray.get(trainer.close.remote(name))
