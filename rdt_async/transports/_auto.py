@@ -134,6 +134,7 @@ def cost_table(gpu: bool, names: Iterable[str] | None = None) -> dict[str, Cost]
     """"<transport>/<node|hosts>" -> Cost for CPU or GPU tensors: what the transports
     `names` declare (default: every one this process knows, see `_registry.known_classes`),
     with what the file RDT_AUTO_COSTS names laid over them."""
+    names = None if names is None else list(names)
     classes = known_classes() if names is None else [c for c in map(known_class, names) if c is not None]
     kind = "gpu" if gpu else "cpu"
     declared = {
