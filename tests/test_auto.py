@@ -265,3 +265,17 @@ def test_a_transport_of_yours_that_declares_shms_powers_takes_its_place(monkeypa
     assert _auto.choose(f).transport == "fast-local"  # and the consumer takes it, by its declared cost
     assert _auto.choose(dataclasses.replace(f, same_node=False)).transport == "tcp"  # (reach: one node)
     assert _auto.cost_table(True, ["fast-local"]) == {}  # no GPU cost: never taken for GPU tensors
+
+
+def test_only_a_name_some_process_may_have_registered_lists_the_clusters_registrations(monkeypatch):
+    # A producing call asks `known_class("auto")` each time (check_grouped): no GCS call for it,
+    # nor for a built-in's name or a malformed one from a crafted ref; an unknown valid name may.
+    listed = []
+    monkeypatch.setattr(_registry, "_lister", lambda: listed.append(1) or [])
+    monkeypatch.setattr(_registry, "_listed_at", 0.0)  # (long ago)
+    assert _registry.known_class("shm").name == "shm"
+    for name in ("auto", "AUTO", "x" * 300, "../etc", "a:b"):
+        assert _registry.known_class(name) is None
+    assert listed == []
+    assert _registry.known_class("someones-own") is None
+    assert listed == [1]

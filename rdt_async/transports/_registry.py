@@ -309,7 +309,7 @@ def known_class(name: str) -> type[Transport[Any]] | None:
     """
     if not isinstance(name, str):
         return None
-    if name not in _classes and name not in BUILTIN and _lister is not None:
+    if name not in _classes and _could_be_registered(name):
         _list_cluster(again_after_s=LIST_AGAIN_S)  # registered since this process last listed?
     if name in _classes or name in BUILTIN:
         return _lookup(name)
@@ -384,6 +384,12 @@ def _dist_name(ep: importlib.metadata.EntryPoint) -> str:
 
 
 # -- validation --------------------------------------------------------------------------
+
+
+def _could_be_registered(name: str) -> bool:
+    """Whether some process may have registered `name` (not "auto", a built-in's or a
+    malformed one: a producing call asks for "auto" each time, a ref may carry anything)."""
+    return _lister is not None and _NAME.fullmatch(name) is not None and not _is_reserved(name)
 
 
 def _is_reserved(name: str) -> bool:
