@@ -226,8 +226,7 @@ def several_nodes() -> bool:
 _KV_NAMESPACE = "rdt_async"
 
 
-_published: dict[str, bytes] = {}
-_for_auto: dict[str, bool] = {}  # name -> its class says `auto_prepares`
+_published: dict[str, tuple[bytes, bool]] = {}  # name -> (pickled registration, class says `auto_prepares`)
 
 
 def _kv_key(name: str) -> bytes:
@@ -246,8 +245,7 @@ def _kv_ready() -> bool:
 
 def _publish_transport(reg: _registry.Registration) -> None:
     """Publish a registration for the cluster. Raises: TypeError if it cannot be pickled."""
-    _published[reg.name] = _pickle_transport(reg)
-    _for_auto[reg.name] = bool(getattr(reg.cls, "auto_prepares", False))
+    _published[reg.name] = (_pickle_transport(reg), bool(getattr(reg.cls, "auto_prepares", False)))
     hooks = ray._private.worker._post_init_hooks
     if _publish_all not in hooks:
         hooks.append(_publish_all)
@@ -258,9 +256,9 @@ def _publish_transport(reg: _registry.Registration) -> None:
 def _publish_all() -> None:
     from ray.experimental import internal_kv
 
-    for name, blob in list(_published.items()):
+    for name, (blob, for_auto) in list(_published.items()):
         internal_kv._internal_kv_put(_kv_key(name), blob, overwrite=True, namespace=_KV_NAMESPACE)
-        if _for_auto.get(name):  # a mark the processes' `auto` list (`_auto_names`)
+        if for_auto:  # a mark the processes' `auto` list (`_auto_names`)
             internal_kv._internal_kv_put(_auto_key(name), b"1", overwrite=True, namespace=_KV_NAMESPACE)
         else:
             internal_kv._internal_kv_del(_auto_key(name), namespace=_KV_NAMESPACE)
