@@ -9,6 +9,9 @@ take turns, the order rotating each round:
 
 - `rdt publish`: an `rdt.Publisher` in the trainer; each subscriber waits in `await
   sub.next(into=its model)`.
+- `rdt publish, lent`: the same publisher, publishing the trainer's own shared tensors
+  (`publish(lend=True)`, no copy), the trainer waiting in `wait_unread` before it writes
+  them again.
 - `rdt publish, stream`: the same publisher, each subscriber iterating
   `sub.stream(into=its model)` tensor by tensor.
 - `ray object store zero-copy`: the trainer `ray.put`s the state dict once per step
@@ -143,6 +146,8 @@ class Trainer:
         """Train (write `value` everywhere), then publish by `path`: (when publishing began,
         how long it blocked the trainer, refs for the subscribers)."""
         assert self.publisher is not None  # (made by setup)
+        if path != RDT_LENT:  # the lent path's last version offers `state` still: withdraw it (not timed)
+            await self.publisher.wait_unread(self.state)
         started = time.perf_counter()
         if path == RDT_LENT:
             await self.publisher.wait_unread(self.state)  # the version it lent: its readers are done
