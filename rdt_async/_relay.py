@@ -19,7 +19,9 @@ object asked for and its size. Anything else (garbage, more descriptors, none, a
 close) and it reads for itself, closing every descriptor it was sent.
 
 Memfds are warm and pooled (`_Memfds`): one is reused only once nobody maps it any
-more (`_Lease`), so no consumer can see another object's bytes. When the first
+more (`_Lease`), so no consumer can see another object's bytes. A process says which
+sizes it keeps warm (`_Seats`), so that a cold consumer lets a warm one claim first only
+where one is there. When the first
 consumer's read fails, is cancelled or its process dies, the others read for
 themselves. A fetch with `device=` takes no part. A relayed fetch sees the
 bytes as the first consumer read them (a producer writing a kept tensor in place while
@@ -33,6 +35,7 @@ from __future__ import annotations
 import array
 import asyncio
 import dataclasses
+import errno
 import fcntl
 import json
 import logging
@@ -58,8 +61,15 @@ from .transports._base import TensorSpec
 RELAY_MIN_BYTES = 1 << 20
 ALIGN = 64
 MAX_IDLE_BYTES = 1 << 30  # warm memfds kept for reuse, in all
-COLD_WAIT_S = 0.02  # a consumer with no warm memory for an object lets a warm one claim it first
+# A consumer with no warm memory for an object lets a warm one of its node claim it first,
+# where one says it is there (`_Seats`): for at least COLD_WAIT_S, longer for a large object
+# (a fresh memfd faults in at ~1-2.6 GiB/s here: an eighth of what a cold claim can cost), at
+# most COLD_WAIT_MAX_S.
+COLD_WAIT_S = 0.02
+COLD_WAIT_PER_GIB_S = 0.125
+COLD_WAIT_MAX_S = 0.25
 COLD_STEP_S = 0.004
+SEATS = 16  # processes of a node that say they have warm memory of one capacity (one suffices)
 ASK_MIN_S = 30.0  # an asker waits at least this long for the claimer's read (see _ask_bound)
 MAX_ANSWER = 512  # bytes of the claimer's answer an asker reads (it sends ~60)
 # A memfd's size is fixed once made (a pooled one is reused at its capacity): sealed, so
@@ -74,7 +84,7 @@ class _Counts:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.done = dict.fromkeys(("claimed", "landed", "copied", "handed", "mapped"), 0)
+        self.done = dict.fromkeys(("claimed", "landed", "copied", "handed", "mapped", "waited_for_warm"), 0)
         self.claims: set[_Server] = set()  # open: answering who asks
         self.lent: set[_Lease] = set()  # memfds someone maps
 
@@ -89,8 +99,9 @@ counts = _Counts()
 def stats() -> dict[str, int]:
     """This process's relay: reads it did for its node (`claimed`: straight into a memfd,
     `landed`, or copied into one after the read for who asked, `copied`), memfds it handed to
-    neighbours (`handed`) and mapped from one (`mapped`); and what it holds now: open claims,
-    memfds lent out, idle warm memfds and their bytes."""
+    neighbours (`handed`) and mapped from one (`mapped`), fetches that let a warm neighbour
+    claim first (`waited_for_warm`); and what it holds now: open claims, memfds lent out,
+    idle warm memfds and their bytes."""
     _io.settle()  # memfds whose last mapping went just now are back
     with memfds.lock:
         idle, idle_bytes = len(memfds.idle), sum(m.capacity for m in memfds.idle)
@@ -178,9 +189,13 @@ async def fetch(
     offsets, size = _layout(specs)
     if transfer_into is not None and not memfds.warm(size):
         # Fresh memory faults in slowly: a consumer of the node that has warm memory for
-        # the object (it read one of this size before) claims it first, if it is there.
-        # (One that lands the bytes in its transport's memory never waits.)
-        got = await _ask_within(obj_id, specs, COLD_WAIT_S)
+        # the object (it read one of this size before) claims it first, where one says it
+        # is there. (One that lands the bytes in its transport's memory never waits, nor
+        # one alone on its node: it has nobody to wait for.)
+        got = _NO_CLAIM
+        if _Seats.taken(memfds.capacity(size)):
+            counts.add("waited_for_warm")
+            got = await _ask_within(obj_id, specs, _cold_wait_s(size))
         if got is not _NO_CLAIM:
             return (got, True) if got is not None else (await transfer(), False)
         if warm_only:
@@ -278,6 +293,7 @@ class _Memfds:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.idle: list[_Memfd] = []
+        self.seats = _Seats()
         self._sweeper = _segments.IdleSweep(self._sweep)
 
     @staticmethod
@@ -296,7 +312,9 @@ class _Memfds:
         with self.lock:
             for i, m in enumerate(self.idle):
                 if m.capacity == cap:
-                    return self.idle.pop(i)
+                    taken = self.idle.pop(i)
+                    self.seats.hold(self.idle)
+                    return taken
         fd = os.memfd_create("rdt-relay", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, cap)
@@ -313,6 +331,7 @@ class _Memfds:
             kept = sum(x.capacity for x in self.idle) + m.capacity <= MAX_IDLE_BYTES
             if kept:
                 self.idle.append(m)
+                self.seats.hold(self.idle)
         if kept:
             self._sweeper.start()
         else:
@@ -323,6 +342,7 @@ class _Memfds:
         _io.settle()
         with self.lock:
             idle, self.idle = self.idle, []
+            self.seats.hold(self.idle)
         for m in idle:
             _close(m)
 
@@ -330,10 +350,61 @@ class _Memfds:
         with self.lock:
             old = [m for m in self.idle if m.idle_since <= cutoff]
             self.idle = [m for m in self.idle if m.idle_since > cutoff]
+            self.seats.hold(self.idle)
             left = _segments.oldest(self.idle)
         for m in old:
             _close(m)
         return left
+
+
+class _Seats:
+    """This process says which capacities it has warm memfds of, to the node's other
+    consumers: it holds one of SEATS abstract unix socket names per capacity (bound, never
+    listening; it goes with the process), so that a cold consumer waits for a warm one only
+    where one is there (`taken`), never alone on its node.
+
+    Another user of the node could hold our names too (abstract names have no owner): a
+    cold consumer then waits its bound (`_cold_wait_s`) for nothing, no more.
+    """
+
+    def __init__(self) -> None:
+        self.held: dict[int, socket.socket] = {}
+
+    def hold(self, idle: Sequence[_Memfd]) -> None:
+        """Hold a seat for each capacity in `idle`, none other (under the pool's lock)."""
+        caps = {m.capacity for m in idle}
+        for cap in [c for c in self.held if c not in caps]:
+            self.held.pop(cap).close()
+        for cap in caps - self.held.keys():  # (every seat held: the others say it already)
+            for i in range(SEATS):
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    sock.bind(_seat(cap, i))
+                except OSError:
+                    sock.close()  # held by another warm process (or a probe, for a moment)
+                    continue
+                self.held[cap] = sock
+                break
+
+    @staticmethod
+    def taken(cap: int) -> bool:
+        """Whether a process of this node (its network namespace) says it has a warm memfd
+        of `cap`: a seat's name is bound. Probes by binding each for a moment."""
+        for i in range(SEATS):
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.bind(_seat(cap, i))
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return True
+                return False  # (out of descriptors): do not wait
+            finally:
+                probe.close()
+        return False
+
+
+def _seat(cap: int, i: int) -> bytes:
+    return b"\0rdt-relay-warm-%d-%d-%d" % (os.getuid(), cap, i)
 
 
 def _close(m: _Memfd) -> None:
@@ -485,6 +556,10 @@ def _unmapped(conn: socket.socket, lease: _Lease) -> None:
 
 
 _NO_CLAIM: Any = object()  # `_ask`'s answer where nobody of this node holds the object
+
+
+def _cold_wait_s(size: int) -> float:
+    return min(COLD_WAIT_MAX_S, max(COLD_WAIT_S, size / (1 << 30) * COLD_WAIT_PER_GIB_S))
 
 
 async def _ask_within(obj_id: str, specs: Sequence[TensorSpec], wait_s: float) -> Any:
