@@ -69,7 +69,7 @@ COLD_WAIT_S = 0.02
 COLD_WAIT_PER_GIB_S = 0.125
 COLD_WAIT_MAX_S = 0.25
 COLD_STEP_S = 0.004
-SEATS = 16  # processes of a node that say they have warm memory of one capacity (one suffices)
+SEATS = 4  # processes of a node that say they have warm memory of one capacity (one suffices)
 ASK_MIN_S = 30.0  # an asker waits at least this long for the claimer's read (see _ask_bound)
 MAX_ANSWER = 512  # bytes of the claimer's answer an asker reads (it sends ~60)
 # A memfd's size is fixed once made (a pooled one is reused at its capacity): sealed, so
