@@ -280,6 +280,7 @@ class _Memfd:
     capacity: int
     mm: mmap.mmap
     idle_since: float = 0.0
+    pid: int = dataclasses.field(default_factory=os.getpid)  # whose pool reuses it (a fork's child never)
 
 
 class _Memfds:
@@ -326,6 +327,9 @@ class _Memfds:
         return _Memfd(fd, cap, mm)
 
     def give(self, m: _Memfd) -> None:
+        if m.pid != os.getpid():  # the parent's, in a forked child (a lease it inherited): not ours to reuse
+            _close(m)
+            return
         m.idle_since = time.monotonic()
         with self.lock:
             kept = sum(x.capacity for x in self.idle) + m.capacity <= MAX_IDLE_BYTES
@@ -343,6 +347,18 @@ class _Memfds:
         with self.lock:
             idle, self.idle = self.idle, []
             self.seats.hold(self.idle)
+        for m in idle:
+            _close(m)
+
+    def forked(self) -> None:
+        """In a forked child: the idle memfds and seats are the parent's (what this process
+        has are copies of its descriptors and mappings), and a lock may have been held by a
+        thread that is not here. Let go of the copies: a memfd the parent may reuse is never
+        reused here, where both would write it at once."""
+        self.lock = threading.Lock()
+        self._sweeper = _segments.IdleSweep(self._sweep)
+        idle, self.idle = self.idle, []
+        self.seats.forget()
         for m in idle:
             _close(m)
 
@@ -385,6 +401,12 @@ class _Seats:
                     continue
                 self.held[cap] = sock
                 break
+
+    def forget(self) -> None:
+        """Close this process's copies of the seats (a forked child's: the parent's stay held)."""
+        held, self.held = self.held, {}
+        for sock in held.values():
+            sock.close()
 
     @staticmethod
     def taken(cap: int) -> bool:
@@ -448,6 +470,16 @@ class _Lease:
 
 
 memfds = _Memfds()
+
+
+def _forked() -> None:
+    """A forked child starts with no relay state of its own (see `_Memfds.forked`)."""
+    memfds.forked()
+    counts.lock = threading.Lock()
+    counts.claims, counts.lent = set(), set()  # the parent's claims and leases
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 class _Server:

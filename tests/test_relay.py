@@ -246,6 +246,40 @@ async def test_a_process_says_which_capacities_it_keeps_warm_and_no_longer_once_
     assert not _relay._Seats.taken(cap)
 
 
+def _in_forked_child(inherited, parent_inode: int, out) -> None:
+    """What a forked child's relay keeps of its parent's warm memfd (sent on `out`)."""
+    size = _relay._layout(SPECS)[1]
+    cap = _relay.memfds.capacity(size)
+    got = {"idle": len(_relay.memfds.idle), "seats": len(_relay.memfds.seats.held),
+           "parent_seat_seen": _relay._Seats.taken(cap)}
+    mine = _relay.memfds.take(size)
+    got["new_memfd"] = os.fstat(mine.fd).st_ino != parent_inode
+    _relay.memfds.give(inherited)  # a lease of the parent's, released here: dropped, not pooled
+    got["after_give"] = [os.fstat(m.fd).st_ino == parent_inode for m in _relay.memfds.idle]
+    out.send(got)
+
+
+def test_a_forked_child_never_reuses_its_parents_warm_memfds():
+    """A child forked from a process with warm memfds would otherwise take the same memfd
+    as its parent for two objects at once, one's bytes over the other's under a mapping."""
+    size = _relay._layout(SPECS)[1]
+    warm = _relay.memfds.take(size)
+    _relay.memfds.give(warm)
+    assert _relay.memfds.idle == [warm] and _relay._Seats.taken(_relay.memfds.capacity(size))
+    ctx = multiprocessing.get_context("fork")
+    here, there = ctx.Pipe()
+    child = ctx.Process(target=_in_forked_child, args=(warm, os.fstat(warm.fd).st_ino, there))
+    child.start()
+    try:
+        assert here.poll(30)
+        got = here.recv()
+    finally:
+        child.join(10)
+    assert got == {"idle": 0, "seats": 0, "parent_seat_seen": True, "new_memfd": True, "after_give": []}
+    assert child.exitcode == 0
+    assert _relay.memfds.idle == [warm] and _relay._Seats.taken(_relay.memfds.capacity(size))  # the parent's, as they were
+
+
 async def test_an_idle_memfd_is_closed_on_its_own(monkeypatch):
     monkeypatch.setenv("RDT_RELAY_KEEP_S", "0.1")
     monkeypatch.setenv("RDT_SHM_IDLE_S", "0.5")
