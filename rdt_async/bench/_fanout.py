@@ -26,6 +26,8 @@ import torch
 
 import rdt_async as rdt
 
+from .. import _relay
+from ..transports import _mappings
 from ._loop import LoopStall
 from ._progress import Progress
 from ._units import human
@@ -109,6 +111,14 @@ class _Loader:
     def ready(self) -> bool:
         return True
 
+    def drop(self) -> None:
+        """Let go of this size's model and of the warm memory kept for it (the relay's idle
+        memfds, kept mappings): the hosts share one machine, and the next size's passes
+        need its memory (8 models of 1 GiB, after 256 MiB, were killed by Ray's OOM killer)."""
+        self.models = {}
+        _relay.memfds.clear()
+        _mappings.cache.clear()
+
 
 @rdt.remote
 class Loader(_Loader):
@@ -187,7 +197,7 @@ def run(sizes: list[int], repeat: int, hosts: int, progress: Progress | None = N
 
         def one_size(size: int) -> list[dict[str, Any]]:
             rows = _size(trainer, loaders, size, repeat)
-            ray.get(trainer.drop.remote())
+            ray.get([trainer.drop.remote(), *(a.drop.remote() for a in loaders["rdt"] + loaders["ray"])])
             return rows
 
         return [trainer, *loaders["rdt"], *loaders["ray"]], one_size
