@@ -415,6 +415,35 @@ async def test_a_claim_held_by_another_user_is_not_trusted():
         assert torch.equal(tensors[0], _values()[0])
 
 
+def _squat_seats_as_nobody(obj: str, bound) -> None:
+    """Hold every seat of SPECS' capacity as another user: the node looks warm, and no
+    warm consumer of ours will ever claim."""
+    import socket
+
+    cap = _relay.memfds.capacity(_relay._layout(SPECS)[1])
+    names = [_relay._seat(cap, i) for i in range(_relay.SEATS)]  # our user's (the uid is in them)
+    os.setuid(65534)
+    held = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in names]
+    for name, sock in zip(names, held):
+        sock.bind(name)
+    bound.set()
+    time.sleep(60)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process as another user")
+async def test_seats_held_by_another_user_cost_a_cold_consumer_its_bounded_wait_and_no_more():
+    async with _claimed_elsewhere(_squat_seats_as_nobody) as (_, obj):
+        assert _relay._Seats.taken(_relay.memfds.capacity(_relay._layout(SPECS)[1]))
+        own, net = Network(), Landing(7)
+        waited = _relay.counts.done["waited_for_warm"]
+        t0 = time.monotonic()
+        tensors, relayed = await asyncio.wait_for(_relay.fetch(obj, SPECS, own, net, warm_only=True), 10)
+        assert time.monotonic() - t0 < 1.0  # its wait: 20 ms for an object this size
+        assert (own.reads, net.reads, relayed) == (1, 0, False)  # then it read for itself
+        assert _relay.counts.done["waited_for_warm"] == waited + 1
+        assert all(torch.equal(t, w) for t, w in zip(tensors, _values()))
+
+
 def test_only_remote_cpu_objects_of_a_mib_or_more_go_through_the_relay(monkeypatch):
     big, small = SPECS, [TensorSpec((16,), torch.float32, "cpu", 64)]
     cuda = [TensorSpec((1 << 18,), torch.float32, "cuda:0", 1 << 20)]
