@@ -117,7 +117,7 @@ def test_the_bench_refuses_unknown_paths_before_it_runs():
 
     assert check_paths(" Rdt auto , ray object store  zero-copy,") == ["rdt auto", "ray object store zero-copy"]
     assert check_paths("") is None
-    with pytest.raises(SystemExit, match=r"--e2e-paths: unknown 'ray objectstore'; the paths are: rdt auto, rdt shm"):
+    with pytest.raises(SystemExit, match=r"--e2e-paths: unknown 'ray objectstore'; the paths are: rdt auto, rdt auto into=, rdt shm"):
         check_paths("rdt auto,ray objectstore")
 
 
@@ -160,6 +160,21 @@ def test_the_benchs_physical_limit_reads_every_byte_and_leaves_no_file(ray_sessi
     assert glob.glob("/dev/shm/rdtbench-limit-*") == []
     assert unavailable(LIMIT, hosts=1) is None
     assert unavailable(LIMIT, hosts=2) == "one host only"  # across hosts the limit is the network's: a row saying so
+
+
+def test_the_benchs_into_path_lands_every_value_in_the_consumers_own_tensor(ray_session):
+    from rdt_async.bench._e2e import INTO, _make_path, check_paths, unavailable
+
+    assert check_paths(f"{INTO.upper()}, rdt auto") == [INTO, "rdt auto"] and unavailable(INTO, hosts=2) is None
+    path = _make_path(INTO, 2)
+    try:
+        for n, shape in ((1 << 18, "kept"), (1 << 18, "fresh"), (1 << 10, "plain"), (1 << 18, "kept")):
+            took, stall = path.one_pass(n, shape, k=2)  # each consumer's sum checked; a copy elsewhere raises
+            assert took > 0 and stall is not None
+        parts = path.parts(1 << 18, "kept")
+        assert parts is not None and set(parts) == {"calls_s", "fetch_s", "read_s"}
+    finally:
+        path.close()
 
 
 def test_a_fetch_of_a_small_object_takes_its_bytes_without_the_cost_model(monkeypatch):

@@ -7,7 +7,8 @@ Three producer shapes (SHAPES), the same code for every path: a tensor it keeps 
 returns each step (a trainer publishing its weights), put in shared memory once with
 `share_memory_()` as the docs recommend (`kept`), or left as it was made, as most users
 do (`plain`: a snapshot must be copied at each return); and a fresh tensor each call
-(`fresh`). The first pass of each (path, shape, size) is
+(`fresh`). `rdt auto into=` is `auto` with a consumer that lands each value in a
+tensor of its own (`rdt.fetch(ref, into=...)`). The first pass of each (path, shape, size) is
 reported apart (cold: first touch of fresh memory, first use of a transport); the rest
 give the warm median. Every row carries its ratio to the best Ray path of the same run,
 and `loop_stall_ms`: the longest the consumer's event loop was held while the value
@@ -35,6 +36,7 @@ from ._units import human
 
 ZERO_COPY_ENV = {"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}}
 RAY_PATHS = ("ray object store", "ray object store zero-copy", "ray rdt nixl", "ray rdt gloo")
+INTO = "rdt auto into="  # the consumer loads each value into a buffer of its own, as a model's weights
 LIMIT = "physical limit"  # the least a pass can cost on one node (see LimitProducer)
 # Paths whose actors load the CPU while idle, run apart from the others: Ray's NIXL agents
 # spin their progress threads (9 s of CPU in 5 idle seconds here, producer and consumer).
@@ -109,6 +111,34 @@ class Consumer(_Reader):
         """The same pass with the ref nested: (sum, seconds to fetch, seconds to read)."""
         t0 = time.perf_counter()
         return _read_parts(t0, await rdt.fetch(refs[0]))
+
+
+@rdt.remote
+class IntoConsumer(_Reader):
+    """An async actor that lands each value in a tensor of its own, written once (warm, as
+    a model's weights are): `await rdt.fetch(ref, into=...)`, the ref passed nested so
+    that the method fetches it."""
+
+    def __init__(self) -> None:
+        self.bufs: dict[int, torch.Tensor] = {}
+
+    def _buf(self, n: int) -> torch.Tensor:
+        if n not in self.bufs:
+            self.bufs = {n: torch.zeros(n)}
+        return self.bufs[n]
+
+    async def _fetch(self, refs: list[Any], n: int) -> torch.Tensor:
+        got: torch.Tensor = await rdt.fetch(refs[0], into=self._buf(n))
+        if got.data_ptr() != self._buf(n).data_ptr():
+            raise AssertionError("into= did not land in the consumer's tensor")
+        return got
+
+    async def read(self, refs: list[Any], n: int) -> tuple[float, float | None]:  # type: ignore[override]
+        return await super().read(await self._fetch(refs, n))
+
+    async def read_parts(self, refs: list[Any], n: int) -> tuple[float, float, float]:
+        t0 = time.perf_counter()
+        return _read_parts(t0, await self._fetch(refs, n))
 
 
 @ray.remote
@@ -235,12 +265,14 @@ def _ray_rdt_classes(transport: str) -> tuple[Any, Any]:
 class _Path:
     """A producer and `fanout` consumers of one kind, and how to tear them down.
 
-    `loop`: the consumers are async actors, whose loop each pass watches (`_Reader`).
+    `loop`: the consumers are async actors, whose loop each pass watches (`_Reader`);
+    `nested`: they take the ref in a list, and the element count (`IntoConsumer`).
     """
 
     def __init__(self, name: str, producer: Any, consumers: list[Any], close: Callable[[], None] = lambda: None,
-                 *, loop: bool = True):
+                 *, loop: bool = True, nested: bool = False):
         self.name, self.producer, self.consumers, self._close, self.loop = name, producer, consumers, close, loop
+        self.nested = nested
         ray.get([producer.ready.remote(), *(c.ready.remote() for c in consumers)], timeout=120)
 
     def one_pass(self, n: int, shape: str, k: int = 1) -> tuple[float, float | None]:
@@ -251,7 +283,8 @@ class _Path:
             ray.get([c.watch.remote() for c in consumers], timeout=60)
         t0 = time.perf_counter()
         ref = self.producer.make.remote(n, shape)
-        read = ray.get([c.read.remote(ref) for c in consumers], timeout=600)
+        args = ([ref], n) if self.nested else (ref,)
+        read = ray.get([c.read.remote(*args) for c in consumers], timeout=600)
         took = time.perf_counter() - t0
         if any(s != float(n) for s, _ in read):
             raise AssertionError(f"{self.name}: read {[s for s, _ in read]}, expected {float(n)} each")
@@ -264,7 +297,8 @@ class _Path:
         t0 = time.perf_counter()
         ref = self.producer.make.remote(n, shape)
         try:
-            total, fetch, read = ray.get(self.consumers[0].read_parts.remote([ref]), timeout=600)
+            args = ([ref], n) if self.nested else ([ref],)
+            total, fetch, read = ray.get(self.consumers[0].read_parts.remote(*args), timeout=600)
         except Exception:  # a path that cannot take a nested ref: no breakdown
             return None
         took = time.perf_counter() - t0
@@ -294,6 +328,9 @@ def unavailable(name: str, hosts: int = 1) -> str | None:
 def _make_path(name: str, fanout: int, hosts: int = 1) -> _Path:
     """The path's actors. See `unavailable` first: it says why a path cannot run here."""
     where = REMOTE if hosts == 2 else {}
+    if name == INTO:
+        consumers = [IntoConsumer.options(**where).remote() for _ in range(fanout)]
+        return _Path(name, _rdt_producer("auto").remote(), consumers, nested=True)
     if name.startswith("rdt "):
         transport = name[4:]
         producer = _rdt_producer(transport).remote()
@@ -338,7 +375,7 @@ def _limit_path(fanout: int) -> _Path:
 
 
 def _ours() -> list[str]:
-    return ["rdt auto", "rdt shm", "rdt tcp", "rdt nixl", "rdt ucxx", "rdt object_store", "rdt gloo"]
+    return ["rdt auto", INTO, "rdt shm", "rdt tcp", "rdt nixl", "rdt ucxx", "rdt object_store", "rdt gloo"]
 
 
 def run(
@@ -542,7 +579,7 @@ def write_costs(rows: list[dict[str, Any]], path: str) -> dict[str, list[float]]
     fitted: dict[str, list[float]] = {}
     for case in {r["case"] for r in rows if r["bench"] == "e2e" and r["case"].startswith("rdt ")}:
         transport = case[4:]
-        if transport == "auto":
+        if transport == "auto" or case == INTO:
             continue
         for hosts in {r.get("hosts", 1) for r in rows}:
             points = [(r["size"], r["seconds"]) for r in rows
