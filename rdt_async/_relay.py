@@ -37,6 +37,7 @@ import asyncio
 import dataclasses
 import errno
 import fcntl
+import hashlib
 import json
 import logging
 import mmap
@@ -175,6 +176,7 @@ async def fetch(
     transfer_into: Callable[[list[torch.Tensor]], Awaitable[list[torch.Tensor]]] | None = None,
     *,
     warm_only: bool = False,
+    source: str = "",
 ) -> tuple[list[torch.Tensor], bool]:
     """Fetch through the node's relay: `(tensors, True)` when another consumer read them.
 
@@ -184,16 +186,19 @@ async def fetch(
     straight into warm memory it can hand over, with no copy, and the others map it as
     soon as the read ends. `warm_only`: `transfer_into` only where this process has a warm
     memfd for the object (a caller whose `into=` buffers are warm already: landing in
-    fresh memory would cost more than the copy it saves).
+    fresh memory would cost more than the copy it saves). `source`: who made the object
+    (`source_of` its producer): a consumer with no warm memfd lets one that last read an
+    object of that producer into one claim it first.
     """
     offsets, size = _layout(specs)
     if transfer_into is not None and not memfds.warm(size):
         # Fresh memory faults in slowly: a consumer of the node that has warm memory for
-        # the object (it read one of this size before) claims it first, where one says it
-        # is there. (One that lands the bytes in its transport's memory never waits, nor
-        # one alone on its node: it has nobody to wait for.)
+        # the object (it read one of this size from the same producer before: a version
+        # of the same weights) claims it first, where one says it is there. (One that
+        # lands the bytes in its transport's memory never waits, nor one with nobody to
+        # wait for: alone on its node, or beside warm readers of other producers.)
         got = _NO_CLAIM
-        if _Seats.taken(memfds.capacity(size)):
+        if _Seats.taken(memfds.capacity(size), source):
             counts.add("waited_for_warm")
             got = await _ask_within(obj_id, specs, _cold_wait_s(size))
         if got is not _NO_CLAIM:
@@ -209,7 +214,7 @@ async def fetch(
         if got is not None and got is not _NO_CLAIM:
             return got, True
         return await transfer(), False
-    return await _serve(claim, obj_id, specs, (offsets, size), transfer, transfer_into), False
+    return await _serve(claim, obj_id, specs, (offsets, size), transfer, transfer_into, source), False
 
 
 async def _serve(
@@ -219,6 +224,7 @@ async def _serve(
     layout: tuple[list[int], int],
     transfer: Callable[[], Awaitable[list[torch.Tensor]]],
     transfer_into: Callable[[list[torch.Tensor]], Awaitable[list[torch.Tensor]]] | None,
+    source: str,
 ) -> list[torch.Tensor]:
     """Read the object for this node; hand a memfd of it to the consumers that asked meanwhile.
 
@@ -237,7 +243,7 @@ async def _serve(
     lease: _Lease | None = None
     try:
         if transfer_into is not None:
-            memfd = memfds.take(size)
+            memfd = memfds.take(size, source)
             landed = await transfer_into(_views(memfd.mm, specs, offsets))  # nothing writes it after a cancel
             del landed  # views of the writable mapping: this consumer gets a copy-on-write one
             counts.add("landed")
@@ -246,7 +252,7 @@ async def _serve(
         else:
             mine = await transfer()
             if server.asked():
-                memfd = memfds.take(size)
+                memfd = memfds.take(size, source)
                 await _io.to_thread_finished(_publish, memfd, mine, specs, offsets)
                 counts.add("copied")
                 lease = _Lease(memfd)
@@ -280,6 +286,7 @@ class _Memfd:
     capacity: int
     mm: mmap.mmap
     idle_since: float = 0.0
+    source: str = ""  # the producer of the object it last held (`source_of`)
     pid: int = dataclasses.field(default_factory=os.getpid)  # whose pool reuses it (a fork's child never)
 
 
@@ -307,7 +314,8 @@ class _Memfds:
         with self.lock:
             return any(m.capacity == cap for m in self.idle)
 
-    def take(self, size: int) -> _Memfd:
+    def take(self, size: int, source: str = "") -> _Memfd:
+        """A warm memfd for `size` bytes (else a new one), for an object of `source`."""
         cap = self.capacity(size)
         _io.settle()
         with self.lock:
@@ -315,6 +323,7 @@ class _Memfds:
                 if m.capacity == cap:
                     taken = self.idle.pop(i)
                     self.seats.hold(self.idle)
+                    taken.source = source
                     return taken
         fd = os.memfd_create("rdt-relay", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
@@ -324,7 +333,7 @@ class _Memfds:
         except BaseException:
             os.close(fd)
             raise
-        return _Memfd(fd, cap, mm)
+        return _Memfd(fd, cap, mm, source=source)
 
     def give(self, m: _Memfd) -> None:
         if m.pid != os.getpid():  # the parent's, in a forked child (a lease it inherited): not ours to reuse
@@ -374,32 +383,33 @@ class _Memfds:
 
 
 class _Seats:
-    """This process says which capacities it has warm memfds of, to the node's other
-    consumers: it holds one of SEATS abstract unix socket names per capacity (bound, never
-    listening; it goes with the process), so that a cold consumer waits for a warm one only
-    where one is there (`taken`), never alone on its node.
+    """This process says which capacities it has warm memfds of, and whose objects they last
+    held, to the node's other consumers: it holds one of SEATS abstract unix socket names per
+    (capacity, source) (bound, never listening; it goes with the process), so that a cold
+    consumer waits for a warm one only where one that read from the same producer is there
+    (`taken`): never alone on its node, nor for a neighbour warm from other objects.
 
     Another user of the node could hold our names too (abstract names have no owner): a
     cold consumer then waits its bound (`_cold_wait_s`) for nothing, no more.
     """
 
     def __init__(self) -> None:
-        self.held: dict[int, socket.socket] = {}
+        self.held: dict[tuple[int, str], socket.socket] = {}
 
     def hold(self, idle: Sequence[_Memfd]) -> None:
-        """Hold a seat for each capacity in `idle`, none other (under the pool's lock)."""
-        caps = {m.capacity for m in idle}
-        for cap in [c for c in self.held if c not in caps]:
-            self.held.pop(cap).close()
-        for cap in caps - self.held.keys():  # (every seat held: the others say it already)
+        """Hold a seat for each (capacity, source) in `idle`, none other (under the pool's lock)."""
+        kinds = {(m.capacity, m.source) for m in idle}
+        for kind in [k for k in self.held if k not in kinds]:
+            self.held.pop(kind).close()
+        for cap, source in kinds - self.held.keys():  # (every seat held: the others say it already)
             for i in range(SEATS):
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 try:
-                    sock.bind(_seat(cap, i))
+                    sock.bind(_seat(cap, source, i))
                 except OSError:
                     sock.close()  # held by another warm process (or a probe, for a moment)
                     continue
-                self.held[cap] = sock
+                self.held[cap, source] = sock
                 break
 
     def forget(self) -> None:
@@ -409,13 +419,14 @@ class _Seats:
             sock.close()
 
     @staticmethod
-    def taken(cap: int) -> bool:
+    def taken(cap: int, source: str) -> bool:
         """Whether a process of this node (its network namespace) says it has a warm memfd
-        of `cap`: a seat's name is bound. Probes by binding each for a moment."""
+        of `cap` that last held an object of `source`: a seat's name is bound. Probes by
+        binding each for a moment."""
         for i in range(SEATS):
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                probe.bind(_seat(cap, i))
+                probe.bind(_seat(cap, source, i))
             except OSError as exc:
                 if exc.errno == errno.EADDRINUSE:
                     return True
@@ -425,8 +436,13 @@ class _Seats:
         return False
 
 
-def _seat(cap: int, i: int) -> bytes:
-    return b"\0rdt-relay-warm-%d-%d-%d" % (os.getuid(), cap, i)
+def _seat(cap: int, source: str, i: int) -> bytes:
+    return b"\0rdt-relay-warm-%d-%d-%s-%d" % (os.getuid(), cap, source.encode(), i)
+
+
+def source_of(node_id: str, pid: int) -> str:
+    """A producer's short name in the seats' names (its node and process)."""
+    return hashlib.blake2b(f"{node_id}:{pid}".encode(), digest_size=8).hexdigest()
 
 
 def _close(m: _Memfd) -> None:

@@ -195,12 +195,13 @@ def _warm_then_claim(obj: str, ready, go) -> None:
 
 async def test_a_cold_consumer_lets_a_warm_neighbour_claim_first_and_alone_on_its_node_waits_for_none(monkeypatch):
     """A consumer fetching `into=` with no warm memfd waits for a neighbour with one to claim
-    the object only where a process of its node says it has one; alone, it claims at once
-    (it waited 20 ms on every fetch: 28 ms for 4 MiB across hosts where 4 sufficed)."""
+    the object only where a process of its node says it has one that last held an object
+    of the same producer; alone, or beside warm readers of other producers, it claims at
+    once (it waited 20 ms on every fetch: 28 ms for 4 MiB across hosts where 4 sufficed)."""
     cap = _relay.memfds.capacity(_relay._layout(SPECS)[1])
     own, net = Network(), Landing(6)
     waited = _relay.counts.done["waited_for_warm"]
-    assert not _relay._Seats.taken(cap)
+    assert not _relay._Seats.taken(cap, "")
     alone, relayed = await _relay.fetch(_obj_id(), SPECS, own, net, warm_only=True)
     assert (own.reads, net.reads, relayed) == (1, 0, False)  # read into its own buffers at once
     assert _relay.counts.done["waited_for_warm"] == waited and _relay.memfds.idle == []
@@ -214,36 +215,41 @@ async def test_a_cold_consumer_lets_a_warm_neighbour_claim_first_and_alone_on_it
     warm.start()
     try:
         assert await asyncio.to_thread(ready.wait, 60)
-        assert _relay._Seats.taken(cap) and not _relay._Seats.taken(cap * 2)
+        assert _relay._Seats.taken(cap, "") and not _relay._Seats.taken(cap * 2, "")
+        assert not _relay._Seats.taken(cap, "another-producer")
+        other, relayed = await _relay.fetch(_obj_id(), SPECS, own, net, warm_only=True, source="another-producer")
+        assert (own.reads, relayed) == (2, False)  # warm from other objects: no wait for it
+        assert _relay.counts.done["waited_for_warm"] == waited
+        del other
         asking = asyncio.ensure_future(_relay.fetch(obj, SPECS, own, net, warm_only=True))
         await asyncio.sleep(0.3)
-        assert not asking.done() and own.reads == 1  # it lets the warm one claim
+        assert not asking.done() and own.reads == 2  # it lets the warm one claim
         go.set()
         tensors, relayed = await asyncio.wait_for(asking, 30)
-        assert (own.reads, net.reads, relayed) == (1, 0, True)  # mapped the neighbour's memfd
+        assert (own.reads, net.reads, relayed) == (2, 0, True)  # mapped the neighbour's memfd
         assert all(torch.equal(t, w) for t, w in zip(tensors, _values(8)))
         assert _relay.counts.done["waited_for_warm"] == waited + 1
         del tensors
     finally:
         warm.kill()
         warm.join(10)
-    assert not _relay._Seats.taken(cap)  # its seat went with it
+    assert not _relay._Seats.taken(cap, "")  # its seat went with it
 
 
 async def test_a_process_says_which_capacities_it_keeps_warm_and_no_longer_once_they_go(monkeypatch):
     monkeypatch.setenv("RDT_RELAY_KEEP_S", "0.1")
     cap = _relay.memfds.capacity(_relay._layout(SPECS)[1])
-    assert not _relay._Seats.taken(cap)
+    assert not _relay._Seats.taken(cap, "")
     a, b = await _round(9)
     del a, b
     await asyncio.sleep(0.3)
-    assert len(_relay.memfds.idle) == 1 and _relay._Seats.taken(cap)  # back, warm: said
+    assert len(_relay.memfds.idle) == 1 and _relay._Seats.taken(cap, "")  # back, warm: said
     taken = _relay.memfds.take(_relay._layout(SPECS)[1])
-    assert not _relay._Seats.taken(cap)  # in use: no longer warm
+    assert not _relay._Seats.taken(cap, "")  # in use: no longer warm
     _relay.memfds.give(taken)
-    assert _relay._Seats.taken(cap)
+    assert _relay._Seats.taken(cap, "")
     _relay.memfds.clear()
-    assert not _relay._Seats.taken(cap)
+    assert not _relay._Seats.taken(cap, "")
 
 
 def _in_forked_child(inherited, parent_inode: int, out) -> None:
@@ -251,7 +257,7 @@ def _in_forked_child(inherited, parent_inode: int, out) -> None:
     size = _relay._layout(SPECS)[1]
     cap = _relay.memfds.capacity(size)
     got = {"idle": len(_relay.memfds.idle), "seats": len(_relay.memfds.seats.held),
-           "parent_seat_seen": _relay._Seats.taken(cap)}
+           "parent_seat_seen": _relay._Seats.taken(cap, "")}
     mine = _relay.memfds.take(size)
     got["new_memfd"] = os.fstat(mine.fd).st_ino != parent_inode
     _relay.memfds.give(inherited)  # a lease of the parent's, released here: dropped, not pooled
@@ -265,7 +271,7 @@ def test_a_forked_child_never_reuses_its_parents_warm_memfds():
     size = _relay._layout(SPECS)[1]
     warm = _relay.memfds.take(size)
     _relay.memfds.give(warm)
-    assert _relay.memfds.idle == [warm] and _relay._Seats.taken(_relay.memfds.capacity(size))
+    assert _relay.memfds.idle == [warm] and _relay._Seats.taken(_relay.memfds.capacity(size), "")
     ctx = multiprocessing.get_context("fork")
     here, there = ctx.Pipe()
     child = ctx.Process(target=_in_forked_child, args=(warm, os.fstat(warm.fd).st_ino, there))
@@ -277,7 +283,7 @@ def test_a_forked_child_never_reuses_its_parents_warm_memfds():
         child.join(10)
     assert got == {"idle": 0, "seats": 0, "parent_seat_seen": True, "new_memfd": True, "after_give": []}
     assert child.exitcode == 0
-    assert _relay.memfds.idle == [warm] and _relay._Seats.taken(_relay.memfds.capacity(size))  # the parent's, as they were
+    assert _relay.memfds.idle == [warm] and _relay._Seats.taken(_relay.memfds.capacity(size), "")  # the parent's, as they were
 
 
 async def test_an_idle_memfd_is_closed_on_its_own(monkeypatch):
@@ -421,7 +427,7 @@ def _squat_seats_as_nobody(obj: str, bound) -> None:
     import socket
 
     cap = _relay.memfds.capacity(_relay._layout(SPECS)[1])
-    names = [_relay._seat(cap, i) for i in range(_relay.SEATS)]  # our user's (the uid is in them)
+    names = [_relay._seat(cap, "", i) for i in range(_relay.SEATS)]  # our user's (the uid is in them)
     os.setuid(65534)
     held = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in names]
     for name, sock in zip(names, held):
@@ -433,7 +439,7 @@ def _squat_seats_as_nobody(obj: str, bound) -> None:
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process as another user")
 async def test_seats_held_by_another_user_cost_a_cold_consumer_its_bounded_wait_and_no_more():
     async with _claimed_elsewhere(_squat_seats_as_nobody) as (_, obj):
-        assert _relay._Seats.taken(_relay.memfds.capacity(_relay._layout(SPECS)[1]))
+        assert _relay._Seats.taken(_relay.memfds.capacity(_relay._layout(SPECS)[1]), "")
         own, net = Network(), Landing(7)
         waited = _relay.counts.done["waited_for_warm"]
         t0 = time.monotonic()
