@@ -31,9 +31,11 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 _PREFIX = "rdt"
 TOPOLOGIES = ("flat", "split")
@@ -335,6 +337,19 @@ class _Node:
             pass
 
 
+def _exit_on_sigterm() -> Any:
+    """Have a SIGTERM (`timeout`, a job scheduler) end the run as Ctrl-C does, through the
+    `finally` that takes the hosts down: not leaving namespaces, links and Ray nodes behind.
+    Returns the handler it replaced (None off the main thread, where none can be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def _exit(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, _exit)
+
+
 def _default_object_store_bytes() -> int:
     """Ray's default for a node: 30% of memory, within what /dev/shm can hold."""
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -370,6 +385,7 @@ def ray_cluster(hosts: int, remote_resource: str = "remote", topology: str = "fl
         os.environ["UCX_TCP_BRIDGE_ENABLE"] = "y"
     made = Hosts(topology)
     cluster = None
+    previous = _exit_on_sigterm()
     try:
         # The object store a user's `ray start` gets, not Cluster's 150 MiB test default:
         # under that pressure Ray spills and runs gc.collect() in every worker, which
@@ -378,6 +394,7 @@ def ray_cluster(hosts: int, remote_resource: str = "remote", topology: str = "fl
                 "object_store_memory": _default_object_store_bytes()}
         cluster = Cluster(initialize_head=True, head_node_args=head)
         ray.init(address=cluster.address, log_to_driver=False)
+        _exit_on_sigterm()  # again: Ray's driver sets a SIGTERM handler of its own (it aborts)
         made.add("remote", cluster.address, {remote_resource: 1000})
         if hosts >= 3:
             made.add("remote2", cluster.address, {remote_resource + "2": 1000})
@@ -387,3 +404,5 @@ def ray_cluster(hosts: int, remote_resource: str = "remote", topology: str = "fl
         if cluster is not None:
             cluster.shutdown()
         made.close()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
