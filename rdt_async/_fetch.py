@@ -324,6 +324,7 @@ def _start(obj: RDTObject, into: Any, device: Any = None, asked: str | None = No
             _buffers.check_apart(buffers, tensors)
         _warn_local(obj.obj_id)
         return _Done(tensors, buffers, "local")
+    _ray.hand_node_ip()  # before a transport first connects (UCX keeps to this address's interface)
     name, meta = choose_transport(obj, _ray.node_id()) if asked is None else asked_transport(obj, asked, _ray.node_id())
     transport = _registry.get(name)
     if buffers is None and device is not None:

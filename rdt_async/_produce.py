@@ -145,6 +145,7 @@ def warm_up(names: Iterable[str]) -> None:
     `transports/ucxx._open_ucx`). `auto` stands for nothing here: `at_creation` says
     when it means nixl.
     """
+    _ray.hand_node_ip()  # UCX keeps its network to the interface of this address
     for name in dict.fromkeys(names):
         if name == _registry.AUTO or (os.getpid(), name) in _warm or not loads_here(name):
             continue  # what cannot load here says so where it is used

@@ -183,8 +183,17 @@ def node_id() -> str:
 @functools.lru_cache(maxsize=1)
 def hand_node_ip() -> None:
     """Tell the transports the address Ray knows this node by: what their listeners
-    advertise to other nodes (`transports/_net.py`). Once per session; before a listener opens."""
-    _net.set_node_ip(ray.util.get_node_ip_address() if ray.is_initialized() else None)
+    advertise to other nodes (`transports/_net.py`), and how to ask the other nodes'
+    (UCX keeps to the interfaces that reach them). Once per session; before a listener opens."""
+    if not ray.is_initialized():
+        _net.set_node_ip(None)
+        return
+    _net.set_node_ip(ray.util.get_node_ip_address(), _node_ips)
+
+
+def _node_ips() -> list[str]:
+    """The addresses Ray knows the cluster's alive nodes by (asked of the GCS)."""
+    return [str(n["NodeManagerAddress"]) for n in ray.nodes() if n.get("Alive")]
 
 
 def get_ref(ref: Any, timeout: float | None) -> Any:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import importlib.util
 import logging
+import os
 import socket
 
 import pytest
@@ -129,6 +130,89 @@ def test_ucxx_advertises_rays_node_ip_and_reads_across_hosts(ray_session, actors
     assert host == ray.get(head.node_ip.remote())
 
 
+NIXL = importlib.util.find_spec("nixl") is not None
+UCX_RANGE = (31000, 31999)
+
+
+def _listening() -> list[tuple[str, int]]:
+    """The addresses this process's TCP sockets listen on (its descriptors, found in the
+    namespace's /proc/net/tcp and tcp6)."""
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            mine.add(link[8:-1])
+    out = []
+    for table, size in (("tcp", 4), ("tcp6", 16)):
+        with open(f"/proc/self/net/{table}") as f:
+            next(f)
+            for line in f:
+                fields = line.split()
+                if fields[3] != "0A" or fields[9] not in mine:  # 0A: LISTEN
+                    continue
+                raw, port = fields[1].split(":")
+                packed = bytes.fromhex(raw)
+                packed = b"".join(packed[i : i + 4][::-1] for i in range(0, size, 4))  # host-order words
+                host = socket.inet_ntop(socket.AF_INET if size == 4 else socket.AF_INET6, packed)
+                out.append((host.removeprefix("::ffff:"), int(port, 16)))
+    return out
+
+
+@rdt.remote
+class UcxProducer:
+    """A producer whose UCX context is made after the test's changes to its host."""
+
+    def __init__(self) -> None:
+        self.before = set(_listening())  # Ray's own
+
+    @rdt.method
+    def make(self, n: int, v: float):
+        return {"w": torch.full((n,), v)}
+
+    def node_ip(self) -> str:
+        return ray.util.get_node_ip_address()
+
+    def listening(self) -> list[tuple[str, int]]:
+        """What listens since it was made: UCX's listeners (and ucxx's request listener)."""
+        return [a for a in _listening() if a not in self.before]
+
+
+@pytest.mark.parametrize("transport", [
+    pytest.param("ucxx", marks=pytest.mark.skipif(not UCXX, reason="ucxx is not installed")),
+    pytest.param("nixl", marks=pytest.mark.skipif(not NIXL, reason="nixl is not installed")),
+])
+def test_ucx_keeps_to_the_interface_of_rays_node_ip_and_to_rdt_port_range(ray_session, transport):
+    """UCX left to itself listens on every interface of its host and lets a peer open lanes
+    to any of them. On the flat topology a link of another host on the head (which the test
+    adds here) ended every ucxx fetch from the other host in PeerDiedError ("the
+    producer's endpoint closed"); behind a firewall, UCX's listeners took ports outside
+    RDT_PORT_RANGE. Now the producer's UCX listens only on Ray's node IP (and ucxx's request
+    listener on 0.0.0.0), each port in RDT_PORT_RANGE, and the fetch reads the value."""
+    from rdt_async.bench._hosts import Hosts
+
+    if ray_session.hosts is None:
+        pytest.skip("needs network namespaces")
+    extra = Hosts(ray_session.hosts.topology)  # a link in the head's namespace, to a host with nobody on it
+    try:
+        confined = {"env_vars": {"RDT_PORT_RANGE": f"{UCX_RANGE[0]}-{UCX_RANGE[1]}"}}
+        producer = UcxProducer.options(runtime_env=confined).remote()  # fresh: its UCX is made after the link
+        reader = Consumer.options(**ON_NODE2).remote()
+        ref = producer.make.options(tensor_transport=transport).remote(1 << 20, 5.0)
+        sums, used, _, _ = ray.get(reader.read.remote([ref]), timeout=120)
+        assert sums == [5.0 * (1 << 20)] and used == {transport: 1}
+        node_ip, listening = ray.get([producer.node_ip.remote(), producer.listening.remote()])
+        ucx = [(h, p) for h, p in listening if h == node_ip]
+        assert ucx and {h for h, _ in listening} <= {node_ip, "0.0.0.0"}, (node_ip, listening)
+        assert all(UCX_RANGE[0] <= p <= UCX_RANGE[1] for _, p in listening), listening
+        ray.kill(producer)
+        ray.kill(reader)
+    finally:
+        extra.close()
+
+
 def test_settings_must_be_ip_addresses(monkeypatch):
     monkeypatch.setenv("RDT_ADVERTISE_HOST", "head.example")
     with pytest.raises(ValueError, match=r"RDT_ADVERTISE_HOST='head.example': give an IP address"):
@@ -138,6 +222,40 @@ def test_settings_must_be_ip_addresses(monkeypatch):
     monkeypatch.delenv("RDT_TCP_HOST")
     monkeypatch.setenv("RDT_ADVERTISE_HOST", "fd00::7")
     assert _net.address("RDT_UCXX_HOST").host == "fd00::7"
+
+
+def test_ucx_settings_name_the_advertised_interface_and_the_port_range_and_yield_to_yours(monkeypatch):
+    from rdt_async.transports import _ucx
+
+    for var in ("UCX_NET_DEVICES", "UCX_TCP_PORT_RANGE", "UCX_TCP_BRIDGE_ENABLE", "RDT_PORT_RANGE", "RDT_UCXX_HOST"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(_net, "_node_ip", None)
+    monkeypatch.setattr(_net, "_node_ips", list)  # no other nodes (a session's earlier test may have handed them in)
+    monkeypatch.delenv("RDT_ADVERTISE_HOST", raising=False)
+    assert _ucx.settings("RDT_UCXX_HOST") == {}  # outside Ray: the route out is a guess, UCX keeps its default
+    monkeypatch.setenv("RDT_ADVERTISE_HOST", "127.0.0.1")
+    devices = _ucx.settings("RDT_UCXX_HOST")["UCX_NET_DEVICES"].split(",")
+    assert devices[0] == "lo" and all(":" in d for d in devices[1:])  # the interface, then RDMA ports
+    monkeypatch.setattr(_net, "_node_ip", "127.0.0.1")
+    monkeypatch.delenv("RDT_ADVERTISE_HOST")
+    monkeypatch.setenv("RDT_PORT_RANGE", "20000-20100")
+    got = _ucx.settings("RDT_UCXX_HOST")
+    assert got["UCX_NET_DEVICES"].split(",")[0] == "lo" and got["UCX_TCP_PORT_RANGE"] == "20000-20100"
+    assert "UCX_TCP_BRIDGE_ENABLE" not in got  # lo is no bridge
+    out = _net.route_out()
+    monkeypatch.setattr(_net, "_node_ips", lambda: ["127.0.0.1", out, "not an address"])  # the cluster's nodes
+    assert _net.cluster_interfaces("127.0.0.1") == ["lo"] + ([_net.interface_of(out)] if out != "127.0.0.1" else [])
+    monkeypatch.setattr(_net, "_node_ips", lambda: 1 / 0)  # the GCS out of reach: the node's own interface still
+    assert _net.cluster_interfaces("127.0.0.1") == ["lo"]
+    monkeypatch.setenv("RDT_UCXX_HOST", "192.0.2.254")  # none of this host's: behind NAT
+    assert "UCX_NET_DEVICES" not in _ucx.settings("RDT_UCXX_HOST")
+    monkeypatch.delenv("RDT_UCXX_HOST")
+    monkeypatch.setenv("UCX_NET_DEVICES", "all")  # yours win
+    monkeypatch.setenv("UCX_TCP_PORT_RANGE", "0")
+    assert _ucx.settings("RDT_UCXX_HOST") == {}
+    with _ucx.environment({"UCX_TCP_BRIDGE_ENABLE": "y"}):
+        assert os.environ["UCX_TCP_BRIDGE_ENABLE"] == "y"
+    assert "UCX_TCP_BRIDGE_ENABLE" not in os.environ  # only while a context is made
 
 
 def test_a_tcp_listener_binds_the_address_it_advertises_ipv6_too(monkeypatch):

@@ -42,15 +42,18 @@ log = logging.getLogger("rdt_async")
 T = TypeVar("T")
 
 _node_ip: str | None = None
+_node_ips: Callable[[], list[str]] = list  # the cluster's nodes' addresses, asked only where needed
 
 
-def set_node_ip(ip: str | None) -> None:
-    """Hand in the address Ray knows this node by (None: not in a Ray session).
+def set_node_ip(ip: str | None, node_ips: Callable[[], list[str]] = list) -> None:
+    """Hand in the address Ray knows this node by (None: not in a Ray session), and how to
+    ask the addresses of the cluster's nodes (`cluster_interfaces`).
 
     Runs on: either side, by the core (`_ray`), before a listener is opened.
     """
-    global _node_ip
+    global _node_ip, _node_ips
     _node_ip = None if ip is None else ip_literal(ip, "Ray's node IP address")
+    _node_ips = node_ips
 
 
 def ip_literal(host: str, what: str) -> str:
@@ -197,3 +200,87 @@ def tcp_listener(env: str, what: str, backlog: int = 128) -> tuple[socket.socket
         raise TransportUnavailableError(
             f"{what} cannot listen on {where.host or 'every interface'} ({where.source}): {exc}; {settings_hint(env)}"
         ) from exc
+
+
+def interface_of(host: str) -> str | None:
+    """The name of this host's network interface that holds address `host`, or None
+    (not an address of this host: behind NAT; not Linux)."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    try:
+        if ip.version == 6:
+            return _v6_interface(ip)
+        return _v4_interfaces().get(str(ip))
+    except OSError:
+        return None
+
+
+def _v4_interfaces() -> dict[str, str]:
+    """This host's IPv4 addresses and the interface of each (SIOCGIFCONF: every address,
+    aliases too; an alias's label `eth0:1` names its interface `eth0`)."""
+    import array
+    import fcntl
+    import struct
+
+    if struct.calcsize("P") != 8:
+        return {}
+    siocgifconf, ifreq = 0x8912, 40  # struct ifreq on 64-bit Linux: 16 bytes of name, 24 of union
+    size = 64
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        while True:
+            buf = array.array("B", bytes(size * ifreq))
+            filled = struct.unpack("iL", fcntl.ioctl(s.fileno(), siocgifconf, struct.pack("iL", len(buf), buf.buffer_info()[0])))[0]
+            if filled < len(buf):
+                break
+            size *= 2  # it may have left some out
+    raw = buf.tobytes()
+    found: dict[str, str] = {}
+    for at in range(0, filled, ifreq):
+        name = raw[at : at + 16].split(b"\0", 1)[0].decode(errors="replace").split(":", 1)[0]
+        found.setdefault(socket.inet_ntoa(raw[at + 20 : at + 24]), name)  # sockaddr_in's address
+    return found
+
+
+def _v6_interface(ip: ipaddress.IPv6Address) -> str | None:
+    with open("/proc/net/if_inet6") as f:  # address (32 hex digits), index, prefix, scope, flags, name
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 6 and fields[0] == ip.exploded.replace(":", ""):
+                return fields[5]
+    return None
+
+
+def cluster_interfaces(host: str) -> list[str]:
+    """This host's interfaces that hold `host` (first) or that its routes take to the
+    addresses of the cluster's nodes: where traffic of this cluster goes. Empty where
+    `host` is none of this host's addresses (behind NAT)."""
+    first = interface_of(host)
+    if first is None:
+        return []
+    found = [first]
+    try:
+        peers = _node_ips()
+    except Exception as exc:  # (Ray's GCS out of reach): the node's own interface still
+        log.debug("rdt_async: could not ask the cluster's node addresses: %s", exc)
+        peers = []
+    for peer in peers:
+        source = _source_toward(peer)
+        name = interface_of(source) if source else None
+        if name is not None and name not in found:
+            found.append(name)
+    return found
+
+
+def _source_toward(peer: str) -> str | None:
+    """The source address this host's routes give a packet to `peer` (none is sent)."""
+    if not is_ip(peer):
+        return None
+    family = socket.AF_INET6 if ":" in peer else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((peer, 9))
+            return str(s.getsockname()[0])
+        except OSError:
+            return None

@@ -5,16 +5,25 @@ Both builds install UCM memory hooks; with UCXX's loaded, a NIXL transfer handle
 released mid-read crashed the process here (segfault in `check_xfer_state`). So the
 first of the two that loads its UCX in a process owns it, and the other says so
 (`TransportUnavailableError`, and in `available_transports()`) instead of crashing.
+
+Either UCX, left to itself, uses every network interface of the host: its worker address
+lists each, and a peer may open a lane to any of them (a management network behind a
+firewall, a container bridge, a link that goes away). A context rdt_async makes keeps
+its network to the interfaces this cluster's traffic takes (`settings`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import logging
 import os
 import sys
 import threading
+from collections.abc import Iterator
 
 from .._errors import TransportUnavailableError
+from . import _net
 
 _OTHER = {"nixl": "ucxx", "ucxx": "nixl"}
 _lock = threading.Lock()
@@ -59,3 +68,70 @@ def open_libraries(paths: list[str]) -> None:
     for path in paths:
         if os.path.isfile(path):
             dlopen(os.fsencode(path), os.RTLD_LOCAL | os.RTLD_NOW)  # (never closed: the loaders keep it)
+
+
+def settings(env: str) -> dict[str, str]:
+    """UCX settings for a context made in this process, each only where the environment
+    names none (yours win; `UCX_NET_DEVICES=all` gives UCX its default back):
+
+    - `UCX_NET_DEVICES`: the interface holding the address this transport advertises
+      (`_net.address(env)`: its own setting, RDT_ADVERTISE_HOST, or Ray's node IP), those
+      this host's routes take to the cluster's other nodes (`_net.cluster_interfaces`),
+      and every active RDMA port (`mlx5_0:1`, ...): UCX's RDMA transports stay as they
+      were. Outside Ray, or where the address is none of this host's, UCX keeps its default.
+    - `UCX_TCP_BRIDGE_ENABLE=y` where one of them is a bridge (UCX leaves bridges out).
+    - `UCX_TCP_PORT_RANGE` from RDT_PORT_RANGE, so that UCX's own listeners keep to it.
+    """
+    out: dict[str, str] = {}
+    try:
+        where = _net.address(env)
+        span = _net.port_range()
+    except ValueError:
+        return out  # a bad setting: the transport's listener says so
+    pin = "UCX_NET_DEVICES" not in os.environ and where.source != _net.ROUTE_OUT
+    devices = _net.cluster_interfaces(where.host) if pin else []
+    if devices:
+        out["UCX_NET_DEVICES"] = ",".join([*devices, *_rdma_ports()])
+        if any(os.path.isdir(f"/sys/class/net/{d}/bridge") for d in devices):
+            out["UCX_TCP_BRIDGE_ENABLE"] = "y"
+    if span is not None:
+        out["UCX_TCP_PORT_RANGE"] = f"{span[0]}-{span[1]}"
+    return {k: v for k, v in out.items() if k not in os.environ}
+
+
+def _rdma_ports() -> list[str]:
+    """This host's active RDMA ports, as UCX names them (`mlx5_0:1`)."""
+    root = "/sys/class/infiniband"
+    found: list[str] = []
+    try:
+        devices = sorted(os.listdir(root))
+    except OSError:
+        return found
+    for dev in devices:
+        try:
+            ports = sorted(os.listdir(f"{root}/{dev}/ports"), key=lambda p: int(p) if p.isdigit() else 0)
+        except OSError:
+            continue
+        for port in ports:
+            try:
+                with open(f"{root}/{dev}/ports/{port}/state") as f:
+                    active = "ACTIVE" in f.read()
+            except OSError:
+                active = False
+            if active:
+                found.append(f"{dev}:{port}")
+    return found
+
+
+@contextlib.contextmanager
+def environment(added: dict[str, str]) -> Iterator[None]:
+    """Set `added` in the environment while a UCX context is made (UCX reads it then), and
+    take it away after: a process's children and later contexts do not inherit it."""
+    if added:
+        logging.getLogger("rdt_async").debug("rdt_async: UCX context made with %s", added)
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)

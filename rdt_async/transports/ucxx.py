@@ -156,8 +156,7 @@ class _Worker:
 
         self.u, self.Array = libucxx, Array
         flags = (libucxx.Feature.TAG, libucxx.Feature.WAKEUP, libucxx.Feature.AM)
-        self.context = _context(libucxx, flags)
-        self.worker = libucxx.UCXWorker(self.context)
+        self.context, self.worker = _context(libucxx, flags)
         self.worker.init_blocking_progress_mode()
         self.loop = asyncio.get_running_loop()
         self.loop.add_reader(self.worker.epoll_file_descriptor, self.progress)
@@ -360,21 +359,22 @@ class _Worker:
                 fut.set_exception(self.u.UCXNotConnectedError("the producer's endpoint closed"))
 
 
-def _context(libucxx: Any, flags: tuple[Any, ...]) -> Any:
-    """Create the UCX context, with UCXX's own log at FATAL unless UCXX_LOG_LEVEL says.
+def _context(libucxx: Any, flags: tuple[Any, ...]) -> tuple[Any, Any]:
+    """Create the UCX context and worker: their network on the interface this transport
+    advertises (`_ucx.settings`), and UCXX's own log at FATAL unless UCXX_LOG_LEVEL says.
 
     UCXX logs at ERROR, on stdout, each endpoint that fails with a status other than a
     reset: here, every producer that exits while a consumer holds an endpoint to it.
     The fetch raises PeerDiedError for it; a library's stdout belongs to the program.
-    UCXX reads the variable when a context is made.
+    UCX and UCXX read their variables as the context is made, and the settings of UCX's
+    transports (its TCP listeners' ports) as the worker opens them.
     """
-    if "UCXX_LOG_LEVEL" in os.environ:
-        return libucxx.UCXContext({}, feature_flags=flags)
-    os.environ["UCXX_LOG_LEVEL"] = "FATAL"
-    try:
-        return libucxx.UCXContext({}, feature_flags=flags)
-    finally:
-        os.environ.pop("UCXX_LOG_LEVEL", None)
+    added = _ucx.settings(HOST_ENV)
+    if "UCXX_LOG_LEVEL" not in os.environ:
+        added["UCXX_LOG_LEVEL"] = "FATAL"
+    with _ucx.environment(added):
+        context = libucxx.UCXContext({}, feature_flags=flags)
+        return context, libucxx.UCXWorker(context)
 
 
 def _settle(request: Any, fut: asyncio.Future[Any], keep: Any) -> bool:

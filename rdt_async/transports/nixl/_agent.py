@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 from ... import _io
 from ..._errors import TransportUnavailableError
+from .. import _net, _ucx
 from .._kit import int_setting
 
 T = TypeVar("T")
@@ -67,8 +68,9 @@ def import_reason() -> str | None:
 
 @contextlib.contextmanager
 def ucx_settings() -> Iterator[None]:
-    """Make an agent inside: UCX gets this transport's settings (UCX_DEFAULTS) where the
-    environment names none, and a CUDA context first, where the process has a GPU.
+    """Make an agent inside: UCX gets this transport's settings (UCX_DEFAULTS, and the
+    network `_ucx.settings` keeps it to) where the environment names none, and a CUDA
+    context first, where the process has a GPU.
 
     UCX gives an agent its CUDA transports for remote reads only if the process has a
     CUDA context when the agent is made: made first, a READ of GPU memory on the same
@@ -78,12 +80,9 @@ def ucx_settings() -> Iterator[None]:
     reads them then): they are not left to the process's children.
     """
     added = {k: v for k, v in UCX_DEFAULTS.items() if k not in os.environ} if _cuda_context() else {}
-    os.environ.update(added)
-    try:
+    added.update(_ucx.settings(_net.ADVERTISE_ENV))  # its network on the interface Ray knows this node by
+    with _ucx.environment(added):
         yield
-    finally:
-        for key in added:
-            os.environ.pop(key, None)
 
 
 def _cuda_context() -> bool:
