@@ -381,7 +381,8 @@ def ray_cluster(hosts: int, remote_resource: str = "remote", topology: str = "fl
 
     if topology == "split":
         # The split rig's data network is a Linux bridge, whose address UCX's TCP leaves out
-        # unless told (ucxx, nixl): set before any node starts, so every process has it.
+        # unless told: rdt_async tells it, the bench's raw nixl and ucxx paths do not. Set
+        # before any node starts, so every process has it.
         os.environ["UCX_TCP_BRIDGE_ENABLE"] = "y"
     made = Hosts(topology)
     cluster = None
