@@ -77,8 +77,8 @@ def settings(env: str) -> dict[str, str]:
     - `UCX_NET_DEVICES`: the interface holding the address this transport advertises
       (`_net.address(env)`: its own setting, RDT_ADVERTISE_HOST, or Ray's node IP), those
       this host's routes take to the cluster's other nodes (`_net.cluster_interfaces`),
-      and every active RDMA port (`mlx5_0:1`, ...): UCX's RDMA transports stay as they
-      were. Outside Ray, or where the address is none of this host's, UCX keeps its default.
+      loopback (this host's own processes), and every active RDMA port (`mlx5_0:1`, ...):
+      UCX's RDMA transports stay as they were. Outside Ray, or where the address is none of this host's, UCX keeps its default.
     - `UCX_TCP_BRIDGE_ENABLE=y` where one of them is a bridge (UCX leaves bridges out).
     - `UCX_TCP_PORT_RANGE` from RDT_PORT_RANGE, so that UCX's own listeners keep to it.
     """
@@ -91,7 +91,13 @@ def settings(env: str) -> dict[str, str]:
     pin = "UCX_NET_DEVICES" not in os.environ and where.source != _net.ROUTE_OUT
     devices = _net.cluster_interfaces(where.host) if pin else []
     if devices:
-        out["UCX_NET_DEVICES"] = ",".join([*devices, *_rdma_ports()])
+        # Loopback too: UCX's control messages between processes of this host go over TCP
+        # (NIXL asks for peer failure handling, which UCX's shared-memory transports lack),
+        # and UCX takes a device only where the route to the peer leaves through it: to an
+        # address of this host, that is `lo` (without it: "no route", the agent's endpoint
+        # fails). UCX offers loopback to processes of this host only.
+        names = [*devices, *(["lo"] if "lo" not in devices else [])]
+        out["UCX_NET_DEVICES"] = ",".join([*names, *_rdma_ports()])
         if any(os.path.isdir(f"/sys/class/net/{d}/bridge") for d in devices):
             out["UCX_TCP_BRIDGE_ENABLE"] = "y"
     if span is not None:

@@ -67,9 +67,9 @@ def import_reason() -> str | None:
 
 
 @contextlib.contextmanager
-def ucx_settings() -> Iterator[None]:
-    """Make an agent inside: UCX gets this transport's settings (UCX_DEFAULTS, and the
-    network `_ucx.settings` keeps it to) where the environment names none, and a CUDA
+def ucx_settings(network: dict[str, str] | None = None) -> Iterator[None]:
+    """Make an agent inside: UCX gets this transport's settings (UCX_DEFAULTS, and
+    `network`, those of `_ucx.settings`) where the environment names none, and a CUDA
     context first, where the process has a GPU.
 
     UCX gives an agent its CUDA transports for remote reads only if the process has a
@@ -80,7 +80,7 @@ def ucx_settings() -> Iterator[None]:
     reads them then): they are not left to the process's children.
     """
     added = {k: v for k, v in UCX_DEFAULTS.items() if k not in os.environ} if _cuda_context() else {}
-    added.update(_ucx.settings(_net.ADVERTISE_ENV))  # its network on the interface Ray knows this node by
+    added.update(network or {})  # its network (`_ucx.settings`)
     with _ucx.environment(added):
         yield
 
@@ -143,7 +143,11 @@ class Agent:
             backends=["UCX"],
             sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
         )
-        with ucx_settings():  # UCX reads its environment as the agent's backend makes its context
+        # The network it is made for: the Ray session's view (`_net.generation`) and UCX's
+        # settings under it; a later session may find it stale (`NixlTransport._get`).
+        self.generation = _net.generation
+        self.network = _ucx.settings(_net.ADVERTISE_ENV)
+        with ucx_settings(self.network):  # UCX reads its environment as the agent's backend makes its context
             self.nixl = _new_agent(nixl_agent, self.name, cfg, delay)
         if "UCX" not in self.nixl.backends:
             raise TransportUnavailableError(
