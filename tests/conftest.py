@@ -45,8 +45,11 @@ def cluster():
 
     why = "RDT_TEST_ONE_HOST=1" if os.environ.get("RDT_TEST_ONE_HOST") == "1" else Hosts.unavailable()
     hosts = None if why else Hosts(TOPOLOGY if TOPOLOGY != "three" else "split")
-    # (The split rig's data network is a Linux bridge, which UCX's TCP leaves out unless
-    # told: rdt_async tells it, `transports/_ucx.settings`.)
+    if hosts is not None and hosts.topology == "split":
+        # The split rig's data network is a Linux bridge, which UCX's TCP leaves out unless
+        # told: rdt_async tells ucxx's (`transports/_ucx.settings`), not NIXL's, whose
+        # devices it leaves alone. Set before any node starts, so every process has it.
+        os.environ["UCX_TCP_BRIDGE_ENABLE"] = "y"
     # Ray declares a host that stops answering dead after ~10 s, not its default ~30-60 s
     # (test_partition cuts a host off and waits for that verdict).
     health = {"health_check_period_ms": 1000, "health_check_timeout_ms": 1000, "health_check_failure_threshold": 10}

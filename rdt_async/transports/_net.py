@@ -43,7 +43,6 @@ T = TypeVar("T")
 
 _node_ip: str | None = None
 _node_ips: Callable[[], list[str]] = list  # the cluster's nodes' addresses, asked only where needed
-generation = 0  # counts the views handed in (`set_node_ip`): a UCX context made under an older one may be stale
 
 
 def set_node_ip(ip: str | None, node_ips: Callable[[], list[str]] = list) -> None:
@@ -52,10 +51,9 @@ def set_node_ip(ip: str | None, node_ips: Callable[[], list[str]] = list) -> Non
 
     Runs on: either side, by the core (`_ray`), before a listener is opened.
     """
-    global _node_ip, _node_ips, generation
+    global _node_ip, _node_ips
     _node_ip = None if ip is None else ip_literal(ip, "Ray's node IP address")
     _node_ips = node_ips
-    generation += 1
 
 
 def ip_literal(host: str, what: str) -> str:

@@ -8,8 +8,9 @@ first of the two that loads its UCX in a process owns it, and the other says so
 
 Either UCX, left to itself, uses every network interface of the host: its worker address
 lists each, and a peer may open a lane to any of them (a management network behind a
-firewall, a container bridge, a link that goes away). A context rdt_async makes keeps
-its network to the interfaces this cluster's traffic takes (`settings`).
+firewall, a container bridge, a link that goes away). A context ucxx makes keeps its
+network to the interfaces this cluster's traffic takes; NIXL's and ucxx's keep their
+ports to RDT_PORT_RANGE (`settings`).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def open_libraries(paths: list[str]) -> None:
             dlopen(os.fsencode(path), os.RTLD_LOCAL | os.RTLD_NOW)  # (never closed: the loaders keep it)
 
 
-def settings(env: str) -> dict[str, str]:
+def settings(env: str, devices: bool = True) -> dict[str, str]:
     """UCX settings for a context made in this process, each only where the environment
     names none (yours win; `UCX_NET_DEVICES=all` gives UCX its default back):
 
@@ -81,6 +82,8 @@ def settings(env: str) -> dict[str, str]:
       UCX's RDMA transports stay as they were. Outside Ray, or where the address is none of this host's, UCX keeps its default.
     - `UCX_TCP_BRIDGE_ENABLE=y` where one of them is a bridge (UCX leaves bridges out).
     - `UCX_TCP_PORT_RANGE` from RDT_PORT_RANGE, so that UCX's own listeners keep to it.
+
+    `devices=False`: the port range only (NIXL's agent: see `nixl/_agent.Agent`).
     """
     out: dict[str, str] = {}
     try:
@@ -88,17 +91,17 @@ def settings(env: str) -> dict[str, str]:
         span = _net.port_range()
     except ValueError:
         return out  # a bad setting: the transport's listener says so
-    pin = "UCX_NET_DEVICES" not in os.environ and where.source != _net.ROUTE_OUT
-    devices = _net.cluster_interfaces(where.host) if pin else []
-    if devices:
+    pin = devices and "UCX_NET_DEVICES" not in os.environ and where.source != _net.ROUTE_OUT
+    found = _net.cluster_interfaces(where.host) if pin else []
+    if found:
         # Loopback too: UCX's control messages between processes of this host go over TCP
         # (NIXL asks for peer failure handling, which UCX's shared-memory transports lack),
         # and UCX takes a device only where the route to the peer leaves through it: to an
         # address of this host, that is `lo` (without it: "no route", the agent's endpoint
         # fails). UCX offers loopback to processes of this host only.
-        names = [*devices, *(["lo"] if "lo" not in devices else [])]
+        names = [*found, *(["lo"] if "lo" not in found else [])]
         out["UCX_NET_DEVICES"] = ",".join([*names, *_rdma_ports()])
-        if any(os.path.isdir(f"/sys/class/net/{d}/bridge") for d in devices):
+        if any(os.path.isdir(f"/sys/class/net/{d}/bridge") for d in found):
             out["UCX_TCP_BRIDGE_ENABLE"] = "y"
     if span is not None:
         out["UCX_TCP_PORT_RANGE"] = f"{span[0]}-{span[1]}"

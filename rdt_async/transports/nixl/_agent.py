@@ -143,11 +143,11 @@ class Agent:
             backends=["UCX"],
             sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
         )
-        # The network it is made for: the Ray session's view (`_net.generation`) and UCX's
-        # settings under it; a later session may find it stale (`NixlTransport._get`).
-        self.generation = _net.generation
-        self.network = _ucx.settings(_net.ADVERTISE_ENV)
-        with ucx_settings(self.network):  # UCX reads its environment as the agent's backend makes its context
+        # Not UCX's devices (`_ucx.settings`): NIXL's UCX crashed a producer (a SIGSEGV in
+        # `ucp_ep_set_lanes_failed`) whose peer on its host saw other interfaces than its
+        # own, as a process whose agent was made before `ray.init` does, and making such an
+        # agent anew left the old one to crash its process. Its ports keep to RDT_PORT_RANGE.
+        with ucx_settings(_ucx.settings(_net.ADVERTISE_ENV, devices=False)):  # UCX reads its environment as the agent's backend makes its context
             self.nixl = _new_agent(nixl_agent, self.name, cfg, delay)
         if "UCX" not in self.nixl.backends:
             raise TransportUnavailableError(

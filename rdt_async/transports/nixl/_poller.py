@@ -32,14 +32,6 @@ class Poller:
         if self._task is None or self._task.done() or self._idle:
             _io.call_soon(self._start)
 
-    def stop(self) -> None:
-        """End the task (its agent is let go; from any thread)."""
-        _io.call_soon(self._stop)
-
-    def _stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-
     def _start(self) -> None:
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._poll())

@@ -14,7 +14,6 @@ import asyncio
 import dataclasses
 import functools
 import importlib.util
-import logging
 import os
 import socket
 import threading
@@ -26,7 +25,7 @@ import torch
 from ... import _cuda, _io
 from ..._errors import BackendError, ObjectFreedError, PeerDiedError, RDTError, TransportUnavailableError
 from ..._local import copy_into, pid_alive
-from .. import _net, _ucx
+from .. import _ucx
 from .._base import Channel, Cost, TransferInfo, Transport, WarmAt
 from ._agent import Agent, import_reason
 from ._check import check
@@ -38,8 +37,6 @@ from ._plan import ReadPlan
 from ._poller import Poller
 from ._producer import Exports
 from ._scratch import Scratch
-
-log = logging.getLogger("rdt_async")
 
 # How long a fetch that lost its connection to a live producer may take to ask it anew
 # whether the object was freed.
@@ -57,26 +54,6 @@ class _Here:
         self.peers = Peers(agent, gone=_gone)
         self.exports = Exports(agent, self.memory, self.slots, host)
         self.poller = Poller(agent, busy=self.memory.busy)  # a user's registration alone is not work
-
-
-def _stale(here: _Here) -> bool:
-    """Whether the agent was made for another network than this Ray session's and holds
-    nothing: a process that used nixl before `ray.init` (or in another session) would
-    otherwise meet agents of its node that UCX keeps to other interfaces, and a UCX peer
-    whose interfaces differ from its own crashed the producer (a SIGSEGV in
-    `ucp_ep_set_lanes_failed`). One that holds registered memory is kept, and says so."""
-    network = _ucx.settings(_net.ADVERTISE_ENV)
-    if network == here.agent.network:
-        here.agent.generation = _net.generation
-        return False
-    if here.memory.stats()["storages"]:
-        log.warning(
-            "rdt_async: this process's NIXL agent was made for another network (UCX settings %s, now %s) and "
-            "holds registered memory, so it stays: make nixl objects after ray.init", here.agent.network, network,
-        )
-        here.agent.generation = _net.generation
-        return False
-    return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,20 +164,16 @@ class NixlTransport(Transport[NixlMeta]):
         return here if here is not None and here.agent.pid == os.getpid() else None
 
     def _get(self) -> _Here:
-        """Return this process's agent and parts, making them (~0.5 s) on first use, and
-        anew where the agent is stale (`_stale`). Blocking."""
+        """Return this process's agent and parts, making them (~0.5 s) on first use. Blocking."""
         here = self._current()
-        if here is not None and here.agent.generation == _net.generation:
+        if here is not None:
             return here
         with self._making:
-            here = self._current()
-            if here is None or _stale(here):
+            if self._current() is None:
                 reason = import_reason()
                 if reason is not None:
                     raise TransportUnavailableError(f"transport 'nixl' is unavailable: {reason}")
                 _ucx.claim("nixl")
-                if here is not None:
-                    here.poller.stop()
                 self._here = _Here(self._host)
             assert self._here is not None
             return self._here
@@ -214,9 +187,7 @@ class NixlTransport(Transport[NixlMeta]):
 
     async def _get_async(self) -> _Here:
         here = self._current()
-        if here is not None and here.agent.generation == _net.generation:
-            return here
-        return await _io.to_thread(self._get, purpose=_io.CALLS)
+        return here if here is not None else await _io.to_thread(self._get, purpose=_io.CALLS)
 
     # -- producer --------------------------------------------------------------------
 
@@ -343,8 +314,6 @@ class NixlTransport(Transport[NixlMeta]):
         check(info, info.producer_pid)
         meta = info.meta
         here = self._current()
-        if here is not None and here.agent.generation != _net.generation:
-            here = None  # made for another session's network: the usual path makes it anew (`_get`)
         remote = None if here is None else here.peers.remote(meta.agent)
         if (
             here is None or remote is None or meta.host != self._host
