@@ -33,6 +33,27 @@ def open_fds() -> dict[str, str]:
     return out
 
 
+def listening() -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket this process listens on, IPv4 and IPv6: its own
+    descriptors (`open_fds`), found in its network namespace's /proc tables. A v4-mapped
+    IPv6 address reads as IPv4."""
+    import socket
+
+    mine = {link[8:-1] for link in open_fds().values() if link.startswith("socket:[")}
+    out = set()
+    for table, family, size in (("tcp", socket.AF_INET, 4), ("tcp6", socket.AF_INET6, 16)):
+        with open(f"/proc/self/net/{table}") as f:
+            for row in f.readlines()[1:]:
+                cols = row.split()
+                if cols[3] != "0A" or cols[9] not in mine:  # 0A: LISTEN
+                    continue
+                raw, port = cols[1].split(":")
+                packed = bytes.fromhex(raw)
+                packed = b"".join(packed[i : i + 4][::-1] for i in range(0, size, 4))  # host-order words
+                out.add((socket.inet_ntop(family, packed).removeprefix("::ffff:"), int(port, 16)))
+    return out
+
+
 def kill_and_wait(actor: Any, timeout: float = 60.0) -> None:
     """`ray.kill(actor)`, returning once Ray fails its calls (RayActorError): a call made
     right after `ray.kill` may still run, as the kill reaches the actor later."""

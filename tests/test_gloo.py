@@ -13,7 +13,7 @@ import ray
 import torch
 from conftest import ON_NODE2, wait_until
 from helpers import checksum
-from probes import cancel_after, kill_and_wait
+from probes import cancel_after, kill_and_wait, listening
 
 import rdt_async as rdt
 
@@ -465,24 +465,7 @@ class Listening:
 
     async def listening(self) -> list[str]:
         """The IPv4 addresses this process listens on (from /proc: its own sockets only)."""
-        import os
-
-        inodes = set()
-        for fd in os.listdir("/proc/self/fd"):
-            try:
-                link = os.readlink(f"/proc/self/fd/{fd}")
-            except OSError:
-                continue
-            if link.startswith("socket:["):
-                inodes.add(link[8:-1])
-        out = set()
-        with open("/proc/self/net/tcp") as f:
-            for row in f.readlines()[1:]:
-                cols = row.split()
-                if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
-                    h = cols[1].split(":")[0]
-                    out.add(".".join(str(int(h[i : i + 2], 16)) for i in (6, 4, 2, 0)))
-        return sorted(out)
+        return sorted({addr for addr, _ in listening() if ":" not in addr})
 
 
 def test_gloo_listens_on_the_interface_gloo_socket_ifname_names():

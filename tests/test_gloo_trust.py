@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
 
 import pytest
@@ -14,37 +13,13 @@ import ray
 import torch
 from conftest import wait_until
 from helpers import checksum
+from probes import listening
 from ray.experimental import internal_kv
 
 import rdt_async as rdt
 from rdt_async.collective import KV_NAMESPACE
 
 pytestmark = pytest.mark.usefixtures("ray_session")
-
-
-def _listening() -> set[tuple[str, int]]:
-    """(address, port) of every TCP socket this process listens on (IPv4 and IPv6, from /proc)."""
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
-    out = set()
-    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
-        with open(table) as f:
-            for row in f.readlines()[1:]:
-                cols = row.split()
-                if cols[3] == "0A" and cols[9] in inodes:  # LISTEN, and ours
-                    h, port = cols[1].split(":")
-                    if len(h) == 8:
-                        addr = ".".join(str(int(h[i : i + 2], 16)) for i in (6, 4, 2, 0))
-                    else:
-                        addr = "::" if int(h, 16) == 0 else f"v6:{h}"
-                    out.add((addr, int(port, 16)))
-    return out
 
 
 @rdt.remote
@@ -54,7 +29,7 @@ class Member:
         return {"w": torch.full((n,), fill), "i": torch.arange(n % 7, dtype=torch.int64)}
 
     async def listening(self) -> list[tuple[str, int]]:
-        return sorted(_listening())
+        return sorted(listening())
 
     async def node_ip(self) -> str:
         return ray.util.get_node_ip_address()

@@ -17,6 +17,7 @@ import pytest
 import ray
 import torch
 from conftest import ON_NODE2
+from probes import listening
 
 import rdt_async as rdt
 from rdt_async.transports import _net, tcp
@@ -134,39 +135,12 @@ NIXL = importlib.util.find_spec("nixl") is not None
 UCX_RANGE = (31000, 31999)
 
 
-def _listening() -> list[tuple[str, int]]:
-    """The addresses this process's TCP sockets listen on (its descriptors, found in the
-    namespace's /proc/net/tcp and tcp6)."""
-    mine = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            mine.add(link[8:-1])
-    out = []
-    for table, size in (("tcp", 4), ("tcp6", 16)):
-        with open(f"/proc/self/net/{table}") as f:
-            next(f)
-            for line in f:
-                fields = line.split()
-                if fields[3] != "0A" or fields[9] not in mine:  # 0A: LISTEN
-                    continue
-                raw, port = fields[1].split(":")
-                packed = bytes.fromhex(raw)
-                packed = b"".join(packed[i : i + 4][::-1] for i in range(0, size, 4))  # host-order words
-                host = socket.inet_ntop(socket.AF_INET if size == 4 else socket.AF_INET6, packed)
-                out.append((host.removeprefix("::ffff:"), int(port, 16)))
-    return out
-
-
 @rdt.remote
 class UcxProducer:
     """A producer whose UCX context is made after the test's changes to its host."""
 
     def __init__(self) -> None:
-        self.before = set(_listening())  # Ray's own
+        self.before = listening()  # Ray's own
 
     @rdt.method
     def make(self, n: int, v: float):
@@ -177,7 +151,7 @@ class UcxProducer:
 
     def listening(self) -> list[tuple[str, int]]:
         """What listens since it was made: UCX's listeners (and ucxx's request listener)."""
-        return [a for a in _listening() if a not in self.before]
+        return sorted(listening() - self.before)
 
 
 @pytest.mark.parametrize("transport", [
