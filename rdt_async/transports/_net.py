@@ -107,12 +107,7 @@ def address(env: str) -> Address:
 
 def route_out() -> str:
     """The source address of this host's default route (loopback where there is none)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("10.255.255.255", 9))  # no packet is sent: this only picks a route
-            return str(s.getsockname()[0])
-        except OSError:
-            return "127.0.0.1"
+    return _source_toward("10.255.255.255") or "127.0.0.1"
 
 
 def settings_hint(env: str) -> str:
@@ -274,7 +269,8 @@ def cluster_interfaces(host: str) -> list[str]:
 
 
 def _source_toward(peer: str) -> str | None:
-    """The source address this host's routes give a packet to `peer` (none is sent)."""
+    """The source address this host's routes give a packet to `peer`, or None where no
+    route leads there (no packet is sent: connecting a UDP socket only picks a route)."""
     if not is_ip(peer):
         return None
     family = socket.AF_INET6 if ":" in peer else socket.AF_INET

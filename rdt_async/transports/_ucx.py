@@ -79,7 +79,8 @@ def settings(env: str, devices: bool = True) -> dict[str, str]:
       (`_net.address(env)`: its own setting, RDT_ADVERTISE_HOST, or Ray's node IP), those
       this host's routes take to the cluster's other nodes (`_net.cluster_interfaces`),
       loopback (this host's own processes), and every active RDMA port (`mlx5_0:1`, ...):
-      UCX's RDMA transports stay as they were. Outside Ray, or where the address is none of this host's, UCX keeps its default.
+      UCX's RDMA transports stay as they were. Outside Ray, or where the address is none
+      of this host's, UCX keeps its default.
     - `UCX_TCP_BRIDGE_ENABLE=y` where one of them is a bridge (UCX leaves bridges out).
     - `UCX_TCP_PORT_RANGE` from RDT_PORT_RANGE, so that UCX's own listeners keep to it.
 
@@ -137,7 +138,7 @@ def environment(added: dict[str, str]) -> Iterator[None]:
     """Set `added` in the environment while a UCX context is made (UCX reads it then), and
     take it away after: a process's children and later contexts do not inherit it."""
     if added:
-        logging.getLogger("rdt_async").debug("rdt_async: UCX context made with %s", added)
+        logging.getLogger("rdt_async").debug("rdt_async: making a UCX context with %s", added)
     os.environ.update(added)
     try:
         yield

@@ -147,7 +147,8 @@ class Agent:
         # `ucp_ep_set_lanes_failed`) whose peer on its host saw other interfaces than its
         # own, as a process whose agent was made before `ray.init` does, and making such an
         # agent anew left the old one to crash its process. Its ports keep to RDT_PORT_RANGE.
-        with ucx_settings(_ucx.settings(_net.ADVERTISE_ENV, devices=False)):  # UCX reads its environment as the agent's backend makes its context
+        # (UCX reads its environment as the agent's backend makes its context.)
+        with ucx_settings(_ucx.settings(_net.ADVERTISE_ENV, devices=False)):
             self.nixl = _new_agent(nixl_agent, self.name, cfg, delay)
         if "UCX" not in self.nixl.backends:
             raise TransportUnavailableError(
