@@ -58,11 +58,26 @@ def _obj_id() -> str:
     return secrets.token_hex(8)
 
 
+_SEAT = _relay._seat
+
+
+def _seats_apart() -> None:
+    """Name this process's seats apart from other test processes' (`RDT_TEST_SEATS`, which a
+    spawned child inherits): seats are the node's, and another xdist worker's test keeping
+    a memfd of SPECS' size warm would look like a warm neighbour here."""
+    tag = os.environ["RDT_TEST_SEATS"]
+    _relay._seat = lambda cap, source, i: _SEAT(cap, tag + source, i)
+
+
 @pytest.fixture(autouse=True)
 def no_warm_memfds(monkeypatch):
     """Each test starts with no warm memfd (nor kept mapping of one) in this process, and
-    leaves none; idle ones stay warm for the test's length unless it says otherwise."""
+    leaves none; idle ones stay warm for the test's length unless it says otherwise. Its
+    seats are its own (`_seats_apart`)."""
     monkeypatch.setenv("RDT_SHM_IDLE_S", "30")
+    monkeypatch.setenv("RDT_TEST_SEATS", secrets.token_hex(4))
+    monkeypatch.setattr(_relay, "_seat", _relay._seat)  # restored after the test
+    _seats_apart()
     _mappings.cache.clear()
     _relay.memfds.clear()
     _mappings._get_kernel()  # its pagemap descriptor, open for the process's life, is not the test's
@@ -180,6 +195,8 @@ async def test_a_fetch_into_buffers_lands_in_a_memfd_only_where_one_is_warm(monk
 def _warm_then_claim(obj: str, ready, go) -> None:
     """Keep a warm memfd the size of SPECS (its seat says so to the node); once told, fetch
     `obj` landing in it, and hand it to who asks until killed."""
+
+    _seats_apart()
 
     async def main():
         _relay.memfds.give(_relay.memfds.take(_relay._layout(SPECS)[1]))
@@ -426,6 +443,7 @@ def _squat_seats_as_nobody(obj: str, bound) -> None:
     warm consumer of ours will ever claim."""
     import socket
 
+    _seats_apart()
     cap = _relay.memfds.capacity(_relay._layout(SPECS)[1])
     names = [_relay._seat(cap, "", i) for i in range(_relay.SEATS)]  # our user's (the uid is in them)
     os.setuid(65534)
