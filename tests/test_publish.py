@@ -162,11 +162,12 @@ class Server:
         return f"version {version}, exact {_exact(version, dict(model.items()))}, in the parameters {landed}"
 
     async def stream(self, trainer, name: str, into: bool = False, stop_after: int | None = None,
-                     closing: bool = False) -> dict:
+                     closing: bool = False, at: float = 0.0) -> dict:
         """Stream the next version: for each tensor as it comes (name, exact, chunks landed, of how
         many, in the buffers); stop after `stop_after` of them (a break; `closing`: inside
-        `async with`, and the stream kept afterwards)."""
+        `async with`, and the stream kept afterwards). It starts at time `at`."""
         sub = self.subs.setdefault(name, rdt.subscribe(trainer, name))
+        await asyncio.sleep(max(0.0, at - time.time()))
         stream = sub.stream(into=self.buffers if into else None)
         seen: list = []
 
@@ -413,11 +414,12 @@ def test_a_stream_hands_over_each_tensor_as_its_chunk_lands_exact_in_order_and_i
     try:
         for version in (0, 1):
             assert ray.get(trainer.publish.remote("flow")) == [version]
+            at = time.time() + 1.0  # all start together: the other node's two overlap, one relays
             got = ray.get([
-                here[0].stream.remote(trainer, "flow", True),  # into its buffers
-                here[1].stream.remote(trainer, "flow"),  # views of the trainer's slot
-                there[0].stream.remote(trainer, "flow", True),  # over the network, into buffers
-                there[1].stream.remote(trainer, "flow"),  # the node's relay
+                here[0].stream.remote(trainer, "flow", True, at=at),  # into its buffers
+                here[1].stream.remote(trainer, "flow", at=at),  # views of the trainer's slot
+                there[0].stream.remote(trainer, "flow", True, at=at),  # over the network, into buffers
+                there[1].stream.remote(trainer, "flow", at=at),  # the node's relay
             ], timeout=60)
             for i, g in enumerate(got):
                 assert g["version"] == g["taken"] == version, g
