@@ -133,7 +133,13 @@ def _token_for(pid: int) -> str:
 
 
 def here() -> Process:
-    """Return this process's identity (Ray must be initialized)."""
+    """Return this process's identity (Ray must be initialized; asked of Ray once per
+    process and session: a producer's every return names it)."""
+    return _here(os.getpid())
+
+
+@functools.lru_cache(maxsize=1)
+def _here(pid: int) -> Process:
     ctx = ray.get_runtime_context()
     if ctx.worker.mode == ray.WORKER_MODE and ctx.get_actor_id() is not None:
         actor_id, state, serves = _current_actor()
@@ -311,6 +317,7 @@ def _on_ray_init() -> None:
         store.free(obj_id)
     store.release_lent()
     _anchor_source.cache_clear()
+    _here.cache_clear()
     _handles.clear()
     _ray.new_session()
 
