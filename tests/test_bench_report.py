@@ -302,8 +302,8 @@ def test_a_subscriber_s_check_finds_a_wrong_version_a_mix_and_a_torn_tensor():
 def test_a_publish_path_that_broke_keeps_the_passes_it_finished_but_a_wrong_version_is_an_error():
     from rdt_async.bench._publish import _row
 
-    step = {"seconds": 0.5, "trainer_stall_s": 0.02, "stall_s": 0.004, "held_s": 0.002, "link": 2, "relayed": 6,
-            "breakdown": {"first_loaded_s": 0.3, "all_loaded_s": 0.45}}
+    step = {"seconds": 0.5, "trainer_stall_s": 0.02, "one_copy_s": 0.025, "stall_s": 0.004, "held_s": 0.002, "link": 2,
+            "relayed": 6, "breakdown": {"first_loaded_s": 0.3, "all_loaded_s": 0.45}}
     setup, memory = {"one_copy_s": 0.02, "state_bytes": 64 * MIB}, {"slots": 2, "slot_bytes": 64 * MIB}
     cold_and_warm = [[step] * 4, [step] * 4]
     broke = "round 2: OutOfMemoryError: 1 worker(s) were killed"
@@ -311,6 +311,8 @@ def test_a_publish_path_that_broke_keeps_the_passes_it_finished_but_a_wrong_vers
     assert row["seconds"] == 0.5 and row["broke"] == broke and "error" not in row
     assert (row["loop_stall_ms"], row["loop_held_ms"]) == (4.0, 2.0)
     assert row["breakdown"] == {"first_loaded_s": 0.3, "all_loaded_s": 0.45} and row["memory_vs_state"] == 2.0
+    # The stall against the copy timed in the same steps; the one at setup is shown beside.
+    assert (row["trainer_stall_vs_one_copy"], row["one_copy_s"], row["quiet_copy_s"]) == (0.8, 0.025, 0.02)
     assert _row("rdt publish", cold_and_warm[:1], None, broke, setup, memory, 64 * MIB, 8)["error"] == broke
     wrong = "AssertionError: rdt publish, version 7: layer3.weight holds [6.0], not 7 throughout"
     assert "seconds" not in _row("rdt publish", cold_and_warm, wrong, None, setup, memory, 64 * MIB, 8)
