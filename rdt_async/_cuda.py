@@ -32,7 +32,7 @@ def record(tensors: Iterable[torch.Tensor]) -> list[torch.cuda.Event]:
 
     Cheap and non-blocking; returns [] when no tensor is on a CUDA device.
     """
-    devices = {t.device for t in tensors if t.device.type == "cuda"}
+    devices = {t.device for t in tensors if t.is_cuda}
     events = []
     for device in devices:
         event = torch.cuda.Event()

@@ -46,7 +46,7 @@ class TensorSpec:
 
     @classmethod
     def of(cls, t: torch.Tensor) -> TensorSpec:
-        return cls(tuple(t.shape), t.dtype, str(t.device), t.numel() * t.element_size())
+        return cls(tuple(t.shape), t.dtype, "cpu" if t.is_cpu else str(t.device), t.numel() * t.element_size())
 
     def __str__(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")

@@ -166,7 +166,7 @@ class ShmTransport(Transport[ShmMeta]):
 
     def prepare(self, obj_id: str, tensors: Sequence[torch.Tensor]) -> ShmMeta:
         note_returned(tensors)
-        return self._prepare(obj_id, tensors, [_shared(t) for t in tensors])
+        return self._prepare(obj_id, tensors, _shared_all(tensors))
 
     def _prepare(self, obj_id: str, tensors: Sequence[torch.Tensor], found: list[Shared | None]) -> ShmMeta:
         """`prepare`, with where each tensor's shared storage lies already found (`_shared`)."""
@@ -188,7 +188,7 @@ class ShmTransport(Transport[ShmMeta]):
         every export for nothing. Shared storages are named now, as by `prepare`.
         """
         note_returned(tensors)
-        found = [_shared(t) for t in tensors]
+        found = _shared_all(tensors)
         if all(not t.numel() or sh is not None for t, sh in zip(tensors, found)):
             return self._prepare(obj_id, tensors, found)  # nothing to copy
         shared = _lend(found)
@@ -445,14 +445,14 @@ def _map(info: TransferInfo[ShmMeta]) -> list[torch.Tensor]:
             buf = _mappings.cache.open(fd, info.hold)  # a segment is reused once no view of it is left
         finally:
             os.close(fd)
-    storages: dict[Shared, torch.Tensor] = {}  # one mapping per storage, whatever its views
+    storages: dict[tuple[Any, ...], torch.Tensor] = {}  # one mapping per storage, whatever its views
     out = []
     for i, (spec, off) in enumerate(zip(info.specs, meta.offsets)):
         sh = meta.shared[i] if meta.shared else None
         if sh is None:
             out.append(view_in(buf, spec, off))
             continue
-        key = dataclasses.replace(sh, offset=0, stride=())
+        key = (sh.pid, sh.fd, sh.inode, sh.nbytes, sh.key)  # the storage, not the view
         if key not in storages:
             storages[key] = _map_shared(info, sh)
         base = storages[key]
@@ -610,7 +610,8 @@ def _lend(found: list[Shared | None]) -> tuple[Shared | None, ...]:
                     fd = os.open(f"/proc/self/fd/{sh.fd}", os.O_RDONLY | os.O_CLOEXEC)
                     own[sh.fd] = (fd, KEY_MIN + secrets.randbelow(KEY_END - KEY_MIN))
                     os.lseek(fd, own[sh.fd][1], os.SEEK_SET)
-                sh = dataclasses.replace(sh, fd=own[sh.fd][0], key=own[sh.fd][1])
+                fd, key = own[sh.fd]
+                sh = Shared(sh.pid, fd, sh.inode, sh.nbytes, sh.offset, sh.stride, key)
             out.append(sh)
     except OSError as exc:  # out of descriptors (or no /proc): copy them all instead
         for fd, _ in own.values():
@@ -628,14 +629,22 @@ def _close_lent(meta: ShmMeta) -> None:
             pass
 
 
-def _shared(t: torch.Tensor) -> Shared | None:
+def _shared_all(tensors: Sequence[torch.Tensor]) -> list[Shared | None]:
+    """`_shared` of each tensor, each storage's file looked at once (a state dict's 200
+    views of one publisher slot: one fstat, not 200)."""
+    inodes: dict[int, tuple[int, int]] = {}
+    return [_shared(t, inodes) for t in tensors]
+
+
+def _shared(t: torch.Tensor, inodes: dict[int, tuple[int, int]] | None = None) -> Shared | None:
     """Where `t` lies if its storage is shared by descriptor; None if it must be copied.
 
     Only storages that `share_memory_()` (torch's file-descriptor strategy) put in shared
     memory; never one this call would move (`_share_fd_cpu_` moves what it finds elsewhere).
+    `inodes`: the files already looked at in this batch, by descriptor.
     """
     storage = t.untyped_storage()
-    if not storage.is_shared() or t.device.type != "cpu" or t.layout != torch.strided:
+    if not storage.is_shared() or not t.is_cpu or t.layout != torch.strided:
         return None  # (is_shared first: it is the cheap test that fails for most tensors)
     if t.is_conj() or t.is_neg() or storage.nbytes() < SHARE_MIN_BYTES:
         return None  # a lazy conjugate or negation lives in the tensor, not its bytes: copy it resolved
@@ -645,8 +654,13 @@ def _shared(t: torch.Tensor) -> Shared | None:
         return None
     if fd < 0:  # mapped from a file that kept no descriptor (torch.from_file)
         return None
-    st = os.fstat(fd)
-    return Shared(os.getpid(), fd, (st.st_dev, st.st_ino), storage.nbytes(), int(t.storage_offset()), tuple(t.stride()))
+    inode = None if inodes is None else inodes.get(fd)
+    if inode is None:
+        st = os.fstat(fd)
+        inode = (st.st_dev, st.st_ino)
+        if inodes is not None:
+            inodes[fd] = inode
+    return Shared(os.getpid(), fd, inode, storage.nbytes(), int(t.storage_offset()), tuple(t.stride()))
 
 
 def _read_into(info: TransferInfo[ShmMeta], buffers: list[torch.Tensor]) -> list[torch.Tensor]:
