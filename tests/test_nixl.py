@@ -332,7 +332,8 @@ def test_auto_reads_big_cpu_objects_across_nodes_over_what_the_costs_say(rdma, t
     opts = nixl_costs(tmp_path) if rdma else {}
     producer = NixlProducer.options(**opts).remote()
     reader = NixlConsumer.options(**opts, **ON_NODE2).remote()
-    assert ray.get(reader.checksums.remote(producer.auto.remote(1 << 19))) == [2.0 * (1 << 19)]
+    ref = producer.auto.remote(1 << 19)  # held to the end: its registration goes with its free
+    assert ray.get(reader.checksums.remote(ref)) == [2.0 * (1 << 19)]
     stats = ray.get(reader.stats.remote())
     picked = "nixl" if rdma else "tcp"
     assert stats["fetches"] == {picked: 1}
@@ -342,6 +343,7 @@ def test_auto_reads_big_cpu_objects_across_nodes_over_what_the_costs_say(rdma, t
     assert set(choice["estimates_ms"]) == ({"nixl", "tcp", "object_store"} if rdma else {"tcp", "object_store"})
     assert choice["why"].startswith(f"2 MiB CPU from another node: {picked} "), choice["why"]
     assert ray.get(producer.state.remote())["registrations"] == (1 if rdma else 0)
+    del ref
     ray.kill(reader)
     ray.kill(producer)
 
