@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pickle
 import time
 
 import pytest
@@ -368,6 +369,17 @@ class SyncTrainer:
         except RuntimeError as exc:
             return str(exc)
         return "made"
+
+
+def test_a_polls_answer_that_is_no_version_is_refused_before_anything_is_fetched():
+    """A version travels pickled once (`_publish._Wire`); what the answer holds is checked."""
+    from rdt_async import _publish
+
+    label = "waiting for a version of 'w' newer than 3"
+    with pytest.raises(rdt.TransferError, match=r"newer than 3: the publisher answered with a 'str' object, not a version"):
+        _publish._unwire("x", label)
+    with pytest.raises(rdt.TransferError, match=r"the publisher's answer holds a 'int' object, not a version"):
+        _publish._unwire(_publish._Wire(pickle.dumps(5), None), label)
 
 
 def test_a_publisher_lives_in_an_async_actor_and_only_there_can_be_subscribed_to(cluster):
