@@ -134,12 +134,13 @@ def _token_for(pid: int) -> str:
 
 def here() -> Process:
     """Return this process's identity (Ray must be initialized; asked of Ray once per
-    process and session: a producer's every return names it)."""
-    return _here(os.getpid())
+    process, session and actor: a producer's every return names it, and a worker that
+    ran tasks may become an actor)."""
+    return _here(os.getpid(), ray._private.worker.global_worker.actor_id)
 
 
 @functools.lru_cache(maxsize=1)
-def _here(pid: int) -> Process:
+def _here(pid: int, actor: Any) -> Process:
     ctx = ray.get_runtime_context()
     if ctx.worker.mode == ray.WORKER_MODE and ctx.get_actor_id() is not None:
         actor_id, state, serves = _current_actor()
