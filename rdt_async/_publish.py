@@ -148,7 +148,10 @@ def _unwire(wire: Any, label: str) -> RDTObject:
     """The object a poll's answer carries (checked at its fetch, as any ref's fields are)."""
     if not isinstance(wire, _Wire):
         raise TransferError(f"{label}: the publisher answered with a {type(wire).__name__!r} object, not a version")
-    obj = pickle.loads(wire.data)
+    try:
+        obj = pickle.loads(wire.data)
+    except Exception as exc:  # (bytes from another process)
+        raise TransferError(f"{label}: the publisher's answer does not unpickle ({type(exc).__name__}: {exc})") from exc
     if not isinstance(obj, RDTObject):
         raise TransferError(f"{label}: the publisher's answer holds a {type(obj).__name__!r} object, not a version")
     return dataclasses.replace(obj, anchor=wire.anchor)

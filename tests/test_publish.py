@@ -380,6 +380,8 @@ def test_a_polls_answer_that_is_no_version_is_refused_before_anything_is_fetched
         _publish._unwire("x", label)
     with pytest.raises(rdt.TransferError, match=r"the publisher's answer holds a 'int' object, not a version"):
         _publish._unwire(_publish._Wire(pickle.dumps(5), None), label)
+    with pytest.raises(rdt.TransferError, match=r"newer than 3: the publisher's answer does not unpickle \(UnpicklingError"):
+        _publish._unwire(_publish._Wire(b"not a pickle", None), label)
 
 
 def test_a_publisher_lives_in_an_async_actor_and_only_there_can_be_subscribed_to(cluster):
