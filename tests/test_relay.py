@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import multiprocessing
 import os
 import secrets
@@ -69,6 +70,13 @@ def _seats_apart() -> None:
     _relay._seat = lambda cap, source, i: _SEAT(cap, tag + source, i)
 
 
+def _src() -> str:
+    """This test's producer name for the seats it looks at: a memfd of an earlier test that
+    comes back to the pool late (a claim keeps it for late askers a while) holds a seat of
+    its own producer's name, never this one's."""
+    return os.environ["RDT_TEST_SEATS"]
+
+
 @pytest.fixture(autouse=True)
 def no_warm_memfds(monkeypatch):
     """Each test starts with no warm memfd (nor kept mapping of one) in this process, and
@@ -82,8 +90,24 @@ def no_warm_memfds(monkeypatch):
     _relay.memfds.clear()
     _mappings._get_kernel()  # its pagemap descriptor, open for the process's life, is not the test's
     yield
+    _quiet()
     _mappings.cache.clear()
     _relay.memfds.clear()
+
+
+def _quiet(within: float = 5.0) -> None:
+    """Wait (a while at most) until no claim of this process answers and nobody maps a memfd
+    of it: one that came back to the pool after the teardown's clear (its claim keeps it for
+    late askers, an asker's connection closes on the I/O loop) was warm in the next test."""
+    deadline = time.monotonic() + within
+    while True:
+        gc.collect()
+        _io.settle()
+        with _relay.counts.lock:
+            busy = bool(_relay.counts.claims or _relay.counts.lent)
+        if not busy or time.monotonic() > deadline:
+            return
+        time.sleep(0.02)
 
 
 async def test_two_consumers_share_one_read_and_keep_their_writes_to_themselves():
@@ -133,11 +157,11 @@ class Landing:
         raise AssertionError("a landing transport is read into the memfd, not its own memory")
 
 
-async def _round(seed: int):
+async def _round(seed: int, source: str = ""):
     """Two consumers of this process fetch one object through the relay, landing it in a memfd."""
     net, obj = Landing(seed), _obj_id()
     (a, a_relayed), (b, b_relayed) = await asyncio.gather(
-        _relay.fetch(obj, SPECS, net.own, net), _relay.fetch(obj, SPECS, net.own, net)
+        _relay.fetch(obj, SPECS, net.own, net, source=source), _relay.fetch(obj, SPECS, net.own, net, source=source)
     )
     assert net.reads == 1 and sorted((a_relayed, b_relayed)) == [False, True]
     return a, b
@@ -199,11 +223,11 @@ def _warm_then_claim(obj: str, ready, go) -> None:
     _seats_apart()
 
     async def main():
-        _relay.memfds.give(_relay.memfds.take(_relay._layout(SPECS)[1]))
+        _relay.memfds.give(_relay.memfds.take(_relay._layout(SPECS)[1], _src()))
         ready.set()
         await asyncio.to_thread(go.wait, 60)
         net = Landing(8)
-        _mine, relayed = await _relay.fetch(obj, SPECS, net.own, net, warm_only=True)
+        _mine, relayed = await _relay.fetch(obj, SPECS, net.own, net, warm_only=True, source=_src())
         assert (net.reads, relayed) == (1, False)
         await asyncio.sleep(60)
 
@@ -218,8 +242,8 @@ async def test_a_cold_consumer_lets_a_warm_neighbour_claim_first_and_alone_on_it
     cap = _relay.memfds.capacity(_relay._layout(SPECS)[1])
     own, net = Network(), Landing(6)
     waited = _relay.counts.done["waited_for_warm"]
-    assert not _relay._Seats.taken(cap, "")
-    alone, relayed = await _relay.fetch(_obj_id(), SPECS, own, net, warm_only=True)
+    assert not _relay._Seats.taken(cap, _src())
+    alone, relayed = await _relay.fetch(_obj_id(), SPECS, own, net, warm_only=True, source=_src())
     assert (own.reads, net.reads, relayed) == (1, 0, False)  # read into its own buffers at once
     assert _relay.counts.done["waited_for_warm"] == waited and _relay.memfds.idle == []
     del alone
@@ -232,13 +256,13 @@ async def test_a_cold_consumer_lets_a_warm_neighbour_claim_first_and_alone_on_it
     warm.start()
     try:
         assert await asyncio.to_thread(ready.wait, 60)
-        assert _relay._Seats.taken(cap, "") and not _relay._Seats.taken(cap * 2, "")
+        assert _relay._Seats.taken(cap, _src()) and not _relay._Seats.taken(cap * 2, _src())
         assert not _relay._Seats.taken(cap, "another-producer")
         other, relayed = await _relay.fetch(_obj_id(), SPECS, own, net, warm_only=True, source="another-producer")
         assert (own.reads, relayed) == (2, False)  # warm from other objects: no wait for it
         assert _relay.counts.done["waited_for_warm"] == waited
         del other
-        asking = asyncio.ensure_future(_relay.fetch(obj, SPECS, own, net, warm_only=True))
+        asking = asyncio.ensure_future(_relay.fetch(obj, SPECS, own, net, warm_only=True, source=_src()))
         await asyncio.sleep(0.3)
         assert not asking.done() and own.reads == 2  # it lets the warm one claim
         go.set()
@@ -250,23 +274,23 @@ async def test_a_cold_consumer_lets_a_warm_neighbour_claim_first_and_alone_on_it
     finally:
         warm.kill()
         warm.join(10)
-    assert not _relay._Seats.taken(cap, "")  # its seat went with it
+    assert not _relay._Seats.taken(cap, _src())  # its seat went with it
 
 
 async def test_a_process_says_which_capacities_it_keeps_warm_and_no_longer_once_they_go(monkeypatch):
     monkeypatch.setenv("RDT_RELAY_KEEP_S", "0.1")
     cap = _relay.memfds.capacity(_relay._layout(SPECS)[1])
-    assert not _relay._Seats.taken(cap, "")
-    a, b = await _round(9)
+    assert not _relay._Seats.taken(cap, _src())
+    a, b = await _round(9, _src())
     del a, b
     await asyncio.sleep(0.3)
-    assert len(_relay.memfds.idle) == 1 and _relay._Seats.taken(cap, "")  # back, warm: said
-    taken = _relay.memfds.take(_relay._layout(SPECS)[1])
-    assert not _relay._Seats.taken(cap, "")  # in use: no longer warm
+    assert len(_relay.memfds.idle) == 1 and _relay._Seats.taken(cap, _src())  # back, warm: said
+    taken = _relay.memfds.take(_relay._layout(SPECS)[1], _src())
+    assert not _relay._Seats.taken(cap, _src())  # in use: no longer warm
     _relay.memfds.give(taken)
-    assert _relay._Seats.taken(cap, "")
+    assert _relay._Seats.taken(cap, _src())
     _relay.memfds.clear()
-    assert not _relay._Seats.taken(cap, "")
+    assert not _relay._Seats.taken(cap, _src())
 
 
 def _in_forked_child(inherited, parent_inode: int, out) -> None:
@@ -274,7 +298,7 @@ def _in_forked_child(inherited, parent_inode: int, out) -> None:
     size = _relay._layout(SPECS)[1]
     cap = _relay.memfds.capacity(size)
     got = {"idle": len(_relay.memfds.idle), "seats": len(_relay.memfds.seats.held),
-           "parent_seat_seen": _relay._Seats.taken(cap, "")}
+           "parent_seat_seen": _relay._Seats.taken(cap, _src())}
     mine = _relay.memfds.take(size)
     got["new_memfd"] = os.fstat(mine.fd).st_ino != parent_inode
     _relay.memfds.give(inherited)  # a lease of the parent's, released here: dropped, not pooled
@@ -286,9 +310,9 @@ def test_a_forked_child_never_reuses_its_parents_warm_memfds():
     """A child forked from a process with warm memfds would otherwise take the same memfd
     as its parent for two objects at once, one's bytes over the other's under a mapping."""
     size = _relay._layout(SPECS)[1]
-    warm = _relay.memfds.take(size)
+    warm = _relay.memfds.take(size, _src())
     _relay.memfds.give(warm)
-    assert _relay.memfds.idle == [warm] and _relay._Seats.taken(_relay.memfds.capacity(size), "")
+    assert _relay.memfds.idle == [warm] and _relay._Seats.taken(_relay.memfds.capacity(size), _src())
     ctx = multiprocessing.get_context("fork")
     here, there = ctx.Pipe()
     child = ctx.Process(target=_in_forked_child, args=(warm, os.fstat(warm.fd).st_ino, there))
@@ -300,7 +324,7 @@ def test_a_forked_child_never_reuses_its_parents_warm_memfds():
         child.join(10)
     assert got == {"idle": 0, "seats": 0, "parent_seat_seen": True, "new_memfd": True, "after_give": []}
     assert child.exitcode == 0
-    assert _relay.memfds.idle == [warm] and _relay._Seats.taken(_relay.memfds.capacity(size), "")  # the parent's, as they were
+    assert _relay.memfds.idle == [warm] and _relay._Seats.taken(_relay.memfds.capacity(size), _src())  # the parent's, as they were
 
 
 async def test_an_idle_memfd_is_closed_on_its_own(monkeypatch):
@@ -445,7 +469,7 @@ def _squat_seats_as_nobody(obj: str, bound) -> None:
 
     _seats_apart()
     cap = _relay.memfds.capacity(_relay._layout(SPECS)[1])
-    names = [_relay._seat(cap, "", i) for i in range(_relay.SEATS)]  # our user's (the uid is in them)
+    names = [_relay._seat(cap, _src(), i) for i in range(_relay.SEATS)]  # our user's (the uid is in them)
     os.setuid(65534)
     held = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in names]
     for name, sock in zip(names, held):
@@ -457,11 +481,11 @@ def _squat_seats_as_nobody(obj: str, bound) -> None:
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process as another user")
 async def test_seats_held_by_another_user_cost_a_cold_consumer_its_bounded_wait_and_no_more():
     async with _claimed_elsewhere(_squat_seats_as_nobody) as (_, obj):
-        assert _relay._Seats.taken(_relay.memfds.capacity(_relay._layout(SPECS)[1]), "")
+        assert _relay._Seats.taken(_relay.memfds.capacity(_relay._layout(SPECS)[1]), _src())
         own, net = Network(), Landing(7)
         waited = _relay.counts.done["waited_for_warm"]
         t0 = time.monotonic()
-        tensors, relayed = await asyncio.wait_for(_relay.fetch(obj, SPECS, own, net, warm_only=True), 10)
+        tensors, relayed = await asyncio.wait_for(_relay.fetch(obj, SPECS, own, net, warm_only=True, source=_src()), 10)
         assert time.monotonic() - t0 < 1.0  # its wait: 20 ms for an object this size
         assert (own.reads, net.reads, relayed) == (1, 0, False)  # then it read for itself
         assert _relay.counts.done["waited_for_warm"] == waited + 1
