@@ -641,8 +641,9 @@ class Subscription:
         del reply
         if not chunked:
             return version, published_at, _unwire(what, label), waited
-        if not isinstance(what, list):
-            raise TransferError(f"{label}: the publisher answered with a {type(what).__name__!r} object, not a list of chunks")
+        if type(what) is not list or not what:
+            got = "an empty list" if type(what) is list else f"a {type(what).__name__!r} object"
+            raise TransferError(f"{label}: the publisher answered with {got}, not a list of chunks")
         return version, published_at, [_unwire(w, label) for w in what], waited
 
     def _took(self, version: int, published_at: float, waited: bool, started: float) -> None:
@@ -733,9 +734,7 @@ class VersionStream:
         sub = self._sub
         version, published_at, objs, waited = await sub._poll(chunked=True)
         started = time.perf_counter()
-        if type(objs) is not list or not objs or not all(isinstance(o, RDTObject) for o in objs):
-            raise TransferError(f"version {version} of {sub.name!r} came as no list of chunk objects")
-        names = [_names_of(o) for o in objs]
+        names = [_names_of(o) for o in objs]  # (`_poll` checked they are a list of versions' chunks)
         targets: list[list[torch.Tensor] | None] = [None] * len(objs)
         if self._into is not None:
             flat = [n for ns in names for n in ns]
