@@ -15,7 +15,7 @@ import sys
 import time
 import types
 import warnings
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
@@ -82,7 +82,7 @@ async def fetch_object(
                 into = functools.partial(_fetch_over, obj, transport, info, used=used, asked=tensor_transport) if direct else None
                 tensors, relayed = await _relay.fetch(
                     obj.obj_id, obj.specs, _only(transfer), _only(into), warm_only=buffers is not None,
-                    source=_relay.source_of(obj.producer.node_id, obj.producer.pid),
+                    source=_relay.source_of(obj.producer.node_id, obj.producer.pid), buffers=buffers,
                 )
                 name = "relay" if relayed else used[0]
                 if buffers is not None and not _landed(tensors, buffers):
@@ -144,9 +144,12 @@ async def _fetch_over(
     buffers: list[torch.Tensor] | None = None,
     used: list[str] | None = None,
     asked: str | None = None,
+    landed: Callable[[int, int, int], None] | None = None,
 ) -> tuple[list[torch.Tensor], str]:
     """`_transfer`, and where `auto` chose a path that cannot be used with this producer,
     the next candidate, and at the last the object store. Return the tensors and the path.
+    `landed`: told of each range of `buffers` as it lands, where the transport says so
+    (`Transport.reports_landed`; a fallback's transport may not).
 
     The one fallback of a fetch: the reason goes into `store_stats()["auto"]`, is logged
     once per node and path, and `auto` leaves a path that could not reach a node out of
@@ -155,6 +158,8 @@ async def _fetch_over(
     """
     chosen = asked or obj.transport
     fell_back: list[tuple[str, str]] = []
+    if landed is not None and buffers is not None and transport.reports_landed:
+        info = dataclasses.replace(info, landed=landed)
     while True:
         try:
             tensors = await _transfer(obj, transport, info, buffers)
@@ -184,8 +189,8 @@ def _only(
     if fetch is None:
         return None
 
-    async def tensors(*args: Any) -> list[torch.Tensor]:
-        return (await fetch(*args))[0]  # type: ignore[no-any-return]
+    async def tensors(*args: Any, **kwargs: Any) -> list[torch.Tensor]:
+        return (await fetch(*args, **kwargs))[0]  # type: ignore[no-any-return]
 
     return tensors
 

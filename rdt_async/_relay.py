@@ -11,6 +11,9 @@ if other consumers of the node asked meanwhile. It hands the memfd (SCM_RIGHTS) 
 them, and to those who ask while the claim lasts (RDT_RELAY_KEEP_S after the read,
 default 2 s) and someone still maps it; they map it copy-on-write: no copy, and a
 consumer's writes stay its own (one fetching `into=` copies from it and lets it go).
+Where the read lands in the memfd, it is handed over at once, and each range as it lands
+(`Transport.reports_landed`: tcp): a consumer fetching `into=` -- the first one too --
+copies each range into its buffers meanwhile, so that copies overlap the read.
 Nobody asking costs the first consumer nothing. Both ends check that the other runs as the same user (SO_PEERCRED).
 What an asker receives is input: it maps only one memfd, sealed against shrinking and
 growing (the first consumer seals each it makes: nobody can cut it under a mapping, a
@@ -72,7 +75,11 @@ COLD_WAIT_MAX_S = 0.25
 COLD_STEP_S = 0.004
 SEATS = 4  # processes of a node that say they have warm memory of one capacity (one suffices)
 ASK_MIN_S = 30.0  # an asker waits at least this long for the claimer's read (see _ask_bound)
-MAX_ANSWER = 512  # bytes of the claimer's answer an asker reads (it sends ~60)
+MAX_ANSWER = 4096  # bytes of the claimer's first message an asker reads (an answer of ~60, ranges)
+_FRAME = struct.Struct("<I")  # an answer's length, before the answer (JSON) and the ranges landed so far
+_RANGE = struct.Struct("<IQQ")  # a range of the object that landed: tensor index, byte offset, bytes
+_ALL = 0xFFFFFFFF
+DONE = _RANGE.pack(_ALL, 0, 0)  # every byte landed: the last thing the claimer sends
 # A memfd's size is fixed once made (a pooled one is reused at its capacity): sealed, so
 # nobody holding it (or reopening it through /proc) can shrink it under an asker's
 # mapping -- a read past a file's end is a SIGBUS -- and an asker takes only one so sealed.
@@ -173,23 +180,29 @@ async def fetch(
     obj_id: str,
     specs: Sequence[TensorSpec],
     transfer: Callable[[], Awaitable[list[torch.Tensor]]],
-    transfer_into: Callable[[list[torch.Tensor]], Awaitable[list[torch.Tensor]]] | None = None,
+    transfer_into: Callable[..., Awaitable[list[torch.Tensor]]] | None = None,
     *,
     warm_only: bool = False,
     source: str = "",
+    buffers: Sequence[torch.Tensor | None] | None = None,
 ) -> tuple[list[torch.Tensor], bool]:
     """Fetch through the node's relay: `(tensors, True)` when another consumer read them.
 
     `transfer()` reads the object over the network, landing it where its transport does
-    (a caller's `into=` buffers); `transfer_into(buffers)`, where given, lands it in `buffers`
-    (a transport whose cancel never writes them afterwards): then the first consumer reads
-    straight into warm memory it can hand over, with no copy, and the others map it as
-    soon as the read ends. `warm_only`: `transfer_into` only where this process has a warm
-    memfd for the object (a caller whose `into=` buffers are warm already: landing in
-    fresh memory would cost more than the copy it saves). `source`: who made the object
+    (a caller's `into=` buffers); `transfer_into(buffers, landed=cb)`, where given, lands it
+    in `buffers` (a transport whose cancel never writes them afterwards) and tells `cb` of
+    each range as it lands (`TransferInfo.landed`): then the first consumer reads straight
+    into warm memory it hands over at once, with no copy, and the others follow it range
+    by range (copying into their `into=`), or map it as soon as the read ends.
+    `warm_only`: `transfer_into` only where this process has a warm memfd for the object
+    (a caller whose `into=` buffers are warm already: landing in fresh memory would cost
+    more than the copy it saves). `source`: who made the object
     (`source_of` its producer): a consumer with no warm memfd lets one that last read an
-    object of that producer into one claim it first.
+    object of that producer into one claim it first. `buffers`: the caller's `into=`; where
+    another consumer reads the object and hands over each range as it lands, this one
+    copies it there meanwhile, and gets `buffers` back.
     """
+    follow = _followable(buffers, specs)
     offsets, size = _layout(specs)
     if transfer_into is not None and not memfds.warm(size):
         # Fresh memory faults in slowly: a consumer of the node that has warm memory for
@@ -200,7 +213,7 @@ async def fetch(
         got = _NO_CLAIM
         if _Seats.taken(memfds.capacity(size), source):
             counts.add("waited_for_warm")
-            got = await _ask_within(obj_id, specs, _cold_wait_s(size))
+            got = await _ask_within(obj_id, specs, _cold_wait_s(size), follow)
         if got is not _NO_CLAIM:
             return (got, True) if got is not None else (await transfer(), False)
         if warm_only:
@@ -210,11 +223,11 @@ async def fetch(
         claim.bind(_address(obj_id))
     except OSError:
         claim.close()  # another consumer of this node holds the object, or is reading it
-        got = await _ask(obj_id, specs)
+        got = await _ask(obj_id, specs, follow)
         if got is not None and got is not _NO_CLAIM:
             return got, True
         return await transfer(), False
-    return await _serve(claim, obj_id, specs, (offsets, size), transfer, transfer_into, source), False
+    return await _serve(claim, obj_id, specs, (offsets, size), transfer, transfer_into, source, follow), False
 
 
 async def _serve(
@@ -223,15 +236,20 @@ async def _serve(
     specs: Sequence[TensorSpec],
     layout: tuple[list[int], int],
     transfer: Callable[[], Awaitable[list[torch.Tensor]]],
-    transfer_into: Callable[[list[torch.Tensor]], Awaitable[list[torch.Tensor]]] | None,
+    transfer_into: Callable[..., Awaitable[list[torch.Tensor]]] | None,
     source: str,
+    follow: list[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
-    """Read the object for this node; hand a memfd of it to the consumers that asked meanwhile.
+    """Read the object for this node; hand a memfd of it to the consumers that ask.
 
     With `transfer_into` the bytes land in a warm memfd, and this consumer's own tensors
-    map it copy-on-write too. Otherwise the transfer lands where the transport puts it, as
-    any fetch's (so a cancel ends it as promptly as any), and the memfd costs a copy only
-    where another consumer waits for it.
+    map it copy-on-write too; the memfd is handed over at once, and each range as it lands
+    (`Transport.reports_landed`; every byte at the end otherwise). Otherwise the transfer
+    lands where the transport puts it, as any fetch's (so a cancel ends it as promptly as
+    any), and the memfd costs a copy only where another consumer waits for it.
+
+    With `follow` (this consumer's `into=`, `_followable`) and `transfer_into`, it copies
+    each range into `follow` as it lands, as the others do, and returns `follow`.
     """
     offsets, size = layout
     claim.listen(128)
@@ -244,11 +262,29 @@ async def _serve(
     try:
         if transfer_into is not None:
             memfd = memfds.take(size, source)
-            landed = await transfer_into(_views(memfd.mm, specs, offsets))  # nothing writes it after a cancel
-            del landed  # views of the writable mapping: this consumer gets a copy-on-write one
-            counts.add("landed")
             lease = _Lease(memfd)
-            mine = _private(memfd.fd, specs, offsets, lease)  # askers get it while anyone maps it
+            lease.hold()  # the claim's, while it lands: askers follow it range by range
+            _io.call_soon(server.landing, lease, size)
+            views = _views(memfd.mm, specs, offsets)
+            own = None if follow is None else _Copier(views, follow)
+
+            def landed(i: int, off: int, n: int) -> None:  # on the transport's threads
+                _io.call_soon(server.landed, i, off, n)
+                if own is not None:
+                    own.landed(i, off, n)
+
+            try:
+                got = await transfer_into(views, landed=landed)  # nothing writes it after a cancel
+            finally:
+                if own is not None:
+                    await own.finish()  # no copy of ours runs past this
+            del got  # views of the writable mapping: this consumer gets a copy-on-write one, or its own
+            counts.add("landed")
+            if own is not None:
+                await _io.to_thread_finished(_copy_ranges, views, own.into, _untold(own.copied, specs))
+                mine = own.into
+            else:
+                mine = _private(memfd.fd, specs, offsets, lease)  # askers get it while anyone maps it
         else:
             mine = await transfer()
             if server.asked():
@@ -258,6 +294,9 @@ async def _serve(
                 lease = _Lease(memfd)
                 lease.hold()  # the claim's: a copy nobody maps yet, kept until who asked has it
     except BaseException:
+        if transfer_into is not None and lease is not None:
+            _io.call_soon(server.end, lease)  # who followed reads for itself; the memfd goes back once they let go
+            raise
         _io.call_soon(server.end)
         if memfd is not None and (lease is None or lease.holders == 0):
             if lease is not None:
@@ -268,8 +307,50 @@ async def _serve(
     if lease is None:
         _io.call_soon(server.end)  # nobody else wants it: later askers read for themselves
     else:
-        _io.call_soon(server.ready, lease, size, transfer_into is None)
+        _io.call_soon(server.ready, lease, size)
     return mine
+
+
+class _Copier:
+    """Copies each range of `views` into `into` as the read tells of it (`landed`, from any
+    thread), off the loop, one copy at a time; `copied` holds the (start, end) spans done."""
+
+    def __init__(self, views: list[torch.Tensor], into: list[torch.Tensor]) -> None:
+        self.views, self.into = views, into
+        self.copied: list[list[tuple[int, int]]] = [[] for _ in views]
+        self.loop = asyncio.get_running_loop()
+        self.queue: list[tuple[int, int, int]] = []
+        self.wake = asyncio.Event()
+        self.ending = False
+        self.task = asyncio.ensure_future(self._run())
+
+    def landed(self, i: int, off: int, n: int) -> None:
+        self.loop.call_soon_threadsafe(self._add, (i, off, n))
+
+    def _add(self, told: tuple[int, int, int]) -> None:
+        self.queue.append(told)
+        self.wake.set()
+
+    async def _run(self) -> None:
+        while True:
+            await self.wake.wait()
+            self.wake.clear()
+            ranges, self.queue = self.queue, []
+            if ranges:
+                await _io.to_thread_finished(_copy_ranges, self.views, self.into, ranges)
+                for i, off, n in ranges:
+                    self.copied[i].append((off, off + n))
+            if self.ending and not self.queue:
+                return
+
+    async def finish(self) -> None:
+        """Copy what was told of so far, and stop (a cancel of the caller waits for the copy in hand)."""
+        await asyncio.sleep(0)  # what the transport's threads told of just before it returned
+        self.ending = True
+        self.wake.set()
+        await _io.shielded(self.task)
+        if not self.task.cancelled():
+            self.task.result()  # a copy that failed fails the fetch
 
 
 def _publish(memfd: _Memfd, tensors: Sequence[torch.Tensor], specs: Sequence[TensorSpec], offsets: list[int]) -> None:
@@ -508,6 +589,9 @@ class _Server:
         self.lease: _Lease | None = None
         self.size = 0
         self.done = False
+        self.ranges: list[bytes] = []  # landed so far (`_RANGE`s), for who asks while it lands
+        self.finished = False  # every byte landed: DONE follows each answer
+        self.following: dict[socket.socket, _Lease] = {}  # answered while it lands: told of each range
 
     def asked(self) -> bool:
         """Whether another consumer waits for the object (accepted, or still in the backlog)."""
@@ -538,40 +622,94 @@ class _Server:
                     self.waiting.append(conn)
 
     def _answer(self, conn: socket.socket) -> None:
-        """Hand the memfd over; the asker keeps `conn` open while it maps it."""
+        """Hand the memfd over with the ranges landed so far (DONE once all have); the
+        asker keeps `conn` open while it maps it."""
         lease = self.lease
         assert lease is not None
         if not lease.hold():
             conn.close()  # nobody maps it any more, so it may hold another object: read for yourself
             return
         msg = json.dumps({"obj_id": self.obj_id, "size": self.size}).encode()
+        first = _FRAME.pack(len(msg)) + msg + b"".join(self.ranges) + (DONE if self.finished else b"")
         try:
-            socket.send_fds(conn, [msg], [lease.memfd.fd])
+            socket.send_fds(conn, [first], [lease.memfd.fd])
         except OSError:
             conn.close()  # the asker gave up: nothing to answer
             lease.release()
             return
         conn.setblocking(False)
-        asyncio.get_running_loop().add_reader(conn.fileno(), _unmapped, conn, lease)
+        asyncio.get_running_loop().add_reader(conn.fileno(), self._unmapped, conn, lease)
+        if not self.finished:
+            self.following[conn] = lease
         counts.add("handed")
 
-    def ready(self, lease: _Lease, size: int, claim_holds: bool) -> None:
-        """Answer who asked, and who asks for RDT_RELAY_KEEP_S while someone maps the memfd
-        (`claim_holds`: `lease` is held for the claim until those who asked have theirs:
-        the memfd is a copy, which the first consumer does not map)."""
+    def _unmapped(self, conn: socket.socket, lease: _Lease) -> None:
+        """An asker closed its end (its mapping is gone, or its process): one holder less."""
+        try:
+            if conn.recv(64):
+                return  # nothing is sent on it: ignore
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            pass
+        self._drop(conn, lease)
+
+    def _drop(self, conn: socket.socket, lease: _Lease) -> None:
+        self.following.pop(conn, None)
+        asyncio.get_running_loop().remove_reader(conn.fileno())
+        conn.close()
+        lease.release()
+
+    def landing(self, lease: _Lease, size: int) -> None:
+        """The read lands in `lease`'s memfd from now: answer who asked, and who asks."""
         self.lease, self.size = lease, size
+        self._answer_waiting()
+
+    def landed(self, i: int, off: int, n: int) -> None:
+        """Bytes `off:off+n` of tensor `i` landed: tell who follows."""
+        if self.finished or self.done:
+            return
+        record = _RANGE.pack(i, off, n)
+        self.ranges.append(record)
+        for conn, lease in list(self.following.items()):
+            self._tell(conn, lease, record)
+
+    def _tell(self, conn: socket.socket, lease: _Lease, record: bytes) -> None:
+        try:
+            sent = conn.send(record)
+        except OSError:
+            sent = 0
+        if sent != len(record):
+            self._drop(conn, lease)  # it stopped reading (a full buffer): it reads for itself
+
+    def ready(self, lease: _Lease, size: int) -> None:
+        """Every byte landed: tell who follows, answer who asked, and who asks for
+        RDT_RELAY_KEEP_S while someone maps the memfd. `lease` is held for the claim
+        until then (while it lands; or the memfd is a copy, which the first consumer does
+        not map)."""
+        self.lease, self.size, self.finished = lease, size, True
+        following, self.following = self.following, {}
+        for conn, held in following.items():
+            self._tell(conn, held, DONE)
+        self._answer_waiting()
+        lease.release()  # the claim's: so it goes back, warm, once they let go (a later asker reads again)
+        asyncio.get_running_loop().call_later(_keep_s(), self.close)
+
+    def _answer_waiting(self) -> None:
         self._accept()  # who is still in the backlog asked too
         with self.lock:
             waiting, self.waiting = self.waiting, []
         for conn in waiting:
             self._answer(conn)
-        if claim_holds:
-            lease.release()  # so it goes back, warm, once they let go (a later asker reads again)
-        asyncio.get_running_loop().call_later(_keep_s(), self.close)
 
-    def end(self) -> None:
-        """End the claim with nothing to give: who asked reads for themselves (EOF)."""
+    def end(self, lease: _Lease | None = None) -> None:
+        """End the claim with nothing to give: who asked or followed reads for themselves
+        (EOF); then `lease` (the claim's hold, while it landed) is let go."""
+        for conn, held in list(self.following.items()):
+            self._drop(conn, held)
         self.close()
+        if lease is not None:
+            lease.release()
 
     def close(self) -> None:
         if self.done:
@@ -588,21 +726,6 @@ class _Server:
         self.claim.close()
 
 
-def _unmapped(conn: socket.socket, lease: _Lease) -> None:
-    """An asker closed its end (its mapping is gone, or its process): one holder less."""
-    try:
-        if conn.recv(64):
-            return  # nothing is sent on it: ignore
-    except (BlockingIOError, InterruptedError):
-        return
-    except OSError:
-        pass
-    asyncio.get_running_loop().remove_reader(conn.fileno())
-    conn.close()
-    lease.release()
-
-
-
 _NO_CLAIM: Any = object()  # `_ask`'s answer where nobody of this node holds the object
 
 
@@ -610,11 +733,11 @@ def _cold_wait_s(size: int) -> float:
     return min(COLD_WAIT_MAX_S, max(COLD_WAIT_S, size / (1 << 30) * COLD_WAIT_PER_GIB_S))
 
 
-async def _ask_within(obj_id: str, specs: Sequence[TensorSpec], wait_s: float) -> Any:
+async def _ask_within(obj_id: str, specs: Sequence[TensorSpec], wait_s: float, follow: list[torch.Tensor] | None) -> Any:
     """`_ask`, again for up to `wait_s` while nobody holds the object yet."""
     deadline = time.monotonic() + wait_s
     while True:
-        got = await _ask(obj_id, specs)
+        got = await _ask(obj_id, specs, follow)
         if got is not _NO_CLAIM or time.monotonic() >= deadline:
             return got
         await asyncio.sleep(COLD_STEP_S)
@@ -627,10 +750,15 @@ def _ask_bound(nbytes: int) -> float:
     return ASK_MIN_S + nbytes / 25e6
 
 
-async def _ask(obj_id: str, specs: Sequence[TensorSpec]) -> Any:
+async def _ask(obj_id: str, specs: Sequence[TensorSpec], follow: list[torch.Tensor] | None = None) -> Any:
     """The object from the consumer of this node that holds it: None if it cannot give it,
     `_NO_CLAIM` if nobody holds it. Our end of the connection stays open while our
-    mapping lives: its closing tells the holder that we no longer map the memfd."""
+    mapping lives: its closing tells the holder that we no longer map the memfd.
+
+    The holder answers at once where its read lands in the memfd, then tells of each range
+    as it lands, and DONE. With `follow` (our caller's `into=` buffers, `_followable`), we
+    copy each range there meanwhile and return `follow`; otherwise views of the memfd.
+    """
     loop = asyncio.get_running_loop()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.setblocking(False)
@@ -643,19 +771,10 @@ async def _ask(obj_id: str, specs: Sequence[TensorSpec]) -> Any:
             return _NO_CLAIM  # nobody claimed it, or the claim ended between our bind and connect
         if not _same_user(sock):
             return None  # the name is held by another user of this host: read for ourselves
-        readable = loop.create_future()
-        loop.add_reader(sock.fileno(), _io.set_once, readable)
         bound = _ask_bound(sum(s.nbytes for s in specs))
-        try:
-            await asyncio.wait_for(readable, bound)
-        except TimeoutError:
-            log.warning(
-                "rdt_async: the consumer of this node reading object %s did not hand it over in %.3g s; "
-                "reading it myself", obj_id, bound,
-            )
-            return None
-        finally:
-            loop.remove_reader(sock.fileno())
+        deadline = time.monotonic() + bound
+        if not await _readable(sock, bound):
+            return _gave_up(obj_id, bound)
         try:
             msg, fds, flags = _receive(sock)
         except OSError:
@@ -663,7 +782,8 @@ async def _ask(obj_id: str, specs: Sequence[TensorSpec]) -> Any:
         if not msg and not fds:
             return None  # its read failed, was cancelled, or its process died
         offsets, size = _layout(specs)
-        why = _refusal(msg, fds, flags, obj_id, size)
+        answer, ranges = _framed(msg)
+        why = _refusal(answer, fds, flags, obj_id, size)
         if why is not None:
             log.warning("rdt_async: the consumer of this node holding object %s answered %s; reading it myself", obj_id, why)
             return None
@@ -672,14 +792,155 @@ async def _ask(obj_id: str, specs: Sequence[TensorSpec]) -> Any:
         except (OSError, ValueError) as exc:
             log.warning("rdt_async: could not map the memfd of object %s (%s); reading it myself", obj_id, exc)
             return None
-        kept = True
+        kept = True  # (the views close `sock` when they go)
         counts.add("mapped")
-        return views
+        try:
+            done = await _follow(sock, ranges, specs, views, follow, deadline)
+        except TimeoutError:
+            return _gave_up(obj_id, bound)
+        except _Untrue as exc:
+            log.warning("rdt_async: the consumer of this node holding object %s answered %s; reading it myself", obj_id, str(exc))
+            return None
+        if not done:
+            return None  # its read failed or was cancelled midway, or its process died
+        return views if follow is None else follow
     finally:
         if not kept:
             sock.close()
         for fd in fds:
             os.close(fd)
+
+
+def _gave_up(obj_id: str, bound: float) -> None:
+    log.warning(
+        "rdt_async: the consumer of this node reading object %s did not hand it over in %.3g s; reading it myself",
+        obj_id, bound,
+    )
+
+
+async def _readable(sock: socket.socket, timeout: float) -> bool:
+    """Wait until `sock` can be read (or its peer closed it); False after `timeout` seconds."""
+    loop = asyncio.get_running_loop()
+    readable = loop.create_future()
+    loop.add_reader(sock.fileno(), _io.set_once, readable)
+    try:
+        await asyncio.wait_for(readable, max(0.0, timeout))
+        return True
+    except TimeoutError:
+        return False
+    finally:
+        loop.remove_reader(sock.fileno())
+
+
+class _Untrue(Exception):
+    """The holder told of a range that is not in the object."""
+
+
+def _followable(buffers: Sequence[torch.Tensor | None] | None, specs: Sequence[TensorSpec]) -> list[torch.Tensor] | None:
+    """`buffers` where each range can be copied into them as it lands (every one a
+    contiguous CPU tensor of its spec's bytes), else None."""
+    if buffers is None or len(buffers) != len(specs):
+        return None
+    ok = all(
+        b is not None and b.device.type == "cpu" and b.is_contiguous() and b.numel() * b.element_size() == s.nbytes
+        for b, s in zip(buffers, specs)
+    )
+    return [b for b in buffers if b is not None] if ok else None
+
+
+async def _follow(
+    sock: socket.socket,
+    pending: bytes,
+    specs: Sequence[TensorSpec],
+    views: list[torch.Tensor],
+    into: list[torch.Tensor] | None,
+    deadline: float,
+) -> bool:
+    """Read the holder's ranges (`pending`: those that came with its answer) until DONE,
+    copying each from `views` into `into` (where given) as it comes, and at DONE what none
+    told of; True then, False if the holder closed first.
+
+    Raises:
+        TimeoutError: `deadline` passed first.
+        _Untrue: a range outside the object, or anything after DONE.
+    """
+    copied: list[list[tuple[int, int]]] = [[] for _ in specs]
+    while True:
+        whole = len(pending) - len(pending) % _RANGE.size
+        ranges, done = _ranges(pending[:whole], specs)
+        pending = pending[whole:]
+        if done and pending:
+            raise _Untrue(f"with {len(pending)} bytes after DONE")
+        if into is not None:
+            for i, off, n in ranges:
+                copied[i].append((off, off + n))
+            if done:
+                ranges += _untold(copied, specs)
+            if ranges:
+                await _io.to_thread_finished(_copy_ranges, views, into, ranges)
+        if done:
+            return True
+        if not await _readable(sock, deadline - time.monotonic()):
+            raise TimeoutError
+        try:
+            more = sock.recv(MAX_ANSWER)
+        except (BlockingIOError, InterruptedError):
+            continue
+        except OSError:
+            return False
+        if not more:
+            return False
+        pending += more
+
+
+def _ranges(data: bytes, specs: Sequence[TensorSpec]) -> tuple[list[tuple[int, int, int]], bool]:
+    """The ranges `data` tells of (whole `_RANGE`s), checked against `specs`, and whether DONE ended them."""
+    ranges: list[tuple[int, int, int]] = []
+    for at in range(0, len(data), _RANGE.size):
+        i, off, n = _RANGE.unpack_from(data, at)
+        if i == _ALL:
+            if at + _RANGE.size != len(data):
+                raise _Untrue("with ranges after DONE")
+            return ranges, True
+        if not (i < len(specs) and 0 < n and off + n <= specs[i].nbytes):
+            raise _Untrue(f"with a range ({i}, {off}, {n}) outside the object")
+        ranges.append((i, off, n))
+    return ranges, False
+
+
+def _untold(copied: list[list[tuple[int, int]]], specs: Sequence[TensorSpec]) -> list[tuple[int, int, int]]:
+    """The ranges of each tensor that no `copied` (start, end) span covers."""
+    gaps = []
+    for i, (spans, spec) in enumerate(zip(copied, specs)):
+        at = 0
+        for start, end in sorted(spans):
+            if start > at:
+                gaps.append((i, at, start - at))
+            at = max(at, end)
+        if at < spec.nbytes:
+            gaps.append((i, at, spec.nbytes - at))
+    return gaps
+
+
+def _copy_ranges(views: list[torch.Tensor], into: list[torch.Tensor], ranges: list[tuple[int, int, int]]) -> None:
+    """Copy each (tensor, byte offset, bytes) range of `views` into the same range of `into`."""
+    for i, off, n in ranges:
+        _bytes(into[i])[off : off + n].copy_(_bytes(views[i])[off : off + n])
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _framed(msg: bytes) -> tuple[bytes, bytes]:
+    """A claimer's first message: its answer (length-prefixed) and the ranges that follow it."""
+    if len(msg) < _FRAME.size:
+        return b"", b""
+    (n,) = _FRAME.unpack_from(msg)
+    end = _FRAME.size + n
+    if end > len(msg):
+        return msg[_FRAME.size :], b""  # cut short: no answer `_refusal` takes
+    return msg[_FRAME.size : end], msg[end:]
 
 
 def _receive(sock: socket.socket) -> tuple[bytes, list[int], int]:

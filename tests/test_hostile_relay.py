@@ -40,8 +40,17 @@ def _memfd(nbytes: int = SIZE, seals: int = SEALS) -> int:
     return fd
 
 
-def _answer(obj: str, **fields) -> bytes:
-    return json.dumps({"obj_id": obj, "size": SIZE, **fields}).encode()
+def _framed(msg: bytes, then: bytes = _relay.DONE) -> bytes:
+    """`msg` as the claimer's first message frames it, and `then` (ranges; DONE: all landed)."""
+    return _relay._FRAME.pack(len(msg)) + msg + then
+
+
+def _answer(obj: str, then: bytes = _relay.DONE, **fields) -> bytes:
+    return _framed(json.dumps({"obj_id": obj, "size": SIZE, **fields}).encode(), then)
+
+
+def _range(i: int, off: int, n: int) -> bytes:
+    return _relay._RANGE.pack(i, off, n)
 
 
 @contextlib.contextmanager
@@ -75,12 +84,15 @@ def _fake_claimer(obj: str, reply):
             os.close(fd)
 
 
-def _sends(msg, *make_fds):
-    """A reply: `msg` (bytes, or a function of the object id) and the descriptors `make_fds` make."""
+def _sends(msg, *make_fds, then_close: bool = False):
+    """A reply: `msg` (bytes, or a function of the object id) and the descriptors `make_fds`
+    make (`then_close`: and the connection closes, as a claimer's does when its read fails)."""
 
     def reply(conn, obj):
         fds = [make() for make in make_fds]
         socket.send_fds(conn, [msg(obj) if callable(msg) else msg], fds)
+        if then_close:
+            conn.close()
         return fds
 
     return reply
@@ -125,12 +137,33 @@ def _cases(tmp_path):
         "another object": (_sends(_answer("0" * 16), _memfd), "for object '0000000000000000'"),
         "no descriptor": (_sends(_answer), "with 0 descriptors, not one memfd"),
         # New: each was mapped, or raised out of the fetch, before.
-        "bytes that are not json": (_sends(b"\xff\x00 not json", _memfd), "with bytes that are not an answer"),
-        "json that is not a dict": (_sends(b"[1, 2]", _memfd), "with bytes that are not an answer"),
+        "bytes that are not json": (_sends(_framed(b"\xff\x00 not json"), _memfd), "with bytes that are not an answer"),
+        "json that is not a dict": (_sends(_framed(b"[1, 2]"), _memfd), "with bytes that are not an answer"),
         "a size that is a float": (
-            _sends(lambda obj: b'{"obj_id": "%s", "size": %d.0}' % (obj.encode(), SIZE), _memfd),
+            _sends(lambda obj: _framed(b'{"obj_id": "%s", "size": %d.0}' % (obj.encode(), SIZE)), _memfd),
             "with bytes that are not an answer",
         ),
+        "an answer with no frame": (
+            _sends(lambda obj: json.dumps({"obj_id": obj, "size": SIZE}).encode(), _memfd),
+            "with bytes that are not an answer",
+        ),
+        "a frame longer than what came": (
+            _sends(lambda obj: _relay._FRAME.pack(1 << 20) + _answer(obj)[4:], _memfd),
+            "with bytes that are not an answer",
+        ),
+        # The ranges that follow an answer, as the claimer's read lands them.
+        "a range past a tensor's end": (
+            _sends(lambda obj: _answer(obj, _range(0, SPECS[0].nbytes - 8, 16) + _relay.DONE), _memfd),
+            f"with a range (0, {SPECS[0].nbytes - 8}, 16) outside the object",
+        ),
+        "a range of a tensor the object lacks": (
+            _sends(lambda obj: _answer(obj, _range(2, 0, 8) + _relay.DONE), _memfd),
+            "with a range (2, 0, 8) outside the object",
+        ),
+        "an empty range": (_sends(lambda obj: _answer(obj, _range(1, 0, 0)), _memfd), "with a range (1, 0, 0) outside"),
+        "a range after DONE": (_sends(lambda obj: _answer(obj, _relay.DONE + _range(1, 0, 8)), _memfd), "after DONE"),
+        "bytes after DONE": (_sends(lambda obj: _answer(obj, _relay.DONE + b"xyz"), _memfd), "with 3 bytes after DONE"),
+        "a close before DONE": (_sends(lambda obj: _answer(obj, _range(1, 0, 8)), _memfd, then_close=True), None),
         "a field more": (_sends(lambda obj: _answer(obj, path="/etc/passwd"), _memfd), "not an answer"),
         "two memfds": (_sends(_answer, _memfd, _memfd), "with 2 descriptors, not one memfd"),
         "three memfds": (_sends(_answer, _memfd, _memfd, _memfd), "with 2+ descriptors, not one memfd"),
@@ -158,15 +191,35 @@ def _cases(tmp_path):
 CASES = list(_cases(None))
 
 
+class IntoNetwork(Network):
+    """A read into the caller's `into=` buffers (as `transfer()` with buffers does)."""
+
+    def __init__(self, buffers) -> None:
+        super().__init__()
+        self.buffers = buffers
+
+    async def __call__(self):
+        for b, v in zip(self.buffers, await super().__call__()):
+            b.copy_(v)
+        return self.buffers
+
+
+@pytest.mark.parametrize("into", [False, True], ids=["views", "into"])
 @pytest.mark.parametrize("case", CASES)
-async def test_an_asker_handed_anything_but_the_sealed_memfd_of_its_object_reads_for_itself(case, tmp_path, caplog):
+async def test_an_asker_handed_anything_but_the_sealed_memfd_of_its_object_reads_for_itself(case, into, tmp_path, caplog):
+    """With `into=` buffers the asker copies each range it is told of there as it comes:
+    whatever it was told, they end holding its own read."""
     reply, warned = _cases(tmp_path)[case]
     before = _fds()
-    net, obj = Network(), _obj_id()
+    obj = _obj_id()
+    mine = [torch.full(s.shape, 3, dtype=s.dtype) for s in SPECS] if into else None
+    net = IntoNetwork(mine) if into else Network()
     with caplog.at_level(logging.WARNING, logger="rdt_async"), _fake_claimer(obj, reply):
-        tensors, relayed = await asyncio.wait_for(_relay.fetch(obj, SPECS, net), 10)
+        tensors, relayed = await asyncio.wait_for(_relay.fetch(obj, SPECS, net, buffers=mine), 10)
     assert (relayed, net.reads) == (False, 1)  # it mapped nothing it was sent, and read it itself
     assert all(torch.equal(t, v) for t, v in zip(tensors, _values()))
+    if into:
+        assert all(t is b for t, b in zip(tensors, mine))
     if warned is None:
         assert "answered" not in caplog.text
     else:

@@ -146,15 +146,110 @@ class Landing:
     def __init__(self, seed: int) -> None:
         self.reads, self.seed = 0, seed
 
-    async def __call__(self, buffers):
+    async def __call__(self, buffers, landed=None):
         self.reads += 1
         await asyncio.sleep(0.05)
         for b, v in zip(buffers, _values(self.seed)):
             b.copy_(v)
-        return buffers
+        return buffers  # (tells of no range: the others copy what was not told of at DONE)
 
     async def own(self):
         raise AssertionError("a landing transport is read into the memfd, not its own memory")
+
+
+class Stepping(Landing):
+    """A landing read that tells of each range as it lands (tcp does, per stream): the first
+    tensor in four steps, each once the test lets it (`go`), then the second."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(seed)
+        self.go = [asyncio.Event() for _ in range(4)]
+        self.told: list[tuple[int, int, int]] = []
+
+    async def __call__(self, buffers, landed=None):
+        self.reads += 1
+        want = [v.reshape(-1).view(torch.uint8) for v in _values(self.seed)]
+        raw = [b.reshape(-1).view(torch.uint8) for b in buffers]
+        step = want[0].numel() // 4
+        for k in range(4):
+            await self.go[k].wait()
+            raw[0][k * step : (k + 1) * step].copy_(want[0][k * step : (k + 1) * step])
+            self._tell(landed, 0, k * step, step)
+        raw[1].copy_(want[1])
+        self._tell(landed, 1, 0, want[1].numel())
+        return buffers
+
+    def _tell(self, landed, *told) -> None:
+        self.told.append(told)
+        if landed is not None:
+            landed(*told)
+
+
+async def _until(cond, within: float = 5.0) -> None:
+    deadline = time.monotonic() + within
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.005)
+
+
+async def test_a_consumer_fetching_into_its_buffers_copies_each_range_as_the_first_ones_read_lands_it():
+    """The first consumer hands its memfd over at once and tells of each range as it lands;
+    a neighbour fetching `into=` copies the range into its buffers then, not after the read."""
+    net, obj = Stepping(9), _obj_id()
+    want = _values(9)
+    theirs, mine = ([torch.full((1 << 18,), -1.0), torch.zeros(3, 5, dtype=torch.int64)] for _ in range(2))
+    first = asyncio.ensure_future(_relay.fetch(obj, SPECS, net.own, net, buffers=theirs))
+    await asyncio.sleep(0.05)
+    second = asyncio.ensure_future(_relay.fetch(obj, SPECS, Network(fail=True), buffers=mine))
+    quarter = (1 << 18) // 4
+    for k in range(3):
+        net.go[k].set()
+        for buffers in (theirs, mine):  # the first one's own `into=` too
+            upto = (k + 1) * quarter
+            await _until(lambda b=buffers, n=upto: torch.equal(b[0][:n], want[0][:n]))
+            assert torch.all(buffers[0][upto:] == -1.0), f"copied beyond what landed after step {k}"
+        assert not first.done() and not second.done()
+    net.go[3].set()
+    (a, a_relayed), (b, b_relayed) = await asyncio.wait_for(asyncio.gather(first, second), 10)
+    assert (net.reads, a_relayed, b_relayed) == (1, False, True)
+    assert all(x is m for x, m in zip(a, theirs)) and all(x is m for x, m in zip(b, mine)), "into= given back as it is"
+    assert all(torch.equal(x, w) for got in (a, b) for x, w in zip(got, want))
+    assert len(net.told) == 5
+
+
+async def test_ranges_nobody_told_of_are_copied_once_every_byte_landed():
+    """A transport that tells of no range (or a fallback's): the follower copies all at DONE."""
+    net, obj = Landing(4), _obj_id()
+    mine = [torch.zeros(1 << 18), torch.zeros(3, 5, dtype=torch.int64)]
+    (a, _), (b, b_relayed) = await asyncio.gather(
+        _relay.fetch(obj, SPECS, net.own, net), _relay.fetch(obj, SPECS, Network(fail=True), buffers=mine)
+    )
+    assert b_relayed and all(x is m for x, m in zip(b, mine))
+    assert all(torch.equal(x, w) for got in (a, b) for x, w in zip(got, _values(4)))
+
+
+async def test_a_follower_whose_claimer_fails_midway_reads_for_itself_into_the_same_buffers():
+    net, obj = Stepping(2), _obj_id()
+    mine = [torch.zeros(1 << 18), torch.zeros(3, 5, dtype=torch.int64)]
+    first = asyncio.ensure_future(_relay.fetch(obj, SPECS, net.own, net))
+    await asyncio.sleep(0.05)
+
+    class Own(Network):
+        async def __call__(self):
+            for b, v in zip(mine, await super().__call__()):
+                b.copy_(v)
+            return mine
+
+    own = Own()
+    second = asyncio.ensure_future(_relay.fetch(obj, SPECS, own, buffers=mine))
+    net.go[0].set()
+    await _until(lambda: bool(mine[0][0] != 0))
+    first.cancel()
+    b, relayed = await asyncio.wait_for(second, 10)
+    assert (relayed, own.reads) == (False, 1)
+    assert all(x is m for x, m in zip(b, mine)) and all(torch.equal(x, w) for x, w in zip(b, _values()))
+    with pytest.raises(asyncio.CancelledError):
+        await first
 
 
 async def _round(seed: int, source: str = ""):
@@ -717,7 +812,7 @@ async def test_a_claimer_that_cannot_map_its_own_copy_gives_the_memfd_back(monke
         m.setattr(_mappings.cache, "open", no_memory)
         with pytest.raises(OSError, match="Cannot allocate memory"):
             await _relay.fetch(obj, SPECS, net.own, net)
+    await asyncio.sleep(0.1)  # the claim ends on the I/O loop, and lets go of its memfd there
     assert net.reads == 1 and len(_relay.memfds.idle) == 1  # back, warm
     _relay.memfds.clear()
-    await asyncio.sleep(0.1)  # the claim ends on the I/O loop
     assert not [fd for fd in _fds() - before if "memfd:rdt-relay" in fd]

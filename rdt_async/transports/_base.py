@@ -6,7 +6,7 @@ import abc
 import contextlib
 import functools
 import math
-from collections.abc import Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Literal, Protocol, TypeVar
 
@@ -140,6 +140,11 @@ class TransferInfo(Generic[M]):
     # The Ray node id of the producer's node, as the core knows it from the ref (None as
     # above): with `producer_pid`, how `Transport.peer_gone` names a producer.
     producer_node: str | None = None
+    # Where given, a transport that `reports_landed` calls it, from any thread, with
+    # (tensor index, byte offset, byte count) each time a range of the receive's `buffers`
+    # is final (this receive never writes it again): the node relay's other consumers copy
+    # it into their own `into=` buffers while the rest still arrives. Cheap, never raises.
+    landed: Callable[[int, int, int], None] | None = field(default=None, compare=False, repr=False)
 
 
 class Channel(Protocol):
@@ -284,6 +289,10 @@ class Transport(abc.ABC, Generic[M]):
     # receive returns at once and never writes them afterwards (tcp): the node relay's
     # first consumer then reads into the memory it hands the others, with no copy.
     fills_buffers: ClassVar[bool] = False
+    # True if `receive` into `buffers` tells `TransferInfo.landed` of each range as it
+    # becomes final (tcp, per stream every few MiB): the relay's first consumer then hands
+    # the other consumers of its node each range as it lands, not the whole at the end.
+    reports_landed: ClassVar[bool] = False
     # The producer's store, handed in by the core when it creates the transport (NO_STORE
     # where it is driven alone): a transport that serves requests itself serves from it.
     store: Keeper = NO_STORE

@@ -41,7 +41,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -64,6 +64,7 @@ from ._kit import delivered, int_setting, landing_buffers
 MAGIC = b"RDT1"
 HELD, FREED = b"\x01", b"\x02"
 STREAM_MIN_BYTES = 4 << 20  # a stream for each this many bytes, up to `_streams()`
+LANDED_STEP = 8 << 20  # a stream tells `TransferInfo.landed` of its bytes in steps of this many
 PACKED_BYTES = 64 << 10  # answers up to this size leave in one send
 CONNECT_S = 10.0  # connecting and the token's arrival
 IDLE_CONNECTIONS = 16  # kept per producer, for reuse
@@ -344,20 +345,31 @@ class _Stale(Exception):
     """A kept connection failed before any answer: its peer went while it was idle."""
 
 
-def _stream(fetch: _Fetch, meta: TcpMeta, obj_id: str, parts: list[tuple[int, int, int]], dsts: list[memoryview]) -> bool:
+Landed = Callable[[int, int, int], None] | None
+
+
+def _stream(
+    fetch: _Fetch, meta: TcpMeta, obj_id: str, parts: list[tuple[int, int, int]], dsts: list[memoryview], landed: Landed
+) -> bool:
     """Fetch `parts` over one connection into `dsts` (blocking); False if the object is freed.
 
     A kept connection found dead before any answer (the producer's end went while it was
     idle: a network blip since healed, keepalive) is replaced by a new one, once.
     """
     try:
-        return _stream_once(fetch, meta, obj_id, parts, dsts, reuse=True)
+        return _stream_once(fetch, meta, obj_id, parts, dsts, landed, reuse=True)
     except _Stale:
-        return _stream_once(fetch, meta, obj_id, parts, dsts, reuse=False)
+        return _stream_once(fetch, meta, obj_id, parts, dsts, landed, reuse=False)
 
 
 def _stream_once(
-    fetch: _Fetch, meta: TcpMeta, obj_id: str, parts: list[tuple[int, int, int]], dsts: list[memoryview], reuse: bool
+    fetch: _Fetch,
+    meta: TcpMeta,
+    obj_id: str,
+    parts: list[tuple[int, int, int]],
+    dsts: list[memoryview],
+    landed: Landed,
+    reuse: bool,
 ) -> bool:
     sock, reused = _connect(meta, reuse)
     fetch.use(sock)
@@ -373,7 +385,13 @@ def _stream_once(
         if status != HELD:
             raise ConnectionAbortedError(f"an answer that is no answer ({status!r})")
         for i, off, n in parts:
-            _recv_into(sock, dsts[i][off : off + n])
+            if landed is None:
+                _recv_into(sock, dsts[i][off : off + n])
+                continue
+            for at in range(off, off + n, LANDED_STEP):
+                step = min(LANDED_STEP, off + n - at)
+                _recv_into(sock, dsts[i][at : at + step])
+                landed(i, at, step)
         ok = True
         return True
     except OSError as exc:
@@ -424,6 +442,7 @@ class TcpTransport(Transport[TcpMeta]):
     devices = ("cpu",)
     one_sided = True  # no Ray call: the request travels to the producer's listener
     fills_buffers = True  # straight into them; a cancel shuts the sockets first
+    reports_landed = True  # each stream, every LANDED_STEP bytes
     auto_prepares = True  # auto's path to other nodes (streams in parallel)
     prepares_freely = True  # a listener, once; the object's tensors are served as they are
     auto_costs: ClassVar[Mapping[str, Cost]] = {"cpu/node": Cost(0.0042, 1.72), "cpu/hosts": Cost(0.0048, 1.52)}  # (transports/_auto.py)
@@ -457,7 +476,9 @@ class TcpTransport(Transport[TcpMeta]):
         plans = _plan([r.nbytes for r in raws], _streams())
         fetch = _Fetch()
         pool = _threads()
-        submitted = [pool.submit(_stream, fetch, info.meta, info.obj_id, p, raws) for p in plans]
+        # Ranges are final where they land in the caller's buffers themselves.
+        landed = info.landed if buffers is not None and all(d is b for d, b in zip(dsts, buffers)) else None
+        submitted = [pool.submit(_stream, fetch, info.meta, info.obj_id, p, raws, landed) for p in plans]
         streams = [asyncio.wrap_future(f) for f in submitted]
         try:
             await asyncio.wait(streams, return_when=asyncio.FIRST_EXCEPTION)
