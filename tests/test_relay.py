@@ -252,6 +252,27 @@ async def test_a_follower_whose_claimer_fails_midway_reads_for_itself_into_the_s
         await first
 
 
+async def test_a_follower_cancelled_midway_lets_go_of_the_memfd_and_the_first_read_goes_on(monkeypatch):
+    monkeypatch.setenv("RDT_RELAY_KEEP_S", "0.1")
+    net, obj = Stepping(5), _obj_id()
+    mine = [torch.zeros(1 << 18), torch.zeros(3, 5, dtype=torch.int64)]
+    first = asyncio.ensure_future(_relay.fetch(obj, SPECS, net.own, net))
+    await asyncio.sleep(0.05)
+    second = asyncio.ensure_future(_relay.fetch(obj, SPECS, Network(fail=True), buffers=mine))
+    net.go[0].set()
+    await _until(lambda: bool(mine[0][0] != 0))
+    second.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await second
+    await _until(lambda: _relay.stats()["memfds_lent"] == 1)  # the first read's own hold alone
+    for go in net.go[1:]:
+        go.set()
+    a, relayed = await asyncio.wait_for(first, 10)
+    assert not relayed and all(torch.equal(x, w) for x, w in zip(a, _values(5)))
+    del a, first  # (the task holds its result)
+    await _until(lambda: _relay.stats()["memfds_lent"] == 0 and _relay.stats()["idle_memfds"] == 1)
+
+
 async def _round(seed: int, source: str = ""):
     """Two consumers of this process fetch one object through the relay, landing it in a memfd."""
     net, obj = Landing(seed), _obj_id()
