@@ -83,6 +83,7 @@ def no_warm_memfds(monkeypatch):
     leaves none; idle ones stay warm for the test's length unless it says otherwise. Its
     seats are its own (`_seats_apart`)."""
     monkeypatch.setenv("RDT_SHM_IDLE_S", "30")
+    monkeypatch.setenv("RDT_RELAY_FOLLOW", "1")  # whatever this machine's cores (`_follows`)
     monkeypatch.setenv("RDT_TEST_SEATS", secrets.token_hex(4))
     monkeypatch.setattr(_relay, "_seat", _relay._seat)  # restored after the test
     _seats_apart()
@@ -215,6 +216,35 @@ async def test_a_consumer_fetching_into_its_buffers_copies_each_range_as_the_fir
     assert all(x is m for x, m in zip(a, theirs)) and all(x is m for x, m in zip(b, mine)), "into= given back as it is"
     assert all(torch.equal(x, w) for got in (a, b) for x, w in zip(got, want))
     assert len(net.told) == 5
+
+
+def test_consumers_follow_the_read_by_default_only_with_cores_to_spare(monkeypatch):
+    monkeypatch.delenv("RDT_RELAY_FOLLOW")
+    for cores, follows in ((2, False), (3, False), (4, True), (64, True)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
+        assert _relay._follows() is follows
+    monkeypatch.setenv("RDT_RELAY_FOLLOW", "1")
+    assert _relay._follows()
+    monkeypatch.setenv("RDT_RELAY_FOLLOW", "0")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(64)))
+    assert not _relay._follows()
+
+
+async def test_where_consumers_do_not_follow_they_copy_once_the_read_ended(monkeypatch):
+    monkeypatch.setenv("RDT_RELAY_FOLLOW", "0")
+    net, obj = Stepping(3), _obj_id()
+    mine = [torch.full((1 << 18,), -1.0), torch.zeros(3, 5, dtype=torch.int64)]
+    first = asyncio.ensure_future(_relay.fetch(obj, SPECS, net.own, net))
+    await asyncio.sleep(0.05)
+    second = asyncio.ensure_future(_relay.fetch(obj, SPECS, Network(fail=True), buffers=mine))
+    for go in net.go[:3]:
+        go.set()
+    await asyncio.sleep(0.2)
+    assert torch.all(mine[0] == -1.0)  # nothing copied while it lands
+    net.go[3].set()
+    (a, _), (b, relayed) = await asyncio.wait_for(asyncio.gather(first, second), 10)
+    assert relayed and all(torch.equal(x, w) for got in (a, b) for x, w in zip(got, _values(3)))
+    assert b[0].data_ptr() != mine[0].data_ptr()  # views of the memfd: the core copies them into `into=`
 
 
 async def test_ranges_nobody_told_of_are_copied_once_every_byte_landed():
