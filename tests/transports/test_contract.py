@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import os
 import signal
@@ -98,6 +99,36 @@ async def test_into_receives_into_caller_buffers(producer):
     got = await fetch(producer, info, buffers)
     assert [g.data_ptr() for g in got] == ptrs
     assert_same(got, expect(2))
+
+
+async def test_a_transport_that_reports_landed_tells_of_every_byte_once_each_range_final_when_told(producer, monkeypatch):
+    """`Transport.reports_landed`: each range told of (from any thread) is in the caller's
+    buffers with its final bytes when told, and the ranges cover every byte once."""
+    cls = _registry.transport_class(producer.transport)
+    if not cls.reports_landed:
+        pytest.skip(f"{producer.transport} does not report landed ranges")
+    if producer.transport == "tcp":
+        from rdt_async.transports import tcp
+
+        monkeypatch.setattr(tcp, "LANDED_STEP", 1 << 16)  # many ranges of a small object
+    sizes = (700_000, 70_000, 7, 0)
+    want = [t.reshape(-1).view(torch.uint8) for t in expect(14, sizes)]
+    buffers = [torch.zeros(s.shape, dtype=s.dtype, device=DEVICE) for s in producer.make(14, sizes).specs]
+    raw = [b.reshape(-1).view(torch.uint8) for b in buffers]
+    told: list[tuple[int, int, int, bool]] = []
+
+    def landed(i: int, off: int, n: int) -> None:
+        told.append((i, off, n, torch.equal(raw[i][off : off + n].cpu(), want[i][off : off + n])))
+
+    info = dataclasses.replace(producer.make(14, sizes), landed=landed)
+    got = await fetch(producer, info, buffers)
+    assert_same(got, expect(14, sizes))
+    assert told and all(final for *_, final in told), [t for t in told if not t[3]][:5]
+    for i, w in enumerate(want):
+        spans = sorted((off, off + n) for j, off, n, _ in told if j == i)
+        assert [a for a, _ in spans] == [0, *(b for _, b in spans[:-1])] if spans else w.numel() == 0, (i, spans[:5])
+        assert (spans[-1][1] if spans else 0) == w.numel()
+    assert max(n for _, _, n, _ in told) <= (1 << 16 if producer.transport == "tcp" else max(w.numel() for w in want))
 
 
 async def test_fetches_into_registered_buffers_register_nothing_more(producer):
