@@ -349,9 +349,15 @@ Landed = Callable[[int, int, int], None] | None
 
 
 def _stream(
-    fetch: _Fetch, meta: TcpMeta, obj_id: str, parts: list[tuple[int, int, int]], dsts: list[memoryview], landed: Landed
+    fetch: _Fetch,
+    meta: TcpMeta,
+    obj_id: str,
+    parts: list[tuple[int, int, int]],
+    dsts: list[memoryview],
+    landed: Landed = None,
 ) -> bool:
     """Fetch `parts` over one connection into `dsts` (blocking); False if the object is freed.
+    `landed` (`TransferInfo.landed`) is told of each LANDED_STEP bytes once they are in.
 
     A kept connection found dead before any answer (the producer's end went while it was
     idle: a network blip since healed, keepalive) is replaced by a new one, once.
