@@ -401,9 +401,13 @@ def ray_cluster(hosts: int, remote_resource: str = "remote", topology: str = "fl
             made.add("remote2", cluster.address, {remote_resource + "2": 1000})
         yield made
     finally:
-        ray.shutdown()
-        if cluster is not None:
-            cluster.shutdown()
-        made.close()
         if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cleanup short
+        try:
+            ray.shutdown()
+            if cluster is not None:
+                cluster.shutdown()
+        finally:
+            made.close()  # whatever Ray's shutdown raised: no namespace, link or node is left
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
