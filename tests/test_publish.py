@@ -426,7 +426,7 @@ def test_a_stream_hands_over_each_tensor_as_its_chunk_lands_exact_in_order_and_i
     ray.get(trainer.open.remote("flow", 3, "wait", 1 << 20))  # a chunk per 1 MiB tensor: 4 chunks
     relayed = _relayed(there)
     try:
-        for version in (0, 1):
+        for version in range(5):  # each version checked; sharing judged from the second on (below)
             assert ray.get(trainer.publish.remote("flow")) == [version]
             at = time.time() + 1.0  # all start together: the other node's two overlap, one relays
             got = ray.get([
@@ -448,11 +448,16 @@ def test_a_stream_hands_over_each_tensor_as_its_chunk_lands_exact_in_order_and_i
                 assert [landed for _, _, landed, _, _ in g["seen"]][-1] == LAYERS, g
                 into = i % 2 == 0
                 assert all(in_buffers == into for *_, in_buffers in g["seen"]), g  # into=: the user's tensors
+            # Two subscribers of the other node share a chunk only where one asks while the
+            # other's read of it runs (a read into its own buffers ends its claim at once
+            # where nobody asked): a loaded machine may wake one late for a version or two.
+            if version >= 1 and _relayed(there) > relayed:
+                break
         assert ray.get(trainer.stats.remote("flow"))["chunks"] == LAYERS
-        assert _relayed(there) > relayed  # the other node's chunks came through its relay
+        assert _relayed(there) > relayed, "the other node's chunks never came through its relay in five versions"
         # `next` follows on from what the stream took: the version after it.
         ray.get(trainer.publish.remote("flow"))
-        assert ray.get(here[0].follow.remote(trainer, "flow", 2, 0.0, True)) == [(2, True)]
+        assert ray.get(here[0].follow.remote(trainer, "flow", version + 1, 0.0, True)) == [(version + 1, True)]
         wait_until(lambda: ray.get(trainer.stats.remote("flow"))["slots_busy"] == 1, 10,
                    lambda: ray.get(trainer.stats.remote("flow")))
     finally:
