@@ -250,7 +250,10 @@ async def _serve(
     any), and the memfd costs a copy only where another consumer waits for it.
 
     With `follow` (this consumer's `into=`, `_followable`) and `transfer_into`, it copies
-    each range into `follow` as it lands, as the others do, and returns `follow`.
+    each range into `follow` as it lands, as the others do, and returns `follow`. Where
+    consumers do not follow (`_follows`), the memfd is handed over once the read ended, and
+    no range is told: on 2 cores the early answer and the ranges cost 8 consumers of 256
+    MiB `into=` ~0.1 s.
     """
     offsets, size = layout
     claim.listen(128)
@@ -264,8 +267,10 @@ async def _serve(
         if transfer_into is not None:
             memfd = memfds.take(size, source)
             lease = _Lease(memfd)
-            lease.hold()  # the claim's, while it lands: askers follow it range by range
-            _io.call_soon(server.landing, lease, size)
+            lease.hold()  # the claim's, while it lands (and askers follow it range by range, where they do)
+            streams = _follows()  # (else who asks is answered once the read ended, as where nobody follows)
+            if streams:
+                _io.call_soon(server.landing, lease, size)
             views = _views(memfd.mm, specs, offsets)
             own = None if follow is None else _Copier(views, follow)
 
@@ -275,7 +280,7 @@ async def _serve(
                     own.landed(i, off, n)
 
             try:
-                got = await transfer_into(views, landed=landed)  # nothing writes it after a cancel
+                got = await transfer_into(views, landed=landed if streams else None)  # nothing writes it after a cancel
             finally:
                 if own is not None:
                     await own.finish()  # no copy of ours runs past this
