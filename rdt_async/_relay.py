@@ -222,6 +222,7 @@ async def fetch(
     claim = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         claim.bind(_address(obj_id))
+        claim.listen(128)  # at once: a neighbour connecting between bind and listen is refused, and reads for itself
     except OSError:
         claim.close()  # another consumer of this node holds the object, or is reading it
         got = await _ask(obj_id, specs, follow)
@@ -256,7 +257,6 @@ async def _serve(
     MiB `into=` ~0.1 s.
     """
     offsets, size = layout
-    claim.listen(128)
     claim.setblocking(False)
     server = _Server(claim, obj_id)
     counts.add("claimed")
