@@ -11,9 +11,10 @@ if other consumers of the node asked meanwhile. It hands the memfd (SCM_RIGHTS) 
 them, and to those who ask while the claim lasts (RDT_RELAY_KEEP_S after the read,
 default 2 s) and someone still maps it; they map it copy-on-write: no copy, and a
 consumer's writes stay its own (one fetching `into=` copies from it and lets it go).
-Where the read lands in the memfd, it is handed over at once, and each range as it lands
-(`Transport.reports_landed`: tcp): a consumer fetching `into=` -- the first one too --
-copies each range into its buffers meanwhile, so that copies overlap the read.
+Where consumers follow the read (`_follows`: 4 cores or more) and it lands in the memfd,
+the memfd is handed over at once, and each range as it lands (`Transport.reports_landed`:
+tcp): a consumer fetching `into=` -- the first one too -- copies each range into its
+buffers meanwhile, so that copies overlap the read.
 Nobody asking costs the first consumer nothing. Both ends check that the other runs as the same user (SO_PEERCRED).
 What an asker receives is input: it maps only one memfd, sealed against shrinking and
 growing (the first consumer seals each it makes: nobody can cut it under a mapping, a
@@ -203,7 +204,8 @@ async def fetch(
     another consumer reads the object and hands over each range as it lands, this one
     copies it there meanwhile, and gets `buffers` back.
     """
-    follow = _followable(buffers, specs) if _follows() else None
+    follows = _follows()
+    follow = _followable(buffers, specs) if follows else None
     offsets, size = _layout(specs)
     if transfer_into is not None and not memfds.warm(size):
         # Fresh memory faults in slowly: a consumer of the node that has warm memory for
@@ -229,7 +231,7 @@ async def fetch(
         if got is not None and got is not _NO_CLAIM:
             return got, True
         return await transfer(), False
-    return await _serve(claim, obj_id, specs, (offsets, size), transfer, transfer_into, source, follow), False
+    return await _serve(claim, obj_id, specs, (offsets, size), transfer, transfer_into, source, follows, follow), False
 
 
 async def _serve(
@@ -240,21 +242,22 @@ async def _serve(
     transfer: Callable[[], Awaitable[list[torch.Tensor]]],
     transfer_into: Callable[..., Awaitable[list[torch.Tensor]]] | None,
     source: str,
+    streams: bool = False,
     follow: list[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """Read the object for this node; hand a memfd of it to the consumers that ask.
 
     With `transfer_into` the bytes land in a warm memfd, and this consumer's own tensors
-    map it copy-on-write too; the memfd is handed over at once, and each range as it lands
-    (`Transport.reports_landed`; every byte at the end otherwise). Otherwise the transfer
+    map it copy-on-write too; with `streams` (consumers follow the read, `_follows`) the
+    memfd is handed over at once, and each range as it lands (`Transport.reports_landed`;
+    every byte at the end otherwise). Otherwise the transfer
     lands where the transport puts it, as any fetch's (so a cancel ends it as promptly as
     any), and the memfd costs a copy only where another consumer waits for it.
 
     With `follow` (this consumer's `into=`, `_followable`) and `transfer_into`, it copies
-    each range into `follow` as it lands, as the others do, and returns `follow`. Where
-    consumers do not follow (`_follows`), the memfd is handed over once the read ended, and
-    no range is told: on 2 cores the early answer and the ranges cost 8 consumers of 256
-    MiB `into=` ~0.1 s.
+    each range into `follow` as it lands, as the others do, and returns `follow`. Without
+    `streams`, the memfd is handed over once the read ended, and no range is told: on 2
+    cores the early answer and the ranges cost 8 consumers of 256 MiB `into=` ~0.1 s.
     """
     offsets, size = layout
     claim.setblocking(False)
@@ -268,7 +271,6 @@ async def _serve(
             memfd = memfds.take(size, source)
             lease = _Lease(memfd)
             lease.hold()  # the claim's, while it lands (and askers follow it range by range, where they do)
-            streams = _follows()  # (else who asks is answered once the read ended, as where nobody follows)
             if streams:
                 _io.call_soon(server.landing, lease, size)
             views = _views(memfd.mm, specs, offsets)
