@@ -25,8 +25,9 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, SupportsIndex
 
+import msgpack
 import ray
 import torch
 
@@ -178,6 +179,18 @@ class RDTObject:
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.specs)
 
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
+        """As Ray carries it to each consumer: the fields a producer makes in one msgpack
+        record (`_wire`), the skeleton, the transports' metadata and the anchor beside it
+        for Ray's pickler, which tracks the anchor's ref. Ray's pickler calls back into
+        Python for every object it meets; the record spares it the producer's identity, the
+        specs and their dtypes: ~0.1 ms a pass at 4 KiB. An object not as a producer makes
+        it (crafted) pickles field by field, as a dataclass, for the consumer's checks."""
+        wire = _wire(self)
+        if wire is None:
+            return super().__reduce_ex__(protocol)
+        return _rebuilt, (wire, self.skeleton, self.meta, self.eager, self.anchor)
+
     def __repr__(self) -> str:
         shown = ", ".join(str(s) for s in self.specs[:4]) + (", ..." if len(self.specs) > 4 else "")
         return (
@@ -216,6 +229,68 @@ class RDTObject:
         if name.startswith("_") or name in RDTObject.__dataclass_fields__ or hasattr(RDTObject, name):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         raise self._not_the_value(f".{name}")
+
+
+_WIRE_VERSION = 1
+
+
+# The types of the producer's fields in a wire record (node id, token, actor id, its
+# handle's state, whether it serves): `_wire` writes only these, `_rebuilt` reads only these.
+_PRODUCER_TYPES = ((str,), (str,), (str, type(None)), (bytes, type(None)), (bool,))
+
+
+@functools.cache
+def _dtypes() -> dict[str, torch.dtype]:
+    """torch's dtypes by the name a wire record gives them (`float32`)."""
+    return {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
+def _wire(obj: RDTObject) -> bytes | None:
+    """`obj`'s id, producer, transport and specs as one msgpack record, or None where a
+    field is not of the type a producer makes it."""
+    p, names = obj.producer, _dtypes()
+    if type(p) is not Process or type(obj.specs) is not tuple or type(obj.obj_id) is not str or type(obj.transport) is not str:
+        return None
+    producer = (p.node_id, p.token, p.actor_id, p.actor_state, p.serves)
+    if not all(type(v) in types for v, types in zip(producer, _PRODUCER_TYPES)):
+        return None
+    specs = []
+    for s in obj.specs:
+        if type(s) is not TensorSpec or type(s.shape) is not tuple or not isinstance(s.dtype, torch.dtype):
+            return None
+        name = str(s.dtype).removeprefix("torch.")
+        if names.get(name) is not s.dtype or not all(type(n) is int for n in s.shape):
+            return None
+        specs.append((s.shape, name, s.device, s.nbytes))
+    fields = (_WIRE_VERSION, obj.obj_id, *producer, obj.transport, specs)
+    try:
+        return msgpack.packb(fields, use_bin_type=True)  # type: ignore[no-any-return]
+    except (TypeError, ValueError, OverflowError):  # a field of another type: as a dataclass
+        return None
+
+
+def _rebuilt(wire: bytes, skeleton: Any, meta: Any, eager: Any, anchor: Any) -> RDTObject:
+    """The RDTObject of a wire record (`RDTObject.__reduce_ex__`), as Ray unpickles it.
+
+    Raises: TransferError where the record is not one `_wire` makes (what its fields hold
+    is checked by `check` before a fetch uses them, as for every ref).
+    """
+    try:
+        fields = msgpack.unpackb(wire, use_list=False, raw=False)
+        version, obj_id, node_id, token, actor_id, actor_state, serves, transport, specs = fields
+        producer = (node_id, token, actor_id, actor_state, serves)
+        if version != _WIRE_VERSION or type(obj_id) is not str or type(transport) is not str or type(specs) is not tuple:
+            raise ValueError("a field of the wrong type")
+        if not all(type(v) in types for v, types in zip(producer, _PRODUCER_TYPES)):
+            raise ValueError("a producer field of the wrong type")
+        names = _dtypes()
+        tensor_specs = tuple(TensorSpec(tuple(shape), names.get(dtype, dtype), device, nbytes) for shape, dtype, device, nbytes in specs)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise TransferError(
+            f"an RDTObject arrived in a form no producer makes ({type(exc).__name__}: {exc}); "
+            "pass refs as rdt_async hands them out, unaltered"
+        ) from None
+    return RDTObject(obj_id, Process(*producer), transport, tensor_specs, skeleton, meta, eager, anchor)
 
 
 class _Anchors:

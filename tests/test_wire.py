@@ -1,0 +1,135 @@
+"""An RDTObject's wire form: what Ray pickles to every consumer (no cluster).
+
+A producer's object travels as one msgpack record of its id, producer, transport and
+specs, beside its skeleton, metadata and anchor (`_object._wire`). It must arrive as it
+left, field for field; an object not as a producer makes it (a crafted one) travels field by
+field as before, so that the consumer's checks see what was crafted; and a record no
+producer made is refused with an error that says so.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import dataclasses
+import pickle
+
+import msgpack
+import pytest
+import torch
+
+from rdt_async import TransferError, _object
+from rdt_async._object import Process, RDTObject
+from rdt_async._tree import flatten
+from rdt_async.transports._base import TensorSpec
+
+DTYPES = sorted({d for d in vars(torch).values() if isinstance(d, torch.dtype)}, key=str)
+
+
+def _spec(shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu") -> TensorSpec:
+    numel = 1
+    for n in shape:
+        numel *= n
+    return TensorSpec(shape, dtype, device, numel * dtype.itemsize)
+
+
+def _obj(specs: tuple[TensorSpec, ...] = (), producer: Process | None = None, **fields) -> RDTObject:
+    skeleton, _ = flatten({"w": torch.zeros(1), "step": 3, "names": ["a", "b"]})
+    base = {
+        "obj_id": "0123456789abcdef01234567",
+        "producer": producer or Process("ab" * 28, "4242:0a1b2c3d4e5f", "cd" * 16, b"\x80handle", True),
+        "transport": "auto",
+        "specs": specs,
+        "skeleton": skeleton,
+        "meta": {"inline": tuple(bytes(s.nbytes) for s in specs), "groups": {"g": ("gloo", 1)}},
+        "eager": {},
+        "anchor": None,
+    }
+    base.update(fields)
+    return RDTObject(**base)
+
+
+def _fields(obj: RDTObject) -> dict:
+    """Every field, the producer's too (its `actor_state` and `serves` take no part in ==)."""
+    out = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    out["producer"] = dataclasses.astuple(obj.producer)
+    out["skeleton"] = repr(obj.skeleton)  # (its slots compare by identity)
+    return out
+
+
+def test_every_dtype_shape_and_producer_field_arrives_as_it_left():
+    specs = tuple(_spec(shape, d) for d in DTYPES for shape in ((), (0,), (3, 5)))
+    for producer in (None, Process("ef" * 28, "7:ff")):  # an actor's, and the driver's (no handle)
+        obj = _obj(specs, producer)
+        assert obj.__reduce_ex__(5)[0] is _object._rebuilt  # the record, not field by field
+        back = pickle.loads(pickle.dumps(obj, protocol=5))
+        assert _fields(back) == _fields(obj)
+        assert [type(s.shape) for s in back.specs] == [tuple] * len(specs)
+        assert all(b.dtype is s.dtype for b, s in zip(back.specs, specs))
+        _object.check(back)  # as a producer makes it
+
+
+@pytest.mark.parametrize(
+    "crafted",
+    [
+        {"specs": [_spec((2,), torch.float32)]},  # a list, not a tuple
+        {"specs": (TensorSpec([2], torch.float32, "cpu", 8),)},  # a shape that is a list
+        {"specs": (TensorSpec((2,), "float32", "cpu", 8),)},  # a dtype that is a string
+        {"specs": (TensorSpec((2.0,), torch.float32, "cpu", 8),)},  # a float in the shape
+        {"obj_id": 12345},
+        {"producer": Process("n", 4242)},  # a token that is not a string
+    ],
+)
+def test_a_crafted_object_travels_field_by_field_and_the_consumer_refuses_it(crafted):
+    obj = _obj(**{"specs": (_spec((2,), torch.float32),), **crafted})
+    assert obj.__reduce_ex__(5)[0] is copyreg.__newobj__  # as a dataclass: what was crafted arrives
+    back = pickle.loads(pickle.dumps(obj, protocol=5))
+    assert _fields(back) == _fields(obj)
+    with pytest.raises(TransferError, match=r"not one a producer makes|not a tuple"):
+        _object.check(back)
+
+
+def _record(**change) -> bytes:
+    obj = _obj(specs=(_spec((2,), torch.float32),))
+    fields = list(msgpack.unpackb(_object._wire(obj), use_list=False))
+    names = ["version", "obj_id", "node_id", "token", "actor_id", "actor_state", "serves", "transport", "specs"]
+    for name, value in change.items():
+        fields[names.index(name)] = value
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [
+        b"\xc1",  # not msgpack
+        b"\x93\x01\x02\x03",  # a record of 3 fields
+        msgpack.packb({"obj_id": "x"}),
+        _record(version=2),
+        _record(obj_id=5),
+        _record(token=4242),
+        _record(actor_state="not bytes"),
+        _record(serves=1),
+        _record(transport=None),
+        _record(specs={"shape": 1}),
+        _record(specs=((2, "float32", "cpu"),)),  # a spec of 3 fields
+        _record(specs=((2, "float32", "cpu", 8),)),  # a shape that is not a sequence
+        _record(specs=(((2,), {"a": 1}, "cpu", 8),)),  # a dtype name that is a map
+    ],
+)
+def test_a_record_no_producer_made_is_refused_as_it_is_read(wire):
+    with pytest.raises(TransferError, match=r"an RDTObject arrived in a form no producer makes.*unaltered"):
+        _object._rebuilt(wire, None, {}, {}, None)
+
+
+@pytest.mark.parametrize(
+    "spec, why",
+    [
+        (((2,), "load", "cpu", 8), "dtype 'load'"),  # a name torch has, but no dtype
+        (((2,), "float32", "cpu", 9), "spec is not one a producer makes"),
+        (((-2,), "float32", "cpu", -8), "shape"),
+        (((2,), "float32", "tpu:0", 8), "spec is not one a producer makes"),
+    ],
+)
+def test_what_a_well_formed_record_holds_is_checked_before_a_fetch_uses_it(spec, why):
+    back = _object._rebuilt(_record(specs=(spec,)), None, {}, {}, None)
+    with pytest.raises(TransferError, match=why):
+        _object.check(back)
