@@ -481,6 +481,40 @@ async def test_nixl_concurrent_fetches_cancelled_again_and_again_leave_no_regist
         assert_same(await fetch(p, infos[0]), expect(20, (8 << 20,)))
 
 
+@pytest.mark.skipif("nixl" not in TRANSPORTS, reason="nixl not selected")
+def test_a_nixl_read_handle_that_is_kept_is_never_released_by_the_garbage_collector():
+    # NIXL's handle releases itself once garbage, from whatever thread collects it and
+    # without the agent's lock: a READ still in progress (stuck) or one NIXL refused to
+    # release must not be let go that way (a collection inside `transfer` crashed a consumer).
+    import gc
+
+    from nixl._api import nixl_xfer_handle
+
+    from rdt_async.transports.nixl import _xfer
+
+    class Agent:  # what a handle calls into: NIXL's C++ agent
+        released: list[int] = []
+
+        def releaseXferReq(self, h):
+            self.released.append(h)
+
+    class Refusing:  # nixl_agent.release_xfer_handle, for a READ NIXL cannot let go of
+        def release_xfer_handle(self, handle):
+            raise RuntimeError("NIXL_ERR_REPOST_ACTIVE")
+
+    agent, before = Agent(), len(_xfer._kept_handles)
+    _xfer.keep(nixl_xfer_handle(agent, 0x51))
+    with pytest.raises(RuntimeError, match="REPOST_ACTIVE"):
+        _xfer.release(Refusing(), nixl_xfer_handle(agent, 0x52))
+    nixl_xfer_handle(agent, 0x53)  # one nobody keeps: released as it goes (what the others must not be)
+    gc.collect()
+    assert agent.released == [0x53]
+    assert [h._handle for h in _xfer._kept_handles[before:]] == [0x51, 0x52]
+    del _xfer._kept_handles[before:]  # (armless now: their finalizers release nothing)
+    gc.collect()
+    assert agent.released == [0x53]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_cuda_ipc_refuses_clearly_without_cuda():
     reason = _registry.transport_class("cuda_ipc").unavailable_reason()

@@ -16,6 +16,7 @@ released, nor the memory it lands in (`stuck`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
@@ -69,7 +70,7 @@ async def post(
     handle = await agent.call(
         nx.initialize_xfer, "READ", nx.get_xfer_descs(read.local, read.local_mem),
         nx.get_xfer_descs(read.remote, read.remote_mem), remote,
-        undo=lambda h: agent.call_soon(nx.release_xfer_handle, h),
+        undo=lambda h: agent.call_soon(release, nx, h),
     )
     state = "PROC"
     try:
@@ -85,11 +86,12 @@ async def post(
     finally:
         if state == "PROC":
             if await _ended(agent, handle) or await _ended(agent, handle, before=disconnect):
-                agent.call_soon(nx.release_xfer_handle, handle)
+                agent.call_soon(release, nx, handle)
             else:
+                keep(handle)
                 stuck()
         else:
-            agent.call_soon(nx.release_xfer_handle, handle)
+            agent.call_soon(release, nx, handle)
 
 
 def post_now(agent: Agent, remote: str, read: Read, on_end: Callable[[], None], stuck: Callable[[], None]) -> bool:
@@ -107,12 +109,12 @@ def post_now(agent: Agent, remote: str, read: Read, on_end: Callable[[], None], 
         while state == "PROC" and time.perf_counter() < deadline:
             state = nx.check_xfer_state(handle)
     except BaseException:
-        quietly(nx.release_xfer_handle, handle)
+        quietly(release, nx, handle)
         raise
     if state == "PROC":
         _io.call_soon(_finish_later, agent, handle, on_end, stuck)
         return False
-    quietly(nx.release_xfer_handle, handle)
+    quietly(release, nx, handle)
     if state != "DONE":
         raise TransferAbortedError(f"nixl READ from {remote} ended in state {state}")
     return True
@@ -156,6 +158,33 @@ def _poll_closely(agent: Agent, handle: Any) -> str:
     return state
 
 
+def release(nx: Any, handle: Any) -> None:
+    """Release a READ's handle (the agent held). One NIXL will not release is kept (`keep`).
+
+    Raises: NIXL's error.
+    """
+    try:
+        nx.release_xfer_handle(handle)
+    except BaseException:
+        keep(handle)
+        raise
+
+
+def keep(handle: Any) -> None:
+    """Keep a READ's handle for the process's life, never released: NIXL's handle releases
+    itself once garbage (`nixl_xfer_handle.__del__`), from whatever thread collects it,
+    without the agent's lock and whether the READ ended or not: a READ still in progress
+    (`stuck`) must never be let go (see the module's docstring), and a collection inside
+    another call into the agent crashed a consumer (SIGSEGV in the garbage collector, in
+    `transfer`)."""
+    _kept_handles.append(handle)
+    with contextlib.suppress(AttributeError):  # (a NIXL whose handles have no such flag)
+        handle._released = True  # its finalizer releases only where this is False
+
+
+_kept_handles: list[Any] = []
+
+
 def _finish_later(agent: Agent, handle: Any, on_end: Callable[[], None], stuck: Callable[[], None]) -> None:
     """Wait on the I/O loop for a READ left in progress, release it, then call `on_end`
     (`stuck` where it is still in progress after ABORT_GRACE_S)."""
@@ -167,9 +196,10 @@ def _finish_later(agent: Agent, handle: Any, on_end: Callable[[], None], stuck: 
             except Exception:
                 state = "ERR"
             if state == "PROC":
+                keep(handle)
                 stuck()
                 return  # never released, nor its memory given back (on_end not called)
-            agent.call_soon(agent.nixl.release_xfer_handle, handle)
+            agent.call_soon(release, agent.nixl, handle)
         except BaseException:
             on_end()
             raise
