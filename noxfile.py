@@ -92,7 +92,7 @@ def _workers() -> list[str]:
     if asked == "auto":
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         asked = str(min(max(cores, 2), 4))
-    return ["-n", asked, "--dist", "loadfile"]
+    return ["-n", asked, "--dist", "loadfile", "--no-loadscope-reorder"]  # the order tests/conftest.py gives
 
 
 @nox.session

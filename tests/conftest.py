@@ -211,7 +211,21 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "allow_stall: the test blocks its event loop on purpose")
 
 
+# The modules that take longest (seconds of one worker, summed from `--durations=0` of a
+# full run), run first: `nox -s tests` hands each xdist worker the next module as it frees
+# (`--dist loadfile --no-loadscope-reorder`), so the short ones fill in at the end. In
+# xdist's own order (most tests first) the longest modules, which hold few tests, came
+# last, and one worker ran them while the other idled.
+LONGEST_FIRST = (
+    "test_without_optional.py", "test_partition.py", "test_gloo.py", "test_nixl.py", "test_ucxx.py",
+    "test_relay.py", "test_peer_death.py", "test_network.py", "test_churn.py", "test_publish.py",
+    "test_concurrency.py", "test_contract.py", "test_load.py",
+)
+
+
 def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # (stable: the rest as collected)
     for item in items:
         fn = getattr(item, "obj", None)
         if inspect.iscoroutinefunction(fn) and item.get_closest_marker("allow_stall") is None:
