@@ -174,9 +174,10 @@ def keep(handle: Any) -> None:
     """Keep a READ's handle for the process's life, never released: NIXL's handle releases
     itself once garbage (`nixl_xfer_handle.__del__`), from whatever thread collects it,
     without the agent's lock and whether the READ ended or not: a READ still in progress
-    (`stuck`) must never be let go (see the module's docstring), and a collection inside
-    another call into the agent crashed a consumer (SIGSEGV in the garbage collector, in
-    `transfer`)."""
+    (`stuck`) must never be let go (see the module's docstring), nor one NIXL refused to
+    release be released again at some later collection, inside another call into the
+    agent (a consumer of the contract suite died once of a SIGSEGV in a garbage
+    collection inside `transfer`)."""
     _kept_handles.append(handle)
     with contextlib.suppress(AttributeError):  # (a NIXL whose handles have no such flag)
         handle._released = True  # its finalizer releases only where this is False
