@@ -34,6 +34,7 @@ import torch
 from . import _io, _ray
 from ._errors import NotFetchedError, ObjectFreedError, TransferError
 from ._store import log, store
+from ._tree import Slot
 from .transports._base import TensorSpec, check_specs
 
 if not hasattr(ray._raylet.CoreWorker, "add_object_out_of_scope_callback"):  # type: ignore[attr-defined]
@@ -200,7 +201,8 @@ class RDTObject:
         wire = _wire(self)
         if wire is None:
             return super().__reduce_ex__(protocol)
-        return _rebuilt, (wire, self.skeleton, self.meta, self.eager, self.anchor)
+        skeleton = None if _slot_keys(self.skeleton, len(self.specs)) is not None else self.skeleton  # (in the record)
+        return _rebuilt, (wire, skeleton, self.meta, self.eager, self.anchor)
 
     def __repr__(self) -> str:
         shown = ", ".join(str(s) for s in self.specs[:4]) + (", ..." if len(self.specs) > 4 else "")
@@ -242,7 +244,7 @@ class RDTObject:
         raise self._not_the_value(f".{name}")
 
 
-_WIRE_VERSION = 1
+_WIRE_VERSION = 2
 
 
 # The types of the producer's fields in a wire record (node id, token, actor id, its
@@ -256,10 +258,16 @@ def _dtypes() -> dict[str, torch.dtype]:
     return {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
 
+@functools.cache
+def _dtype_names() -> dict[torch.dtype, str]:
+    """The name a wire record gives each of torch's dtypes (`_dtypes`, the other way)."""
+    return {d: name for name, d in _dtypes().items()}
+
+
 def _wire(obj: RDTObject) -> bytes | None:
     """`obj`'s id, producer, transport and specs as one msgpack record, or None where a
     field is not of the type a producer makes it."""
-    p, names = obj.producer, _dtypes()
+    p, names = obj.producer, _dtype_names()
     if type(p) is not Process or type(obj.specs) is not tuple or type(obj.obj_id) is not str or type(obj.transport) is not str:
         return None
     producer = (p.node_id, p.token, p.actor_id, p.actor_state, p.serves)
@@ -267,17 +275,29 @@ def _wire(obj: RDTObject) -> bytes | None:
         return None
     specs = []
     for s in obj.specs:
-        if type(s) is not TensorSpec or type(s.shape) is not tuple or not isinstance(s.dtype, torch.dtype):
+        if type(s) is not TensorSpec or type(s.shape) is not tuple or not all(type(n) is int for n in s.shape):
             return None
-        name = str(s.dtype).removeprefix("torch.")
-        if names.get(name) is not s.dtype or not all(type(n) is int for n in s.shape):
+        name = names.get(s.dtype) if isinstance(s.dtype, torch.dtype) else None
+        if name is None:
             return None
         specs.append((s.shape, name, s.device, s.nbytes))
-    fields = (_WIRE_VERSION, obj.obj_id, *producer, obj.transport, specs)
+    fields = (_WIRE_VERSION, obj.obj_id, *producer, obj.transport, specs, _slot_keys(obj.skeleton, len(specs)))
     try:
         return msgpack.packb(fields, use_bin_type=True)  # type: ignore[no-any-return]
     except (TypeError, ValueError, OverflowError):  # a field of another type: as a dataclass
         return None
+
+
+def _slot_keys(skeleton: Any, n: int) -> tuple[str, ...] | None:
+    """The keys of a skeleton that is a plain dict of `n` tensors by name, in order (a
+    state dict, a published version), else None. Such a skeleton travels as its keys in
+    the wire record: pickled, each of its slots was another call into Python."""
+    if type(skeleton) is not dict or len(skeleton) != n:
+        return None
+    for i, (k, v) in enumerate(skeleton.items()):
+        if type(k) is not str or type(v) is not Slot or v.index != i:
+            return None
+    return tuple(skeleton)
 
 
 def _rebuilt(wire: bytes, skeleton: Any, meta: Any, eager: Any, anchor: Any) -> RDTObject:
@@ -288,12 +308,18 @@ def _rebuilt(wire: bytes, skeleton: Any, meta: Any, eager: Any, anchor: Any) -> 
     """
     try:
         fields = msgpack.unpackb(wire, use_list=False, raw=False)
-        version, obj_id, node_id, token, actor_id, actor_state, serves, transport, specs = fields
+        version, obj_id, node_id, token, actor_id, actor_state, serves, transport, specs, keys = fields
         producer = (node_id, token, actor_id, actor_state, serves)
         if version != _WIRE_VERSION or type(obj_id) is not str or type(transport) is not str or type(specs) is not tuple:
             raise ValueError("a field of the wrong type")
         if not all(type(v) in types for v, types in zip(producer, _PRODUCER_TYPES)):
             raise ValueError("a producer field of the wrong type")
+        if keys is not None:
+            if skeleton is not None or type(keys) is not tuple or not all(type(k) is str for k in keys):
+                raise ValueError("a skeleton's keys that are not names, or a skeleton beside them")
+            if len(set(keys)) != len(keys) or len(keys) != len(specs):
+                raise ValueError("a skeleton's keys that are not one name per tensor")
+            skeleton = {k: Slot(i) for i, k in enumerate(keys)}
         names = _dtypes()
         tensor_specs = tuple(TensorSpec(tuple(shape), names.get(dtype, dtype), device, nbytes) for shape, dtype, device, nbytes in specs)
     except (ValueError, TypeError, msgpack.UnpackException) as exc:

@@ -9,6 +9,7 @@ producer made is refused with an error that says so.
 
 from __future__ import annotations
 
+import collections
 import copyreg
 import dataclasses
 import pickle
@@ -91,7 +92,7 @@ def test_a_crafted_object_travels_field_by_field_and_the_consumer_refuses_it(cra
 def _record(**change) -> bytes:
     obj = _obj(specs=(_spec((2,), torch.float32),))
     fields = list(msgpack.unpackb(_object._wire(obj), use_list=False))
-    names = ["version", "obj_id", "node_id", "token", "actor_id", "actor_state", "serves", "transport", "specs"]
+    names = ["version", "obj_id", "node_id", "token", "actor_id", "actor_state", "serves", "transport", "specs", "keys"]
     for name, value in change.items():
         fields[names.index(name)] = value
     return msgpack.packb(fields, use_bin_type=True)
@@ -103,7 +104,7 @@ def _record(**change) -> bytes:
         b"\xc1",  # not msgpack
         b"\x93\x01\x02\x03",  # a record of 3 fields
         msgpack.packb({"obj_id": "x"}),
-        _record(version=2),
+        _record(version=1),  # a version this build does not read
         _record(obj_id=5),
         _record(token=4242),
         _record(actor_state="not bytes"),
@@ -113,6 +114,10 @@ def _record(**change) -> bytes:
         _record(specs=((2, "float32", "cpu"),)),  # a spec of 3 fields
         _record(specs=((2, "float32", "cpu", 8),)),  # a shape that is not a sequence
         _record(specs=(((2,), {"a": 1}, "cpu", 8),)),  # a dtype name that is a map
+        _record(keys="w"),  # a state dict's names that are not a sequence
+        _record(keys=(1,)),  # a name that is not a string
+        _record(keys=("w", "w")),  # two slots of one name for one tensor
+        _record(keys=()),  # no name for the tensor
     ],
 )
 def test_a_record_no_producer_made_is_refused_as_it_is_read(wire):
@@ -133,3 +138,38 @@ def test_what_a_well_formed_record_holds_is_checked_before_a_fetch_uses_it(spec,
     back = _object._rebuilt(_record(specs=(spec,)), None, {}, {}, None)
     with pytest.raises(TransferError, match=why):
         _object.check(back)
+
+
+def test_a_state_dict_travels_as_its_names_and_arrives_the_same_dict():
+    from rdt_async._tree import unflatten
+
+    state = {f"layer{i}.weight": torch.full((2,), float(i)) for i in range(200)}
+    skeleton, tensors = flatten(state)
+    obj = _obj(specs=tuple(TensorSpec.of(t) for t in tensors), skeleton=skeleton, meta={})
+    rebuild, args = obj.__reduce_ex__(5)
+    assert rebuild is _object._rebuilt and args[1] is None  # the names ride in the record
+    back = pickle.loads(pickle.dumps(obj, protocol=5))
+    assert type(back.skeleton) is dict and list(back.skeleton) == list(state)
+    value = unflatten(back.skeleton, tensors)
+    assert list(value) == list(state) and all(value[k] is t for k, t in zip(state, tensors))
+    with pytest.raises(TransferError, match="a skeleton beside them"):
+        _object._rebuilt(args[0], {"w": None}, {}, {}, None)  # a record's names and a skeleton too
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"b": torch.zeros(1), "a": {"nested": torch.zeros(1)}},  # not a flat dict of tensors
+        {1: torch.zeros(1), 2: torch.zeros(1)},  # names that are not strings
+        collections.OrderedDict(w=torch.zeros(1)),  # another class (a state_dict's: with its _metadata)
+        {"w": torch.zeros(1), "step": 3},  # a leaf that is not a tensor
+        [torch.zeros(1), torch.zeros(1)],
+    ],
+)
+def test_any_other_skeleton_travels_pickled_beside_the_record(value):
+    skeleton, tensors = flatten(value)
+    obj = _obj(specs=tuple(TensorSpec.of(t) for t in tensors), skeleton=skeleton, meta={})
+    rebuild, args = obj.__reduce_ex__(5)
+    assert rebuild is _object._rebuilt and args[1] is skeleton
+    back = pickle.loads(pickle.dumps(obj, protocol=5))
+    assert type(back.skeleton) is type(skeleton) and repr(back.skeleton) == repr(skeleton)
