@@ -201,8 +201,9 @@ class RDTObject:
         wire = _wire(self)
         if wire is None:
             return super().__reduce_ex__(protocol)
-        skeleton = None if _slot_keys(self.skeleton, len(self.specs)) is not None else self.skeleton  # (in the record)
-        return _rebuilt, (wire, skeleton, self.meta, self.eager, self.anchor)
+        record, keys = wire
+        skeleton = None if keys is not None else self.skeleton  # (its names are in the record)
+        return _rebuilt, (record, skeleton, self.meta, self.eager, self.anchor)
 
     def __repr__(self) -> str:
         shown = ", ".join(str(s) for s in self.specs[:4]) + (", ..." if len(self.specs) > 4 else "")
@@ -264,14 +265,20 @@ def _dtype_names() -> dict[torch.dtype, str]:
     return {d: name for name, d in _dtypes().items()}
 
 
-def _wire(obj: RDTObject) -> bytes | None:
-    """`obj`'s id, producer, transport and specs as one msgpack record, or None where a
-    field is not of the type a producer makes it."""
+def _producer_typed(fields: tuple[Any, ...]) -> bool:
+    """Whether a producer's fields, in a wire record's order, are of `_PRODUCER_TYPES`."""
+    return all(type(v) in types for v, types in zip(fields, _PRODUCER_TYPES))
+
+
+def _wire(obj: RDTObject) -> tuple[bytes, tuple[str, ...] | None] | None:
+    """`obj`'s id, producer, transport and specs as one msgpack record, with the names of
+    its skeleton where that travels in the record (`_slot_keys`), or None where a field is
+    not of the type a producer makes it."""
     p, names = obj.producer, _dtype_names()
     if type(p) is not Process or type(obj.specs) is not tuple or type(obj.obj_id) is not str or type(obj.transport) is not str:
         return None
     producer = (p.node_id, p.token, p.actor_id, p.actor_state, p.serves)
-    if not all(type(v) in types for v, types in zip(producer, _PRODUCER_TYPES)):
+    if not _producer_typed(producer):
         return None
     specs = []
     for s in obj.specs:
@@ -281,9 +288,10 @@ def _wire(obj: RDTObject) -> bytes | None:
         if name is None:
             return None
         specs.append((s.shape, name, s.device, s.nbytes))
-    fields = (_WIRE_VERSION, obj.obj_id, *producer, obj.transport, specs, _slot_keys(obj.skeleton, len(specs)))
+    keys = _slot_keys(obj.skeleton, len(specs))
+    fields = (_WIRE_VERSION, obj.obj_id, *producer, obj.transport, specs, keys)
     try:
-        return msgpack.packb(fields, use_bin_type=True)  # type: ignore[no-any-return]
+        return msgpack.packb(fields, use_bin_type=True), keys
     except (TypeError, ValueError, OverflowError):  # a field of another type: as a dataclass
         return None
 
@@ -312,7 +320,7 @@ def _rebuilt(wire: bytes, skeleton: Any, meta: Any, eager: Any, anchor: Any) -> 
         producer = (node_id, token, actor_id, actor_state, serves)
         if version != _WIRE_VERSION or type(obj_id) is not str or type(transport) is not str or type(specs) is not tuple:
             raise ValueError("a field of the wrong type")
-        if not all(type(v) in types for v, types in zip(producer, _PRODUCER_TYPES)):
+        if not _producer_typed(producer):
             raise ValueError("a producer field of the wrong type")
         if keys is not None:
             if skeleton is not None or type(keys) is not tuple or not all(type(k) is str for k in keys):

@@ -91,7 +91,7 @@ def test_a_crafted_object_travels_field_by_field_and_the_consumer_refuses_it(cra
 
 def _record(**change) -> bytes:
     obj = _obj(specs=(_spec((2,), torch.float32),))
-    fields = list(msgpack.unpackb(_object._wire(obj), use_list=False))
+    fields = list(msgpack.unpackb(_object._wire(obj)[0], use_list=False))
     names = ["version", "obj_id", "node_id", "token", "actor_id", "actor_state", "serves", "transport", "specs", "keys"]
     for name, value in change.items():
         fields[names.index(name)] = value
