@@ -315,3 +315,68 @@ async def cancel_after(awaitable: Any, seconds: float) -> str:
         return "done"
     except asyncio.CancelledError:
         return "cancelled"
+
+
+def _what_waits(_actor: Any = None) -> str:
+    """Every busy thread's stack, and every pending task of the process's running loops (run in an actor)."""
+    import io
+
+    out = io.StringIO()
+    names = {t.ident: t.name for t in threading.enumerate()}
+    out.write(f"=== pid {os.getpid()}\n")
+    for ident, frame in sys._current_frames().items():
+        idle = frame.f_code.co_name in ("select", "poll", "wait") or "work_queue.get" in "".join(
+            traceback.format_stack(frame, limit=1)
+        )
+        if ident != threading.get_ident() and not idle:  # (pool threads waiting for work, idle loops: left out)
+            out.write(f"--- thread {names.get(ident, ident)}\n{''.join(traceback.format_stack(frame)[-8:])}")
+    for ident, frame in sys._current_frames().items():  # the loops threads run (gc may not list them: frozen)
+        while frame is not None and not isinstance(frame.f_locals.get("self"), asyncio.AbstractEventLoop):
+            frame = frame.f_back
+        if frame is not None:
+            loop = frame.f_locals["self"]
+            for task in asyncio.all_tasks(loop):
+                out.write(f"--- task {task.get_name()} on the loop of thread {names.get(ident, ident)}\n")
+                out.write(_awaits(task.get_coro()))
+    return out.getvalue()
+
+
+def _awaits(coro: Any) -> str:
+    """Where a suspended coroutine waits: each coroutine of its chain of awaits, outermost first."""
+    lines = []
+    while coro is not None and len(lines) < 40:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is not None:
+            lines.append(f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}\n")
+        inner = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+        if inner is None and frame is None:
+            lines.append(f"  {coro!r}\n"[:300])  # (a coroutine of Cython's, a future: where it ends)
+        coro = inner
+    return "".join(lines)
+
+
+def what_waits(actors: list[Any], timeout: float = 20.0) -> str:
+    """What each actor's threads and rdt_async's I/O loop wait on now: for a test whose
+    fetch did not end, so that its failure says where it hangs."""
+    import ray
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # (workers may not find this module)
+    out = []
+    for actor in actors:
+        try:
+            out.append(ray.get(actor.__ray_call__.remote(_what_waits), timeout=timeout))
+        except Exception as exc:  # an actor that died, or whose threads do not answer
+            out.append(f"=== {actor}: no answer ({type(exc).__name__}: {exc})")
+    return "\n".join(out)
+
+
+def get_or_explain(refs: Any, actors: list[Any], timeout: float) -> Any:
+    """`ray.get(refs, timeout=timeout)`; where it times out, fail with what every actor
+    waits on (`what_waits`)."""
+    import ray
+
+    try:
+        return ray.get(refs, timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        raise AssertionError(f"not done in {timeout} s; the actors wait on:\n{what_waits(actors)}") from None

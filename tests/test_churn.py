@@ -20,7 +20,7 @@ import time
 
 import pytest
 import torch
-from probes import kill_and_wait, open_fds
+from probes import get_or_explain, kill_and_wait, open_fds
 
 ACTORS_PER_HOST = 3
 CHURN_S = 12.0
@@ -122,9 +122,8 @@ def test_churning_actors_keep_bounded_state_and_shed_it_when_idle(churners, clus
         refs = [a.make.remote(seed) for a in actors]
         if nixl:
             refs[seed % len(actors)] = actors[seed % len(actors)].make_nixl.remote(seed)
-        sums = ray.get(
-            [a.fetch.remote([r for j, r in enumerate(refs) if j != i]) for i, a in enumerate(actors)],
-            timeout=120,
+        sums = get_or_explain(
+            [a.fetch.remote([r for j, r in enumerate(refs) if j != i]) for i, a in enumerate(actors)], actors, 120
         )
         assert sums == [float(seed) * (len(actors) - 1)] * len(actors)
 
@@ -181,7 +180,8 @@ def test_a_consumer_keeps_at_most_max_peers_nixl_connections_and_drops_dead_prod
         for step in range(2):  # the second round reconnects to producers dropped in the first
             for i, producer in enumerate(producers[:3]):
                 seed = 10 * step + i + 1
-                assert ray.get(consumer.fetch.remote([producer.make_nixl.remote(seed)]), timeout=60) == float(seed)
+                got = get_or_explain(consumer.fetch.remote([producer.make_nixl.remote(seed)]), [consumer, *producers], 60)
+                assert got == float(seed)
                 assert ray.get(consumer.counts.remote())["nixl_remotes"] <= 2
         ray.get(consumer.most_nixl_peers.remote(256))
         # A producer of this host that dies: its connection goes once idle (the sweep: IDLE_S here).
