@@ -201,9 +201,8 @@ class RDTObject:
         wire = _wire(self)
         if wire is None:
             return super().__reduce_ex__(protocol)
-        record, keys = wire
-        skeleton = None if keys is not None else self.skeleton  # (its names are in the record)
-        return _rebuilt, (record, skeleton, self.meta, self.eager, self.anchor)
+        record, beside = wire  # beside: the skeleton, or what of it the record does not hold
+        return _rebuilt, (record, beside, self.meta, self.eager, self.anchor)
 
     def __repr__(self) -> str:
         shown = ", ".join(str(s) for s in self.specs[:4]) + (", ..." if len(self.specs) > 4 else "")
@@ -245,7 +244,7 @@ class RDTObject:
         raise self._not_the_value(f".{name}")
 
 
-_WIRE_VERSION = 2
+_WIRE_VERSION = 3
 
 
 # The types of the producer's fields in a wire record (node id, token, actor id, its
@@ -270,10 +269,10 @@ def _producer_typed(fields: tuple[Any, ...]) -> bool:
     return all(type(v) in types for v, types in zip(fields, _PRODUCER_TYPES))
 
 
-def _wire(obj: RDTObject) -> tuple[bytes, tuple[str, ...] | None] | None:
-    """`obj`'s id, producer, transport and specs as one msgpack record, with the names of
-    its skeleton where that travels in the record (`_slot_keys`), or None where a field is
-    not of the type a producer makes it."""
+def _wire(obj: RDTObject) -> tuple[bytes, Any] | None:
+    """`obj`'s id, producer, transport and specs as one msgpack record, and what travels
+    beside it: the skeleton, or where the record holds its names (`_slot_keys`), its
+    `_metadata` or None. None where a field is not of the type a producer makes it."""
     p, names = obj.producer, _dtype_names()
     if type(p) is not Process or type(obj.specs) is not tuple or type(obj.obj_id) is not str or type(obj.transport) is not str:
         return None
@@ -288,24 +287,57 @@ def _wire(obj: RDTObject) -> tuple[bytes, tuple[str, ...] | None] | None:
         if name is None:
             return None
         specs.append((s.shape, name, s.device, s.nbytes))
-    keys = _slot_keys(obj.skeleton, len(specs))
-    fields = (_WIRE_VERSION, obj.obj_id, *producer, obj.transport, specs, keys)
+    slots = _slot_keys(obj.skeleton, len(specs))
+    keys, kind, beside = (None, None, obj.skeleton) if slots is None else slots
+    fields = (_WIRE_VERSION, obj.obj_id, *producer, obj.transport, specs, keys, kind)
     try:
-        return msgpack.packb(fields, use_bin_type=True), keys
+        return msgpack.packb(fields, use_bin_type=True), beside
     except (TypeError, ValueError, OverflowError):  # a field of another type: as a dataclass
         return None
 
 
-def _slot_keys(skeleton: Any, n: int) -> tuple[str, ...] | None:
-    """The keys of a skeleton that is a plain dict of `n` tensors by name, in order (a
-    state dict, a published version), else None. Such a skeleton travels as its keys in
-    the wire record: pickled, each of its slots was another call into Python."""
-    if type(skeleton) is not dict or len(skeleton) != n:
+# The kinds of skeleton a wire record holds as names: a dict; an OrderedDict; an
+# OrderedDict with `_metadata` (`model.state_dict()`'s, its modules' versions: beside).
+_DICT, _ORDERED, _STATE_DICT = 0, 1, 2
+
+
+def _slot_keys(skeleton: Any, n: int) -> tuple[tuple[str, ...], int, Any] | None:
+    """The keys, kind and `_metadata` of a skeleton that is a dict of `n` tensors by
+    name, in order (a state dict, `model.state_dict()`'s OrderedDict, a published
+    version), else None. Such a skeleton travels as its keys in the wire record: pickled,
+    each of its slots was another call into Python."""
+    t = type(skeleton)
+    if (t is not dict and t is not collections.OrderedDict) or len(skeleton) != n:
+        return None
+    attrs = vars(skeleton) if t is collections.OrderedDict else {}
+    if attrs.keys() - {"_metadata"}:
         return None
     for i, (k, v) in enumerate(skeleton.items()):
         if type(k) is not str or type(v) is not Slot or v.index != i:
             return None
-    return tuple(skeleton)
+    if t is dict:
+        return tuple(skeleton), _DICT, None
+    return (tuple(skeleton), _STATE_DICT, attrs["_metadata"]) if attrs else (tuple(skeleton), _ORDERED, None)
+
+
+def _skeleton_of(keys: Any, kind: Any, beside: Any, n: int) -> Any:
+    """The skeleton a wire record's names, kind and what came beside them make (`_slot_keys`).
+
+    Raises: ValueError where they are not what a producer writes."""
+    if type(keys) is not tuple or not all(type(k) is str for k in keys):
+        raise ValueError("a skeleton's keys that are not names")
+    if len(set(keys)) != len(keys) or len(keys) != n:
+        raise ValueError("a skeleton's keys that are not one name per tensor")
+    if kind not in (_DICT, _ORDERED, _STATE_DICT) or type(kind) is not int:
+        raise ValueError("a skeleton's kind that no producer writes")
+    if kind != _STATE_DICT and beside is not None:
+        raise ValueError("a skeleton's keys and a skeleton beside them")
+    if kind == _DICT:
+        return {k: Slot(i) for i, k in enumerate(keys)}
+    skeleton = collections.OrderedDict((k, Slot(i)) for i, k in enumerate(keys))
+    if kind == _STATE_DICT:
+        skeleton._metadata = beside  # type: ignore[attr-defined]
+    return skeleton
 
 
 def _rebuilt(wire: bytes, skeleton: Any, meta: Any, eager: Any, anchor: Any) -> RDTObject:
@@ -316,18 +348,16 @@ def _rebuilt(wire: bytes, skeleton: Any, meta: Any, eager: Any, anchor: Any) -> 
     """
     try:
         fields = msgpack.unpackb(wire, use_list=False, raw=False)
-        version, obj_id, node_id, token, actor_id, actor_state, serves, transport, specs, keys = fields
+        version, obj_id, node_id, token, actor_id, actor_state, serves, transport, specs, keys, kind = fields
         producer = (node_id, token, actor_id, actor_state, serves)
         if version != _WIRE_VERSION or type(obj_id) is not str or type(transport) is not str or type(specs) is not tuple:
             raise ValueError("a field of the wrong type")
         if not _producer_typed(producer):
             raise ValueError("a producer field of the wrong type")
         if keys is not None:
-            if skeleton is not None or type(keys) is not tuple or not all(type(k) is str for k in keys):
-                raise ValueError("a skeleton's keys that are not names, or a skeleton beside them")
-            if len(set(keys)) != len(keys) or len(keys) != len(specs):
-                raise ValueError("a skeleton's keys that are not one name per tensor")
-            skeleton = {k: Slot(i) for i, k in enumerate(keys)}
+            skeleton = _skeleton_of(keys, kind, skeleton, len(specs))
+        elif kind is not None:
+            raise ValueError("a skeleton's kind without its names")
         names = _dtypes()
         tensor_specs = tuple(TensorSpec(tuple(shape), names.get(dtype, dtype), device, nbytes) for shape, dtype, device, nbytes in specs)
     except (ValueError, TypeError, msgpack.UnpackException) as exc:

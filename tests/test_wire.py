@@ -92,7 +92,7 @@ def test_a_crafted_object_travels_field_by_field_and_the_consumer_refuses_it(cra
 def _record(**change) -> bytes:
     obj = _obj(specs=(_spec((2,), torch.float32),))
     fields = list(msgpack.unpackb(_object._wire(obj)[0], use_list=False))
-    names = ["version", "obj_id", "node_id", "token", "actor_id", "actor_state", "serves", "transport", "specs", "keys"]
+    names = ["version", "obj_id", "node_id", "token", "actor_id", "actor_state", "serves", "transport", "specs", "keys", "kind"]
     for name, value in change.items():
         fields[names.index(name)] = value
     return msgpack.packb(fields, use_bin_type=True)
@@ -118,6 +118,10 @@ def _record(**change) -> bytes:
         _record(keys=(1,)),  # a name that is not a string
         _record(keys=("w", "w")),  # two slots of one name for one tensor
         _record(keys=()),  # no name for the tensor
+        _record(keys=("w",), kind=7),  # a kind of skeleton no producer writes
+        _record(keys=("w",), kind=True),
+        _record(keys=("w",), kind=None),
+        _record(keys=None, kind=0),  # a kind without names
     ],
 )
 def test_a_record_no_producer_made_is_refused_as_it_is_read(wire):
@@ -156,12 +160,44 @@ def test_a_state_dict_travels_as_its_names_and_arrives_the_same_dict():
         _object._rebuilt(args[0], {"w": None}, {}, {}, None)  # a record's names and a skeleton too
 
 
+def test_a_models_state_dict_travels_as_its_names_and_arrives_with_its_metadata():
+    from rdt_async._tree import unflatten
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    state = model.state_dict()  # an OrderedDict whose `_metadata` holds each module's version
+    skeleton, tensors = flatten(state)
+    obj = _obj(specs=tuple(TensorSpec.of(t) for t in tensors), skeleton=skeleton, meta={})
+    rebuild, args = obj.__reduce_ex__(5)
+    assert rebuild is _object._rebuilt and args[1] == state._metadata  # the names ride in the record
+    back = pickle.loads(pickle.dumps(obj, protocol=5))
+    assert type(back.skeleton) is collections.OrderedDict and list(back.skeleton) == list(state)
+    value = unflatten(back.skeleton, tensors)
+    assert type(value) is collections.OrderedDict and value._metadata == {"": {"version": 1}, "0": {"version": 1}, "1": {"version": 2}}
+    fresh = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    fresh.load_state_dict(value)
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in state.items())
+    plain = collections.OrderedDict(w=torch.zeros(1))  # an OrderedDict of no module: no _metadata
+    skeleton, tensors = flatten(plain)
+    obj = _obj(specs=tuple(TensorSpec.of(t) for t in tensors), skeleton=skeleton, meta={})
+    assert obj.__reduce_ex__(5)[1][1] is None
+    back = pickle.loads(pickle.dumps(obj, protocol=5))
+    assert type(back.skeleton) is collections.OrderedDict and not hasattr(back.skeleton, "_metadata")
+
+
+def _odict_with(**attrs):
+    out = collections.OrderedDict(w=torch.zeros(1))
+    for k, v in attrs.items():
+        setattr(out, k, v)
+    return out
+
+
 @pytest.mark.parametrize(
     "value",
     [
         {"b": torch.zeros(1), "a": {"nested": torch.zeros(1)}},  # not a flat dict of tensors
         {1: torch.zeros(1), 2: torch.zeros(1)},  # names that are not strings
-        collections.OrderedDict(w=torch.zeros(1)),  # another class (a state_dict's: with its _metadata)
+        _odict_with(_metadata={}, extra=1),  # an OrderedDict with more than a state dict's attribute
+        collections.defaultdict(list, w=torch.zeros(1)),  # another dict class
         {"w": torch.zeros(1), "step": 3},  # a leaf that is not a tensor
         [torch.zeros(1), torch.zeros(1)],
     ],
