@@ -76,6 +76,9 @@ def churners(cluster):
                 from rdt_async.transports.nixl import _peers
 
                 _peers.SWEEP_S = IDLE_S  # idle connections to producers gone are looked for this often
+                from rdt_async.transports.nixl import _xfer
+
+                _xfer.STALL_S = 3.0  # a 2 MiB READ NIXL left in progress: cut off and read again soon
 
         @rdt.method(tensor_transport="auto")
         def make(self, seed: int):

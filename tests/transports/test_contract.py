@@ -433,6 +433,74 @@ async def test_nixl_read_failing_as_a_disconnect_from_a_live_producer(freed):
         assert_same(await fetch(p, p.make(10)), expect(10))  # connected anew
 
 
+@contextlib.contextmanager
+def _stalling(nx, until_removed: bool):
+    """Emulate a READ NIXL leaves in progress for good (ai-dynamo/nixl#2047: its endpoint
+    failed under it, or its peer stopped progressing): each READ posted while `stalled`
+    is done, but NIXL says it is in progress, until its remote agent is removed
+    (`until_removed`) or for good. Yields the remote agents removed meanwhile."""
+    stalled, removed, stuck = [True], [], set()
+    real_transfer, real_check, real_remove = nx.transfer, nx.check_xfer_state, nx.remove_remote_agent
+
+    def transfer(handle, *args):
+        state = real_transfer(handle, *args)
+        if stalled[0]:
+            stuck.add(id(handle))
+            return "PROC"
+        return state
+
+    def check_xfer_state(handle):
+        return "PROC" if id(handle) in stuck and stalled[0] else real_check(handle)
+
+    def remove_remote_agent(name):
+        removed.append(name)
+        if until_removed:
+            stalled[0] = False
+        return real_remove(name)
+
+    nx.transfer, nx.check_xfer_state, nx.remove_remote_agent = transfer, check_xfer_state, remove_remote_agent
+    try:
+        yield removed
+    finally:
+        del nx.transfer, nx.check_xfer_state, nx.remove_remote_agent
+
+
+@pytest.mark.skipif("nixl" not in TRANSPORTS, reason="nixl not selected")
+async def test_nixl_a_read_that_stalls_is_cut_off_and_read_again_over_a_fresh_connection(monkeypatch):
+    from rdt_async.transports.nixl import _xfer
+
+    monkeypatch.setattr(_xfer, "STALL_S", 0.5)
+    with own_producer("nixl") as p:
+        assert_same(await fetch(p, p.make(8, (8 << 20,))), expect(8, (8 << 20,)))  # connected
+        info = p.make(9, (8 << 20,))  # (32 MiB: read from the I/O loop, not on the caller's thread)
+        nx = _registry.get("nixl").agent().nixl
+        began = time.monotonic()
+        with _stalling(nx, until_removed=True) as removed:
+            async with asyncio.timeout(30):  # (without a bound: for good)
+                assert_same(await fetch(p, info), expect(9, (8 << 20,)))
+        took = time.monotonic() - began
+        assert removed.count(info.meta.agent) == 1 and 0.5 <= took < 10, (removed, took)  # cut off once, at the bound
+        assert_same(await fetch(p, p.make(10, (8 << 20,))), expect(10, (8 << 20,)))
+
+
+@pytest.mark.skipif("nixl" not in TRANSPORTS, reason="nixl not selected")
+async def test_nixl_a_read_that_stalls_again_over_a_fresh_connection_fails_naming_the_bound(monkeypatch):
+    from rdt_async.transports.nixl import _xfer
+
+    monkeypatch.setattr(_xfer, "STALL_S", 0.5)
+    monkeypatch.setattr(_xfer, "ABORT_GRACE_S", 0.5)
+    with own_producer("nixl") as p:
+        assert_same(await fetch(p, p.make(8, (8 << 20,))), expect(8, (8 << 20,)))  # connected
+        info = p.make(9, (8 << 20,))
+        nx = _registry.get("nixl").agent().nixl
+        with _stalling(nx, until_removed=False) as removed:
+            with pytest.raises(_xfer.ReadStalled, match=r"stalled: still in progress after \d+ s .*RDT_NIXL_STALL_S"):
+                async with asyncio.timeout(30):
+                    await fetch(p, info)
+        assert removed.count(info.meta.agent) == 2, removed  # the READ's connection, and the fresh one's
+        assert_same(await fetch(p, p.make(10, (8 << 20,))), expect(10, (8 << 20,)))  # and reads anew
+
+
 @pytest.mark.skipif("nixl" not in TRANSPORTS, reason="nixl not selected")
 async def test_nixl_a_read_broken_on_an_old_connection_leaves_the_new_one_alone():
     # Reads that broke on one connection each drop it; the first may have connected

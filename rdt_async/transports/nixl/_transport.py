@@ -37,6 +37,7 @@ from ._plan import ReadPlan
 from ._poller import Poller
 from ._producer import Exports
 from ._scratch import Scratch
+from ._xfer import ReadStalled
 
 # How long a fetch that lost its connection to a live producer may take to ask it anew
 # whether the object was freed.
@@ -370,7 +371,8 @@ def _native_errors() -> _NativeErrors:
 
 
 def _is_disconnect(exc: BaseException) -> bool:
-    return isinstance(exc, (PeerDiedError, *_native_errors().broken))
+    """Whether `exc` says the connection is unusable (a READ over it stalled, too)."""
+    return isinstance(exc, (PeerDiedError, ReadStalled, *_native_errors().broken))
 
 
 def _died(info: TransferInfo[NixlMeta]) -> PeerDiedError:

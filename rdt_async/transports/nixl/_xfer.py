@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 from ... import _io
 from ..._errors import TransferAbortedError
+from .._kit import int_setting
 from ._agent import Agent, quietly
 
 # Reads at most this large are posted on the I/O loop; larger ones copy in the pool.
@@ -30,6 +31,13 @@ INLINE_BYTES = 256 << 10
 SPIN_S = 0.0002  # how long a read done on the caller's thread may poll before handing off
 # How long a transfer may stay in progress after a cancel before its handle is dropped.
 ABORT_GRACE_S = 5.0
+# A READ still in progress after STALL_S, or the time its bytes take at STALL_BYTES_PER_S
+# if longer, has stalled: NIXL can leave one in progress for good, its endpoint failed
+# under it or its peer not progressing (ai-dynamo/nixl#2047). It is cut off as a cancelled
+# one is (`disconnect`) and fails with ReadStalled; the consumer reads again once, over a
+# fresh connection. (Read at each READ: a test may lower it.)
+STALL_S = float(int_setting("RDT_NIXL_STALL_S", 30, 1, "seconds as an integer >= 1"))
+STALL_BYTES_PER_S = 10 << 20
 # GPU-to-GPU reads on one node (UCX's cuda_ipc) end in microseconds to milliseconds and
 # move only while the consumer polls: the loop's backoff (sleeps under 1 ms last 1 ms)
 # held a 256 MiB read (0.18 ms raw) to 2.3 ms on an H200. They are posted inline (UCX
@@ -39,6 +47,15 @@ ABORT_GRACE_S = 5.0
 LOOP_POLL_S, DEVICE_POLL_S = 0.003, 0.05
 
 Region = tuple[int, int, int]  # address, nbytes, device index
+
+
+class ReadStalled(TransferAbortedError):
+    """A READ stayed in progress past its stall bound (STALL_S) and was cut off."""
+
+
+def stall_bound(nbytes: int) -> float:
+    """How long a READ of `nbytes` may stay in progress before it counts as stalled."""
+    return max(STALL_S, nbytes / STALL_BYTES_PER_S)
 
 
 class Read(NamedTuple):
@@ -60,19 +77,20 @@ async def post(
 ) -> None:
     """READ from `remote` and wait for it; release the handle whatever happens.
 
-    A READ a cancel cannot release within ABORT_GRACE_S: `disconnect()` closes the
-    connection to `remote` (ending the READ in UCX), and if NIXL still holds it, `stuck()`
-    says that its memory must never be given back.
+    A READ a cancel cannot release within ABORT_GRACE_S, or one that stalled
+    (`stall_bound`): `disconnect()` closes the connection to `remote` (ending the READ in
+    UCX), and if NIXL still holds it, `stuck()` says that its memory must never be given back.
     Runs on: consumer (I/O loop). Posts inline up to INLINE_BYTES, else in the pool.
-    Raises: TransferAbortedError, NIXL's errors.
+    Raises: ReadStalled, TransferAbortedError, NIXL's errors.
     """
     nx = agent.nixl
+    began = time.monotonic()
     handle = await agent.call(
         nx.initialize_xfer, "READ", nx.get_xfer_descs(read.local, read.local_mem),
         nx.get_xfer_descs(read.remote, read.remote_mem), remote,
         undo=lambda h: agent.call_soon(release, nx, h),
     )
-    state = "PROC"
+    state, stalled = "PROC", False
     try:
         state = await agent.call(nx.transfer, handle, slow=read.nbytes > INLINE_BYTES and not read.on_device)
         if state == "PROC" and read.on_device:
@@ -80,12 +98,20 @@ async def post(
         if state == "PROC" and read.on_device:
             state = await _io.to_thread_finished(_poll_closely, agent, handle)
         if state == "PROC":
-            state = await _wait_state(agent, handle)
+            bound = stall_bound(read.nbytes)
+            state = await _wait_state(agent, handle, within=max(0.0, began + bound - time.monotonic()))
+            if state == "PROC":
+                stalled = True
+                raise ReadStalled(
+                    f"nixl READ of {read.nbytes} bytes from {remote} stalled: still in progress after "
+                    f"{time.monotonic() - began:.0f} s (the bound is RDT_NIXL_STALL_S={STALL_S:.0f} s, or "
+                    f"{STALL_BYTES_PER_S >> 20} MiB/s for larger reads); its connection is cut off"
+                )
         if state != "DONE":
             raise TransferAbortedError(f"nixl READ from {remote} ended in state {state}")
     finally:
-        if state == "PROC":
-            if await _ended(agent, handle) or await _ended(agent, handle, before=disconnect):
+        if state == "PROC":  # cancelled, or stalled: cut off at once (a stalled READ had its grace)
+            if (not stalled and await _ended(agent, handle)) or await _ended(agent, handle, before=disconnect):
                 agent.call_soon(release, nx, handle)
             else:
                 keep(handle)
