@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import functools
 import importlib.util
+import logging
 import os
 import socket
 import threading
@@ -39,6 +40,7 @@ from ._producer import Exports
 from ._scratch import Scratch
 from ._xfer import ReadStalled
 
+_log = logging.getLogger("rdt_async")
 # How long a fetch that lost its connection to a live producer may take to ask it anew
 # whether the object was freed.
 RECHECK_S = 5.0
@@ -242,6 +244,8 @@ class NixlTransport(Transport[NixlMeta]):
                 raise
             except BaseException as exc:
                 if _is_disconnect(exc):
+                    if isinstance(exc, ReadStalled):
+                        _log.warning("rdt_async: %s; reading %s again over a fresh connection", exc, info.obj_id)
                     await here.peers.forget(meta.agent, epoch)
                     # One connection serves every read from that producer: a read of
                     # another object, freed under it, can break it for this one too.
