@@ -24,7 +24,14 @@ from typing import ClassVar
 import torch
 
 from ... import _cuda, _io
-from ..._errors import BackendError, ObjectFreedError, PeerDiedError, RDTError, TransportUnavailableError
+from ..._errors import (
+    BackendError,
+    ObjectFreedError,
+    PeerDiedError,
+    RDTError,
+    TransferAbortedError,
+    TransportUnavailableError,
+)
 from ..._local import copy_into, pid_alive
 from .. import _ucx
 from .._base import Channel, Cost, TransferInfo, Transport, WarmAt
@@ -243,7 +250,10 @@ class NixlTransport(Transport[NixlMeta]):
             except asyncio.CancelledError:
                 raise
             except BaseException as exc:
-                if _is_disconnect(exc):
+                # A READ of another object that stalled, or was cancelled and would not end,
+                # cuts off the connection this one used too: its READ then ends in an error.
+                cut_off = epoch is not None and here.peers.epoch(meta.agent) != epoch
+                if _is_disconnect(exc) or (cut_off and isinstance(exc, (TransferAbortedError, *_native_errors().every))):
                     if isinstance(exc, ReadStalled):
                         _log.warning("rdt_async: %s; reading %s again over a fresh connection", exc, info.obj_id)
                     await here.peers.forget(meta.agent, epoch)
