@@ -242,13 +242,13 @@ async def _serve(
     transfer: Callable[[], Awaitable[list[torch.Tensor]]],
     transfer_into: Callable[..., Awaitable[list[torch.Tensor]]] | None,
     source: str,
-    streams: bool = False,
+    follows: bool = False,
     follow: list[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """Read the object for this node; hand a memfd of it to the consumers that ask.
 
     With `transfer_into` the bytes land in a warm memfd, and this consumer's own tensors
-    map it copy-on-write too; with `streams` (consumers follow the read, `_follows`) the
+    map it copy-on-write too; with `follows` (consumers follow the read, `_follows`) the
     memfd is handed over at once, and each range as it lands (`Transport.reports_landed`;
     every byte at the end otherwise). Otherwise the transfer
     lands where the transport puts it, as any fetch's (so a cancel ends it as promptly as
@@ -256,7 +256,7 @@ async def _serve(
 
     With `follow` (this consumer's `into=`, `_followable`) and `transfer_into`, it copies
     each range into `follow` as it lands, as the others do, and returns `follow`. Without
-    `streams`, the memfd is handed over once the read ended, and no range is told: on 2
+    `follows`, the memfd is handed over once the read ended, and no range is told: on 2
     cores the early answer and the ranges cost 8 consumers of 256 MiB `into=` ~0.1 s.
     """
     offsets, size = layout
@@ -271,7 +271,7 @@ async def _serve(
             memfd = memfds.take(size, source)
             lease = _Lease(memfd)
             lease.hold()  # the claim's, while it lands (and askers follow it range by range, where they do)
-            if streams:
+            if follows:
                 _io.call_soon(server.landing, lease, size)
             views = _views(memfd.mm, specs, offsets)
             own = None if follow is None else _Copier(views, follow)
@@ -282,7 +282,7 @@ async def _serve(
                     own.landed(i, off, n)
 
             try:
-                got = await transfer_into(views, landed=landed if streams else None)  # nothing writes it after a cancel
+                got = await transfer_into(views, landed=landed if follows else None)  # nothing writes it after a cancel
             finally:
                 if own is not None:
                     await own.finish()  # no copy of ours runs past this
