@@ -143,13 +143,13 @@ class ReadPlan:
         return True
 
     def _stuck(self) -> None:
-        """A READ of this plan outlived its cancel (its connection closed) or its hand-off:
+        """A READ of this plan outlived its cancel or its stall (its connection closed) or its hand-off:
         NIXL may still write its memory, so `release` gives none of it back (a leak, never a late write
         into memory used again)."""
         self._held_by_nixl = True
         _kept_for_nixl.append((self._lands, self.out, self._lslot))  # their storages outlive every reference
         _log.warning(
-            "rdt_async: a cancelled nixl READ of object %s could not be ended (its producer unreachable): "
+            "rdt_async: a nixl READ of object %s, cancelled or stalled, could not be ended (its producer unreachable): "
             "the memory it lands in stays registered and is never reused", self.info.obj_id
         )
 
