@@ -99,7 +99,8 @@ async def post(
             state = await _io.to_thread_finished(_poll_closely, agent, handle)
         if state == "PROC":
             bound = stall_bound(read.nbytes)
-            state = await _wait_state(agent, handle, within=max(0.0, began + bound - time.monotonic()))
+            left = max(0.001, began + bound - time.monotonic())  # (looked at once, however long posting took)
+            state = await _wait_state(agent, handle, within=left)
             if state == "PROC":
                 stalled = True
                 raise ReadStalled(
