@@ -529,10 +529,11 @@ async def test_nixl_a_read_whose_connection_another_reads_stall_cut_off_reads_ag
 
 @pytest.mark.skipif("nixl" not in TRANSPORTS, reason="nixl not selected")
 async def test_nixl_a_read_that_stalls_again_over_a_fresh_connection_fails_naming_the_bound(monkeypatch):
-    from rdt_async.transports.nixl import _xfer
+    from rdt_async.transports.nixl import _transport, _xfer
 
     monkeypatch.setattr(_xfer, "STALL_S", 0.5)
     monkeypatch.setattr(_xfer, "ABORT_GRACE_S", 0.5)
+    monkeypatch.setattr(_transport, "RECHECK_S", 1.0)  # (the fresh connection's read stalls too)
     with own_producer("nixl") as p:
         assert_same(await fetch(p, p.make(8, (8 << 20,))), expect(8, (8 << 20,)))  # connected
         info = p.make(9, (8 << 20,))
