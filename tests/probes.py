@@ -324,13 +324,14 @@ def _what_waits(_actor: Any = None) -> str:
     out = io.StringIO()
     names = {t.ident: t.name for t in threading.enumerate()}
     out.write(f"=== pid {os.getpid()}\n")
-    for ident, frame in sys._current_frames().items():
+    frames = sys._current_frames()
+    for ident, frame in frames.items():
         idle = frame.f_code.co_name in ("select", "poll", "wait") or "work_queue.get" in "".join(
             traceback.format_stack(frame, limit=1)
         )
         if ident != threading.get_ident() and not idle:  # (pool threads waiting for work, idle loops: left out)
             out.write(f"--- thread {names.get(ident, ident)}\n{''.join(traceback.format_stack(frame)[-8:])}")
-    for ident, frame in sys._current_frames().items():  # the loops threads run (gc may not list them: frozen)
+    for ident, frame in frames.items():  # the loops threads run (gc may not list them: frozen)
         while frame is not None and not isinstance(frame.f_locals.get("self"), asyncio.AbstractEventLoop):
             frame = frame.f_back
         if frame is not None:
@@ -356,8 +357,8 @@ def _awaits(coro: Any) -> str:
 
 
 def what_waits(actors: list[Any], timeout: float = 20.0) -> str:
-    """What each actor's threads and rdt_async's I/O loop wait on now: for a test whose
-    fetch did not end, so that its failure says where it hangs."""
+    """What each actor's busy threads and the tasks of its loops (rdt_async's I/O loop,
+    Ray's) wait on now: for a test whose fetch did not end, so that its failure says where."""
     import ray
     from ray import cloudpickle
 

@@ -73,11 +73,9 @@ def churners(cluster):
 
             tcp.IDLE_S = IDLE_S  # (read at each sweep)
             if importlib.util.find_spec("nixl") is not None:
-                from rdt_async.transports.nixl import _peers
+                from rdt_async.transports.nixl import _peers, _xfer
 
                 _peers.SWEEP_S = IDLE_S  # idle connections to producers gone are looked for this often
-                from rdt_async.transports.nixl import _xfer
-
                 _xfer.STALL_S = 3.0  # a 2 MiB READ NIXL left in progress: cut off and read again soon
 
         @rdt.method(tensor_transport="auto")

@@ -434,33 +434,37 @@ async def test_nixl_read_failing_as_a_disconnect_from_a_live_producer(freed):
 
 
 @contextlib.contextmanager
-def _stalling(nx, until_removed: str | None):
-    """Emulate a READ NIXL leaves in progress for good (ai-dynamo/nixl#2047: its endpoint
-    failed under it, or its peer stopped progressing): each READ posted while `stalled`
-    is done, but NIXL says it is in progress, until the remote agent `until_removed` is
-    removed (None: for good). Yields the remote agents removed meanwhile."""
-    stalled, removed, stuck = [True], [], set()
+def _stalling(nx, until_removed: str | None, others_fail: bool = False):
+    """Emulate READs NIXL leaves in progress for good (ai-dynamo/nixl#2047: their endpoint
+    failed under them, or their peer stopped progressing): each READ posted is done, but
+    NIXL says it is in progress, until the remote agent `until_removed` is removed (None:
+    for good); then the first says its real state and, with `others_fail`, the others
+    "ERR" (NIXL's state for a READ whose remote agent was removed under it). Yields the
+    READs stalled (their handles' ids, in order) and the remote agents removed."""
+    stuck, removed = [], []
     real_transfer, real_check, real_remove = nx.transfer, nx.check_xfer_state, nx.remove_remote_agent
+
+    def ended() -> bool:
+        return until_removed is not None and until_removed in removed
 
     def transfer(handle, *args):
         state = real_transfer(handle, *args)
-        if stalled[0]:
-            stuck.add(id(handle))
-            return "PROC"
-        return state
+        if ended():
+            return state
+        stuck.append(id(handle))
+        return "PROC"
 
     def check_xfer_state(handle):
-        return "PROC" if id(handle) in stuck and stalled[0] else real_check(handle)
+        if id(handle) not in stuck:
+            return real_check(handle)
+        if not ended():
+            return "PROC"
+        return "ERR" if others_fail and id(handle) != stuck[0] else real_check(handle)
 
-    def remove_remote_agent(name):
-        removed.append(name)
-        if name == until_removed:
-            stalled[0] = False
-        return real_remove(name)
-
-    nx.transfer, nx.check_xfer_state, nx.remove_remote_agent = transfer, check_xfer_state, remove_remote_agent
+    nx.transfer, nx.check_xfer_state = transfer, check_xfer_state
+    nx.remove_remote_agent = lambda name: removed.append(name) or real_remove(name)
     try:
-        yield removed
+        yield stuck, removed
     finally:
         del nx.transfer, nx.check_xfer_state, nx.remove_remote_agent
 
@@ -475,7 +479,7 @@ async def test_nixl_a_read_that_stalls_is_cut_off_and_read_again_over_a_fresh_co
         info = p.make(9, (8 << 20,))  # (32 MiB: read from the I/O loop, not on the caller's thread)
         nx = _registry.get("nixl").agent().nixl
         began = time.monotonic()
-        with _stalling(nx, until_removed=info.meta.agent) as removed:
+        with _stalling(nx, until_removed=info.meta.agent) as (_, removed):
             async with asyncio.timeout(30):  # (without a bound: for good)
                 assert_same(await fetch(p, info), expect(9, (8 << 20,)))
         took = time.monotonic() - began
@@ -495,35 +499,14 @@ async def test_nixl_a_read_whose_connection_another_reads_stall_cut_off_reads_ag
         assert_same(await fetch(p, p.make(8, (8 << 20,))), expect(8, (8 << 20,)))  # connected
         first, second = p.make(9, (8 << 20,)), p.make(10, (8 << 20,))
         nx = _registry.get("nixl").agent().nixl
-        posted, removed = [], []
-        real_transfer, real_check, real_remove = nx.transfer, nx.check_xfer_state, nx.remove_remote_agent
-
-        def transfer(handle, *args):
-            state = real_transfer(handle, *args)
-            if first.meta.agent in removed:
-                return state
-            posted.append(id(handle))
-            return "PROC"
-
-        def check_xfer_state(handle):
-            if id(handle) not in posted[:2]:
-                return real_check(handle)
-            if first.meta.agent not in removed:
-                return "PROC"  # the first stalls; the second waits on the same connection
-            return real_check(handle) if id(handle) == posted[0] else "ERR"
-
-        nx.transfer, nx.check_xfer_state = transfer, check_xfer_state
-        nx.remove_remote_agent = lambda name: removed.append(name) or real_remove(name)
-        try:
+        with _stalling(nx, until_removed=first.meta.agent, others_fail=True) as (posted, removed):
             async with asyncio.timeout(30):
                 one = asyncio.ensure_future(fetch(p, first))
                 while not posted:
                     await asyncio.sleep(0.01)
-                two = await fetch(p, second)
+                two = await fetch(p, second)  # waits on the connection the first stalls on
                 assert_same(await one, expect(9, (8 << 20,)))
             assert_same(two, expect(10, (8 << 20,)))
-        finally:
-            del nx.transfer, nx.check_xfer_state, nx.remove_remote_agent
         assert len(posted) >= 2 and removed.count(first.meta.agent) == 1, (posted, removed)
 
 
@@ -538,7 +521,7 @@ async def test_nixl_a_read_that_stalls_again_over_a_fresh_connection_fails_namin
         assert_same(await fetch(p, p.make(8, (8 << 20,))), expect(8, (8 << 20,)))  # connected
         info = p.make(9, (8 << 20,))
         nx = _registry.get("nixl").agent().nixl
-        with _stalling(nx, until_removed=None) as removed:
+        with _stalling(nx, until_removed=None) as (_, removed):
             with pytest.raises(_xfer.ReadStalled, match=r"stalled: still in progress after \d+ s .*RDT_NIXL_STALL_S"):
                 async with asyncio.timeout(30):
                     await fetch(p, info)

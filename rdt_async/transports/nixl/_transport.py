@@ -254,7 +254,7 @@ class NixlTransport(Transport[NixlMeta]):
                 # cuts off the connection this one used too: its READ then ends in an error.
                 cut_off = epoch is not None and here.peers.epoch(meta.agent) != epoch
                 if _is_disconnect(exc) or (cut_off and isinstance(exc, (TransferAbortedError, *_native_errors().every))):
-                    if isinstance(exc, ReadStalled):
+                    if isinstance(exc, ReadStalled) and not again:  # (a second stall is the fetch's error)
                         _log.warning("rdt_async: %s; reading %s again over a fresh connection", exc, info.obj_id)
                     await here.peers.forget(meta.agent, epoch)
                     # One connection serves every read from that producer: a read of
