@@ -244,7 +244,7 @@ class RDTObject:
         raise self._not_the_value(f".{name}")
 
 
-_WIRE_VERSION = 3
+_WIRE_VERSION = 4
 
 
 # The types of the producer's fields in a wire record (node id, token, actor id, its
@@ -265,8 +265,15 @@ def _dtype_names() -> dict[torch.dtype, str]:
 
 
 def _producer_typed(fields: tuple[Any, ...]) -> bool:
-    """Whether a producer's fields, in a wire record's order, are of `_PRODUCER_TYPES`."""
-    return all(type(v) in types for v, types in zip(fields, _PRODUCER_TYPES))
+    """Whether a producer's fields, in a wire record's order, are of `_PRODUCER_TYPES`.
+
+    (Spelled out: on every ref's way out and in, where a generator per field cost more
+    than the check.)"""
+    node_id, token, actor_id, actor_state, serves = fields
+    return (
+        type(node_id) is str and type(token) is str and type(serves) is bool
+        and (actor_id is None or type(actor_id) is str) and (actor_state is None or type(actor_state) is bytes)
+    )
 
 
 def _wire(obj: RDTObject) -> tuple[bytes, Any] | None:
@@ -297,16 +304,19 @@ def _wire(obj: RDTObject) -> tuple[bytes, Any] | None:
 
 
 # The kinds of skeleton a wire record holds as names: a dict; an OrderedDict; an
-# OrderedDict with `_metadata` (`model.state_dict()`'s, its modules' versions: beside).
-_DICT, _ORDERED, _STATE_DICT = 0, 1, 2
+# OrderedDict with `_metadata` (`model.state_dict()`'s, its modules' versions: beside);
+# a lone tensor (no names: the value is its one tensor).
+_DICT, _ORDERED, _STATE_DICT, _TENSOR = 0, 1, 2, 3
 
 
 def _slot_keys(skeleton: Any, n: int) -> tuple[tuple[str, ...], int, Any] | None:
     """The keys, kind and `_metadata` of a skeleton that is a dict of `n` tensors by
     name, in order (a state dict, `model.state_dict()`'s OrderedDict, a published
-    version), else None. Such a skeleton travels as its keys in the wire record: pickled,
-    each of its slots was another call into Python."""
+    version), or a lone tensor; else None. Such a skeleton travels as its keys in the
+    wire record: pickled, each of its slots was another call into Python."""
     t = type(skeleton)
+    if t is Slot:
+        return ((), _TENSOR, None) if n == 1 and skeleton.index == 0 else None
     if (t is not dict and t is not collections.OrderedDict) or len(skeleton) != n:
         return None
     attrs = vars(skeleton) if t is collections.OrderedDict else {}
@@ -324,6 +334,10 @@ def _skeleton_of(keys: Any, kind: Any, beside: Any, n: int) -> Any:
     """The skeleton a wire record's names, kind and what came beside them make (`_slot_keys`).
 
     Raises: ValueError where they are not what a producer writes."""
+    if kind == _TENSOR and type(kind) is int:
+        if keys != () or n != 1 or beside is not None:
+            raise ValueError("a lone tensor's skeleton with names, beside it, or for other than one tensor")
+        return Slot(0)
     if type(keys) is not tuple or not all(type(k) is str for k in keys):
         raise ValueError("a skeleton's keys that are not names")
     if len(set(keys)) != len(keys) or len(keys) != n:

@@ -122,6 +122,9 @@ def _record(**change) -> bytes:
         _record(keys=("w",), kind=True),
         _record(keys=("w",), kind=None),
         _record(keys=None, kind=0),  # a kind without names
+        _record(keys=("w",), kind=3),  # a lone tensor with a name
+        _record(keys=None, kind=3),
+        _record(keys=(), kind=3, specs=(((2,), "float32", "cpu", 8),) * 2),  # a lone tensor for two
     ],
 )
 def test_a_record_no_producer_made_is_refused_as_it_is_read(wire):
@@ -182,6 +185,22 @@ def test_a_models_state_dict_travels_as_its_names_and_arrives_with_its_metadata(
     assert obj.__reduce_ex__(5)[1][1] is None
     back = pickle.loads(pickle.dumps(obj, protocol=5))
     assert type(back.skeleton) is collections.OrderedDict and not hasattr(back.skeleton, "_metadata")
+
+
+def test_a_lone_tensor_travels_in_the_record_and_arrives_as_its_slot():
+    from rdt_async._tree import Slot, unflatten
+
+    t = torch.arange(3.0)
+    skeleton, tensors = flatten(t)
+    obj = _obj(specs=(TensorSpec.of(t),), skeleton=skeleton, meta={})
+    rebuild, args = obj.__reduce_ex__(5)
+    assert rebuild is _object._rebuilt and args[1] is None  # nothing pickled beside the record
+    back = pickle.loads(pickle.dumps(obj, protocol=5))
+    assert type(back.skeleton) is Slot and back.skeleton.index == 0 and unflatten(back.skeleton, tensors) is t
+    with pytest.raises(TransferError, match="a lone tensor's skeleton"):
+        _object._rebuilt(args[0], Slot(0), {}, {}, None)  # a record's lone tensor and a skeleton beside it
+    two = _obj(specs=(TensorSpec.of(t),) * 2, skeleton=skeleton, meta={})  # one slot for two tensors
+    assert two.__reduce_ex__(5)[1][1] is skeleton
 
 
 def _odict_with(**attrs):
