@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import secrets
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -198,9 +197,9 @@ def _finish(
     """Prepare the planned transports and record the object."""
     owner = owner or here()
     specs = tuple(TensorSpec.of(t) for t in tensors)
+    obj_id = os.urandom(12).hex()  # (`secrets.token_hex`'s bytes, without its three calls)
     if not tensors:
-        return RDTObject(secrets.token_hex(12), owner, transport, specs, skeleton, {}, {}, None)
-    obj_id = secrets.token_hex(12)
+        return RDTObject(obj_id, owner, transport, specs, skeleton, {}, {}, None)
     if plan and all(t.carries_bytes for t in plan):
         # The bytes ride in the ref, a snapshot: nothing to keep here, no anchor to make.
         meta = {t.name: t.prepare(obj_id, tensors) for t in plan}

@@ -89,6 +89,10 @@ class Store:
         # storage -> hold key -> byte ranges that hold keeps. A hold key is an object id,
         # or an int for a hold without one (an object being made, a read in progress).
         self._held: dict[tuple[str, int], dict[str | int, list[tuple[int, int]]]] = {}
+        # Holds of objects being made whose bytes nobody has asked about yet (`holding`):
+        # their ranges are worked out once a waiter looks (`_overlaps`), then held as any.
+        self._unseen: dict[int, Sequence[torch.Tensor]] = {}
+        self._seen: dict[int, list[_Span]] = {}
         self._waiters: list[tuple[list[_Span], Callable[[], object]]] = []
         self._keys = itertools.count()
         self._freed: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -124,25 +128,35 @@ class Store:
         return ready
 
     def _overlaps(self, spans: list[_Span]) -> bool:
+        if self._unseen:
+            self._see()
         for storage, start, end in spans:
             for ranges in self._held.get(storage, {}).values():
                 if any(s < end and start < e for s, e in ranges):
                     return True
         return False
 
-    @contextlib.contextmanager
-    def holding(self, tensors: Sequence[torch.Tensor]) -> Iterator[int]:
-        """Hold `tensors` for the block (an object being made); yield the hold's key."""
-        spans = _spans(tensors)
-        with self._lock:
-            key = next(self._keys)
+    def _see(self) -> None:
+        """Hold the bytes of the objects being made that nobody looked at yet (under the lock)."""
+        for key, tensors in self._unseen.items():
+            self._seen[key] = spans = _spans(tensors)
             self._hold(key, spans)
-        try:
-            yield key
-        finally:
-            with self._lock:
-                ready = self._release(key, spans)
-            _wake(ready)
+        self._unseen.clear()
+
+    def holding(self, tensors: Sequence[torch.Tensor]) -> _Holding:
+        """Hold `tensors` for a `with` block (an object being made).
+
+        Their byte ranges are worked out only if a waiter looks meanwhile: most objects are
+        made with nobody waiting, and a small object's return pays for every step it takes.
+        """
+        return _Holding(self, tensors)
+
+    def _unhold(self, key: int) -> None:
+        with self._lock:
+            if self._unseen.pop(key, None) is not None:
+                return  # nobody looked: no waiter can be waiting on it
+            ready = self._release(key, self._seen.pop(key))
+        _wake(ready)
 
     @contextlib.contextmanager
     def reading(self, obj_id: str) -> Iterator[StoredObject | None]:
@@ -301,6 +315,24 @@ class Store:
             "bytes": nbytes,
             "tensors": sum(len(o.tensors) for o in objects),
         }
+
+
+class _Holding:
+    """`Store.holding`'s hold: taken as the block starts, let go as it ends."""
+
+    __slots__ = ("_key", "_store", "_tensors")
+
+    def __init__(self, store: Store, tensors: Sequence[torch.Tensor]) -> None:
+        self._store, self._tensors, self._key = store, tensors, -1
+
+    def __enter__(self) -> None:
+        store = self._store
+        with store._lock:
+            self._key = next(store._keys)
+            store._unseen[self._key] = self._tensors
+
+    def __exit__(self, *exc: object) -> None:
+        self._store._unhold(self._key)
 
 
 def _spans_of(stored: StoredObject) -> list[_Span]:

@@ -60,6 +60,26 @@ def test_holding_covers_an_object_being_made_and_a_read():
         assert stored is None
 
 
+def test_an_object_made_while_a_waiter_waits_keeps_it_waiting_until_made():
+    s, t = Store(), torch.zeros(4)
+    s.add("a", StoredObject([t]))
+
+    async def main() -> None:
+        waiter = asyncio.ensure_future(s.wait_freed(t[2:3]))
+        await asyncio.sleep(0.01)
+        with s.holding([t[2:]]):  # a return of the same bytes begins while the waiter waits for "a"
+            s.free("a")
+            await asyncio.sleep(0.05)
+            assert not waiter.done()  # still held, by the object being made
+        await asyncio.wait_for(waiter, 5)
+
+    asyncio.run(main())
+    assert not s._waiters and not s._held and not s._unseen and not s._seen
+    with s.holding([t]):  # made with nobody looking: its bytes are not worked out
+        assert s._unseen and not s._held
+    assert not s._unseen and not held(s, t)
+
+
 def test_waiters_wake_when_the_last_hold_goes_and_only_then():
     s, t = Store(), torch.zeros(4)
     s.add("a", StoredObject([t]))
