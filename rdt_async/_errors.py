@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import sys
 import traceback
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any, Protocol
 
 
@@ -118,17 +116,28 @@ def translate(
     return ours(f"{what} failed in {transport.name}: {native}", obj_id=obj_id)
 
 
-@contextmanager
-def translating(
-    what: str, obj_id: str | None = None, *, user_code: bool = False, transport: NativeErrors | None = None
-) -> Iterator[None]:
-    """Translate native errors raised in the block (see `translate`), keeping the chain."""
-    try:
-        yield
-    except BaseException as exc:
-        err = translate(exc, what, obj_id, user_code=user_code, transport=transport)
+class translating:
+    """Translate native errors raised in the block (see `translate`), keeping the chain.
+
+    A class, not a generator: every fetch enters one, and a small fetch pays for each call.
+    """
+
+    __slots__ = ("obj_id", "transport", "user_code", "what")
+
+    def __init__(
+        self, what: str, obj_id: str | None = None, *, user_code: bool = False, transport: NativeErrors | None = None
+    ) -> None:
+        self.what, self.obj_id, self.user_code, self.transport = what, obj_id, user_code, transport
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        if exc is None:
+            return
+        err = translate(exc, self.what, self.obj_id, user_code=self.user_code, transport=self.transport)
         if err is exc:
-            raise
+            return  # (raised on as it is)
         exc.__suppress_context__ = True  # what the native error met on its way is internal: one chain
         raise err from exc
 
