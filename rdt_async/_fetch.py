@@ -173,7 +173,7 @@ async def _fetch_over(
             name, meta = choose_transport(obj, _ray.node_id(), without=without, fell_back=tuple(fell_back))
             if name in without:
                 raise
-            transport = _registry.get(name)
+            transport = _registry.transport(name)
             info = _info(obj, meta)
             del exc
             continue
@@ -331,7 +331,7 @@ def _start(obj: RDTObject, into: Any, device: Any = None, asked: str | None = No
         return _Done(tensors, buffers, "local")
     _ray.hand_node_ip()  # before a transport first connects (UCX keeps to this address's interface)
     name, meta = choose_transport(obj, _ray.node_id()) if asked is None else asked_transport(obj, asked, _ray.node_id())
-    transport = _registry.get(name)
+    transport = _registry.transport(name)
     if buffers is None and device is not None:
         buffers = _device_buffers(obj, transport, torch.device(device))
     info = _info(obj, meta)

@@ -50,19 +50,19 @@ def check_grouped(name: str, what: str) -> None:
 def _prepared_transports(name: str, tensors: Sequence[torch.Tensor]) -> list[Transport[Any]]:
     """Transports to prepare at return time for a method asking for `name`."""
     if name != _registry.AUTO:
-        transport = _registry.get(name)
+        transport = _registry.transport(name)
         transport.check_tensors(tensors)
         check_grouped(name, f"tensor_transport={name!r}")
         return [transport]
     try:
-        _registry.get(_registry.FALLBACK).check_tensors(tensors)  # what auto falls back to
+        _registry.transport(_registry.FALLBACK).check_tensors(tensors)  # what auto falls back to
     except TransportUnavailableError as exc:  # said as what the user asked for: auto
         raise TransportUnavailableError(f"tensor_transport='auto' cannot move these tensors: {exc}") from exc
     devices = frozenset(t.device.type for t in tensors)
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     costs = os.environ.get("RDT_AUTO_COSTS", "")
     names = _auto_plan(devices, nbytes, _ray.several_nodes(), costs, _registry.generation())
-    return [_registry.get(n) for n in names]  # nothing: object_store
+    return [_registry.transport(n) for n in names]  # nothing: object_store
 
 
 @functools.lru_cache(maxsize=256)
@@ -148,7 +148,7 @@ def warm_up(names: Iterable[str]) -> None:
     for name in dict.fromkeys(names):
         if name == _registry.AUTO or (os.getpid(), name) in _warm or not loads_here(name):
             continue  # what cannot load here says so where it is used
-        _registry.get(name).warm_up()
+        _registry.transport(name).warm_up()
         _warm.add((os.getpid(), name))
 
 
@@ -276,7 +276,7 @@ async def serve_send(obj_id: str, transport: str, request: Any) -> Any:
     Runs on: producer (the `rdt` concurrency group, then the I/O loop).
     Raises: ObjectFreedError if the object is gone.
     """
-    t = _registry.get(transport)
+    t = _registry.transport(transport)
     with store.reading(obj_id) as stored:  # a free meanwhile: wait_tensor_freed waits for the send
         if stored is None:
             await t.refuse(obj_id, request)

@@ -139,7 +139,7 @@ def _checked(tensors: Any, transport: str, verb: str) -> tuple[Transport[Any], l
             "time (it has nothing per object that a registration would save); register with a transport "
             "that does, e.g. transport='nixl'"
         )
-    impl = _registry.get(transport)
+    impl = _registry.transport(transport)
     for i, t in enumerate(flat):
         if t.layout != torch.strided:
             raise ValueError(f"rdt.{verb}(): tensor {i} is {t.layout}, not dense; register t.to_dense()")

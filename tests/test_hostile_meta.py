@@ -123,7 +123,7 @@ def maker():
 
 
 def _nixl():
-    return _registry.get("nixl")
+    return _registry.transport("nixl")
 
 
 def _remotes() -> int:

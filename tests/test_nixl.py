@@ -29,7 +29,7 @@ pytestmark = pytest.mark.usefixtures("ray_session")
 
 def nixl_state() -> dict:
     """This process's store and NIXL registrations."""
-    t = _registry.get("nixl")
+    t = _registry.transport("nixl")
     return {**rdt.store_stats(), "registrations": t.registrations, "registered_bytes": t.registered_bytes}
 
 
@@ -82,7 +82,7 @@ class NixlProducer:
 
     def base_registrations(self) -> int:
         """How many NIXL registrations hold `base`'s storage now (its views share one)."""
-        memory = _registry.get("nixl")._current().memory  # type: ignore[attr-defined]
+        memory = _registry.transport("nixl")._current().memory  # type: ignore[attr-defined]
         ptr = self.base.untyped_storage().data_ptr()
         with memory._lock:
             return sum(r.keep.untyped_storage().data_ptr() == ptr for r in memory._regs.values())
@@ -449,7 +449,7 @@ def test_an_agent_starting_prints_nothing_unless_nixl_log_level_asks(level):
     # NIXL logs at INFO to stdout by default; a program's stdout is its own.
     code = (
         "from rdt_async.transports import _registry\n"
-        "t = _registry.get('nixl'); t.warm_up(); print('agent', t.agent().name)\n"
+        "t = _registry.transport('nixl'); t.warm_up(); print('agent', t.agent().name)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "NIXL_LOG_LEVEL"}
     if level:
@@ -507,7 +507,7 @@ def test_small_reads_from_this_host_are_done_on_the_callers_thread(producer):
     assert took < 1.0, f"small reads waited {took:.2f} s for the blocked I/O loop"
     assert torch.equal(got["pair"][1], buf) and torch.equal(buf, torch.arange(12, dtype=torch.int32).reshape(3, 4).t())
     assert checksum(rdt.get(large, timeout=60)) == 3.0 * (1 << 16)  # after the loop is free again
-    assert _registry.get("nixl").registrations == 0  # small reads land in the bounce buffer
+    assert _registry.transport("nixl").registrations == 0  # small reads land in the bounce buffer
 
 
 def test_objects_over_storages_read_before_keep_reading_right(producer, consumer):
@@ -524,7 +524,7 @@ def test_objects_over_storages_read_before_keep_reading_right(producer, consumer
 
 
 def test_a_small_read_nixl_leaves_in_progress_is_finished_on_the_loop(producer, monkeypatch):
-    t = _registry.get("nixl")
+    t = _registry.transport("nixl")
     assert checksum(rdt.get(producer.big.remote(100), timeout=60)) == 300.0  # connected
     nx = t.agent().nixl
     real_check, until = nx.check_xfer_state, time.monotonic() + 0.05
@@ -552,7 +552,7 @@ class ThreadedReader:
         return all(sums)
 
     def free_bounce(self) -> int:
-        return _registry.get("nixl")._current().scratch.bounce.free
+        return _registry.transport("nixl")._current().scratch.bounce.free
 
 
 def test_threads_of_one_actor_read_small_objects_at_once(producer):

@@ -56,7 +56,7 @@ def test_transports_import_without_ray():
         "import sys; sys.modules['ray'] = None\n"
         "import rdt_async as rdt\n"
         "from rdt_async.transports import _registry\n"
-        "assert _registry.get('shm').name == 'shm' and rdt.Transport and rdt.RDTError\n"
+        "assert _registry.transport('shm').name == 'shm' and rdt.Transport and rdt.RDTError\n"
         "try:\n    rdt.fetch\nexcept ImportError as e:\n    print('needs ray' if 'pip install' in str(e) else e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

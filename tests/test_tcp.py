@@ -173,7 +173,7 @@ def test_streams_split_the_bytes_into_page_aligned_ranges():
 
 
 def test_a_connection_without_the_token_is_closed_unserved():
-    t = _registry.get("tcp")
+    t = _registry.transport("tcp")
     meta = t.prepare("secret-obj", [torch.arange(10)])
     try:
         with socket.create_connection((meta.host, meta.port), timeout=10) as s:
@@ -230,7 +230,7 @@ def test_a_producer_that_does_not_answer_is_a_transfer_error_not_a_timeout(monke
             meta = tcp.TcpMeta(*full.getsockname(), bytes(16))
             t0 = time.monotonic()
             with pytest.raises(rdt.TransferError, match=r"failed in tcp: Unreachable: cannot reach the producer's tcp listener at 127\.0\.0\.1:\d+ \(no answer in 0\.3 s\); where the producer runs, set RDT_TCP_HOST"):
-                with translating("tcp fetch of obj", "obj", transport=_registry.get("tcp")):
+                with translating("tcp fetch of obj", "obj", transport=_registry.transport("tcp")):
                     tcp._connect(meta)
             assert time.monotonic() - t0 < 5
         finally:

@@ -42,7 +42,7 @@ def _producer_main(conn: Any, sizes: list[int]) -> None:
     tensors = {n: torch.full((n,), n % 251, dtype=torch.uint8) for n in sizes}
     for t in tensors.values():
         raw.register_memory(t)
-    transport = _registry.get("nixl")
+    transport = _registry.transport("nixl")
     infos = {}
     for n, t in tensors.items():
         obj_id = f"bench-{n}"
@@ -87,7 +87,7 @@ def _raw_read_rows(agent: Any, remote: str, addrs: dict[int, int], sizes: list[i
 def _transport_rows(infos: dict[int, Any], sizes: list[int], repeat: int) -> list[dict[str, Any]]:
     from rdt_async.transports import _registry
 
-    transport = _registry.get("nixl")
+    transport = _registry.transport("nixl")
     rows = []
     for n in sizes:
         dst = torch.zeros(n, dtype=torch.uint8)

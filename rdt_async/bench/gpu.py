@@ -59,7 +59,7 @@ def _producer_main(conn: Any, sizes: list[int], cross: list[int]) -> None:
     out["sums"].update({("cpu", n): _checksum(t) for n, t in cpu.items()})
     infos: dict[tuple[str, str, int], Any] = {}
     for name in ("cuda_ipc", "nixl"):
-        transport = _registry.get(name)
+        transport = _registry.transport(name)
         for n, t in gpu.items():
             infos[(name, "cuda", n)] = TransferInfo(f"{name}-cuda-{n}", (TensorSpec.of(t),), transport.prepare(f"{name}-cuda-{n}", [t]))
         if name == "nixl":
@@ -179,7 +179,7 @@ async def _fetch_rows(
     cases += [("nixl", "cpu", "cuda", n) for n in cross] + [(name, "cuda", "cpu", n) for name in ("nixl", "cuda_ipc") for n in cross]
     cases = [c for c in cases if c[0] in transports]
     for name, src_dev, dst_dev, n in cases:
-        transport = _registry.get(name)
+        transport = _registry.transport(name)
         await asyncio.to_thread(transport.warm_up)
         info = infos[(name, src_dev, n)]
         kinds = ["fresh tensors", "into= (reused)"] if src_dev == dst_dev else ["into= (reused)"]
@@ -266,7 +266,7 @@ async def _phases(name: str, infos: dict[Any, Any], sizes: list[int]) -> dict[st
             (_xfer, "_poll_closely", False),
         ]
     saved = [(owner, attr, timed(owner, attr, is_async)) for owner, attr, is_async in patched]
-    transport = _registry.get(name)
+    transport = _registry.transport(name)
     out: dict[str, Any] = {}
     try:
         for n in [n for n in sizes if n in (4096, 64 << 20, 1 << 30)]:
@@ -303,7 +303,7 @@ async def _ipc_parts(info: Any) -> dict[str, float]:
     from rdt_async._local import pid_alive
     from rdt_async.transports import _registry, cuda_ipc
 
-    transport = _registry.get("cuda_ipc")
+    transport = _registry.transport("cuda_ipc")
     dst = torch.empty(4096, dtype=torch.uint8, device="cuda")
     side = torch.cuda.Stream()
 

@@ -252,7 +252,7 @@ def transport_class(name: str) -> type[Transport[Any]]:
     return cls
 
 
-def get(name: str) -> Transport[Any]:
+def transport(name: str) -> Transport[Any]:
     """Return this process's instance of a transport, creating it on first use.
 
     Raises: TransportUnavailableError naming why (a missing extra, no device, unknown).

@@ -88,7 +88,7 @@ def _make_late(obj_no: int, sizes: tuple[int, ...]) -> list[torch.Tensor]:
 
 
 def _producer_main(conn: Any, transport_name: str, device: str) -> None:
-    transport = _registry.get(transport_name)
+    transport = _registry.transport(transport_name)
     objects: dict[str, tuple[list[torch.Tensor], Any]] = {}
     while True:
         try:
@@ -203,7 +203,7 @@ MAX_LAG = 0.05  # the consumer's loop may be late by this much at most during a 
 
 async def fetch(producer: Producer, info: TransferInfo[Any], buffers: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Fetch like the core does, and fail if the transfer blocked this process's loop."""
-    transport = _registry.get(producer.transport)
+    transport = _registry.transport(producer.transport)
     await asyncio.to_thread(transport.warm_up)  # a first use may load libraries (GIL held): not measured
     probe = LagProbe()
     probe.start()

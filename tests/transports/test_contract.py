@@ -134,7 +134,7 @@ async def test_a_transport_that_reports_landed_tells_of_every_byte_once_each_ran
 async def test_fetches_into_registered_buffers_register_nothing_more(producer):
     # rdt.register_memory (Ray's register_nixl_memory), consumer side: buffers registered
     # once are reused by every fetch into them; closing gives the registration back.
-    transport = _registry.get(producer.transport)
+    transport = _registry.transport(producer.transport)
     if not transport.registers_memory:
         pytest.skip(f"{producer.transport} registers no memory ahead of time")
     sizes = (1 << 18,)  # 1 MiB and the small ones: over the bounce chunk, so each fetch would register
@@ -164,7 +164,7 @@ async def test_into_buffers_on_the_other_device(producer):
     # CPU -> CUDA and CUDA -> CPU in one read, for transports that say they can
     # (`cross_device_buffers`; what `fetch(device=...)` relies on). Needs a GPU.
     other = "cpu" if DEVICE == "cuda" else "cuda"
-    transport = _registry.get(producer.transport)
+    transport = _registry.transport(producer.transport)
     if not transport.cross_device_buffers or other not in transport.devices:
         pytest.skip(f"{producer.transport} does not read across devices")
     if not torch.cuda.is_available():
@@ -358,7 +358,7 @@ def test_shm_producer_exiting_leaves_no_segment_and_no_open_pipe():
     code = (
         "import os, torch\n"
         "from rdt_async.transports import _registry\n"
-        "m = _registry.get('shm').prepare('kept', [torch.ones(1000)])\n"
+        "m = _registry.transport('shm').prepare('kept', [torch.ones(1000)])\n"
         "print(os.getpid(), m.segment)\n"
     )
     out = subprocess.run(
@@ -381,7 +381,7 @@ async def test_nixl_posts_nothing_to_a_producer_known_dead():
         info = p.make(9)
         p.proc.kill()
         p.proc.join(10)
-        nx = _registry.get("nixl").agent().nixl
+        nx = _registry.transport("nixl").agent().nixl
         posted = []
         real = nx.initialize_xfer
         nx.initialize_xfer = lambda *a: posted.append(a) or real(*a)
@@ -408,7 +408,7 @@ async def test_nixl_read_failing_as_a_disconnect_from_a_live_producer(freed):
         info = p.make(9)
         if freed:
             p.call("free", info.obj_id)
-        nx = _registry.get("nixl").agent().nixl
+        nx = _registry.transport("nixl").agent().nixl
         broken = [True]
         real_transfer, real_remove = nx.transfer, nx.remove_remote_agent
 
@@ -477,7 +477,7 @@ async def test_nixl_a_read_that_stalls_is_cut_off_and_read_again_over_a_fresh_co
     with own_producer("nixl") as p:
         assert_same(await fetch(p, p.make(8, (8 << 20,))), expect(8, (8 << 20,)))  # connected
         info = p.make(9, (8 << 20,))  # (32 MiB: read from the I/O loop, not on the caller's thread)
-        nx = _registry.get("nixl").agent().nixl
+        nx = _registry.transport("nixl").agent().nixl
         began = time.monotonic()
         with _stalling(nx, until_removed=info.meta.agent) as (_, removed):
             async with asyncio.timeout(30):  # (without a bound: for good)
@@ -498,7 +498,7 @@ async def test_nixl_a_read_whose_connection_another_reads_stall_cut_off_reads_ag
     with own_producer("nixl") as p:
         assert_same(await fetch(p, p.make(8, (8 << 20,))), expect(8, (8 << 20,)))  # connected
         first, second = p.make(9, (8 << 20,)), p.make(10, (8 << 20,))
-        nx = _registry.get("nixl").agent().nixl
+        nx = _registry.transport("nixl").agent().nixl
         with _stalling(nx, until_removed=first.meta.agent, others_fail=True) as (posted, removed):
             async with asyncio.timeout(30):
                 one = asyncio.ensure_future(fetch(p, first))
@@ -520,7 +520,7 @@ async def test_nixl_a_read_that_stalls_again_over_a_fresh_connection_fails_namin
     with own_producer("nixl") as p:
         assert_same(await fetch(p, p.make(8, (8 << 20,))), expect(8, (8 << 20,)))  # connected
         info = p.make(9, (8 << 20,))
-        nx = _registry.get("nixl").agent().nixl
+        nx = _registry.transport("nixl").agent().nixl
         with _stalling(nx, until_removed=None) as (_, removed):
             with pytest.raises(_xfer.ReadStalled, match=r"stalled: still in progress after \d+ s .*RDT_NIXL_STALL_S"):
                 async with asyncio.timeout(30):
@@ -536,7 +536,7 @@ async def test_nixl_a_read_broken_on_an_old_connection_leaves_the_new_one_alone(
     with own_producer("nixl") as p:
         info = p.make(8)
         assert_same(await fetch(p, info), expect(8))
-        t = _registry.get("nixl")
+        t = _registry.transport("nixl")
         agent, peers, producer = t.agent(), t._current().peers, info.meta.agent
         old = peers.epoch(producer)
         await peers.forget(producer, old)  # the first read that broke
@@ -557,7 +557,7 @@ async def test_nixl_a_read_broken_on_an_old_connection_leaves_the_new_one_alone(
 async def test_nixl_concurrent_fetches_cancelled_again_and_again_leave_no_registration():
     # A fetch cancelled while its destination was being registered in the pool (the
     # agent busy with another fetch's copy) left that registration, and its buffer, for good.
-    transport = _registry.get("nixl")
+    transport = _registry.transport("nixl")
     with own_producer("nixl") as p:
         infos = [p.make(20 + i, (8 << 20,)) for i in range(8)]  # 32 MiB each
         await asyncio.to_thread(transport.warm_up)
@@ -616,7 +616,7 @@ def test_cuda_ipc_refuses_clearly_without_cuda():
     reason = _registry.transport_class("cuda_ipc").unavailable_reason()
     assert reason == "no CUDA device in this process (torch.cuda.is_available() is False)"
     with pytest.raises(rdt.TransportUnavailableError, match="transport 'cuda_ipc' is unavailable: no CUDA device"):
-        _registry.get("cuda_ipc")
+        _registry.transport("cuda_ipc")
 
 
 def test_cuda_ipc_refuses_a_producer_on_another_node():
