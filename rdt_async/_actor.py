@@ -249,9 +249,7 @@ def _wrap_method(f: Callable[..., Any]) -> Callable[..., Any]:
                 return tuple(_produce.produce(v, transport) for v in parts(value))
         return _produce.produce(value, transport)
 
-    async def produce_async(value: Any, transport: str | None) -> Any:
-        if transport is None:
-            return value
+    async def produce_async(value: Any, transport: str) -> Any:
         if split:
             with _produce.holding(value):
                 return tuple([await _produce.produce_async(v, transport) for v in parts(value)])
@@ -262,7 +260,8 @@ def _wrap_method(f: Callable[..., Any]) -> Callable[..., Any]:
         async def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
             transport = _chosen(kwargs, default, self, f)
             args, kwargs = await _fetch_args(args, kwargs, f)
-            return await produce_async(await f(self, *args, **kwargs), transport)
+            value = await f(self, *args, **kwargs)
+            return value if transport is None else await produce_async(value, transport)
 
     elif inspect.isasyncgenfunction(f):
 

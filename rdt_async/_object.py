@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import collections
 import functools
+import operator
 import os
 import pickle
 import re
@@ -169,6 +170,9 @@ def _current_actor() -> tuple[str, bytes, bool]:
     return handle._ray_actor_id.hex(), pickle.dumps(handle), hasattr(handle, "rdt__ping")
 
 
+_NBYTES = operator.attrgetter("nbytes")  # (a spec's: summed without a generator, on every fetch)
+
+
 @dataclass(frozen=True, repr=False)
 class RDTObject:
     """A value whose tensors stay with their producer until fetched.
@@ -189,7 +193,7 @@ class RDTObject:
 
     @property
     def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.specs)
+        return sum(map(_NBYTES, self.specs))
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
         """As Ray carries it to each consumer: the fields a producer makes in one msgpack

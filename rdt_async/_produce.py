@@ -38,6 +38,8 @@ def check_grouped(name: str, what: str) -> None:
     and again where the tensors are kept (a `put`; a group may have gone meanwhile).
     Raises: TransportUnavailableError naming the fix.
     """
+    if name == _registry.AUTO:
+        return  # (on every call of an `auto` producer: auto takes a group only where one is)
     cls = _registry.known_class(name)
     if cls is not None and cls.needs_group and not any(b == name for b, _ in groups.memberships().values()):
         raise TransportUnavailableError(
