@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -344,6 +345,66 @@ def test_auto_reads_big_cpu_objects_across_nodes_over_what_the_costs_say(rdma, t
     assert choice["why"].startswith(f"2 MiB CPU from another node: {picked} "), choice["why"]
     assert ray.get(producer.state.remote())["registrations"] == (1 if rdma else 0)
     del ref
+    ray.kill(reader)
+    ray.kill(producer)
+
+
+@rdt.remote
+class StallingReader:
+    """A consumer whose NIXL leaves every READ in progress for good (ai-dynamo/nixl#2047),
+    emulated as the contract suite does: each READ is done, but NIXL says it is in progress."""
+
+    def __init__(self) -> None:
+        self.said: list[str] = []
+        handler = logging.Handler(logging.WARNING)
+        handler.emit = lambda record: self.said.append(record.getMessage())  # type: ignore[method-assign]
+        logging.getLogger("rdt_async").addHandler(handler)
+
+    async def stall_every_read(self) -> None:
+        from rdt_async.transports.nixl import _transport, _xfer
+
+        _xfer.STALL_S, _xfer.ABORT_GRACE_S, _transport.RECHECK_S = 1.0, 0.5, 1.0  # (30, 5 and 5 s)
+        nx, stuck = _registry.transport("nixl").agent().nixl, set()
+        real_transfer, real_check = nx.transfer, nx.check_xfer_state
+
+        def transfer(handle, *args):
+            real_transfer(handle, *args)
+            stuck.add(id(handle))  # (the handle is kept for good once cut off: its id stays its own)
+            return "PROC"
+
+        nx.transfer = transfer
+        nx.check_xfer_state = lambda handle: "PROC" if id(handle) in stuck else real_check(handle)
+
+    async def read(self, refs, tensor_transport=None):
+        before = dict(rdt.store_stats()["fetches"])
+        try:
+            sums = [checksum(await rdt.fetch(r, tensor_transport=tensor_transport)) for r in refs]
+        except rdt.RDTError as exc:
+            sums = [f"{type(exc).__name__}: {exc}"]
+        used = {k: n - before.get(k, 0) for k, n in rdt.store_stats()["fetches"].items() if n != before.get(k, 0)}
+        return sums, used, rdt.store_stats()["auto"][-len(refs):], list(self.said)
+
+
+def test_auto_takes_another_path_where_every_nixl_read_from_a_producer_stalls(tmp_path):
+    """auto reads other nodes' CPU objects over nixl (an RDMA network's costs); where
+    NIXL leaves every READ in progress, the first is cut off at its bound, the liveness
+    check over a fresh connection stalls too, and the fetch goes on over tcp, says why
+    once, and leaves nixl out for that node. A fetch that names nixl fails, naming the bound."""
+    costs = nixl_costs(tmp_path)
+    producer = NixlProducer.options(**costs).remote()
+    reader = StallingReader.options(**costs, **ON_NODE2).remote()
+    ray.get(reader.stall_every_read.remote())
+    n = 1 << 19  # 2 MiB: read from the I/O loop, bounded by STALL_S
+    sums, used, choices, said = ray.get(reader.read.remote([producer.auto.remote(n), producer.auto.remote(n)]), timeout=120)
+    assert sums == [2.0 * n] * 2 and used == {"tcp": 2}, (sums, used)
+    first, second = choices
+    assert first["transport"] == "tcp" and [f["transport"] for f in first["fell_back"]] == ["nixl"], first
+    assert "nixl READs from" in first["fell_back"][0]["why"] and "none ended over a fresh connection" in first["fell_back"][0]["why"]
+    assert second["transport"] == "tcp" and "nixl left out: could not reach that node lately" in second["why"], second
+    assert len([s for s in said if "auto could not use nixl" in s]) == 1, said
+    sums, used, _, _ = ray.get(reader.read.remote([producer.auto.remote(n)], "nixl"), timeout=120)
+    assert sums[0].startswith("ReadStalled: nixl READ of") and "RDT_NIXL_STALL_S" in sums[0], sums
+    assert used == {}, used
     ray.kill(reader)
     ray.kill(producer)
 

@@ -512,7 +512,8 @@ class Transport(abc.ABC, Generic[M]):
 
 class Unreachable(ConnectionError):
     """Raised by `receive` where the producer cannot be reached at the address its metadata
-    names (no route, refused, no answer to a connect), before anything was transferred.
+    names (no route, refused, no answer to a connect), before anything was transferred; or
+    raised as the cause of the error where nothing read from it ends (nixl's stalled READs).
 
     The core then takes another path where `auto` chose this one, or fails naming the
     address and the setting to change (the message says both).

@@ -21,6 +21,7 @@ import torch
 from probes import cancel_after
 
 import rdt_async as rdt
+from rdt_async._avoid import unusable
 from rdt_async.transports import _registry
 from rdt_async.transports._base import FetchRequest, TensorSpec, TransferInfo
 
@@ -522,10 +523,12 @@ async def test_nixl_a_read_that_stalls_again_over_a_fresh_connection_fails_namin
         info = p.make(9, (8 << 20,))
         nx = _registry.transport("nixl").agent().nixl
         with _stalling(nx, until_removed=None) as (_, removed):
-            with pytest.raises(_xfer.ReadStalled, match=r"stalled: still in progress after \d+ s .*RDT_NIXL_STALL_S"):
+            with pytest.raises(_xfer.ReadStalled, match=r"stalled: still in progress after \d+ s .*RDT_NIXL_STALL_S") as raised:
                 async with asyncio.timeout(30):
                     await fetch(p, info)
         assert removed.count(info.meta.agent) == 2, removed  # the READ's connection, and the fresh one's
+        # A path with no answer from this producer: `auto` takes another (test_nixl.py shows it).
+        assert "stall: none ended over a fresh connection either" in (unusable(raised.value) or ""), raised.value.__cause__
         assert_same(await fetch(p, p.make(10, (8 << 20,))), expect(10, (8 << 20,)))  # and reads anew
 
 

@@ -34,7 +34,7 @@ from ..._errors import (
 )
 from ..._local import copy_into, pid_alive
 from .. import _ucx
-from .._base import Channel, Cost, TransferInfo, Transport, WarmAt
+from .._base import Channel, Cost, TransferInfo, Transport, Unreachable, WarmAt
 from ._agent import Agent, import_reason
 from ._check import check
 from ._liveness import Slots
@@ -264,6 +264,10 @@ class NixlTransport(Transport[NixlMeta]):
                             continue  # read again, over the fresh connection
                 if not isinstance(exc, (ObjectFreedError, PeerDiedError)) and not _alive(meta):
                     raise _died(info) from exc
+                if isinstance(exc, ReadStalled):  # over the fresh connection too: no READ from this producer ends
+                    raise exc from Unreachable(
+                        f"nixl READs from {meta.agent} stall: none ended over a fresh connection either"
+                    )  # (`auto` takes another path for it: see `Unreachable`)
                 raise
         raise AssertionError("unreachable: the second try returns or raises")
 
