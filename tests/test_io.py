@@ -149,12 +149,17 @@ async def test_poll_closely_sees_work_end_between_the_loops_other_tasks_and_give
             rounds += 1
             await asyncio.sleep(0)
 
+    def end_once_the_loop_ran_other_work() -> None:  # (a transfer ending in another thread)
+        while rounds <= 5 and time.perf_counter() - t0 < 3:
+            time.sleep(0.0005)
+        ended.set()
+
     beside = asyncio.ensure_future(other_work())
-    threading.Timer(0.003, ended.set).start()
     t0 = time.perf_counter()
+    threading.Thread(target=end_once_the_loop_ran_other_work).start()
     assert await _io.poll_closely(ended.is_set, t0 + 5)
-    seen = time.perf_counter() - t0
-    assert 0.003 <= seen < 1 and rounds > 5  # the loop ran its other task while it polled
+    # The loop ran its other task while it polled (else the work ends at 3 s, rounds at 1).
+    assert rounds > 5 and time.perf_counter() - t0 < 2.5
     t0 = time.perf_counter()
     assert not await _io.poll_closely(lambda: False, t0 + 0.002)
     assert 0.002 <= time.perf_counter() - t0 < 1
