@@ -466,8 +466,7 @@ class _Memfds:
             self.idle = [m for m in self.idle if m.idle_since > cutoff]
             self.seats.hold(self.idle)
             left = _segments.oldest(self.idle)
-        for m in old:
-            _close(m)
+        _segments.let_go_off_loop(_close, old)
         return left
 
 

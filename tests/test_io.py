@@ -386,6 +386,31 @@ def _wait_until(cond, timeout: float, what=lambda: "") -> None:
         time.sleep(0.02)
 
 
+def test_the_sweep_of_idle_mappings_unmaps_them_off_the_io_loop(monkeypatch):
+    """Unmapping takes its thread 10-90 ms per few hundred MiB: a sweep (on the I/O loop)
+    hands the unmapping to the pool, so the loop goes on serving the transfers under way."""
+    import os
+
+    from rdt_async.transports import _mappings
+
+    if not _mappings._keeps():
+        pytest.skip("this kernel has no PAGEMAP_SCAN: idle mappings are not kept, so not swept")
+    monkeypatch.setenv("RDT_SHM_IDLE_S", "0.2")
+    closed: list[bool] = []
+    real = _mappings._close
+    monkeypatch.setattr(_mappings, "_close", lambda m: (closed.append(_io.on_io_thread()), real(m)))
+    _io.io_loop()  # (started, as by a consumer's fetches: a mapping's last view queues its idling there)
+    cache, fd = _mappings.MappingCache(), os.memfd_create("rdt-test-sweep")
+    try:
+        os.ftruncate(fd, 1 << 20)
+        buf = cache.open(fd, None)
+        del buf  # idle now: let go about 0.2 s later
+        _wait_until(lambda: closed, 10, lambda: cache.stats())
+    finally:
+        os.close(fd)
+    assert closed == [False] and cache.stats()["idle"] == 0  # unmapped, and not on the I/O loop
+
+
 def test_a_transports_own_pool_is_declared_with_its_bound_and_made_like_the_others(monkeypatch):
     """tcp's receiving threads were a private pool of 64 beside the named ones; now every pool
     is in `_io.POOLS`, bounded, and ends with the others at exit."""

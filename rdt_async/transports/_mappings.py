@@ -31,7 +31,7 @@ import time
 from typing import Any
 
 from .. import _io
-from ._segments import IdleSweep, oldest
+from ._segments import IdleSweep, let_go_off_loop, oldest
 
 MAX_IDLE_BYTES = 4 << 30  # address space and page tables only: the pages are the files'
 _PAGE = mmap.PAGESIZE
@@ -102,8 +102,7 @@ class MappingCache:
             for m in old:
                 del self._idle[m.key]
             left = oldest(self._idle.values())
-        for m in old:
-            _close(m)
+        let_go_off_loop(_close, old)
         return left
 
     def clear(self) -> None:

@@ -96,6 +96,20 @@ class IdleSweep:
         self._schedule(due - time.monotonic())
 
 
+def let_go_off_loop(close: Callable[[Any], None], items: list[Any]) -> None:
+    """Call `close` on each of `items` in the pool, not on the I/O loop where sweeps run:
+    unmapping hundreds of MiB takes its thread 10-90 ms here (the GIL released), time the
+    loop owes the transfers under way. Only for what this process alone holds (a mapping,
+    a descriptor), never for a file that must be gone before the process exits."""
+    if items:
+        _io.pool(_io.CALLS).submit(_let_go, close, items)
+
+
+def _let_go(close: Callable[[Any], None], items: list[Any]) -> None:
+    for item in items:
+        close(item)
+
+
 def oldest(items: Iterable[Any]) -> float | None:
     """When the longest idle of `items` (each with `idle_since`) went idle; None for none."""
     return min((x.idle_since for x in items), default=None)
