@@ -241,9 +241,7 @@ def _wrap_method(f: Callable[..., Any]) -> Callable[..., Any]:
             )
         return value
 
-    def produce(value: Any, transport: str | None) -> Any:
-        if transport is None:
-            return value
+    def produce(value: Any, transport: str) -> Any:
         if split:
             with _produce.holding(value):  # every part waits for wait_tensor_freed, not only the first
                 return tuple(_produce.produce(v, transport) for v in parts(value))
@@ -289,7 +287,8 @@ def _wrap_method(f: Callable[..., Any]) -> Callable[..., Any]:
         def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
             transport = _chosen(kwargs, default, self, f)
             args, kwargs = _fetch_args_blocking(args, kwargs, f)
-            return produce(f(self, *args, **kwargs), transport)
+            value = f(self, *args, **kwargs)
+            return value if transport is None else produce(value, transport)
 
     if default is not None and not (inspect.isasyncgenfunction(f) or inspect.isgeneratorfunction(f)):
         # On `f` itself: Ray reads a method's signature from the function under the

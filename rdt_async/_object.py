@@ -251,11 +251,6 @@ class RDTObject:
 _WIRE_VERSION = 4
 
 
-# The types of the producer's fields in a wire record (node id, token, actor id, its
-# handle's state, whether it serves): `_wire` writes only these, `_rebuilt` reads only these.
-_PRODUCER_TYPES = ((str,), (str,), (str, type(None)), (bytes, type(None)), (bool,))
-
-
 @functools.cache
 def _dtypes() -> dict[str, torch.dtype]:
     """torch's dtypes by the name a wire record gives them (`float32`)."""
@@ -269,10 +264,10 @@ def _dtype_names() -> dict[torch.dtype, str]:
 
 
 def _producer_typed(fields: tuple[Any, ...]) -> bool:
-    """Whether a producer's fields, in a wire record's order, are of `_PRODUCER_TYPES`.
-
-    (Spelled out: on every ref's way out and in, where a generator per field cost more
-    than the check.)"""
+    """Whether a producer's fields, in a wire record's order (node id, token, actor id, its
+    handle's state, whether it serves), are of the types a producer makes: `_wire` writes
+    only these, `_rebuilt` reads only these. (Spelled out, not a table walked by a
+    generator: it runs on every ref's way out and in.)"""
     node_id, token, actor_id, actor_state, serves = fields
     return (
         type(node_id) is str and type(token) is str and type(serves) is bool
