@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 import sys
@@ -381,3 +382,39 @@ def get_or_explain(refs: Any, actors: list[Any], timeout: float) -> Any:
         return ray.get(refs, timeout=timeout)
     except ray.exceptions.GetTimeoutError:
         raise AssertionError(f"not done in {timeout} s; the actors wait on:\n{what_waits(actors)}") from None
+
+
+@contextlib.contextmanager
+def nixl_stalling(nx, until_removed: str | None, others_fail: bool = False):
+    """Emulate READs NIXL leaves in progress for good (ai-dynamo/nixl#2047: their endpoint
+    failed under them, or their peer stopped progressing): each READ posted is done, but
+    NIXL says it is in progress, until the remote agent `until_removed` is removed (None:
+    for good); then the first says its real state and, with `others_fail`, the others
+    "ERR" (NIXL's state for a READ whose remote agent was removed under it). Yields the
+    READs stalled (their handles' ids, in order) and the remote agents removed."""
+    stuck, removed = [], []
+    real_transfer, real_check, real_remove = nx.transfer, nx.check_xfer_state, nx.remove_remote_agent
+
+    def ended() -> bool:
+        return until_removed is not None and until_removed in removed
+
+    def transfer(handle, *args):
+        state = real_transfer(handle, *args)
+        if ended():
+            return state
+        stuck.append(id(handle))
+        return "PROC"
+
+    def check_xfer_state(handle):
+        if id(handle) not in stuck:
+            return real_check(handle)
+        if not ended():
+            return "PROC"
+        return "ERR" if others_fail and id(handle) != stuck[0] else real_check(handle)
+
+    nx.transfer, nx.check_xfer_state = transfer, check_xfer_state
+    nx.remove_remote_agent = lambda name: removed.append(name) or real_remove(name)
+    try:
+        yield stuck, removed
+    finally:
+        del nx.transfer, nx.check_xfer_state, nx.remove_remote_agent

@@ -18,7 +18,7 @@ import ray
 import torch
 from conftest import ON_NODE2, wait_until
 from helpers import Probed, checksum, cpu_seconds, idle_cpu
-from probes import cancel_after
+from probes import cancel_after, nixl_stalling
 
 import rdt_async as rdt
 from rdt_async import _io
@@ -364,16 +364,8 @@ class StallingReader:
         from rdt_async.transports.nixl import _transport, _xfer
 
         _xfer.STALL_S, _xfer.ABORT_GRACE_S, _transport.RECHECK_S = 1.0, 0.5, 1.0  # (30, 5 and 5 s)
-        nx, stuck = _registry.transport("nixl").agent().nixl, set()
-        real_transfer, real_check = nx.transfer, nx.check_xfer_state
-
-        def transfer(handle, *args):
-            real_transfer(handle, *args)
-            stuck.add(id(handle))  # (the handle is kept for good once cut off: its id stays its own)
-            return "PROC"
-
-        nx.transfer = transfer
-        nx.check_xfer_state = lambda handle: "PROC" if id(handle) in stuck else real_check(handle)
+        self.stalling = nixl_stalling(_registry.transport("nixl").agent().nixl, until_removed=None)
+        self.stalling.__enter__()  # for the actor's life
 
     async def read(self, refs, tensor_transport=None):
         before = dict(rdt.store_stats()["fetches"])

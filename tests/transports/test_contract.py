@@ -18,7 +18,7 @@ import time
 
 import pytest
 import torch
-from probes import cancel_after
+from probes import cancel_after, nixl_stalling
 
 import rdt_async as rdt
 from rdt_async._avoid import unusable
@@ -434,42 +434,6 @@ async def test_nixl_read_failing_as_a_disconnect_from_a_live_producer(freed):
         assert_same(await fetch(p, p.make(10)), expect(10))  # connected anew
 
 
-@contextlib.contextmanager
-def _stalling(nx, until_removed: str | None, others_fail: bool = False):
-    """Emulate READs NIXL leaves in progress for good (ai-dynamo/nixl#2047: their endpoint
-    failed under them, or their peer stopped progressing): each READ posted is done, but
-    NIXL says it is in progress, until the remote agent `until_removed` is removed (None:
-    for good); then the first says its real state and, with `others_fail`, the others
-    "ERR" (NIXL's state for a READ whose remote agent was removed under it). Yields the
-    READs stalled (their handles' ids, in order) and the remote agents removed."""
-    stuck, removed = [], []
-    real_transfer, real_check, real_remove = nx.transfer, nx.check_xfer_state, nx.remove_remote_agent
-
-    def ended() -> bool:
-        return until_removed is not None and until_removed in removed
-
-    def transfer(handle, *args):
-        state = real_transfer(handle, *args)
-        if ended():
-            return state
-        stuck.append(id(handle))
-        return "PROC"
-
-    def check_xfer_state(handle):
-        if id(handle) not in stuck:
-            return real_check(handle)
-        if not ended():
-            return "PROC"
-        return "ERR" if others_fail and id(handle) != stuck[0] else real_check(handle)
-
-    nx.transfer, nx.check_xfer_state = transfer, check_xfer_state
-    nx.remove_remote_agent = lambda name: removed.append(name) or real_remove(name)
-    try:
-        yield stuck, removed
-    finally:
-        del nx.transfer, nx.check_xfer_state, nx.remove_remote_agent
-
-
 @pytest.mark.skipif("nixl" not in TRANSPORTS, reason="nixl not selected")
 async def test_nixl_a_read_that_stalls_is_cut_off_and_read_again_over_a_fresh_connection(monkeypatch):
     from rdt_async.transports.nixl import _xfer
@@ -480,7 +444,7 @@ async def test_nixl_a_read_that_stalls_is_cut_off_and_read_again_over_a_fresh_co
         info = p.make(9, (8 << 20,))  # (32 MiB: read from the I/O loop, not on the caller's thread)
         nx = _registry.transport("nixl").agent().nixl
         began = time.monotonic()
-        with _stalling(nx, until_removed=info.meta.agent) as (_, removed):
+        with nixl_stalling(nx, until_removed=info.meta.agent) as (_, removed):
             async with asyncio.timeout(30):  # (without a bound: for good)
                 assert_same(await fetch(p, info), expect(9, (8 << 20,)))
         took = time.monotonic() - began
@@ -500,7 +464,7 @@ async def test_nixl_a_read_whose_connection_another_reads_stall_cut_off_reads_ag
         assert_same(await fetch(p, p.make(8, (8 << 20,))), expect(8, (8 << 20,)))  # connected
         first, second = p.make(9, (8 << 20,)), p.make(10, (8 << 20,))
         nx = _registry.transport("nixl").agent().nixl
-        with _stalling(nx, until_removed=first.meta.agent, others_fail=True) as (posted, removed):
+        with nixl_stalling(nx, until_removed=first.meta.agent, others_fail=True) as (posted, removed):
             async with asyncio.timeout(30):
                 one = asyncio.ensure_future(fetch(p, first))
                 while not posted:
@@ -522,7 +486,7 @@ async def test_nixl_a_read_that_stalls_again_over_a_fresh_connection_fails_namin
         assert_same(await fetch(p, p.make(8, (8 << 20,))), expect(8, (8 << 20,)))  # connected
         info = p.make(9, (8 << 20,))
         nx = _registry.transport("nixl").agent().nixl
-        with _stalling(nx, until_removed=None) as (_, removed):
+        with nixl_stalling(nx, until_removed=None) as (_, removed):
             with pytest.raises(_xfer.ReadStalled, match=r"stalled: still in progress after \d+ s .*RDT_NIXL_STALL_S") as raised:
                 async with asyncio.timeout(30):
                     await fetch(p, info)
