@@ -49,8 +49,50 @@ def check_grouped(name: str, what: str) -> None:
         )
 
 
+def check_movable(tensors: Sequence[torch.Tensor]) -> None:
+    """Refuse a tensor that no transport can move as its bytes, naming the fix (`unmovable`).
+
+    Runs on: producer, when the value is returned (a few attribute reads a tensor).
+    Raises: TransportUnavailableError.
+    """
+    for i, t in enumerate(tensors):
+        if t.is_quantized or t.is_nested or t.is_meta or (type(t) is not torch.Tensor and not has_memory(t)):
+            raise TransportUnavailableError(f"returned tensor {i} is {unmovable(t)}")
+
+
+def unmovable(t: torch.Tensor) -> str | None:
+    """Why `t` cannot be moved as its bytes, and the fix; None where it can.
+
+    A quantized tensor's meaning is in its scale and zero point, a nested one's in its
+    offsets; a meta tensor or a wrapper subclass (DTensor, FakeTensor) has no memory of
+    its own. Moved as bytes, each would arrive wrong, be read from address 0 (a crash of
+    the producer), or not at all.
+    """
+    if t.is_quantized:
+        return (f"a quantized tensor ({t.dtype}), which would move as its integers without its scale and zero "
+                "point: return t.dequantize(), or t.int_repr() and the quantization parameters beside it")
+    if t.is_nested:
+        return "a nested tensor, not one block of bytes: return its tensors (t.unbind()) or t.to_padded_tensor(0)"
+    if t.is_meta:
+        return "on the meta device, which holds no bytes to move: return a tensor on a device with memory (cpu, cuda)"
+    if type(t) is not torch.Tensor and not has_memory(t):
+        return (f"a {type(t).__name__} without memory of its own (a wrapper subclass, as DTensor and FakeTensor "
+                "are), so there are no bytes to move: return the tensor it stands for (a DTensor's "
+                "t.to_local() or t.full_tensor())")
+    return None
+
+
+def has_memory(t: torch.Tensor) -> bool:
+    """Whether `t` has bytes of its own to move (no elements: nothing to read, so yes)."""
+    try:
+        return t.numel() == 0 or t.data_ptr() != 0
+    except (RuntimeError, NotImplementedError):  # (a subclass whose storage cannot be reached)
+        return False
+
+
 def _prepared_transports(name: str, tensors: Sequence[torch.Tensor]) -> list[Transport[Any]]:
     """Transports to prepare at return time for a method asking for `name`."""
+    check_movable(tensors)
     if name != _registry.AUTO:
         transport = _registry.transport(name)
         transport.check_tensors(tensors)

@@ -343,6 +343,9 @@ class Publisher:
                     f"rdt.Publisher.publish(): {k!r} is a {t.device.type} {t.layout} tensor; this version "
                     "publishes dense CPU tensors (move them with .cpu() first)"
                 )
+            why = _produce.unmovable(t)
+            if why is not None:
+                raise TypeError(f"rdt.Publisher.publish(): {k!r} is {why}")
         entries, size = _layout(state)
         if self._entries is None:
             self._entries, self._size = entries, size

@@ -334,6 +334,8 @@ def test_a_view_past_its_shared_storage_is_refused(actors, made, stride, offset,
         (TensorSpec((N,), torch.float32, "cpu", 4), f"nbytes 4, where shape [{N}] of torch.float32 holds {4 * N}"),
         (TensorSpec((1 << 40, 1 << 40), torch.float32, "cpu", 1 << 82), "over 1125899906842624"),
         (TensorSpec((N,), "float32", "cpu", 4 * N), "dtype 'float32'"),  # type: ignore[arg-type]
+        # a quantized tensor built from bytes has no quantizer: reading it crashes the process
+        (TensorSpec((N,), torch.qint8, "cpu", N), "dtype torch.qint8 (quantized"),
         (TensorSpec((N,), torch.float32, "../../etc", 4 * N), "device '../../etc'"),
         (TensorSpec([N], torch.float32, "cpu", 4 * N), "shape [1000]"),  # type: ignore[arg-type]
         (TensorSpec((True,), torch.float32, "cpu", 4), "shape (True,)"),

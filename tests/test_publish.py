@@ -83,7 +83,11 @@ class Trainer:
 
     async def publish_bad(self, name: str, what: str) -> str:
         pub = self.pubs[name]
-        bad = {"l0": torch.zeros(3)} if what == "layout" else [torch.zeros(3)]
+        bad = {
+            "layout": {"l0": torch.zeros(3)},
+            "list": [torch.zeros(3)],
+            "quantized": {"l0": torch.quantize_per_tensor(torch.zeros(3), 0.1, 0, torch.qint8)},
+        }[what]
         try:
             await pub.publish(bad)
         except (TypeError, ValueError) as exc:
@@ -349,6 +353,10 @@ def test_mistakes_are_refused_where_they_are_made(actors):
     )
     assert ray.get(trainer.publish_bad.remote("strict", "list")) == (
         "TypeError: rdt.Publisher.publish() takes a non-empty dict of tensors by name (a state dict), not list"
+    )
+    assert ray.get(trainer.publish_bad.remote("strict", "quantized")).startswith(
+        "TypeError: rdt.Publisher.publish(): 'l0' is a quantized tensor (torch.qint8), which would move as its "
+        "integers without its scale and zero point: return t.dequantize()"
     )
     with pytest.raises(ValueError, match=r"this process publishes 'strict' already: close that Publisher first"):
         ray.get(trainer.open.remote("strict"))

@@ -6,6 +6,7 @@ mistakes a user can make with them, each refused where it is made.
 from __future__ import annotations
 
 import collections
+import re
 
 import pytest
 import ray
@@ -17,6 +18,26 @@ import rdt_async as rdt
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 BIG = 1 << 19  # complex64 elements: 4 MiB, over shm's sharing threshold
+
+
+class Wrapper(torch.Tensor):
+    """A wrapper subclass (as DTensor and FakeTensor are): no memory of its own, data_ptr() 0."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_map
+
+        def unwrap(x):
+            return x.inner if isinstance(x, Wrapper) else x
+
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
 
 
 class Config(dict):
@@ -78,6 +99,16 @@ class Producer:
 
     def held(self) -> int:
         return rdt.store_stats()["objects"]
+
+    @rdt.method
+    def unmovable(self, kind: str, n: int, transport: str):
+        t = {
+            "quantized": lambda: torch.quantize_per_tensor(torch.arange(n, dtype=torch.float32), 0.1, 0, torch.qint8),
+            "nested": lambda: torch.nested.nested_tensor([torch.ones(n), torch.ones(n + 1)]),
+            "meta": lambda: torch.empty(n, device="meta"),
+            "wrapper": lambda: Wrapper(torch.ones(n)),
+        }[kind]()
+        return {"ok": torch.ones(4), "bad": t}
 
     # A storage the user made, not shared: read by one call while another returns it.
     def _w(self) -> torch.Tensor:
@@ -184,6 +215,24 @@ def test_a_view_of_a_shared_storage_of_odd_size_arrives_every_time(actors):
     p, c = actors
     for _ in range(3):
         assert torch.equal(ray.get(c.values.remote([p.odd_storage.remote()]))[0], torch.arange(4.0))
+
+
+@pytest.mark.parametrize("kind,said", [
+    ("quantized", "returned tensor 1 is a quantized tensor (torch.qint8), which would move as its integers without its scale and zero point: return t.dequantize()"),
+    ("nested", "returned tensor 1 is a nested tensor, not one block of bytes: return its tensors (t.unbind())"),
+    ("meta", "returned tensor 1 is on the meta device, which holds no bytes to move"),
+    ("wrapper", "returned tensor 1 is a Wrapper without memory of its own (a wrapper subclass"),
+])
+@pytest.mark.parametrize("transport", ["auto", "shm", "tcp", "object_store"])
+@pytest.mark.parametrize("n", [8, 1 << 20])  # inline (auto), and prepared
+def test_a_tensor_no_transport_can_move_is_refused_at_return_and_the_producer_lives(actors, kind, said, transport, n):
+    # A quantized tensor moved as bytes arrived without its scale (inline) or killed the
+    # producer (shm's copy); a wrapper subclass's bytes are at address 0.
+    p, c = actors
+    ref = p.unmovable.options(tensor_transport=transport).remote(kind, n, transport)
+    with pytest.raises(rdt.TransportUnavailableError, match=re.escape(said)):
+        rdt.get(ref, timeout=60)
+    assert ray.get(c.values.remote([p.weights.remote(4)]), timeout=60)[0][1].sum() == 12.0  # both alive
 
 
 def test_container_subclasses_keep_their_class_and_attributes(actors):

@@ -21,9 +21,10 @@ import torch
 from rdt_async import TransferError, _object
 from rdt_async._object import Process, RDTObject
 from rdt_async._tree import flatten
-from rdt_async.transports._base import TensorSpec
+from rdt_async.transports._base import QUANTIZED, TensorSpec
 
-DTYPES = sorted({d for d in vars(torch).values() if isinstance(d, torch.dtype)}, key=str)
+# Every dtype a producer may send: all of torch's but the quantized (refused at return).
+DTYPES = sorted({d for d in vars(torch).values() if isinstance(d, torch.dtype)} - QUANTIZED, key=str)
 
 
 def _spec(shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu") -> TensorSpec:

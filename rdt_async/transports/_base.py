@@ -56,6 +56,11 @@ class TensorSpec:
 # Bounds on what a ref may describe: torch's own limit on dimensions, and bytes no machine has.
 MAX_DIMS = 64
 MAX_SPEC_BYTES = 1 << 50
+# Dtypes no producer makes (a quantized tensor is refused at return): a tensor of one built
+# from bytes has no quantizer, and torch crashes the process that reads it (a segfault).
+QUANTIZED = frozenset(
+    d for d in (getattr(torch, n, None) for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")) if d is not None
+)
 
 
 def check_specs(specs: Any, obj_id: str) -> None:
@@ -85,6 +90,7 @@ def _checked_nbytes(s: Any, i: int, obj_id: str) -> int:
             dtype = s.dtype
             if (
                 isinstance(dtype, torch.dtype)
+                and dtype not in QUANTIZED
                 and numel * dtype.itemsize <= MAX_SPEC_BYTES
                 and type(s.nbytes) is int
                 and s.nbytes == numel * dtype.itemsize
@@ -104,6 +110,8 @@ def _wrong(s: Any) -> str:
         return f"shape {shape!r} (a tuple of at most {MAX_DIMS} non-negative ints)"
     if not isinstance(dtype, torch.dtype):
         return f"dtype {dtype!r} (a torch.dtype)"
+    if dtype in QUANTIZED:
+        return f"dtype {dtype} (quantized: no producer sends one, and a tensor of it made from bytes crashes its reader)"
     holds = math.prod(shape) * dtype.itemsize
     if holds > MAX_SPEC_BYTES:
         return f"shape {list(shape)} of {dtype} ({holds} bytes, over {MAX_SPEC_BYTES})"
