@@ -25,20 +25,30 @@ so every transport, on any thread, writes them alike.
 
 from __future__ import annotations
 
+import asyncio
 import bisect
+import dataclasses
+import itertools
+import threading
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from . import _tree
+from . import _io, _tree
 from ._store import _spans
 from .transports._base import TensorSpec
 
 
 def checked(specs: Sequence[TensorSpec], into: Any) -> list[torch.Tensor] | None:
-    """Return the tensors to write for `into=` (None without it), each checked against `specs`.
+    """`_checked`'s buffers."""
+    return _checked(specs, into)[0]
+
+
+def _checked(specs: Sequence[TensorSpec], into: Any) -> tuple[list[torch.Tensor] | None, list[tuple[_Span, int]]]:
+    """Return the tensors to write for `into=` (None without it), each checked against
+    `specs`, and the bytes each reaches (with its index, in order).
 
     Runs on: consumer, the caller's thread (microseconds a buffer; a storage not made by
     torch's allocator is looked up in /proc/self/maps once).
@@ -46,7 +56,7 @@ def checked(specs: Sequence[TensorSpec], into: Any) -> list[torch.Tensor] | None
     is wrong with it and the fix.
     """
     if into is None:
-        return None
+        return None, []
     if isinstance(into, Iterator):  # model.parameters(): flattening would see one opaque leaf
         raise TypeError(
             f"into= is an iterator ({type(into).__name__}), which rdt_async cannot look into without "
@@ -59,8 +69,114 @@ def checked(specs: Sequence[TensorSpec], into: Any) -> list[torch.Tensor] | None
         raise ValueError(f"into= holds {len(bufs)} tensor(s) but the object has {len(specs)}: {', '.join(map(str, specs))}")
     maps = _Maps()
     spans = [_check(i, b, s, maps) for i, (b, s) in enumerate(zip(bufs, specs))]
-    _check_disjoint(spans)
-    return [_writer(b) for b in bufs]
+    return [_writer(b) for b in bufs], _check_disjoint(spans)
+
+
+def checked_writes(specs: Sequence[TensorSpec], into: Any, obj_id: str) -> tuple[list[torch.Tensor] | None, Writes | None]:
+    """`checked`, and the bytes the buffers reach, to claim before the fetch writes them
+    (None without `into=`, or where they reach none)."""
+    buffers, ordered = _checked(specs, into)
+    return buffers, Writes(obj_id, ordered) if ordered else None
+
+
+class Writes:
+    """The bytes one fetch writes (its `into=` buffers), claimed before its first write and
+    released once nothing writes them (`release`; also when the fetch is dropped unstarted).
+
+    A fetch into bytes that another fetch of this process is writing waits for that one to
+    end first: two at once would leave them a mix of both, silently (a subscriber's
+    `next(into=model)` just after breaking out of a `stream(into=model)` whose fetches are
+    still being cancelled; two loads of one model gathered).
+    """
+
+    __slots__ = ("__weakref__", "_release", "hi", "lo", "obj_id", "ordered")
+
+    def __init__(self, obj_id: str, ordered: list[tuple[_Span, int]]) -> None:
+        self.obj_id, self.ordered = obj_id, ordered
+        self.lo, self.hi = min(s[1] for s, _ in ordered), max(s[2] for s, _ in ordered)
+        self._release: weakref.finalize[Any, Any] | None = None
+
+    def claim_nowait(self) -> bool:
+        """Claim the bytes unless another fetch writes any of them: whether they are ours."""
+        if self._release is None:
+            key = _claims.take(self, None)
+            if key is None:
+                return False
+            self._release = weakref.finalize(self, _claims.drop, key)
+        return True
+
+    async def claim(self) -> None:
+        """Claim the bytes, once no other fetch writes any of them."""
+        loop = asyncio.get_running_loop()
+        while self._release is None:
+            woken: asyncio.Future[None] = loop.create_future()
+            key = _claims.take(self, (loop, woken))
+            if key is not None:
+                self._release = weakref.finalize(self, _claims.drop, key)
+                return
+            await woken  # the fetch in the way ended
+
+    def release(self) -> None:
+        """Let other fetches write the bytes (idempotent)."""
+        if self._release is not None:
+            self._release()
+
+
+@dataclasses.dataclass
+class _Held:
+    obj_id: str
+    ordered: list[tuple[_Span, int]]
+    lo: int
+    hi: int
+    waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]]
+
+
+class _Claims:
+    """The bytes this process's fetches are writing, and who waits for them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # (fetches run on callers' loops and the I/O loop)
+        self._held: dict[int, _Held] = {}
+        self._keys = itertools.count()
+
+    def take(self, w: Writes, waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]] | None) -> int | None:
+        """Claim `w`'s bytes: their key, or None where a fetch writes one of them (`waiter`
+        is then woken once that one ends)."""
+        with self._lock:
+            for held in self._held.values():
+                if w.lo < held.hi and held.lo < w.hi and _share(w.ordered, held.ordered):
+                    if waiter is not None:
+                        held.waiters.append(waiter)
+                    return None
+            key = next(self._keys)
+            self._held[key] = _Held(w.obj_id, w.ordered, w.lo, w.hi, [])
+            return key
+
+    def drop(self, key: int) -> None:
+        with self._lock:
+            held = self._held.pop(key, None)
+        for loop, fut in held.waiters if held is not None else ():
+            try:
+                loop.call_soon_threadsafe(_io.set_once, fut)
+            except RuntimeError:  # its loop is closed
+                pass
+
+
+def _share(a: list[tuple[_Span, int]], b: list[tuple[_Span, int]]) -> bool:
+    """Whether a span of `a` shares a byte with one of `b` (each sorted, its spans disjoint)."""
+    j = 0
+    for span, _ in a:
+        while j < len(b) and (b[j][0][0], b[j][0][2]) <= (span[0], span[1]):  # ends before this starts
+            j += 1
+        k = j
+        while k < len(b) and (b[k][0][0], b[k][0][1]) < (span[0], span[2]):
+            if overlap(span, b[k][0]):
+                return True
+            k += 1
+    return False
+
+
+_claims = _Claims()
 
 
 def check_apart(buffers: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> None:
@@ -189,8 +305,9 @@ def share(a: Iterable[torch.Tensor], b: Iterable[torch.Tensor]) -> bool:
     return any(overlap(_span(t), other) for t in a for other in theirs)
 
 
-def _check_disjoint(spans: list[_Span | None]) -> None:
-    """Refuse into= buffers that share bytes: one's arrival would overwrite another's."""
+def _check_disjoint(spans: list[_Span | None]) -> list[tuple[_Span, int]]:
+    """Refuse into= buffers that share bytes: one's arrival would overwrite another's.
+    Return the spans, each with its buffer's index, in order."""
     ordered = sorted((s, i) for i, s in enumerate(spans) if s is not None)
     reach: tuple[int | str | None, int, int] = (None, 0, -1)  # (device, furthest end so far, whose)
     for (dev, start, end), i in ordered:
@@ -201,6 +318,7 @@ def _check_disjoint(spans: list[_Span | None]) -> None:
             )
         if dev != reach[0] or end > reach[1]:
             reach = (dev, end, i)
+    return ordered
 
 
 def _writer(b: torch.Tensor) -> torch.Tensor:

@@ -63,12 +63,16 @@ async def fetch_object(
     """
     began = time.perf_counter()
     name = obj.transport  # until one is chosen
+    writes = None  # the `into=` buffers' bytes, claimed until nothing writes them
     try:
         start = start or await _started(obj, into, device, tensor_transport)
+        writes = start.writes if isinstance(start, _Done) else start[4]
+        if writes is not None:
+            await writes.claim()  # (at once, unless another fetch writes these buffers: until it ends)
         if isinstance(start, _Done):
             tensors, buffers, name = start.tensors, start.buffers, start.transport
         else:
-            transport, info, buffers, ready = start
+            transport, info, buffers, ready, _ = start
             name = transport.name
             await _cuda.wait(ready)  # the caller's queued work on the destinations has run
             if device is None and _relayed(obj, name, buffers):
@@ -101,6 +105,9 @@ async def fetch_object(
         release_frames(exc)
         del exc  # (a cycle through this frame otherwise: see _api._all_or_none)
         raise
+    finally:
+        if writes is not None:
+            writes.release()
     _record(obj, name, began)
     return _tree.unflatten(obj.skeleton, tensors)
 
@@ -289,11 +296,17 @@ def fetch_now(obj: RDTObject, *, device: Any, into: Any, tensor_transport: str |
         raise
     if not isinstance(start, _Done) or obj.nbytes > INLINE_COPY_BYTES:
         return False, start  # the transfer (or a large copy) belongs to the I/O loop
-    tensors, buffers = start.tensors, start.buffers
-    if buffers:
-        tensors = copy_into(buffers, tensors)
-    elif device is not None:
-        tensors = [t.to(device) for t in tensors]
+    tensors, buffers, writes = start.tensors, start.buffers, start.writes
+    if writes is not None and not writes.claim_nowait():
+        return False, start  # another fetch writes these buffers: wait for it on a loop
+    try:
+        if buffers:
+            tensors = copy_into(buffers, tensors)
+        elif device is not None:
+            tensors = [t.to(device) for t in tensors]
+    finally:
+        if writes is not None:
+            writes.release()
     _record(obj, start.transport, began)
     return True, _tree.unflatten(obj.skeleton, tensors)
 
@@ -305,11 +318,13 @@ class _Done:
     tensors: list[torch.Tensor]
     buffers: list[torch.Tensor] | None
     transport: str
+    writes: _buffers.Writes | None = None
 
 
 # What `_start` leaves: tensors had at once, or the transport, info and buffers to transfer
-# with, and events on the caller's streams that the transfer waits for before it writes.
-_Start = _Done | tuple[Transport[Any], TransferInfo[Any], list[torch.Tensor] | None, list[Any]]
+# with, and events on the caller's streams that the transfer waits for before it writes;
+# and the bytes of the caller's buffers, claimed before they are written (`_buffers.Writes`).
+_Start = _Done | tuple[Transport[Any], TransferInfo[Any], list[torch.Tensor] | None, list[Any], _buffers.Writes | None]
 
 
 def _start(obj: RDTObject, into: Any, device: Any = None, asked: str | None = None) -> _Start:
@@ -318,7 +333,19 @@ def _start(obj: RDTObject, into: Any, device: Any = None, asked: str | None = No
     _object.check(obj)  # everything a ref carries came from another process
     if store.was_freed(obj.obj_id):
         raise ObjectFreedError(f"object {obj.obj_id} was freed", obj_id=obj.obj_id)
-    buffers = _buffers.checked(obj.specs, into)  # before anything moves
+    buffers, writes = _buffers.checked_writes(obj.specs, into, obj.obj_id)  # before anything moves
+    try:
+        return _begin(obj, buffers, writes, device, asked)
+    except BaseException:
+        if writes is not None:
+            writes.release()
+        raise
+
+
+def _begin(
+    obj: RDTObject, buffers: list[torch.Tensor] | None, writes: _buffers.Writes | None, device: Any, asked: str | None
+) -> _Start:
+    """`_start`, once the buffers are checked."""
     if device is not None:
         _check_device(torch.device(device))
     if not obj.specs:
@@ -328,7 +355,7 @@ def _start(obj: RDTObject, into: Any, device: Any = None, asked: str | None = No
         if buffers is not None:
             _buffers.check_apart(buffers, tensors)
         _warn_local(obj.obj_id)
-        return _Done(tensors, buffers, "local")
+        return _Done(tensors, buffers, "local", writes)
     _ray.hand_node_ip()  # before a transport first connects (UCX keeps to this address's interface)
     name, meta = choose_transport(obj, _ray.node_id()) if asked is None else asked_transport(obj, asked, _ray.node_id())
     transport = _registry.transport(name)
@@ -336,7 +363,9 @@ def _start(obj: RDTObject, into: Any, device: Any = None, asked: str | None = No
         buffers = _device_buffers(obj, transport, torch.device(device))
     info = _info(obj, meta)
     ready = _cuda.record(buffers or ())
-    if not ready:  # device buffers wait for the caller's streams first: never now
+    # Device buffers wait for the caller's streams first, and the caller's for another
+    # fetch that writes them: never now.
+    if not ready and (writes is None or writes.claim_nowait()):
         try:
             with translating(f"{name} fetch of {obj.obj_id}", obj.obj_id, transport=transport):
                 now = transport.receive_nowait(info, buffers)
@@ -345,8 +374,10 @@ def _start(obj: RDTObject, into: Any, device: Any = None, asked: str | None = No
                 raise _died(obj, name, exc) from exc  # one-sided reads on this node (shm)
             raise
         if now is not None:
+            if writes is not None:
+                writes.release()  # written (where into= was given): nothing writes them any more
             return _Done(now, None, name)
-    return transport, info, buffers, ready
+    return transport, info, buffers, ready, writes
 
 
 def _check_device(device: torch.device) -> None:

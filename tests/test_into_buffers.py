@@ -126,6 +126,9 @@ class Producer:
     def put(self, transport: str, n: int, dtype: torch.dtype) -> list:
         return [rdt.put(expected(n, dtype), tensor_transport=transport)]
 
+    def filled(self, transport: str, n: int, value: float) -> list:
+        return [rdt.put(torch.full((n,), value), tensor_transport=transport)]
+
 
 @rdt.remote
 class Consumer:
@@ -158,6 +161,22 @@ class Consumer:
             "next": torch.equal(good, expected(spec.shape[0], spec.dtype)),
             "next_took": time.monotonic() - began,
         }
+
+    async def two_into_one(self, slow: list, fast: list) -> dict:
+        """Fetch `slow`, then (at once) `fast`, into one buffer: in which order they ended, and what it holds."""
+        a, b = await slow[0], await fast[0]
+        buf = torch.zeros(a.specs[0].shape)
+        ended = []
+
+        async def fetch(obj, name):
+            await rdt.fetch(obj, into=buf)
+            ended.append(name)
+
+        async with asyncio.timeout(60):
+            first = asyncio.ensure_future(fetch(a, "slow"))
+            await asyncio.sleep(0)  # (its transfer started)
+            await asyncio.gather(first, fetch(b, "fast"))
+        return {"ended": ended, "holds": buf.unique().tolist()}
 
     async def handle(self, refs: list, kind: str) -> dict:
         """Fetch into a buffer that must receive: is the value in it, and is the result the buffer's memory?"""
@@ -289,3 +308,14 @@ def test_an_iterator_of_buffers_is_refused_naming_a_list():
         _buffers.checked(specs, model.parameters())
     got = _buffers.checked(specs, list(model.parameters()))
     assert got is not None and [tuple(t.shape) for t in got] == [(2, 4), (2,)]
+
+
+def test_a_second_fetch_into_a_buffer_waits_for_the_first_instead_of_mixing_the_two(actors):
+    # Without waiting, the fast (shm) fetch wrote the buffer while the slow one (the object
+    # store) was under way, and the slow one's bytes landed over it after it returned.
+    p, c = actors
+    n = 4 << 20  # 16 MiB of float32
+    slow, fast = ray.get([p.filled.remote("object_store", n, 1.0), p.filled.remote("shm", n, 2.0)])
+    got = ray.get(c.two_into_one.remote(slow, fast), timeout=120)
+    del slow, fast
+    assert got == {"ended": ["slow", "fast"], "holds": [2.0]}, got

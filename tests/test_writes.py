@@ -1,0 +1,101 @@
+"""Two fetches of one process never write the same `into=` bytes at once: the second waits
+for the first to end (`_buffers.Writes`). Unit tests of the claims, no cluster; the fetch
+that waits, end to end, is in test_into_buffers.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+
+import pytest
+import torch
+
+from rdt_async import _buffers
+from rdt_async.transports._base import TensorSpec
+
+
+def _writes(*bufs: torch.Tensor, obj_id: str = "0" * 24) -> _buffers.Writes:
+    specs = [TensorSpec.of(b) for b in bufs]
+    got, writes = _buffers.checked_writes(specs, list(bufs), obj_id)
+    assert got is not None and writes is not None
+    return writes
+
+
+def test_fetches_into_disjoint_bytes_claim_at_once_and_into_shared_bytes_do_not():
+    model = torch.zeros(1 << 16)
+    first, second = model[: 1 << 15], model[1 << 15 :]
+    a = _writes(first)
+    assert a.claim_nowait() and a.claim_nowait()  # (a claim held: claimed again at once)
+    b = _writes(second, torch.zeros(4))  # the other half of one storage: no byte shared
+    assert b.claim_nowait()
+    c = _writes(torch.zeros(4), model[(1 << 15) - 1 : (1 << 15) + 1])  # one byte of each half
+    assert not c.claim_nowait()
+    a.release()
+    assert not c.claim_nowait()  # b still writes the second half
+    b.release()
+    assert c.claim_nowait()
+    c.release()
+    c.release()  # (idempotent)
+    assert _writes(model).claim_nowait()
+
+
+def test_a_strided_view_and_a_parameter_claim_the_bytes_they_reach():
+    base = torch.zeros(100)
+    evens = _writes(base[::2])  # reaches bytes 0 .. 99 * 4: the odd elements lie between
+    assert evens.claim_nowait()
+    assert not _writes(base[1:2]).claim_nowait()  # (bytes within its reach are claimed)
+    assert _writes(torch.zeros(3)).claim_nowait()
+    evens.release()
+    p = torch.nn.Parameter(torch.zeros(8))
+    w = _writes(p)
+    assert w.claim_nowait()
+    assert not _writes(p.detach()[2:4]).claim_nowait()
+    w.release()
+
+
+async def test_a_second_fetch_into_the_same_buffers_waits_for_the_first_to_end():
+    buf = torch.zeros(1024)
+    first, second = _writes(buf), _writes(buf)
+    assert first.claim_nowait()
+    waiting = asyncio.ensure_future(second.claim())
+    await asyncio.sleep(0.05)
+    assert not waiting.done()  # the first still writes
+    first.release()
+    await asyncio.wait_for(waiting, 5)
+    third = _writes(buf[10:20])
+    assert not third.claim_nowait()
+    second.release()
+    assert third.claim_nowait()
+    third.release()
+
+
+async def test_a_waiter_cancelled_leaves_nothing_claimed_and_a_release_from_another_thread_wakes_one():
+    buf = torch.zeros(64)
+    first = _writes(buf)
+    assert first.claim_nowait()
+    cancelled = asyncio.ensure_future(_writes(buf).claim())
+    await asyncio.sleep(0.01)
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    later = _writes(buf)
+    waiting = asyncio.ensure_future(later.claim())
+    await asyncio.sleep(0.01)
+    threading.Thread(target=first.release).start()  # fetches end on the I/O loop's thread too
+    await asyncio.wait_for(waiting, 5)
+    assert not _writes(buf).claim_nowait()
+    later.release()
+    assert _writes(buf).claim_nowait()  # (the cancelled one claimed nothing)
+
+
+def test_a_fetch_dropped_unstarted_lets_its_bytes_go():
+    buf = torch.zeros(64)
+    dropped = _writes(buf)
+    assert dropped.claim_nowait()
+    del dropped
+    gc.collect()
+    again = _writes(buf)
+    assert again.claim_nowait()
+    again.release()
