@@ -41,42 +41,76 @@ from ._store import _spans
 from .transports._base import TensorSpec
 
 
-def checked(specs: Sequence[TensorSpec], into: Any) -> list[torch.Tensor] | None:
+def checked(specs: Sequence[TensorSpec], into: Any, skeleton: Any = None) -> list[torch.Tensor] | None:
     """`_checked`'s buffers."""
-    return _checked(specs, into)[0]
+    return _checked(specs, into, skeleton)[0]
 
 
-def _checked(specs: Sequence[TensorSpec], into: Any) -> tuple[list[torch.Tensor] | None, list[tuple[_Span, int]]]:
+# A buffer that receives a copy of the object's tensor k once it landed: (buffer, k).
+Copies = list[tuple[torch.Tensor, int]]
+
+
+def _checked(
+    specs: Sequence[TensorSpec], into: Any, skeleton: Any = None
+) -> tuple[list[torch.Tensor] | None, list[tuple[_Span, int]], Copies]:
     """Return the tensors to write for `into=` (None without it), each checked against
-    `specs`, and the bytes each reaches (with its index, in order).
+    `specs`; the bytes each reaches (with its place in `into=`, in order); and the
+    buffers that receive a copy once those are written.
 
+    `into=` gives a buffer per tensor of the object, in order; or, where the object's
+    value holds a tensor under two names (tied weights, moved once: `skeleton` says
+    where), a buffer per name: one tensor of yours under those names (your model ties
+    them too) receives it once, and buffers of their own receive a copy.
     Runs on: consumer, the caller's thread (microseconds a buffer; a storage not made by
     torch's allocator is looked up in /proc/self/maps once).
     Raises: TypeError for an `into=` without tensors; ValueError naming the buffer, what
     is wrong with it and the fix.
     """
     if into is None:
-        return None, []
+        return None, [], []
     if isinstance(into, Iterator):  # model.parameters(): flattening would see one opaque leaf
         raise TypeError(
             f"into= is an iterator ({type(into).__name__}), which rdt_async cannot look into without "
             "using it up; pass a list: into=list(model.parameters())"
         )
-    skeleton, bufs = _tree.flatten(into)
+    into_skeleton, bufs = _tree.flatten(into)
     if not bufs and specs:
-        raise TypeError(f"into= holds no tensor ({type(into).__name__} {skeleton!r}); pass the tensors to receive into")
+        raise TypeError(f"into= holds no tensor ({type(into).__name__} {into_skeleton!r}); pass the tensors to receive into")
+    places = list(range(len(bufs)))  # of each tensor of the object, its buffer's place in `into=`
+    extra: list[int] = []  # places of buffers for a tensor's second name
     if len(bufs) != len(specs):
-        raise ValueError(f"into= holds {len(bufs)} tensor(s) but the object has {len(specs)}: {', '.join(map(str, specs))}")
+        order = _tree.slot_order(skeleton) if skeleton is not None and len(bufs) > len(specs) else []
+        if len(order) != len(bufs) or not all(type(k) is int for k in order) or sorted(set(order)) != list(range(len(specs))):
+            raise ValueError(f"into= holds {len(bufs)} tensor(s) but the object has {len(specs)}: {', '.join(map(str, specs))}")
+        first: dict[int, int] = {}
+        for place, k in enumerate(order):
+            if k in first:
+                extra.append(place)
+            else:
+                first[k] = place
+        places = [first[k] for k in range(len(specs))]
     maps = _Maps()
-    spans = [_check(i, b, s, maps) for i, (b, s) in enumerate(zip(bufs, specs))]
-    return [_writer(b) for b in bufs], _check_disjoint(spans)
+    spans = [_check(p, bufs[p], s, maps, k) for k, (p, s) in enumerate(zip(places, specs))]
+    checked_at = list(places)  # the place in `into=` of each span's buffer
+    copies: Copies = []
+    for place in extra:
+        k = order[place]
+        if _tree.same_tensor(bufs[place], bufs[places[k]]):
+            continue  # tied here too: written once
+        spans.append(_check(place, bufs[place], specs[k], maps, k))
+        checked_at.append(place)
+        copies.append((_writer(bufs[place]), k))
+    return [_writer(bufs[p]) for p in places], _check_disjoint(spans, checked_at), copies
 
 
-def checked_writes(specs: Sequence[TensorSpec], into: Any, obj_id: str) -> tuple[list[torch.Tensor] | None, Writes | None]:
-    """`checked`, and the bytes the buffers reach, to claim before the fetch writes them
-    (None without `into=`, or where they reach none)."""
-    buffers, ordered = _checked(specs, into)
-    return buffers, Writes(obj_id, ordered) if ordered else None
+def checked_writes(
+    specs: Sequence[TensorSpec], into: Any, obj_id: str, skeleton: Any = None
+) -> tuple[list[torch.Tensor] | None, Writes | None]:
+    """`_checked`'s buffers, and what the fetch writes: the bytes they reach, to claim
+    before it writes them, and the copies to make once they are written (None without
+    `into=`, or where they reach no byte)."""
+    buffers, ordered, copies = _checked(specs, into, skeleton)
+    return buffers, Writes(obj_id, ordered, copies) if ordered else None
 
 
 class Writes:
@@ -89,10 +123,11 @@ class Writes:
     still being cancelled; two loads of one model gathered).
     """
 
-    __slots__ = ("__weakref__", "_release", "hi", "lo", "obj_id", "ordered")
+    __slots__ = ("__weakref__", "_release", "copies", "hi", "lo", "obj_id", "ordered")
 
-    def __init__(self, obj_id: str, ordered: list[tuple[_Span, int]]) -> None:
+    def __init__(self, obj_id: str, ordered: list[tuple[_Span, int]], copies: Copies) -> None:
         self.obj_id, self.ordered = obj_id, ordered
+        self.copies = copies  # a tensor under two names, into buffers of their own: copied once written
         self.lo, self.hi = min(s[1] for s, _ in ordered), max(s[2] for s, _ in ordered)
         self._release: weakref.finalize[Any, Any] | None = None
 
@@ -208,8 +243,9 @@ def check_apart(buffers: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]
 _Span = tuple[int | str, int, int]
 
 
-def _check(i: int, b: torch.Tensor, spec: TensorSpec, maps: _Maps) -> _Span | None:
-    """Refuse buffer `i` unless a transfer of `spec` can write it; return the bytes it reaches.
+def _check(i: int, b: torch.Tensor, spec: TensorSpec, maps: _Maps, k: int | None = None) -> _Span | None:
+    """Refuse buffer `i` unless a transfer of `spec` (the object's tensor `k`, if not `i`) can
+    write it; return the bytes it reaches.
 
     Every fetch into a model's parameters runs this for each: the usual path is a few
     attribute reads, the costly checks (maps, overlap) are taken only where they can fail.
@@ -217,7 +253,7 @@ def _check(i: int, b: torch.Tensor, spec: TensorSpec, maps: _Maps) -> _Span | No
     if b.is_nested or b.layout != torch.strided or b.is_quantized or b.is_meta:
         raise ValueError(f"into= tensor {i} is {_kind(b)}: receive into a dense tensor with memory of its own, e.g. {_empty(spec)}")
     if b.shape != spec.shape or b.dtype != spec.dtype:
-        raise ValueError(f"into= tensor {i} is {TensorSpec.of(b)}; the object's tensor {i} is {spec}")
+        raise ValueError(f"into= tensor {i} is {TensorSpec.of(b)}; the object's tensor {i if k is None else k} is {spec}")
     if b.is_conj() or b.is_neg():
         lazy = "conjugate (a .conj() view)" if b.is_conj() else "negation (a .conj().imag view)"
         raise ValueError(
@@ -305,19 +341,25 @@ def share(a: Iterable[torch.Tensor], b: Iterable[torch.Tensor]) -> bool:
     return any(overlap(_span(t), other) for t in a for other in theirs)
 
 
-def _check_disjoint(spans: list[_Span | None]) -> list[tuple[_Span, int]]:
+def _check_disjoint(spans: list[_Span | None], places: list[int]) -> list[tuple[_Span, int]]:
     """Refuse into= buffers that share bytes: one's arrival would overwrite another's.
-    Return the spans, each with its buffer's index, in order."""
-    ordered = sorted((s, i) for i, s in enumerate(spans) if s is not None)
-    reach: tuple[int | str | None, int, int] = (None, 0, -1)  # (device, furthest end so far, whose)
+    Return the spans, each with its buffer's place in `into=` (`places`), in order."""
+    ordered = sorted((s, places[i]) for i, s in enumerate(spans) if s is not None)
+    reach: tuple[int | str | None, int, int, int] = (None, 0, -1, -1)  # (device, furthest end, whose, its start)
     for (dev, start, end), i in ordered:
         if dev == reach[0] and start < reach[1]:
             first, second = sorted((reach[2], i))
+            tied = (
+                " (one tensor under two names, as tied weights are: the object holds two tensors there, "
+                "so the producer's are not tied; tie them there too, or receive into buffers of their own)"
+                if start == reach[3] and end == reach[1] else ""
+            )
             raise ValueError(
-                f"into= tensors {first} and {second} share memory: each of the object's tensors needs a buffer of its own"
+                f"into= tensors {first} and {second} share memory: each of the object's tensors needs a buffer "
+                f"of its own{tied}"
             )
         if dev != reach[0] or end > reach[1]:
-            reach = (dev, end, i)
+            reach = (dev, end, i, start)
     return ordered
 
 

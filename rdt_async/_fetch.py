@@ -98,6 +98,8 @@ async def fetch_object(
             tensors = await _copy(buffers, tensors, obj.nbytes)
         elif device is not None:
             tensors = await _move(tensors, torch.device(device), obj.nbytes)
+        if writes is not None and writes.copies:  # a tensor under two names, into two buffers
+            await _copy([b for b, _ in writes.copies], [tensors[k] for _, k in writes.copies], obj.nbytes)
     except BaseException as exc:
         _metrics.failed(name, exc)
         if isinstance(exc, PeerDiedError):
@@ -304,6 +306,8 @@ def fetch_now(obj: RDTObject, *, device: Any, into: Any, tensor_transport: str |
             tensors = copy_into(buffers, tensors)
         elif device is not None:
             tensors = [t.to(device) for t in tensors]
+        if writes is not None and writes.copies:  # a tensor under two names, into two buffers
+            copy_into([b for b, _ in writes.copies], [tensors[k] for _, k in writes.copies])
     finally:
         if writes is not None:
             writes.release()
@@ -333,7 +337,7 @@ def _start(obj: RDTObject, into: Any, device: Any = None, asked: str | None = No
     _object.check(obj)  # everything a ref carries came from another process
     if store.was_freed(obj.obj_id):
         raise ObjectFreedError(f"object {obj.obj_id} was freed", obj_id=obj.obj_id)
-    buffers, writes = _buffers.checked_writes(obj.specs, into, obj.obj_id)  # before anything moves
+    buffers, writes = _buffers.checked_writes(obj.specs, into, obj.obj_id, obj.skeleton)  # before anything moves
     try:
         return _begin(obj, buffers, writes, device, asked)
     except BaseException:
@@ -375,6 +379,8 @@ def _begin(
             raise
         if now is not None:
             if writes is not None:
+                if writes.copies:  # a tensor under two names, into two buffers
+                    copy_into([b for b, _ in writes.copies], [now[k] for _, k in writes.copies])
                 writes.release()  # written (where into= was given): nothing writes them any more
             return _Done(now, None, name)
     return transport, info, buffers, ready, writes

@@ -165,12 +165,12 @@ async def produce_async(value: Any, transport: str, *, owner: Process | None = N
 
 
 def _flatten(value: Any) -> tuple[Any, list[torch.Tensor]]:
-    """`_tree.flatten`, with lazy conjugate and negative views resolved (a copy each).
+    """`_tree.flatten` (tied tensors once), with lazy conjugate and negative views resolved (a copy each).
 
     Their bits live in the tensor, not its bytes: every transport moves bytes, so such a
     view would arrive unconjugated (shm, gloo) or not at all (inline, tcp, object_store).
     """
-    skeleton, tensors = _tree.flatten(value)
+    skeleton, tensors = _tree.flatten(value, tied=True)  # a tensor under two names is moved once
     if any(t.is_conj() or t.is_neg() for t in tensors):
         tensors = [t.resolve_conj().resolve_neg() for t in tensors]
     return skeleton, tensors

@@ -66,6 +66,7 @@ class _Entry:
     dtype: torch.dtype
     offset: int
     nbytes: int
+    copied: bool = True  # False: an earlier entry's tensor under another name (tied weights), at its offset
 
 
 class _Slot:
@@ -74,6 +75,7 @@ class _Slot:
     def __init__(self, entries: list[_Entry], size: int) -> None:
         self.base = torch.empty(max(size, ALIGN), dtype=torch.uint8).share_memory_()
         self.offsets = [e.offset for e in entries]
+        self.copied = [i for i, e in enumerate(entries) if e.copied]  # (a tied tensor is copied once)
         self.views = {e.name: _view(self.base, e) for e in entries}
         self.version: int | None = None
 
@@ -88,10 +90,15 @@ def _view(base: torch.Tensor, e: _Entry) -> torch.Tensor:
 
 
 def _layout(state: Mapping[str, torch.Tensor]) -> tuple[list[_Entry], int]:
-    sizes = [t.numel() * t.element_size() for t in state.values()]
-    offsets, size = aligned_layout(sizes, ALIGN)
+    """Each tensor's place in a slot; a tensor under two names (tied weights) has one, so
+    that the version holds it under both names, as the state dict does."""
+    tensors = list(state.values())
+    first = _tree.firsts(tensors)
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    offsets, size = aligned_layout([n if f == i else 0 for i, (n, f) in enumerate(zip(sizes, first))], ALIGN)
     entries = [
-        _Entry(name, tuple(t.shape), t.dtype, off, n) for (name, t), off, n in zip(state.items(), offsets, sizes)
+        _Entry(name, tuple(t.shape), t.dtype, offsets[f], n, f == i)
+        for i, ((name, t), n, f) in enumerate(zip(state.items(), sizes, first))
     ]
     return entries, size
 
@@ -161,7 +168,8 @@ def _copy(slot: _Slot, state: Mapping[str, torch.Tensor]) -> None:
     """Copy the state dict into the slot (blocking: in the pool), split across the actor's
     cores where large, as shm's export copies (a slot is its twin: warm shared memory)."""
     with torch.no_grad():
-        copy_to(slot.base.numpy(), list(state.values()), slot.offsets)  # (in `_entries`' order, as `_check` saw)
+        tensors = list(state.values())  # (in `_entries`' order, as `_check` saw)
+        copy_to(slot.base.numpy(), [tensors[i] for i in slot.copied], [slot.offsets[i] for i in slot.copied])
 
 
 _publishers: dict[str, Publisher] = {}  # this process's, by name
@@ -450,6 +458,9 @@ def _difference(old: list[_Entry], new: list[_Entry]) -> str:
     for name, e in n.items():
         if (e.shape, e.dtype) != (o[name].shape, o[name].dtype):
             return f"{name!r} is {e.dtype} {list(e.shape)}, was {o[name].dtype} {list(o[name].shape)}"
+        if e.copied != o[name].copied:
+            was, now = ("tied to another name", "its own tensor") if e.copied else ("its own tensor", "tied to another name")
+            return f"{name!r} is {now}, was {was} (tied weights)"
     return "the names come in another order than the first version's"
 
 
@@ -828,7 +839,15 @@ def _names_of(obj: RDTObject) -> list[str]:
     skeleton = obj.skeleton
     if type(skeleton) is not dict or not all(type(k) is str and isinstance(v, Slot) for k, v in skeleton.items()):
         raise TransferError(f"version object {obj.obj_id} is not a published state dict")
-    return [k for k, _ in sorted(skeleton.items(), key=lambda kv: kv[1].index)]
+    # As a producer makes it: tensors numbered in the names' order, a tied one's second name
+    # (tied weights) naming an earlier one. (`into=` buffers go to the names in this order.)
+    seen = 0
+    for v in skeleton.values():
+        if v.index == seen:
+            seen += 1
+        elif not (type(v.index) is int and 0 <= v.index < seen):
+            raise TransferError(f"version object {obj.obj_id} is not a published state dict (its tensors are out of order)")
+    return list(skeleton)
 
 
 def _ordered(into: Mapping[str, Any], names: list[str], verb: str) -> list[Any]:

@@ -49,17 +49,52 @@ class Packed:
         return f"<{self.kind} of {len(self.slots)} tensor(s)>"
 
 
-def flatten(value: Any) -> tuple[Any, list[torch.Tensor]]:
+def flatten(value: Any, *, tied: bool = False) -> tuple[Any, list[torch.Tensor]]:
     """Return the value with every tensor replaced by a `Slot`, and the tensors in order.
 
     Walks dict, list, tuple, namedtuple and dataclass instances. A leaf of any other type
     that holds tensors (a TensorDict, a set, a user's class) is pickled with its tensors
-    left out (`Packed`); other leaves stay as they are.
+    left out (`Packed`); other leaves stay as they are. `tied`: a tensor that is another
+    one under a second name (the same memory, dtype, shape and strides: tied weights, as
+    `model.state_dict()` of a model with tied embeddings gives) takes that one's slot, so
+    that it is moved once and arrives as one tensor under both names.
     Raises: TypeError naming the leaf's type where a leaf cannot be pickled here (so
     its tensors, if any, cannot be taken out).
     """
     tensors: list[torch.Tensor] = []
-    return _Flatten(tensors).walk(value), tensors
+    return _Flatten(tensors, {} if tied else None).walk(value), tensors
+
+
+def slot_order(skeleton: Any) -> list[int]:
+    """The tensor index of each of the skeleton's tensors, in `flatten`'s order (an index
+    appears twice where the value held one tensor under two names)."""
+    order: list[int] = []
+    _Order(order).walk(skeleton)
+    return order
+
+
+def firsts(tensors: list[torch.Tensor]) -> list[int]:
+    """For each tensor, the index of the first that is the same tensor (`same_tensor`): its
+    own, or an earlier one's where it is that one under another name (tied weights)."""
+    at: dict[int, list[int]] = {}
+    out = []
+    for i, t in enumerate(tensors):
+        first = i
+        if t.numel():
+            seen = at.setdefault(t.data_ptr(), [])
+            first = next((j for j in seen if same_tensor(t, tensors[j])), i)
+            if first == i:
+                seen.append(i)
+        out.append(first)
+    return out
+
+
+def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b` are one tensor under two names: the same memory, read alike."""
+    return (
+        a.data_ptr() == b.data_ptr() and a.device == b.device and a.dtype == b.dtype and a.shape == b.shape
+        and a.stride() == b.stride() and a.is_conj() == b.is_conj() and a.is_neg() == b.is_neg()
+    )
 
 
 def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
@@ -70,13 +105,20 @@ def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
 # Walkers are objects, not closures: a recursive closure is a reference cycle that
 # would keep the tensors alive until the cyclic GC runs, delaying frees.
 class _Flatten:
-    __slots__ = ("tensors",)
+    __slots__ = ("at", "tensors")
 
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
+    def __init__(self, tensors: list[torch.Tensor], at: dict[int, list[int]] | None) -> None:
         self.tensors = tensors
+        self.at = at  # with `tied`: the indices of the tensors seen, by the address of their first byte
 
     def walk(self, v: Any) -> Any:
         if isinstance(v, torch.Tensor):
+            if self.at is not None and (type(v) is torch.Tensor or type(v) is torch.nn.Parameter) and v.numel():
+                seen = self.at.setdefault(v.data_ptr(), [])  # (one int a tensor; the rest where two meet)
+                for i in seen:
+                    if same_tensor(v, self.tensors[i]):
+                        return Slot(i)
+                seen.append(len(self.tensors))
             self.tensors.append(v)
             return Slot(len(self.tensors) - 1)
         if type(v) in _ATOMS:
@@ -95,6 +137,24 @@ class _Flatten:
         start = len(self.tensors)
         self.tensors.extend(inside)
         return Packed(data, tuple(range(start, len(self.tensors))), type(v).__qualname__)
+
+
+class _Order:
+    """`slot_order`'s walker: the index of each `Slot` met, a `Packed` leaf's in its order."""
+
+    __slots__ = ("order",)
+
+    def __init__(self, order: list[int]) -> None:
+        self.order = order
+
+    def walk(self, v: Any) -> Any:
+        if isinstance(v, Slot):
+            self.order.append(v.index)
+        elif isinstance(v, Packed):
+            self.order.extend(v.slots)
+        else:
+            _map_children(v, self.walk, v)
+        return v
 
 
 class _Unflatten:

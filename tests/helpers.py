@@ -102,3 +102,18 @@ class AsyncConsumer(Probed, FetchesWithTimeout):
 
     def get_in_loop(self, refs):
         return rdt.get(refs[0])
+
+
+class Tied(torch.nn.Module):
+    """A model whose head shares its embedding's weight (tied embeddings, as small LLMs have)."""
+
+    def __init__(self, tie: bool = True, n: int = 1 << 12) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(n, 64)
+        self.mid = torch.nn.Linear(64, 64)
+        self.head = torch.nn.Linear(64, n, bias=False)
+        if tie:
+            self.head.weight = self.emb.weight
+        with torch.no_grad():
+            for i, p in enumerate(self.parameters()):
+                p.copy_(torch.arange(p.numel(), dtype=torch.float32).view(p.shape) + 1000 * i)

@@ -15,6 +15,7 @@ import pytest
 import ray
 import torch
 from conftest import ON_NODE2, wait_until
+from helpers import Tied
 
 import rdt_async as rdt
 
@@ -42,6 +43,17 @@ class Trainer:
     async def open(self, name: str, slots: int = 3, when_full: str = "wait", chunk_bytes: int | None = None) -> None:
         chunks = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
         self.pubs[name] = rdt.Publisher(name, slots=slots, when_full=when_full, **chunks)
+
+    async def publish_tied(self, name: str, version: int) -> dict:
+        """Publish version `version` of a model with tied embeddings (parameter i holds
+        version + 1000 * i): its number and the publisher's slot bytes."""
+        if not hasattr(self, "tied"):
+            self.tied = Tied(True)
+        with torch.no_grad():
+            for i, p in enumerate(self.tied.parameters()):  # (the tied weight once)
+                p.fill_(version + 1000 * i)
+        pub = self.pubs[name]
+        return {"version": await pub.publish(self.tied.state_dict()), "slot_bytes": pub.stats()["slot_bytes"]}
 
     async def publish(self, name: str, n: int = 1, pause: float = 0.0, timeout: float | None = None) -> list:
         """Publish `n` versions, each filled with its own number; the versions (None: skipped)."""
@@ -149,6 +161,22 @@ class Server:
         except Exception as exc:
             return f"{type(exc).__name__}: {exc}"
         return f"version {version}"
+
+    async def into_tied(self, trainer, name: str, tie: bool, stream: bool) -> tuple:
+        """The newest version of a tied model into this side's model (tied or not): its
+        number, and whether every parameter holds it (the head: the embedding's values)."""
+        model = Tied(tie)
+        sub = rdt.subscribe(trainer, name)
+        if stream:
+            s = sub.stream(into=model.state_dict())
+            names = [n async for n, _ in s]
+            version = s.version
+        else:
+            version, weights = await sub.next(into=model.state_dict())
+            names = list(weights)
+        want = {"emb.weight": version, "mid.weight": version + 1000, "mid.bias": version + 2000, "head.weight": version}
+        exact = all(bool((t == want[n]).all()) for n, t in model.state_dict().items())
+        return version, names, exact, model.head.weight.data_ptr() == model.emb.weight.data_ptr()
 
     async def into_model(self, trainer, name: str, names: list[str], stream: bool = False) -> str:
         """The newest version straight into a model's parameters, by name (`stream`: tensor by tensor)."""
@@ -533,3 +561,22 @@ def test_lent_buffers_are_published_without_a_copy_and_written_again_only_once_u
         assert (stats["version"], stats["slots"], stats["lent"], stats["withdrawn"]) == (2, 0, 3, 1)  # no slot made
     finally:
         ray.get(trainer.close.remote("lend"))
+
+
+def test_a_model_with_tied_weights_publishes_them_once_into_tied_and_untied_models(actors):
+    # Its state dict holds the embedding under two names: a subscriber's model with the
+    # same tie could not receive it (the two names' buffers overlap).
+    trainer, here, there = actors
+    ray.get(trainer.open.remote("tied", chunk_bytes=1 << 20))  # the embedding (1 MiB) a chunk of its own
+    names = ["emb.weight", "mid.weight", "mid.bias", "head.weight"]
+    for version in range(2):
+        got = ray.get(trainer.publish_tied.remote("tied", version))
+        per_slot = (1 << 20) + 64 * 64 * 4 + 64 * 4  # the tied weight once
+        assert got["version"] == version and got["slot_bytes"] in (per_slot, 2 * per_slot), got
+        for server in (here[0], there[0]):
+            for tie in (True, False):
+                for stream in (False, True):
+                    assert ray.get(server.into_tied.remote(trainer, "tied", tie, stream), timeout=60) == (
+                        version, names, True, tie
+                    ), (server, tie, stream)
+    ray.get(trainer.close.remote("tied"))

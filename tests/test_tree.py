@@ -82,3 +82,38 @@ def test_a_packed_leaf_naming_tensors_it_does_not_have_is_refused():
     short = _tree.Packed(skeleton[0].data, (), "Opaque")
     with pytest.raises(TransferError, match="the value's Opaque names tensor 0 of 0"):
         _tree.unflatten([short], tensors)
+
+
+def test_a_tensor_under_two_names_takes_one_slot_only_where_asked_and_only_if_it_is_the_same():
+    w = torch.arange(12.0).view(3, 4)
+    value = {"emb": w, "mid": torch.ones(2), "head": w.detach(), "view": w[1:], "t": w.t(), "again": w.view(3, 4)}
+    skeleton, tensors = _tree.flatten(value, tied=True)
+    assert [s.index for s in skeleton.values()] == [0, 1, 0, 2, 3, 0]  # a view, a transpose: tensors of their own
+    assert _tree.slot_order(skeleton) == [0, 1, 0, 2, 3, 0]
+    back = _tree.unflatten(skeleton, tensors)
+    assert back["emb"] is back["head"] is back["again"] and torch.equal(back["t"], w.t())
+    assert [s.index for s in _tree.flatten(value)[0].values()] == [0, 1, 2, 3, 4, 5]  # not asked: each its own
+    assert _tree.firsts([w, torch.ones(2), w.detach(), w[1:], torch.empty(0), torch.empty(0)]) == [0, 1, 0, 3, 4, 5]
+    assert _tree.flatten([torch.empty(0), torch.empty(0)], tied=True)[0][1].index == 1  # no bytes: nothing shared
+
+
+def test_into_takes_a_buffer_per_name_of_a_tied_tensor_and_copies_into_a_second_of_its_own():
+    from rdt_async import _buffers
+    from rdt_async.transports._base import TensorSpec
+
+    w = torch.zeros(3, 4)
+    skeleton, tensors = _tree.flatten({"emb": w, "mid": torch.zeros(2), "head": w.detach()}, tied=True)
+    specs = [TensorSpec.of(t) for t in tensors]
+    tied_model = {"emb": torch.zeros(3, 4), "mid": torch.zeros(2)}
+    tied_model["head"] = tied_model["emb"]
+    buffers, ordered, copies = _buffers._checked(specs, tied_model, skeleton)
+    assert [b.data_ptr() for b in buffers] == [tied_model["emb"].data_ptr(), tied_model["mid"].data_ptr()] and copies == []
+    untied = {"emb": torch.zeros(3, 4), "mid": torch.zeros(2), "head": torch.zeros(3, 4)}
+    buffers, ordered, copies = _buffers._checked(specs, untied, skeleton)
+    assert [(b.data_ptr(), k) for b, k in copies] == [(untied["head"].data_ptr(), 0)] and len(ordered) == 3
+    assert len(_buffers._checked(specs, [untied["emb"], untied["mid"]], skeleton)[0]) == 2  # a buffer per tensor
+    with pytest.raises(ValueError, match=r"into= holds 4 tensor\(s\) but the object has 2"):
+        _buffers._checked(specs, [*untied.values(), torch.zeros(1)], skeleton)
+    untied["head"] = untied["emb"][:, :2]  # not the object's shape
+    with pytest.raises(ValueError, match=r"into= tensor 2 is float32\[3, 2\]@cpu; the object's tensor 0 is float32\[3, 4\]@cpu"):
+        _buffers._checked(specs, untied, skeleton)
