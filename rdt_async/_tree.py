@@ -80,13 +80,23 @@ def firsts(tensors: list[torch.Tensor]) -> list[int]:
     out = []
     for i, t in enumerate(tensors):
         first = i
-        if t.numel():
-            seen = at.setdefault(t.data_ptr(), [])
+        address = _address(t)
+        if address:
+            seen = at.setdefault(address, [])
             first = next((j for j in seen if same_tensor(t, tensors[j])), i)
             if first == i:
                 seen.append(i)
         out.append(first)
     return out
+
+
+def _address(t: torch.Tensor) -> int:
+    """Where `t`'s first byte lies; 0 where it has none (no elements, no storage: sparse,
+    nested, quantized, meta tensors are no one's second name; they are refused at return)."""
+    try:
+        return t.data_ptr() if t.numel() else 0
+    except (RuntimeError, NotImplementedError):
+        return 0
 
 
 def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -113,12 +123,14 @@ class _Flatten:
 
     def walk(self, v: Any) -> Any:
         if isinstance(v, torch.Tensor):
-            if self.at is not None and (type(v) is torch.Tensor or type(v) is torch.nn.Parameter) and v.numel():
-                seen = self.at.setdefault(v.data_ptr(), [])  # (one int a tensor; the rest where two meet)
-                for i in seen:
-                    if same_tensor(v, self.tensors[i]):
-                        return Slot(i)
-                seen.append(len(self.tensors))
+            if self.at is not None and (type(v) is torch.Tensor or type(v) is torch.nn.Parameter):
+                address = _address(v)  # (one int a tensor; the rest where two meet)
+                if address:
+                    seen = self.at.setdefault(address, [])
+                    for i in seen:
+                        if same_tensor(v, self.tensors[i]):
+                            return Slot(i)
+                    seen.append(len(self.tensors))
             self.tensors.append(v)
             return Slot(len(self.tensors) - 1)
         if type(v) in _ATOMS:

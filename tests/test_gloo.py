@@ -16,6 +16,7 @@ from helpers import checksum
 from probes import cancel_after, kill_and_wait, listening
 
 import rdt_async as rdt
+from rdt_async.transports import _registry
 
 # Which of the two the consumer sees first is a race: Gloo's closed connection (the producer
 # disconnected) or Ray's verdict on the actor (it died). Both are PeerDiedError.
@@ -294,8 +295,11 @@ def test_group_errors_say_why(outsiders):
 
 def test_gloo_refuses_non_cpu_tensors_when_the_value_is_returned(pair):
     p, _, _, _ = pair  # in a group: the device is what is refused
-    with pytest.raises(rdt.TransportUnavailableError, match="transport 'gloo' moves tensors on cpu, not meta"):
+    with pytest.raises(rdt.TransportUnavailableError, match="returned tensor 0 is on the meta device"):
         ray.get(p.make_meta.remote())
+    # A device gloo does not handle (meta is the one this CPU machine can make): its own refusal.
+    with pytest.raises(rdt.TransportUnavailableError, match="transport 'gloo' moves tensors on cpu, not meta"):
+        _registry.transport("gloo").check_tensors([torch.empty(3, device="meta")])
 
 
 @pytest.fixture(scope="module")
