@@ -249,3 +249,17 @@ def test_many_small_tensors_are_copied_on_one_thread_exactly_and_the_mapping_can
         _local.copy_to(short, [torch.ones(1000), torch.ones(100)], [0, 4000])
     assert short[:] == bytes(4096)  # refused before anything was written
     short.close()
+
+
+def test_views_of_one_shared_storage_read_into_buffers_open_it_once(monkeypatch):
+    # Each view opened the producer's storage again (a /proc lookup and a check of its
+    # key, then an open): a state dict of 10,000 views of a publisher's slot, 10,000 opens.
+    base = torch.arange(200 * 8192, dtype=torch.float32).share_memory_()
+    assert base.untyped_storage().nbytes() >= shm.SHARE_MIN_BYTES
+    values = [base[i * 8192 : (i + 1) * 8192] for i in range(200)]
+    opens = []
+    real = shm._open_shared
+    monkeypatch.setattr(shm, "_open_shared", lambda *a: opens.append(1) or real(*a))
+    into = [torch.zeros(8192) for _ in values]
+    same(asyncio.run(roundtrip(shm.ShmTransport(), values, buffers=into, obj_id="views-of-one")), values)
+    assert all(torch.equal(b, v) for b, v in zip(into, values)) and len(opens) == 1

@@ -684,13 +684,18 @@ def _read_into(info: TransferInfo[ShmMeta], buffers: list[torch.Tensor]) -> list
                     _pread_exact(fd, b, off, spec.nbytes)
         finally:
             os.close(fd)
-    for b, spec, ok, sh in zip(buffers, info.specs, direct, shared):
-        if ok and spec.nbytes and sh is not None:
-            fd = _open_shared(info, sh)
-            try:
-                _pread_exact(fd, b, sh.offset * spec.dtype.itemsize, spec.nbytes)
-            finally:
-                os.close(fd)
+    opened: dict[tuple[int, int, int, tuple[int, int]], int] = {}  # each storage lent, opened once (a slot's 200 views: 1 open)
+    try:
+        for b, spec, ok, sh in zip(buffers, info.specs, direct, shared):
+            if ok and spec.nbytes and sh is not None:
+                key = (sh.pid, sh.fd, sh.key, sh.inode)
+                lent = opened.get(key)
+                if lent is None:
+                    lent = opened[key] = _open_shared(info, sh)
+                _pread_exact(lent, b, sh.offset * spec.dtype.itemsize, spec.nbytes)
+    finally:
+        for lent in opened.values():
+            os.close(lent)
     if not all(d or not spec.nbytes for d, spec in zip(direct, info.specs)):
         views = _map(info)
         for b, v, ok in zip(buffers, views, direct):
