@@ -93,6 +93,8 @@ class Store:
         # their ranges are worked out once a waiter looks (`_overlaps`), then held as any.
         self._unseen: dict[int, Sequence[torch.Tensor]] = {}
         self._seen: dict[int, list[_Span]] = {}
+        # Objects held since `add` whose bytes nobody has asked about yet: likewise.
+        self._unseen_objects: dict[str, StoredObject] = {}
         self._waiters: list[tuple[list[_Span], Callable[[], object]]] = []
         self._keys = itertools.count()
         self._freed: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -128,7 +130,7 @@ class Store:
         return ready
 
     def _overlaps(self, spans: list[_Span]) -> bool:
-        if self._unseen:
+        if self._unseen or self._unseen_objects:
             self._see()
         for storage, start, end in spans:
             for ranges in self._held.get(storage, {}).values():
@@ -142,6 +144,9 @@ class Store:
             self._seen[key] = spans = _spans(tensors)
             self._hold(key, spans)
         self._unseen.clear()
+        for obj_id, stored in self._unseen_objects.items():
+            self._hold(obj_id, _spans_of(stored))
+        self._unseen_objects.clear()
 
     def holding(self, tensors: Sequence[torch.Tensor]) -> _Holding:
         """Hold `tensors` for a `with` block (an object being made).
@@ -187,9 +192,11 @@ class Store:
     # -- objects -----------------------------------------------------------------------
 
     def add(self, obj_id: str, stored: StoredObject) -> None:
+        """Keep `stored` under `obj_id`, its bytes held until it is freed (worked out only
+        once a waiter looks: most objects are freed with nobody waiting)."""
         with self._lock:
             self._objects[obj_id] = stored
-            self._hold(obj_id, _spans_of(stored))
+            self._unseen_objects[obj_id] = stored
             self._bytes += stored.nbytes
             held = len(self._objects), self._bytes
         _metrics.held(*held)
@@ -222,9 +229,10 @@ class Store:
         `last_ref`: every ref (so every consumer's view) is gone, not an explicit free:
         transports may reuse what they prepared. Runs on: producer.
         """
-        lends = False
+        lends = unseen = False
         with self._lock:
             stored = self._objects.pop(obj_id, None)
+            unseen = self._unseen_objects.pop(obj_id, None) is not None  # nobody can wait on it
             self._remember_freed(obj_id)
             if stored is None:  # the last ref of an object freed explicitly: its lent bytes go now
                 lent = self._lent.pop(obj_id, None) if last_ref else None
@@ -237,6 +245,8 @@ class Store:
                 lends = not last_ref and any(_lends(t, m) for t, m in stored.prepared.items())
                 if lends:
                     self._lent[obj_id] = _spans_of(stored)
+                    if unseen:  # held from now on, for waiters to come
+                        self._hold(obj_id, self._lent[obj_id])
         if stored is None:
             _wake(ready)
             return False
@@ -246,7 +256,7 @@ class Store:
                 (transport.recycle if last_ref else transport.garbage_collect)(obj_id, meta)
             except Exception:  # never let one transport keep the others' resources
                 log.exception("rdt_async: %s could not release object %s", transport.name, obj_id)
-        if not lends:
+        if not lends and not unseen:
             with self._lock:  # after the transports let go: a waiter may write the tensors next
                 ready = self._release(obj_id, _spans_of(stored))
             _wake(ready)

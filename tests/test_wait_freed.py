@@ -80,6 +80,19 @@ def test_an_object_made_while_a_waiter_waits_keeps_it_waiting_until_made():
     assert not s._unseen and not held(s, t)
 
 
+def test_an_object_kept_with_nobody_looking_works_out_its_bytes_only_when_a_waiter_looks():
+    s, t = Store(), torch.zeros(4)
+    kept = StoredObject([t[1:3]])
+    s.add("a", kept)
+    assert kept.spans is None and not s._held  # kept, its bytes not worked out
+    s.free("a")
+    assert kept.spans is None and not s._held and not s._unseen_objects  # freed as it was: nothing to release
+    s.add("b", StoredObject([t[1:3]]))
+    assert held(s, t) and s._held and not s._unseen_objects  # a waiter looked: held as any
+    s.free("b")
+    assert not held(s, t) and not s._held
+
+
 def test_waiters_wake_when_the_last_hold_goes_and_only_then():
     s, t = Store(), torch.zeros(4)
     s.add("a", StoredObject([t]))
