@@ -100,9 +100,10 @@ def _address(t: torch.Tensor) -> int:
 
 
 def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether `a` and `b` are one tensor under two names: the same memory, read alike."""
+    """Whether `a` and `b` are one tensor under two names: the same memory, read alike (two
+    without bytes, or without plain ones, never are)."""
     return (
-        a.data_ptr() == b.data_ptr() and a.device == b.device and a.dtype == b.dtype and a.shape == b.shape
+        _address(a) == _address(b) != 0 and a.device == b.device and a.dtype == b.dtype and a.shape == b.shape
         and a.stride() == b.stride() and a.is_conj() == b.is_conj() and a.is_neg() == b.is_neg()
     )
 

@@ -114,6 +114,9 @@ def test_into_takes_a_buffer_per_name_of_a_tied_tensor_and_copies_into_a_second_
     assert len(_buffers._checked(specs, [untied["emb"], untied["mid"]], skeleton)[0]) == 2  # a buffer per tensor
     with pytest.raises(ValueError, match=r"into= holds 4 tensor\(s\) but the object has 2"):
         _buffers._checked(specs, [*untied.values(), torch.zeros(1)], skeleton)
+    untied["head"] = torch.zeros(3, 4).to_sparse()  # no plain bytes to compare: checked as any buffer
+    with pytest.raises(ValueError, match=r"into= tensor 2 is a sparse_coo tensor"):
+        _buffers._checked(specs, untied, skeleton)
     untied["head"] = untied["emb"][:, :2]  # not the object's shape
     with pytest.raises(ValueError, match=r"into= tensor 2 is float32\[3, 2\]@cpu; the object's tensor 0 is float32\[3, 4\]@cpu"):
         _buffers._checked(specs, untied, skeleton)
