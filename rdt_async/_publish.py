@@ -753,7 +753,7 @@ class VersionStream:
         targets: list[list[torch.Tensor] | None] = [None] * len(objs)
         if self._into is not None:
             flat = [n for ns in names for n in ns]
-            into = _ordered(self._into, flat, "stream") if isinstance(self._into, Mapping) else self._into
+            into = _ordered(self._into, flat, "stream", objs) if isinstance(self._into, Mapping) else self._into
             tensors = _tree.flatten(into)[1]
             if len(tensors) != len(flat):
                 raise ValueError(
@@ -827,7 +827,7 @@ async def _fetch(obj: RDTObject, into: Any) -> dict[str, torch.Tensor]:
     from ._api import fetch
 
     if isinstance(into, Mapping):
-        into = _ordered(into, _names_of(obj), "next")
+        into = _ordered(into, _names_of(obj), "next", [obj])
     value: dict[str, torch.Tensor] = await fetch(obj, into=into)
     return value
 
@@ -851,7 +851,13 @@ def _names_of(obj: RDTObject) -> list[str]:
     return list(skeleton)
 
 
-def _ordered(into: Mapping[str, Any], names: list[str], verb: str) -> list[Any]:
+def _ordered(into: Mapping[str, Any], names: list[str], verb: str, objs: list[RDTObject]) -> list[Any]:
+    """`into`'s tensors in the order of `names` (those of `objs`, the version or its chunks),
+    each of its published shape and dtype.
+
+    Raises: ValueError naming the names that differ, or the tensor that does (`fetch`
+    would name its place only).
+    """
     missing = [n for n in names if n not in into]
     published = set(names)
     extra = [k for k in into if k not in published]
@@ -860,7 +866,18 @@ def _ordered(into: Mapping[str, Any], names: list[str], verb: str) -> list[Any]:
             f"Subscription.{verb}(into=...): the dict's names differ from the published ones "
             f"(missing {missing[:8]}, not published {extra[:8]}); give a dict with exactly the published names"
         )
-    return [into[n] for n in names]
+    out = [into[n] for n in names]
+    specs = {n: o.specs[v.index] for o in objs for n, v in o.skeleton.items() if v.index < len(o.specs)}
+    for n, t in zip(names, out):
+        spec = specs.get(n)
+        if spec is not None and isinstance(t, torch.Tensor) and (t.shape != spec.shape or t.dtype != spec.dtype):
+            raise ValueError(
+                f"Subscription.{verb}(into=...): {n!r} is {str(t.dtype).removeprefix('torch.')}{list(t.shape)}, "
+                f"the published {n!r} is {str(spec.dtype).removeprefix('torch.')}{list(spec.shape)}; give tensors "
+                "of the published shapes and dtypes (for a model of another dtype: receive into tensors of the "
+                "published one, then copy)"
+            )
+    return out
 
 
 def _cancel(ref: Any) -> None:

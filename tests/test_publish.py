@@ -178,9 +178,12 @@ class Server:
         exact = all(bool((t == want[n]).all()) for n, t in model.state_dict().items())
         return version, names, exact, model.head.weight.data_ptr() == model.emb.weight.data_ptr()
 
-    async def into_model(self, trainer, name: str, names: list[str], stream: bool = False) -> str:
-        """The newest version straight into a model's parameters, by name (`stream`: tensor by tensor)."""
-        model = torch.nn.ParameterDict({n: torch.nn.Parameter(torch.zeros(WIDTH)) for n in names})
+    async def into_model(self, trainer, name: str, names: list[str], stream: bool = False, bf16: str = "") -> str:
+        """The newest version straight into a model's parameters, by name (`stream`: tensor by
+        tensor; `bf16`: the one parameter of that name in bfloat16, not the published float32)."""
+        model = torch.nn.ParameterDict(
+            {n: torch.nn.Parameter(torch.zeros(WIDTH, dtype=torch.bfloat16 if n == bf16 else torch.float32)) for n in names}
+        )
         sub = rdt.subscribe(trainer, name)
         try:
             if stream:
@@ -355,6 +358,10 @@ def test_a_deadline_ends_a_wait_and_a_closed_publication_ends_async_for(actors):
         "ValueError: Subscription.stream(into=...): the dict's names differ from the published ones "
         "(missing ['l3'], not published ['x']); give a dict with exactly the published names"
     )
+    for stream, verb in ((False, "next"), (True, "stream")):  # the tensor named, not only its place
+        assert ray.get(here[1].into_model.remote(trainer, "quiet", names, stream, "l2")).startswith(
+            f"ValueError: Subscription.{verb}(into=...): 'l2' is bfloat16[{WIDTH}], the published 'l2' is float32[{WIDTH}]; "
+        )
     loop = there[0].iterate.remote(trainer, "quiet")
     time.sleep(0.5)
     ray.get(trainer.publish.remote("quiet"))
