@@ -84,10 +84,7 @@ def unmovable(t: torch.Tensor) -> str | None:
 
 def has_memory(t: torch.Tensor) -> bool:
     """Whether `t` has bytes of its own to move (no elements: nothing to read, so yes)."""
-    try:
-        return t.numel() == 0 or t.data_ptr() != 0
-    except (RuntimeError, NotImplementedError):  # (a subclass whose storage cannot be reached)
-        return False
+    return t.numel() == 0 or _tree.address(t) != 0
 
 
 def _prepared_transports(name: str, tensors: Sequence[torch.Tensor]) -> list[Transport[Any]]:

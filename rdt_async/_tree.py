@@ -62,7 +62,7 @@ def flatten(value: Any, *, tied: bool = False) -> tuple[Any, list[torch.Tensor]]
     its tensors, if any, cannot be taken out).
     """
     tensors: list[torch.Tensor] = []
-    return _Flatten(tensors, {} if tied else None).walk(value), tensors
+    return _Flatten(tensors, _Ties() if tied else None).walk(value), tensors
 
 
 def slot_order(skeleton: Any) -> list[int]:
@@ -76,23 +76,36 @@ def slot_order(skeleton: Any) -> list[int]:
 def firsts(tensors: list[torch.Tensor]) -> list[int]:
     """For each tensor, the index of the first that is the same tensor (`same_tensor`): its
     own, or an earlier one's where it is that one under another name (tied weights)."""
-    at: dict[int, list[int]] = {}
-    out = []
-    for i, t in enumerate(tensors):
-        first = i
-        address = _address(t)
-        if address:
-            seen = at.setdefault(address, [])
-            first = next((j for j in seen if same_tensor(t, tensors[j])), i)
-            if first == i:
-                seen.append(i)
-        out.append(first)
-    return out
+    ties = _Ties()
+    return [i if (j := ties.earlier(t, tensors, i)) is None else j for i, t in enumerate(tensors)]
 
 
-def _address(t: torch.Tensor) -> int:
-    """Where `t`'s first byte lies; 0 where it has none (no elements, no storage: sparse,
-    nested, quantized, meta tensors are no one's second name; they are refused at return)."""
+class _Ties:
+    """The tensors seen so far, by the address of their first byte: which earlier one a
+    tensor is under another name (`same_tensor`), found by one int a tensor, the full
+    comparison only where two addresses meet."""
+
+    __slots__ = ("at",)
+
+    def __init__(self) -> None:
+        self.at: dict[int, list[int]] = {}
+
+    def earlier(self, t: torch.Tensor, tensors: list[torch.Tensor], index: int) -> int | None:
+        """The index in `tensors` of the one `t` is, or None (`t` noted as `index`)."""
+        at = address(t)
+        if not at:
+            return None
+        seen = self.at.setdefault(at, [])
+        for i in seen:
+            if same_tensor(t, tensors[i]):
+                return i
+        seen.append(index)
+        return None
+
+
+def address(t: torch.Tensor) -> int:
+    """Where `t`'s first byte lies; 0 where it has none that can be asked for (no elements,
+    no storage: sparse, meta, a wrapper subclass). Such a tensor is no one's second name."""
     try:
         return t.data_ptr() if t.numel() else 0
     except (RuntimeError, NotImplementedError):
@@ -103,7 +116,7 @@ def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether `a` and `b` are one tensor under two names: the same memory, read alike (two
     without bytes, or without plain ones, never are)."""
     return (
-        _address(a) == _address(b) != 0 and a.device == b.device and a.dtype == b.dtype and a.shape == b.shape
+        address(a) == address(b) != 0 and a.device == b.device and a.dtype == b.dtype and a.shape == b.shape
         and a.stride() == b.stride() and a.is_conj() == b.is_conj() and a.is_neg() == b.is_neg()
     )
 
@@ -116,22 +129,18 @@ def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
 # Walkers are objects, not closures: a recursive closure is a reference cycle that
 # would keep the tensors alive until the cyclic GC runs, delaying frees.
 class _Flatten:
-    __slots__ = ("at", "tensors")
+    __slots__ = ("tensors", "ties")
 
-    def __init__(self, tensors: list[torch.Tensor], at: dict[int, list[int]] | None) -> None:
+    def __init__(self, tensors: list[torch.Tensor], ties: _Ties | None) -> None:
         self.tensors = tensors
-        self.at = at  # with `tied`: the indices of the tensors seen, by the address of their first byte
+        self.ties = ties  # with `tied`
 
     def walk(self, v: Any) -> Any:
         if isinstance(v, torch.Tensor):
-            if self.at is not None and (type(v) is torch.Tensor or type(v) is torch.nn.Parameter):
-                address = _address(v)  # (one int a tensor; the rest where two meet)
-                if address:
-                    seen = self.at.setdefault(address, [])
-                    for i in seen:
-                        if same_tensor(v, self.tensors[i]):
-                            return Slot(i)
-                    seen.append(len(self.tensors))
+            if self.ties is not None and (type(v) is torch.Tensor or type(v) is torch.nn.Parameter):
+                i = self.ties.earlier(v, self.tensors, len(self.tensors))
+                if i is not None:
+                    return Slot(i)
             self.tensors.append(v)
             return Slot(len(self.tensors) - 1)
         if type(v) in _ATOMS:
