@@ -104,13 +104,13 @@ def _checked(
 
 
 def checked_writes(
-    specs: Sequence[TensorSpec], into: Any, obj_id: str, skeleton: Any = None
+    specs: Sequence[TensorSpec], into: Any, skeleton: Any = None
 ) -> tuple[list[torch.Tensor] | None, Writes | None]:
     """`_checked`'s buffers, and what the fetch writes: the bytes they reach, to claim
     before it writes them, and the copies to make once they are written (None without
     `into=`, or where they reach no byte)."""
     buffers, ordered, copies = _checked(specs, into, skeleton)
-    return buffers, Writes(obj_id, ordered, copies) if ordered else None
+    return buffers, Writes(ordered, copies) if ordered else None
 
 
 class Writes:
@@ -123,10 +123,10 @@ class Writes:
     still being cancelled; two loads of one model gathered).
     """
 
-    __slots__ = ("__weakref__", "_release", "copies", "hi", "lo", "obj_id", "ordered")
+    __slots__ = ("__weakref__", "_release", "copies", "hi", "lo", "ordered")
 
-    def __init__(self, obj_id: str, ordered: list[tuple[_Span, int]], copies: Copies) -> None:
-        self.obj_id, self.ordered = obj_id, ordered
+    def __init__(self, ordered: list[tuple[_Span, int]], copies: Copies) -> None:
+        self.ordered = ordered
         self.copies = copies  # a tensor under two names, into buffers of their own: copied once written
         self.lo, self.hi = min(s[1] for s, _ in ordered), max(s[2] for s, _ in ordered)
         self._release: weakref.finalize[Any, Any] | None = None
@@ -151,6 +151,11 @@ class Writes:
                 return
             await woken  # the fetch in the way ended
 
+    def tied(self, tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The copies to make once `tensors` (the object's, landed) are written: (buffers,
+        sources), for a tensor under two names received into two buffers; empty if none."""
+        return [b for b, _ in self.copies], [tensors[k] for _, k in self.copies]
+
     def release(self) -> None:
         """Let other fetches write the bytes (idempotent)."""
         if self._release is not None:
@@ -159,7 +164,6 @@ class Writes:
 
 @dataclasses.dataclass
 class _Held:
-    obj_id: str
     ordered: list[tuple[_Span, int]]
     lo: int
     hi: int
@@ -184,7 +188,7 @@ class _Claims:
                         held.waiters.append(waiter)
                     return None
             key = next(self._keys)
-            self._held[key] = _Held(w.obj_id, w.ordered, w.lo, w.hi, [])
+            self._held[key] = _Held(w.ordered, w.lo, w.hi, [])
             return key
 
     def drop(self, key: int) -> None:

@@ -99,7 +99,7 @@ async def fetch_object(
         elif device is not None:
             tensors = await _move(tensors, torch.device(device), obj.nbytes)
         if writes is not None and writes.copies:  # a tensor under two names, into two buffers
-            await _copy([b for b, _ in writes.copies], [tensors[k] for _, k in writes.copies], obj.nbytes)
+            await _copy(*writes.tied(tensors), obj.nbytes)
     except BaseException as exc:
         _metrics.failed(name, exc)
         if isinstance(exc, PeerDiedError):
@@ -306,8 +306,8 @@ def fetch_now(obj: RDTObject, *, device: Any, into: Any, tensor_transport: str |
             tensors = copy_into(buffers, tensors)
         elif device is not None:
             tensors = [t.to(device) for t in tensors]
-        if writes is not None and writes.copies:  # a tensor under two names, into two buffers
-            copy_into([b for b, _ in writes.copies], [tensors[k] for _, k in writes.copies])
+        if writes is not None:  # a tensor under two names, into two buffers
+            copy_into(*writes.tied(tensors))
     finally:
         if writes is not None:
             writes.release()
@@ -337,7 +337,7 @@ def _start(obj: RDTObject, into: Any, device: Any = None, asked: str | None = No
     _object.check(obj)  # everything a ref carries came from another process
     if store.was_freed(obj.obj_id):
         raise ObjectFreedError(f"object {obj.obj_id} was freed", obj_id=obj.obj_id)
-    buffers, writes = _buffers.checked_writes(obj.specs, into, obj.obj_id, obj.skeleton)  # before anything moves
+    buffers, writes = _buffers.checked_writes(obj.specs, into, obj.skeleton)  # before anything moves
     try:
         return _begin(obj, buffers, writes, device, asked)
     except BaseException:
@@ -379,8 +379,7 @@ def _begin(
             raise
         if now is not None:
             if writes is not None:
-                if writes.copies:  # a tensor under two names, into two buffers
-                    copy_into([b for b, _ in writes.copies], [now[k] for _, k in writes.copies])
+                copy_into(*writes.tied(now))  # (a tensor under two names, into two buffers)
                 writes.release()  # written (where into= was given): nothing writes them any more
             return _Done(now, None, name)
     return transport, info, buffers, ready, writes

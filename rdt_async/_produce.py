@@ -56,8 +56,9 @@ def check_movable(tensors: Sequence[torch.Tensor]) -> None:
     Raises: TransportUnavailableError.
     """
     for i, t in enumerate(tensors):
-        if t.is_quantized or t.is_nested or t.is_meta or (type(t) is not torch.Tensor and not has_memory(t)):
-            raise TransportUnavailableError(f"returned tensor {i} is {unmovable(t)}")
+        why = unmovable(t)
+        if why is not None:
+            raise TransportUnavailableError(f"returned tensor {i} is {why}")
 
 
 def unmovable(t: torch.Tensor) -> str | None:

@@ -351,10 +351,9 @@ class Publisher:
                     f"rdt.Publisher.publish(): {k!r} is a {t.device.type} {t.layout} tensor; this version "
                     "publishes dense CPU tensors (move them with .cpu() first)"
                 )
-            if t.is_quantized or t.is_nested or (type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter):
-                why = _produce.unmovable(t)  # (the attributes first: a state dict may hold thousands)
-                if why is not None:
-                    raise TypeError(f"rdt.Publisher.publish(): {k!r} is {why}")
+            why = _produce.unmovable(t)
+            if why is not None:
+                raise TypeError(f"rdt.Publisher.publish(): {k!r} is {why}")
         entries, size = _layout(state)
         if self._entries is None:
             self._entries, self._size = entries, size

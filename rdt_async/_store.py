@@ -229,7 +229,7 @@ class Store:
         `last_ref`: every ref (so every consumer's view) is gone, not an explicit free:
         transports may reuse what they prepared. Runs on: producer.
         """
-        lends = unseen = False
+        lends = False
         with self._lock:
             stored = self._objects.pop(obj_id, None)
             unseen = self._unseen_objects.pop(obj_id, None) is not None  # nobody can wait on it

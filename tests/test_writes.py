@@ -16,9 +16,9 @@ from rdt_async import _buffers
 from rdt_async.transports._base import TensorSpec
 
 
-def _writes(*bufs: torch.Tensor, obj_id: str = "0" * 24) -> _buffers.Writes:
+def _writes(*bufs: torch.Tensor) -> _buffers.Writes:
     specs = [TensorSpec.of(b) for b in bufs]
-    got, writes = _buffers.checked_writes(specs, list(bufs), obj_id)
+    got, writes = _buffers.checked_writes(specs, list(bufs))
     assert got is not None and writes is not None
     return writes
 
