@@ -225,15 +225,12 @@ def check_apart(buffers: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]
     nothing. Any other overlap would overwrite a source before it is read.
     Raises: ValueError.
     """
-    mine = [_span(b) for b in buffers]
     theirs = [_span(t) for t in tensors]
-    for i, (b, span) in enumerate(zip(buffers, mine)):
-        if span is None:
-            continue
-        for j, (t, other) in enumerate(zip(tensors, theirs)):
-            if not overlap(span, other):
-                continue
-            if i == j and span == other and b.stride() == t.stride():
+    index = _Reach(theirs)
+    for i, b in enumerate(buffers):
+        span = _span(b)
+        for j in index.sharing(span):
+            if i == j and span == theirs[j] and b.stride() == tensors[j].stride():
                 continue
             raise ValueError(
                 f"into= tensor {i} shares memory with tensor {j} of the object it receives, which this "
@@ -341,8 +338,38 @@ def overlap(a: _Span | None, b: _Span | None) -> bool:
 
 def share(a: Iterable[torch.Tensor], b: Iterable[torch.Tensor]) -> bool:
     """Whether any tensor of `a` shares a byte with any of `b`."""
-    theirs = [_span(t) for t in b]
-    return any(overlap(_span(t), other) for t in a for other in theirs)
+    index = _Reach([_span(t) for t in b])
+    return any(next(index.sharing(_span(t)), None) is not None for t in a)
+
+
+class _Reach:
+    """Spans, indexed to tell which share a byte with a given span.
+
+    A model's thousands of tensors against thousands: a question costs a bisection and a
+    look at the spans that overlap it (and at those between them), not a pass over all.
+    """
+
+    def __init__(self, spans: Sequence[_Span | None]) -> None:
+        by_device: dict[int | str, list[tuple[int, int, int]]] = {}
+        for j, s in enumerate(spans):
+            if s is not None:
+                by_device.setdefault(s[0], []).append((s[1], s[2], j))
+        # Per device: (start, end, place) by start; the starts; the furthest end so far.
+        self._by: dict[int | str, tuple[list[tuple[int, int, int]], list[int], list[int]]] = {}
+        for device, entries in by_device.items():
+            entries.sort()
+            self._by[device] = (entries, [e[0] for e in entries], list(itertools.accumulate((e[1] for e in entries), max)))
+
+    def sharing(self, span: _Span | None) -> Iterator[int]:
+        """The places of the spans that share a byte with `span`."""
+        if span is None or span[0] not in self._by:
+            return
+        entries, starts, reach = self._by[span[0]]
+        for x in range(bisect.bisect_left(starts, span[2]) - 1, -1, -1):  # those starting before it ends
+            if reach[x] <= span[1]:
+                return  # none of these reaches its start
+            if entries[x][1] > span[1]:
+                yield entries[x][2]
 
 
 def _check_disjoint(spans: list[_Span | None], places: list[int]) -> list[tuple[_Span, int]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
+import time
 
 import pytest
 import torch
@@ -99,3 +100,41 @@ def test_a_fetch_dropped_unstarted_lets_its_bytes_go():
     again = _writes(buf)
     assert again.claim_nowait()
     again.release()
+
+
+def test_which_tensors_share_memory_is_found_as_a_pass_over_all_pairs_finds_it():
+    # Views of one storage at random places (some overlapping, some inside others) against
+    # others, and a tensor of another storage: the index (`_Reach`) against every pair.
+    import random
+
+    rng = random.Random(7)
+    base = torch.zeros(4096)
+    other = torch.zeros(64)
+
+    def view() -> torch.Tensor:
+        start = rng.randrange(4096)
+        return base[start : start + rng.randrange(0, 40)]
+
+    for _ in range(200):
+        a, b = [view() for _ in range(rng.randrange(1, 12))], [view() for _ in range(rng.randrange(1, 12))] + [other]
+        spans = [_buffers._span(t) for t in b]
+        index = _buffers._Reach(spans)
+        for t in a:
+            want = {j for j, s in enumerate(spans) if _buffers.overlap(_buffers._span(t), s)}
+            assert set(index.sharing(_buffers._span(t))) == want, (t.storage_offset(), t.numel())
+        assert _buffers.share(a, b) == any(_buffers.overlap(_buffers._span(x), s) for x in a for s in spans)
+    assert not _buffers.share([other[:0]], [other])  # no bytes: shares none
+
+
+def test_a_same_process_fetch_into_ten_thousand_tensors_is_checked_without_a_pass_over_every_pair():
+    # Asking each buffer against each tensor took minutes here (10,000 x 10,000 pairs): a
+    # mixture-of-experts state dict fetched into its own model, and a lent publish's check.
+    tensors = list(torch.zeros(10_000, 16).unbind())
+    buffers = list(torch.zeros(10_000, 16).unbind())
+    start = time.monotonic()
+    _buffers.check_apart(tensors, tensors)  # its own tensors: allowed
+    _buffers.check_apart(buffers, tensors)
+    assert not _buffers.share(buffers, tensors) and _buffers.share(buffers, buffers[-1:])
+    assert time.monotonic() - start < 20  # (a hang guard: a second or less; a pass over all pairs: minutes)
+    with pytest.raises(ValueError, match="into= tensor 9998 shares memory with tensor 9999 "):
+        _buffers.check_apart([*tensors[:9998], tensors[9999], tensors[9999]], tensors)
