@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from . import _io, _tree
+from ._errors import few
 from ._store import _spans
 from .transports._base import TensorSpec
 
@@ -81,7 +82,7 @@ def _checked(
     if len(bufs) != len(specs):
         order = _tree.slot_order(skeleton) if skeleton is not None and len(bufs) > len(specs) else []
         if len(order) != len(bufs) or not all(type(k) is int for k in order) or sorted(set(order)) != list(range(len(specs))):
-            raise ValueError(f"into= holds {len(bufs)} tensor(s) but the object has {len(specs)}: {', '.join(map(str, specs))}")
+            raise ValueError(f"into= holds {len(bufs)} tensor(s) but the object has {len(specs)}: {few([str(s) for s in specs])}")
         first: dict[int, int] = {}
         for place, k in enumerate(order):
             if k in first:

@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import sys
 import traceback
+from collections.abc import Sequence
 from typing import Any, Protocol
+
+# The longest message an error keeps: what a ref carries is another process's input, and a
+# crafted field (a million offsets, a megabyte of segment name) must not become a message
+# of megabytes in every log and traceback it reaches.
+MAX_MESSAGE = 4000
 
 
 class RDTError(Exception):
     """Base class of every error rdt_async raises."""
 
     def __init__(self, message: str, *, obj_id: str | None = None) -> None:
+        if len(message) > MAX_MESSAGE:  # its head says what was refused, its tail the fix
+            cut = len(message) - MAX_MESSAGE + 1000
+            message = f"{message[: MAX_MESSAGE - 1000]} [... {cut} characters cut ...] {message[-800:]}"
         super().__init__(message)
         self.obj_id = obj_id
 
@@ -186,3 +195,11 @@ def release_frames(exc: BaseException) -> None:
 
 def unavailable(name: str, why: str) -> TransportUnavailableError:
     return TransportUnavailableError(f"transport {name!r} cannot serve this fetch: {why}")
+
+
+def few(items: Sequence[str], limit: int = 8) -> str:
+    """`items` joined for a message, at most `limit` of them: a state dict of 10,000 tensors
+    must not make a message of 10,000 names."""
+    if len(items) <= limit:
+        return ", ".join(items)
+    return f"{', '.join(items[:limit])}, ... ({len(items)} in all)"

@@ -43,7 +43,7 @@ import torch
 
 from . import _io, _metrics, _produce, _ray, _tree
 from ._buffers import share
-from ._errors import ObjectFreedError, TransferError, translating
+from ._errors import ObjectFreedError, TransferError, few, translating
 from ._local import aligned_layout, copy_to
 from ._object import RDTObject
 from ._store import store
@@ -453,8 +453,8 @@ def _check_place() -> None:
 def _difference(old: list[_Entry], new: list[_Entry]) -> str:
     o, n = {e.name: e for e in old}, {e.name: e for e in new}
     if o.keys() != n.keys():
-        missing, extra = sorted(o.keys() - n.keys()), sorted(n.keys() - o.keys())
-        return f"names differ from the first version's (missing {missing}, new {extra})"
+        missing, extra = [repr(k) for k in sorted(o.keys() - n.keys())], [repr(k) for k in sorted(n.keys() - o.keys())]
+        return f"names differ from the first version's (missing [{few(missing)}], new [{few(extra)}])"
     for name, e in n.items():
         if (e.shape, e.dtype) != (o[name].shape, o[name].dtype):
             return f"{name!r} is {e.dtype} {list(e.shape)}, was {o[name].dtype} {list(o[name].shape)}"
@@ -863,7 +863,8 @@ def _ordered(into: Mapping[str, Any], names: list[str], verb: str, objs: list[RD
     if missing or extra:
         raise ValueError(
             f"Subscription.{verb}(into=...): the dict's names differ from the published ones "
-            f"(missing {missing[:8]}, not published {extra[:8]}); give a dict with exactly the published names"
+            f"(missing [{few([repr(k) for k in missing])}], not published [{few([repr(k) for k in extra])}]); "
+            "give a dict with exactly the published names"
         )
     out = [into[n] for n in names]
     specs = {n: o.specs[v.index] for o in objs for n, v in o.skeleton.items() if v.index < len(o.specs)}

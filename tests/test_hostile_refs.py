@@ -362,3 +362,28 @@ def test_a_skeleton_naming_a_tensor_it_does_not_have_is_refused(actors, made):
     p, _, c = actors
     obj = _get(made, p.make.remote(1.0))
     _refused(c, dataclasses.replace(obj, skeleton={"x": Slot(-1)}), "TransferError", "names tensor -1 of 1")
+
+
+@pytest.mark.parametrize(
+    ("field", "words"),
+    [
+        ("offsets", "do not match its 1 tensor(s)"),
+        ("shared", "do not match its 1 tensor(s)"),
+        ("segment", "is not a name of ours"),
+        ("spec", "tensor 0's spec is not one a producer makes: shape (0, 0, 0"),
+        ("token", "producer token '0:00000"),
+    ],
+)
+def test_a_field_of_megabytes_makes_a_message_of_a_few_kilobytes(actors, made, field, words):
+    # The refusal named the whole field: a crafted ref made a message of megabytes, which
+    # every log and traceback it reached repeated.
+    p, _, c = actors
+    obj = _get(made, p.make.remote(1.0))
+    if field == "spec":
+        crafted = dataclasses.replace(obj, specs=(TensorSpec((0,) * 200_000, torch.float32, "cpu", 0),))
+    elif field == "token":
+        crafted = dataclasses.replace(obj, producer=dataclasses.replace(obj.producer, token="0:" + "0" * 1_000_000))
+    else:
+        crafted = _crafted(obj, **{field: {"offsets": (0,) * 200_000, "shared": (None,) * 200_000, "segment": "x" * 1_000_000}[field]})
+    got = _refused(c, crafted, "TransferError", words)
+    assert len(got["message"]) <= 4000 and "characters cut ..." in got["message"], len(got["message"])

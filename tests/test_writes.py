@@ -138,3 +138,19 @@ def test_a_same_process_fetch_into_ten_thousand_tensors_is_checked_without_a_pas
     assert time.monotonic() - start < 20  # (a hang guard: a second or less; a pass over all pairs: minutes)
     with pytest.raises(ValueError, match="into= tensor 9998 shares memory with tensor 9999 "):
         _buffers.check_apart([*tensors[:9998], tensors[9999], tensors[9999]], tensors)
+
+
+def test_a_refusal_about_thousands_of_tensors_names_a_few():
+    # A message listed every tensor: 10,000 specs (or names) in one line of a log.
+    from rdt_async import _publish
+
+    specs = [TensorSpec((4,), torch.float32, "cpu", 16)] * 10_000
+    with pytest.raises(ValueError) as refused:
+        _buffers.checked(specs, [torch.zeros(4)] * 3)
+    said = str(refused.value)
+    assert said.startswith("into= holds 3 tensor(s) but the object has 10000: float32[4]@cpu, ")
+    assert said.endswith(", ... (10000 in all)") and len(said) < 400, said
+    old = [_publish._Entry(f"l{i}", (4,), torch.float32, 0, 16) for i in range(10_000)]
+    said = _publish._difference(old, old[:1])
+    assert said.startswith("names differ from the first version's (missing ['l1', 'l10', 'l100', ")
+    assert said.endswith(", ... (9999 in all)], new [])") and len(said) < 400, said

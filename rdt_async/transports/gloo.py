@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _cuda, _io
-from .._errors import CollectiveGroupError, ObjectFreedError, PeerDiedError, RDTError, TransferError
+from .._errors import CollectiveGroupError, ObjectFreedError, PeerDiedError, RDTError, TransferError, few
 from .._membership import TAG_LIMIT as TAG_LIMIT
 from .._membership import Group as Group
 from .._membership import groups as groups
@@ -389,8 +389,8 @@ def _zeros(specs: Sequence[tuple[tuple[int, ...], torch.dtype]], device: str) ->
 
 
 def _says(specs: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> str:
-    """Specs as a reader would write them: float32[4, 2], int64[3]."""
-    return "[" + ", ".join(f"{str(dtype).removeprefix('torch.')}{list(shape)}" for shape, dtype in specs) + "]"
+    """Specs as a reader would write them: float32[4, 2], int64[3] (the first few)."""
+    return "[" + few([f"{str(dtype).removeprefix('torch.')}{list(shape)}" for shape, dtype in specs]) + "]"
 
 
 async def _drain(group: Group, waiting: asyncio.Future[None]) -> None:
