@@ -15,6 +15,7 @@ Runs on: consumer.
 
 from __future__ import annotations
 
+import math
 import mmap
 import threading
 import time
@@ -38,9 +39,9 @@ _sweep_due = False
 
 def empty(shape: Sequence[int], dtype: torch.dtype, device: str | torch.device = "cpu") -> torch.Tensor:
     """Return an uninitialized contiguous tensor; CPU ones come from the cache when one fits."""
-    if torch.device(device).type != "cpu":
+    if device != "cpu" and torch.device(device).type != "cpu":
         return torch.empty(tuple(shape), dtype=dtype, device=device)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize  # (math's: numpy's prod costs microseconds a call)
     if nbytes < MIN_BYTES:
         return torch.empty(tuple(shape), dtype=dtype)
     size = -(-nbytes // CLASS_BYTES) * CLASS_BYTES

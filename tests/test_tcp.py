@@ -392,3 +392,28 @@ def test_wait_tensor_freed_waits_for_a_send_in_flight_after_a_free():
     finally:
         sock.close()
         t.garbage_collect("in-flight", meta)
+
+
+def test_an_answer_of_many_ranges_arrives_whole_and_in_order():
+    # Small ranges leave joined up to PACKED_BYTES a send, large ones alone: every byte
+    # arrives in order, across the joins' edges, and a range past its tensor is refused.
+    g = torch.Generator().manual_seed(3)
+    sizes = [1, 0, 7, tcp.PACKED_BYTES - 1, 1, tcp.PACKED_BYTES, tcp.PACKED_BYTES + 1, 3, *[513] * 300, 5 << 20, 2]
+    tensors = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
+    parts = [(i, 0, n) for i, n in enumerate(sizes)] + [(6, 5, 100)]  # (and a range inside one)
+    a, b = socket.socketpair()
+    want = b"".join(bytes(tensors[i][off : off + n].numpy()) for i, off, n in parts)
+    got = bytearray(len(want) + 1)
+    reader = threading.Thread(target=tcp._recv_into, args=(b, memoryview(got)))
+    reader.start()
+    try:
+        assert tcp._send_parts(a, "obj", tensors, parts)
+        reader.join(30)
+        assert not reader.is_alive() and got[:1] == tcp.HELD and bytes(got[1:]) == want
+        with pytest.raises(ConnectionAbortedError, match="a request for bytes 0..2 of tensor 0 of obj"):
+            tcp._send_parts(a, "obj", tensors, [(0, 0, 2)])
+        with pytest.raises(ConnectionAbortedError, match="of tensor 9999 of obj"):
+            tcp._send_parts(a, "obj", tensors, [(9999, 0, 1)])
+    finally:
+        a.close()
+        b.close()
