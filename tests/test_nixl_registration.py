@@ -297,3 +297,42 @@ def test_a_cancelled_registration_leaves_nothing_registered():
 async def _warm() -> None:
     async with await rdt.register_memory(torch.zeros(1)):
         pass
+
+
+def test_thousands_of_storages_are_registered_and_let_go_in_one_call_each(monkeypatch):
+    # NIXL's deregistration of one list costs time in proportion to every list registered:
+    # 16,000 storages registered and let go one by one took seconds (a mixture-of-experts
+    # state dict returned or fetched into over nixl). One call each way now, and a storage
+    # of a list stays registered while another of its list is used.
+    from rdt_async.transports import _registry
+
+    asyncio.run(_warm())  # the agent exists first
+    here = _registry.transport("nixl")._current()
+    calls = {"register_memory": 0, "deregister_memory": 0}
+    for name in calls:
+        real = getattr(here.agent.nixl, name)
+
+        def counted(*args, _real=real, _name=name):
+            calls[_name] += 1
+            return _real(*args)
+
+        monkeypatch.setattr(here.agent.nixl, name, counted)
+    experts = [torch.full((64,), float(i)) for i in range(16_000)]
+    before = registered()
+
+    async def hold_then_close() -> tuple[dict, dict, dict]:
+        many = await rdt.register_memory(experts)
+        one = await rdt.register_memory(experts[7])  # (known: no call)
+        held = registered()
+        many.close()
+        still = registered()  # experts[7] is used: its whole list stays
+        one.close()
+        return held, still, registered()
+
+    held, still, after = asyncio.run(hold_then_close())
+    assert held["storages"] - before["storages"] == 16_000 and held["held_storages"] - before["held_storages"] == 16_000
+    assert still["storages"] - before["storages"] == 16_000 and still["held_storages"] - before["held_storages"] == 1
+    assert after["storages"] == before["storages"] and after["bytes"] == before["bytes"], (before, after)
+    assert after["deregistered_total"] - before["deregistered_total"] == 16_000
+    wait_until(lambda: calls["deregister_memory"] > 0, 10)  # (done at once where the agent is free, else soon)
+    assert calls == {"register_memory": 1, "deregister_memory": 1}, calls

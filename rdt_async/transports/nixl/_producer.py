@@ -62,6 +62,7 @@ class Exports:
         descs: list[tuple[int, int, int, str] | None] = []
         slot = -1
         try:
+            held = []
             for t in tensors:
                 nbytes = t.numel() * t.element_size()
                 if nbytes == 0:
@@ -70,8 +71,9 @@ class Exports:
                 if not t.is_contiguous():
                     t = t.contiguous()
                     copies.append(t)
-                keys.append(self._memory.register(t))
+                held.append(t)
                 descs.append((t.data_ptr(), nbytes, dev_index(t), mem_type(t)))
+            keys = self._memory.register_many(held)  # the new storages in one call into NIXL
             slot, slot_addr, token, table = self._slots.take()
             regs = self._partial_metadata(keys, table)
         except BaseException:
