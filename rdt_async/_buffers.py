@@ -38,7 +38,7 @@ import torch
 
 from . import _io, _tree
 from ._errors import few
-from ._store import _spans
+from ._store import _spans, store
 from .transports._base import TensorSpec
 
 
@@ -219,25 +219,55 @@ def _share(a: list[tuple[_Span, int]], b: list[tuple[_Span, int]]) -> bool:
 _claims = _Claims()
 
 
+def check_unheld(buffers: Sequence[torch.Tensor], places: Sequence[int] | None = None) -> None:
+    """Refuse buffers whose bytes an object of this process still keeps for its consumers.
+
+    A fetch into a tensor that this process returned (and has not seen freed) changes the
+    value of that object under its consumers, or tears a read of it under way: a stale or
+    mixed value, silently. `places`: each buffer's place in `into=` (default: in order).
+    Raises: ValueError naming the object and the fix.
+    """
+    found = store.holder(buffers)
+    if found is None:
+        return
+    i, key = found
+    place = i if places is None else places[i]
+    what = (
+        f"object {key}, which this process produced and keeps for its consumers"
+        if isinstance(key, str) else "an object this process is making or sending right now"
+    )
+    raise ValueError(
+        f"into= tensor {place} shares memory with {what}: a write now would change what they read, or tear a "
+        "read under way. Write it once they are done (`await rdt.wait_tensor_freed(t)`, or free the object: "
+        "`rdt.free(ref)`), or receive into a buffer of its own"
+    )
+
+
 def check_apart(buffers: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> None:
     """Refuse buffers that share memory with the tensors of a same-process object they receive.
 
     A buffer that is its own tensor (same memory, same layout) is fine: the copy changes
-    nothing. Any other overlap would overwrite a source before it is read.
+    nothing. Any other overlap would overwrite a source before it is read; and the others
+    must not share memory with another object this process keeps (`check_unheld`).
     Raises: ValueError.
     """
     theirs = [_span(t) for t in tensors]
     index = _Reach(theirs)
+    others = []
     for i, b in enumerate(buffers):
         span = _span(b)
+        own = span == theirs[i] and b.stride() == tensors[i].stride()
+        if not own:
+            others.append(i)
         for j in index.sharing(span):
-            if i == j and span == theirs[j] and b.stride() == tensors[j].stride():
+            if i == j and own:
                 continue
             raise ValueError(
                 f"into= tensor {i} shares memory with tensor {j} of the object it receives, which this "
                 "process produced: receive into a buffer of its own (e.g. torch.empty_like(t)), or use the "
                 "fetched value itself"
             )
+    check_unheld([buffers[i] for i in others], others)
 
 
 # (device, first byte's address, one past the last byte's address), or None: no bytes.

@@ -360,6 +360,8 @@ def _begin(
             _buffers.check_apart(buffers, tensors)
         _warn_local(obj.obj_id)
         return _Done(tensors, buffers, "local", writes)
+    if buffers is not None:
+        _buffers.check_unheld(buffers)
     _ray.hand_node_ip()  # before a transport first connects (UCX keeps to this address's interface)
     name, meta = choose_transport(obj, _ray.node_id()) if asked is None else asked_transport(obj, asked, _ray.node_id())
     transport = _registry.transport(name)

@@ -304,6 +304,23 @@ class Store:
             self._waiters.append((spans, wake))
             return False
 
+    def holder(self, tensors: Sequence[torch.Tensor]) -> tuple[int, str | int] | None:
+        """The first of `tensors` whose bytes something holds, and the hold's key (an object
+        id; an int: an object being made, or one being read for a send), or None."""
+        with self._lock:
+            if not self._held and not self._unseen and not self._unseen_objects:
+                return None  # (a process that keeps nothing: most consumers)
+        for i, t in enumerate(tensors):
+            spans = _spans([t])
+            with self._lock:
+                if self._unseen or self._unseen_objects:
+                    self._see()
+                for storage, start, end in spans:
+                    for key, ranges in self._held.get(storage, {}).items():
+                        if any(s < end and start < e for s, e in ranges):
+                            return i, key
+        return None
+
     def held(self, tensor: torch.Tensor) -> bool:
         """Whether anything holds a byte of `tensor` now (`wait_freed` would wait)."""
         spans = _spans([tensor])

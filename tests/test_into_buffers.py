@@ -178,6 +178,28 @@ class Consumer:
             await asyncio.gather(first, fetch(b, "fast"))
         return {"ended": ended, "holds": buf.unique().tolist()}
 
+    async def into_what_it_keeps(self, refs: list, transport: str) -> dict:
+        """Fetch into a tensor this process returned and still keeps for its consumers: refused
+        until that object is freed; then received."""
+        obj = await refs[0]
+        w = torch.zeros(obj.specs[0].shape)
+        kept = await rdt.put({"w": w[1:]}, tensor_transport=transport)  # a view of it: its bytes are held
+        out: dict = {}
+        for name, into in (("the tensor", w), ("a list of it", [w])):
+            try:
+                async with asyncio.timeout(10):
+                    await rdt.fetch(obj, into=into)
+                out[name] = "nothing"
+            except ValueError as exc:
+                out[name] = str(exc)
+        out["untouched"] = not w.any()
+        rdt.free(kept)
+        async with asyncio.timeout(10):
+            await rdt.wait_tensor_freed(w)
+            await rdt.fetch(obj, into=w)
+        out["after the free"] = torch.equal(w, expected(w.shape[0], w.dtype))
+        return {**out, "kept": kept.obj_id}
+
     async def handle(self, refs: list, kind: str) -> dict:
         """Fetch into a buffer that must receive: is the value in it, and is the result the buffer's memory?"""
         warnings.simplefilter("ignore")
@@ -319,3 +341,19 @@ def test_a_second_fetch_into_a_buffer_waits_for_the_first_instead_of_mixing_the_
     got = ray.get(c.two_into_one.remote(slow, fast), timeout=120)
     del slow, fast
     assert got == {"ended": ["slow", "fast"], "holds": [2.0]}, got
+
+
+@pytest.mark.parametrize("kept_over", ["shm", "tcp", "object_store"])
+def test_a_buffer_that_this_process_returned_and_still_keeps_is_refused_until_freed(actors, kept_over):
+    # Written, the consumers of the kept object (or its later fetches) would read the new
+    # bytes, or a mix of both: a stale or torn value, silently.
+    p, c = actors
+    out = ray.get(c.into_what_it_keeps.remote(p.put.remote("shm", N, torch.float32), kept_over), timeout=60)
+    for name in ("the tensor", "a list of it"):
+        assert out[name] == (
+            f"into= tensor 0 shares memory with object {out['kept']}, which this process produced and keeps for "
+            "its consumers: a write now would change what they read, or tear a read under way. Write it once they "
+            "are done (`await rdt.wait_tensor_freed(t)`, or free the object: `rdt.free(ref)`), or receive into a "
+            "buffer of its own"
+        ), out
+    assert out["untouched"] and out["after the free"], out
