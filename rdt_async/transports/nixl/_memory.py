@@ -9,11 +9,10 @@ without waiting for the agent. `made` and `dropped` count the storages registere
 deregistered.
 
 The new storages of one call (an object's tensors, a fetch's destinations) are registered
-in one call into NIXL, and deregistered together once none of them is used: NIXL's
-deregistration of one list costs time in proportion to every list registered (52 us a
-call with 16,000 registered here), so 16,000 lists registered and dropped one by one
-took seconds; one list of 16,000 takes milliseconds. A storage of a list whose others are
-still used stays registered (and alive) until the last of them is done.
+in one call into NIXL, and the storages that lose their last user together (an object
+retired, a fetch ended) are deregistered in one: NIXL's deregistration costs time in
+proportion to every region registered (52 us a call with 16,000 here), so 16,000 storages
+registered and let go one call each took seconds; one call of 16,000 takes milliseconds.
 """
 
 from __future__ import annotations
@@ -40,20 +39,9 @@ def dev_index(t: torch.Tensor) -> int:
 
 
 @dataclass
-class _Batch:
-    """One call's registration in NIXL (a descriptor list of one or more storages)."""
-
-    dlist: Any
-    keys: list[Key]  # its storages in the table
-    live: int = 0  # of those, the ones in use
-    keep: tuple[torch.Tensor, ...] = ()  # storages it registered that another call put in the table first
-
-
-@dataclass
 class _Registration:
-    """One registered storage: its call's registration, who uses it, what keeps it alive."""
+    """One registered storage: who uses it, what keeps it alive."""
 
-    batch: _Batch
     keep: torch.Tensor  # holds the storage: registered memory is never freed under NIXL
     region: tuple[int, int, int]  # address, nbytes, device index
     mem_type: str
@@ -138,7 +126,8 @@ class Registrations:
         try:
             for mem, items in new.items():
                 agent = self._agent
-                self._add(agent.locked(agent.nixl.register_memory, _regions(items), mem), items)
+                agent.locked(agent.nixl.register_memory, _regions(items), mem)
+                self._add(items)
                 done.add(mem)
         except BaseException:
             self.release_now([k for k in keys if k[0] in done or k not in new.get(k[0], {})])
@@ -158,12 +147,12 @@ class Registrations:
         if list(new) == ["DRAM"]:
             agent = self._agent
             try:
-                dlist = agent.try_call(agent.nixl.register_memory, _regions(new["DRAM"]), "DRAM", busy=None)
+                made = agent.try_call(agent.nixl.register_memory, _regions(new["DRAM"]), "DRAM", busy=None)
             except BaseException:
                 self.release(known)
                 raise
-            if dlist is not None:
-                self._add(dlist, new["DRAM"])
+            if made is not None:
+                self._add(new["DRAM"])
                 return keys
         self.release(known)  # taken again in the pool, with the new ones
         return await _io.to_thread_finished(self.register_many, tensors, undo=self.release)
@@ -179,8 +168,6 @@ class Registrations:
                 keys.append(key)
                 reg = self._regs.get(key)
                 if reg is not None:
-                    if reg.users == 0:
-                        reg.batch.live += 1
                     reg.users += 1
                     continue
                 items = new.setdefault(key[0], {})
@@ -190,13 +177,11 @@ class Registrations:
 
     def release(self, keys: Sequence[Key]) -> None:
         """Drop one use of each key; deregister what nobody uses any more, without waiting."""
-        for dlist in self._drop(keys):
-            self._agent.call_soon(self._agent.nixl.deregister_memory, dlist)
+        self._deregister_soon(self._drop(keys))
 
     def release_now(self, keys: Sequence[Key]) -> None:
         """`release`, deregistering on this thread (blocking: takes the agent)."""
-        for dlist in self._drop(keys):
-            self._agent.locked(self._agent.nixl.deregister_memory, dlist)
+        self._deregister_now(self._drop(keys))
 
     def regions(self, keys: Sequence[Key]) -> dict[str, list[tuple[int, int, int, str]]]:
         """Return the registered regions of `keys` by memory type, DRAM first."""
@@ -207,48 +192,62 @@ class Registrations:
                 by_mem.setdefault(reg.mem_type, []).append((*reg.region, ""))
         return by_mem
 
-    def _add(self, dlist: Any, items: dict[Key, tuple[torch.Tensor, int]]) -> None:
-        """Put one call's registration (`dlist`, of `items`' storages) in the table."""
-        batch = _Batch(dlist, [])
+    def _add(self, items: dict[Key, tuple[torch.Tensor, int]]) -> None:
+        """Put storages just registered (`items`, in one call) in the table."""
         spare = []
         with self._lock:
             self.made += len(items)
             for key, (t, uses) in items.items():
                 whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
                 reg = self._regs.get(key)
-                if reg is not None:  # another thread registered it meanwhile: ours goes with our list
-                    if reg.users == 0:
-                        reg.batch.live += 1
-                    reg.users += uses
-                    spare.append(whole)
-                    self.dropped += 1
+                if reg is None:
+                    self._regs[key] = _Registration(whole, _region(t), key[0], uses)
                     continue
-                self._regs[key] = _Registration(batch, whole, _region(t), key[0], uses)
-                batch.keys.append(key)
-                batch.live += 1
-            batch.keep = tuple(spare)
-            gone = not batch.keys
-        if gone:
-            self._agent.call_soon(self._agent.nixl.deregister_memory, dlist)
+                reg.users += uses  # another thread registered it meanwhile: ours goes again
+                spare.append((key[0], _region(t), whole))
+                self.dropped += 1
+        self._deregister_soon(spare)
 
-    def _drop(self, keys: Sequence[Key]) -> list[Any]:
-        """Drop one use of each key; return the registrations nobody uses any more."""
+    def _drop(self, keys: Sequence[Key]) -> list[tuple[str, tuple[int, int, int], torch.Tensor]]:
+        """Drop one use of each key; return the storages nobody uses any more (memory type,
+        region, what keeps it alive until it is deregistered)."""
         gone = []
         with self._lock:
             for key in keys:
                 reg = self._regs.get(key)
-                if reg is None or reg.users == 0:
+                if reg is None:
                     continue
                 reg.users -= 1
                 if reg.users == 0:
-                    batch = reg.batch
-                    batch.live -= 1
-                    if batch.live == 0:  # none of its call's storages is used: the list goes
-                        for k in batch.keys:
-                            del self._regs[k]
-                        self.dropped += len(batch.keys)
-                        gone.append(batch.dlist)
+                    del self._regs[key]
+                    self.dropped += 1
+                    gone.append((reg.mem_type, reg.region, reg.keep))
         return gone
+
+    def _deregister_soon(self, gone: list[tuple[str, tuple[int, int, int], torch.Tensor]]) -> None:
+        """Deregister `gone` without waiting: one call into NIXL per memory type."""
+        for mem, regions, keep in _by_type(gone):
+            self._agent.call_soon(_deregister, self._agent.nixl, mem, regions, keep)
+
+    def _deregister_now(self, gone: list[tuple[str, tuple[int, int, int], torch.Tensor]]) -> None:
+        for mem, regions, keep in _by_type(gone):
+            self._agent.locked(_deregister, self._agent.nixl, mem, regions, keep)
+
+
+def _by_type(
+    gone: list[tuple[str, tuple[int, int, int], torch.Tensor]],
+) -> list[tuple[str, list[tuple[int, int, int, str]], list[torch.Tensor]]]:
+    by: dict[str, tuple[list[tuple[int, int, int, str]], list[torch.Tensor]]] = {}
+    for mem, region, keep in gone:
+        regions, keeps = by.setdefault(mem, ([], []))
+        regions.append((*region, ""))
+        keeps.append(keep)
+    return [(mem, regions, keeps) for mem, (regions, keeps) in by.items()]
+
+
+def _deregister(nixl: Any, mem: str, regions: list[tuple[int, int, int, str]], keep: list[torch.Tensor]) -> None:
+    """Deregister `regions` in one call (`keep` holds their memory until it returns)."""
+    nixl.deregister_memory(nixl.get_reg_descs(regions, mem))
 
 
 def _regions(items: dict[Key, tuple[torch.Tensor, int]]) -> list[tuple[int, int, int, str]]:
