@@ -31,7 +31,7 @@ import dataclasses
 import itertools
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -91,17 +91,22 @@ def _checked(
                 first[k] = place
         places = [first[k] for k in range(len(specs))]
     maps = _Maps()
-    spans = [_check(p, bufs[p], s, maps, k) for k, (p, s) in enumerate(zip(places, specs))]
+
+    def name(place: int) -> str:  # (asked on a refusal only: it walks `into`)
+        where = _tree.path(into, place)
+        return f"tensor {place}" if where in ("", f"[{place}]") else f"tensor {place} (into{where})"
+
+    spans = [_check(p, bufs[p], s, maps, k, name) for k, (p, s) in enumerate(zip(places, specs))]
     checked_at = list(places)  # the place in `into=` of each span's buffer
     copies: Copies = []
     for place in extra:
         k = order[place]
         if _tree.same_tensor(bufs[place], bufs[places[k]]):
             continue  # tied here too: written once
-        spans.append(_check(place, bufs[place], specs[k], maps, k))
+        spans.append(_check(place, bufs[place], specs[k], maps, k, name))
         checked_at.append(place)
         copies.append((_writer(bufs[place]), k))
-    return [_writer(bufs[p]) for p in places], _check_disjoint(spans, checked_at), copies
+    return [_writer(bufs[p]) for p in places], _check_disjoint(spans, checked_at, name), copies
 
 
 def checked_writes(
@@ -275,7 +280,13 @@ def check_apart(buffers: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]
 _Span = tuple[int | str, int, int]
 
 
-def _check(i: int, b: torch.Tensor, spec: TensorSpec, maps: _Maps, k: int | None = None) -> _Span | None:
+def _plain(i: int) -> str:
+    return f"tensor {i}"
+
+
+def _check(
+    i: int, b: torch.Tensor, spec: TensorSpec, maps: _Maps, k: int | None = None, name: Callable[[int], str] = _plain
+) -> _Span | None:
     """Refuse buffer `i` unless a transfer of `spec` (the object's tensor `k`, if not `i`) can
     write it; return the bytes it reaches.
 
@@ -283,13 +294,13 @@ def _check(i: int, b: torch.Tensor, spec: TensorSpec, maps: _Maps, k: int | None
     attribute reads, the costly checks (maps, overlap) are taken only where they can fail.
     """
     if b.is_nested or b.layout != torch.strided or b.is_quantized or b.is_meta:
-        raise ValueError(f"into= tensor {i} is {_kind(b)}: receive into a dense tensor with memory of its own, e.g. {_empty(spec)}")
+        raise ValueError(f"into= {name(i)} is {_kind(b)}: receive into a dense tensor with memory of its own, e.g. {_empty(spec)}")
     if b.shape != spec.shape or b.dtype != spec.dtype:
-        raise ValueError(f"into= tensor {i} is {TensorSpec.of(b)}; the object's tensor {i if k is None else k} is {spec}")
+        raise ValueError(f"into= {name(i)} is {TensorSpec.of(b)}; the object's tensor {i if k is None else k} is {spec}")
     if b.is_conj() or b.is_neg():
         lazy = "conjugate (a .conj() view)" if b.is_conj() else "negation (a .conj().imag view)"
         raise ValueError(
-            f"into= tensor {i} is a lazy {lazy}, which a transfer's raw bytes would fill wrongly: "
+            f"into= {name(i)} is a lazy {lazy}, which a transfer's raw bytes would fill wrongly: "
             f"receive into a tensor without it, e.g. {_empty(spec)}, and take the view after"
         )
     n = b.numel()
@@ -297,7 +308,7 @@ def _check(i: int, b: torch.Tensor, spec: TensorSpec, maps: _Maps, k: int | None
         return None
     if n > 1 and not b.is_contiguous() and torch._debug_has_internal_overlap(b) == 1:
         raise ValueError(
-            f"into= tensor {i} has elements that share memory (an expand() or a zero stride): "
+            f"into= {name(i)} has elements that share memory (an expand() or a zero stride): "
             "receive into a tensor with memory of its own, e.g. torch.empty_like(t)"
         )
     try:
@@ -307,7 +318,7 @@ def _check(i: int, b: torch.Tensor, spec: TensorSpec, maps: _Maps, k: int | None
         base = 0
     if base == 0:
         raise ValueError(
-            f"into= tensor {i} is a {type(b).__name__} without memory of its own to write: "
+            f"into= {name(i)} is a {type(b).__name__} without memory of its own to write: "
             f"receive into a dense tensor with memory of its own, e.g. {_empty(spec)}"
         )
     item = b.element_size()
@@ -316,20 +327,20 @@ def _check(i: int, b: torch.Tensor, spec: TensorSpec, maps: _Maps, k: int | None
     held = storage.nbytes()
     if end > held:
         raise ValueError(
-            f"into= tensor {i} reaches {end} bytes into a storage of {held} (the storage shrank after "
+            f"into= {name(i)} reaches {end} bytes into a storage of {held} (the storage shrank after "
             f"the view was made, e.g. by resize_()): receive into a tensor its storage holds, e.g. {_empty(spec)}"
         )
     if b.is_cpu:
         why = _unwritable(storage, base + start, base + end, maps)
         if why == READ_ONLY:
             raise ValueError(
-                f"into= tensor {i} lies in read-only memory (a mapping without write permission, e.g. "
+                f"into= {name(i)} lies in read-only memory (a mapping without write permission, e.g. "
                 "mmap.mmap(..., prot=mmap.PROT_READ) or np.memmap(..., mode='r')), which a write would "
                 f"kill this process for: receive into writable memory, e.g. {_empty(spec)}, or map it writable"
             )
         if why == RAY_STORE:
             raise ValueError(
-                f"into= tensor {i} lies in Ray's object store (a zero-copy value of ray.get), whose objects "
+                f"into= {name(i)} lies in Ray's object store (a zero-copy value of ray.get), whose objects "
                 f"are immutable and shared by every reader on the node: receive into memory of your own, "
                 f"e.g. {_empty(spec)} (or a .clone() of it)"
             )
@@ -403,7 +414,7 @@ class _Reach:
                 yield entries[x][2]
 
 
-def _check_disjoint(spans: list[_Span | None], places: list[int]) -> list[tuple[_Span, int]]:
+def _check_disjoint(spans: list[_Span | None], places: list[int], name: Callable[[int], str] = _plain) -> list[tuple[_Span, int]]:
     """Refuse into= buffers that share bytes: one's arrival would overwrite another's.
     Return the spans, each with its buffer's place in `into=` (`places`), in order."""
     ordered = sorted((s, places[i]) for i, s in enumerate(spans) if s is not None)
@@ -411,13 +422,15 @@ def _check_disjoint(spans: list[_Span | None], places: list[int]) -> list[tuple[
     for (dev, start, end), i in ordered:
         if dev == reach[0] and start < reach[1]:
             first, second = sorted((reach[2], i))
+            a, b = name(first), name(second)
+            both = f"tensors {first} and {second}" if (a, b) == (_plain(first), _plain(second)) else f"{a} and {b}"
             tied = (
                 " (one tensor under two names, as tied weights are: the object holds two tensors there, "
                 "so the producer's are not tied; tie them there too, or receive into buffers of their own)"
                 if start == reach[3] and end == reach[1] else ""
             )
             raise ValueError(
-                f"into= tensors {first} and {second} share memory: each of the object's tensors needs a buffer "
+                f"into= {both} share memory: each of the object's tensors needs a buffer "
                 f"of its own{tied}"
             )
         if dev != reach[0] or end > reach[1]:

@@ -196,6 +196,44 @@ class _Unflatten:
         return _map_children(v, self.walk, v)
 
 
+def path(value: Any, k: int) -> str:
+    """Where tensor `k` of `value` (in flatten's order) lies in it, as code would reach it:
+    `['layer1.weight']`, `[0].bias`; "" for the value itself or one it cannot name (a
+    tensor inside a leaf of another type). For messages: it walks the value."""
+    left = [k]
+
+    def find(v: Any, at: str) -> str | None:
+        if isinstance(v, torch.Tensor):
+            left[0] -= 1
+            return at if left[0] < 0 else None
+        if type(v) in _ATOMS:
+            return None
+        for key, x in _named_children(v):
+            found = find(x, at + key)
+            if found is not None:
+                return found
+        if _named_children(v) or _holds_none(v):
+            return None
+        inside = _pickle_out(v)  # a leaf of another type: its tensors, unnamed
+        left[0] -= 0 if inside is None else len(inside[1])
+        return at if left[0] < 0 else None
+
+    return find(value, "") or ""
+
+
+def _named_children(v: Any) -> list[tuple[str, Any]]:
+    """`_map_children`'s children of `v`, in its order, each with how code reaches it."""
+    if isinstance(v, dict):
+        return [(f"[{k!r}]", x) for k, x in v.items()]
+    if isinstance(v, tuple) and hasattr(v, "_fields"):
+        return [(f".{f}", x) for f, x in zip(v._fields, v)]
+    if isinstance(v, (list, tuple)):
+        return [(f"[{i}]", x) for i, x in enumerate(v)]
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return [(f".{f.name}", getattr(v, f.name)) for f in dataclasses.fields(v)]
+    return []
+
+
 def tensors_of(value: Any) -> list[torch.Tensor]:
     """Return the tensors of a value, in flatten order."""
     return flatten(value)[1]

@@ -115,8 +115,31 @@ def test_into_takes_a_buffer_per_name_of_a_tied_tensor_and_copies_into_a_second_
     with pytest.raises(ValueError, match=r"into= holds 4 tensor\(s\) but the object has 2"):
         _buffers._checked(specs, [*untied.values(), torch.zeros(1)], skeleton)
     untied["head"] = torch.zeros(3, 4).to_sparse()  # no plain bytes to compare: checked as any buffer
-    with pytest.raises(ValueError, match=r"into= tensor 2 is a sparse_coo tensor"):
+    with pytest.raises(ValueError, match=r"into= tensor 2 \(into\['head'\]\) is a sparse_coo tensor"):
         _buffers._checked(specs, untied, skeleton)
     untied["head"] = untied["emb"][:, :2]  # not the object's shape
-    with pytest.raises(ValueError, match=r"into= tensor 2 is float32\[3, 2\]@cpu; the object's tensor 0 is float32\[3, 4\]@cpu"):
+    with pytest.raises(ValueError, match=r"into= tensor 2 \(into\['head'\]\) is float32\[3, 2\]@cpu; the object's tensor 0 is float32\[3, 4\]@cpu"):
         _buffers._checked(specs, untied, skeleton)
+
+
+def test_a_refused_buffer_is_named_by_where_it_lies_in_into():
+    # `into=model.state_dict()` said "into= tensor 17": the user had to count to find it.
+    from rdt_async import _buffers
+    from rdt_async.transports._base import TensorSpec
+
+    value = {"w": torch.zeros(1), "l": [torch.zeros(1), Point(torch.zeros(1), 3)], "b": Batch(torch.zeros(1), "x"),
+             "n": 5, "last": torch.zeros(1)}  # fmt: skip
+    assert [_tree.path(value, k) for k in range(5)] == ["['w']", "['l'][0]", "['l'][1].x", "['b'].x", "['last']"]
+    assert _tree.path(torch.zeros(1), 0) == "" and _tree.path([torch.zeros(1)] * 3, 2) == "[2]"
+    specs = [TensorSpec((4,), torch.float32, "cpu", 16)] * 3
+    model = {"layer0.weight": torch.zeros(4), "layer1.weight": torch.zeros(4, dtype=torch.bfloat16), "head": torch.zeros(4)}
+    with pytest.raises(ValueError) as refused:
+        _buffers.checked(specs, model)
+    assert str(refused.value) == (
+        "into= tensor 1 (into['layer1.weight']) is bfloat16[4]@cpu; the object's tensor 1 is float32[4]@cpu"
+    )
+    model["layer1.weight"] = model["head"]
+    with pytest.raises(ValueError, match=r"^into= tensor 1 \(into\['layer1.weight'\]\) and tensor 2 \(into\['head'\]\) share memory"):
+        _buffers.checked(specs, model)
+    with pytest.raises(ValueError, match=r"^into= tensor 1 is bfloat16\[4\]@cpu"):  # a list: its place says it all
+        _buffers.checked(specs, [torch.zeros(4), torch.zeros(4, dtype=torch.bfloat16), torch.zeros(4)])

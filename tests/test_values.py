@@ -274,7 +274,8 @@ def test_a_tied_weight_moves_once_and_lands_in_a_tied_or_untied_model(actors, tr
     assert ray.get(c.into_tied.remote(ref(True), False, True, n)) == (True, True)  # copied to the head's own
     assert ray.get(c.into_tied.remote(ref(False), False, False, n)) == (True, False)
     said = ray.get(c.into_tied.remote(ref(False), True, False, n))  # the model cannot hold two tensors there
-    assert said.startswith("into= tensors 0 and 3 share memory") and "tie them there too" in said, said
+    assert said.startswith("into= tensor 0 (into['emb.weight']) and tensor 3 (into['head.weight']) share memory"), said
+    assert "tie them there too" in said, said
 
 
 def test_container_subclasses_keep_their_class_and_attributes(actors):
