@@ -31,6 +31,7 @@ import asyncio
 import collections
 import dataclasses
 import itertools
+import logging
 import pickle
 import threading
 import time
@@ -48,6 +49,9 @@ from ._local import aligned_layout, copy_to
 from ._object import RDTObject
 from ._store import store
 from ._tree import Slot
+from .transports import _segments
+
+log = logging.getLogger(__name__)
 
 POLL_S = 10.0  # a subscriber's wait is answered at least this often (it asks again)
 ALIGN = 64
@@ -81,6 +85,11 @@ class _Slot:
 
     def busy(self) -> bool:
         return store.held(self.base)
+
+
+def _no_room(exc: RuntimeError) -> bool:
+    """Whether torch's `share_memory_()` failed for want of room in /dev/shm."""
+    return "No space left on device" in str(exc) or "Cannot allocate memory" in str(exc)
 
 
 def _view(base: torch.Tensor, e: _Entry) -> torch.Tensor:
@@ -373,7 +382,13 @@ class Publisher:
                 if (newest is None or slot.version != newest.number) and not slot.busy():
                     return slot
             if len(self._slots) < self.slots:
-                slot = await _io.to_thread(_Slot, entries, self._size)  # fresh shared memory: off the loop
+                try:
+                    slot = await _io.to_thread(_Slot, entries, self._size)  # fresh shared memory: off the loop
+                except RuntimeError as exc:
+                    if not _no_room(exc):
+                        raise
+                    self._cap_slots(exc)  # (raises where fewer than two could be made)
+                    continue
                 self._slots.append(slot)
                 return slot
             if self.when_full == "skip":
@@ -389,6 +404,20 @@ class Publisher:
             finally:
                 for w in waits:
                     w.cancel()
+
+    def _cap_slots(self, exc: RuntimeError) -> None:
+        """/dev/shm had no room for one more slot: publish with the slots there are (two at
+        least: the newest version, and one to write the next into), said once; else raise."""
+        said = (
+            f"{_segments.SHM_DIR} has no room for slot {len(self._slots) + 1} of rdt.Publisher {self.name!r} "
+            f"({self._size / (1 << 20):.1f} MiB; {_segments.room()})"
+        )
+        if len(self._slots) < 2:
+            raise RuntimeError(
+                f"{said}: a publisher keeps at least 2 copies of the state dict there; {_segments.MORE_ROOM}"
+            ) from exc
+        log.warning("rdt_async: %s: publishing with %d slots instead of %d; %s", said, len(self._slots), self.slots, _segments.MORE_ROOM)
+        self.slots = len(self._slots)
 
     def close(self) -> None:
         """Stop publishing: subscribers' `async for` ends; slots go once nobody reads them."""

@@ -38,6 +38,19 @@ from .. import _io
 from .._errors import TransferError
 
 SHM_DIR = "/dev/shm"
+
+
+def room() -> str:
+    """How full /dev/shm is, for a message: "12 MiB free of 64 MiB"."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return "its size unknown"
+    return f"{st.f_bavail * st.f_frsize / (1 << 20):.0f} MiB free of {st.f_blocks * st.f_frsize / (1 << 20):.0f} MiB"
+
+
+# What to do about a /dev/shm too small, said once for every message that says so.
+MORE_ROOM = "give it more (Docker: `docker run --shm-size=...`; Kubernetes: an emptyDir volume with medium Memory at /dev/shm)"
 PREFIX = "rdt-"
 MIN_BYTES = 1 << 20
 MAX_BYTES = 1 << 30  # the pool's idle segments, in all

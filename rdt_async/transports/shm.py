@@ -544,15 +544,9 @@ def _map_shared(info: TransferInfo[ShmMeta], sh: Shared) -> torch.Tensor:
 
 def _no_room(size: int, exc: OSError) -> TransportUnavailableError:
     """`exc` from making a segment of `size` bytes, said as what to do about it."""
-    try:
-        st = os.statvfs(_segments.SHM_DIR)
-        free = f"{st.f_bavail * st.f_frsize / (1 << 20):.0f} MiB free of {st.f_blocks * st.f_frsize / (1 << 20):.0f} MiB"
-    except OSError:
-        free = "its size unknown"
     return TransportUnavailableError(
         f"transport 'shm' is unavailable: {_segments.SHM_DIR} has no room for {size / (1 << 20):.1f} MiB "
-        f"({free}; {exc.strerror or exc}): give it more (Docker: `docker run --shm-size=...`; "
-        "Kubernetes: an emptyDir volume with medium Memory at /dev/shm), or return with "
+        f"({_segments.room()}; {exc.strerror or exc}): {_segments.MORE_ROOM}, or return with "
         "tensor_transport='object_store'"
     )
 
