@@ -10,9 +10,11 @@ on a port the kernel picks. A transfer:
 
     consumer                                    producer (its `rdt` group)
     --------                                    --------
-    post recvs: status, one per tensor (a block of unique tags)
-    request_send({group, dst, tag, specs})   -> post sends: status HELD, tensors; wait (pool)
+    post recvs: status, the pack, one per other tensor (a block of unique tags)
+    request_send({group, dst, tag, specs})   -> post sends: status HELD, pack, tensors; wait (pool)
     wait recvs (pool): done                  <- reply (not waited for once the status says HELD)
+Small tensors travel packed into one message (`_packing`, worked out from the specs on
+both ends): a state dict of thousands of them was thousands of messages, ~50 us each.
 Gloo's point-to-point `Work` has no future, so each wait runs in a bounded pool of
 waiter threads and completion reaches the caller's loop through the I/O loop. The
 status message makes the data self-describing, so a fetch ends when its bytes land,
@@ -41,6 +43,7 @@ import torch.distributed as dist
 
 from .. import _cuda, _io
 from .._errors import CollectiveGroupError, ObjectFreedError, PeerDiedError, RDTError, TransferError, few
+from .._local import aligned_layout
 from .._membership import TAG_LIMIT as TAG_LIMIT
 from .._membership import Group as Group
 from .._membership import groups as groups
@@ -49,6 +52,9 @@ from ._kit import delivered, landing_buffers
 from ._kvstore import KV, KVStore, StoreClosedError
 
 HELD, FREED, MISMATCH = 1, 2, 3  # the status message that comes before an object's tensors
+PACK_BYTES = 64 << 10  # tensors under this many bytes travel packed into one message ...
+PACK_MAX_BYTES = 64 << 20  # ... up to this many in all (its copies on both ends stay small)
+PACK_ALIGN = 64
 REPLY_AFTER_FAILURE_S = 10.0  # how long a failed receive waits for Ray's word on the producer
 DRAIN_S = 30.0  # how long a cancelled fetch waits for receives that write caller buffers
 
@@ -202,8 +208,15 @@ class GlooTransport(Transport[GlooMeta]):
         self, info: TransferInfo[GlooMeta], buffers: list[torch.Tensor] | None, channel: Channel
     ) -> list[torch.Tensor]:
         group, src = checked_source(info, _device(self))  # before anything is posted
-        dsts = landing_buffers(info.specs, buffers, _device(self))
-        base = group.tags(len(dsts) + 1)
+        packed, offsets, size = _packing([(tuple(s.shape), s.dtype) for s in info.specs])
+        given: list[torch.Tensor | None] = list(buffers) if buffers is not None else [None] * len(info.specs)
+        pack = torch.empty(size, dtype=torch.uint8, device=_device(self)) if packed else None
+        for i, off in zip(packed, offsets):  # where the caller's buffer cannot take it: a view of the pack
+            b = given[i]
+            if b is None or not b.is_contiguous() or b.device.type != torch.device(_device(self)).type:
+                given[i] = _in_pack(pack, off, info.specs[i].shape, info.specs[i].dtype)
+        dsts = landing_buffers(info.specs, given, _device(self))
+        base = group.tags(len(dsts) + 2)
         status = torch.zeros(1, dtype=torch.int64, device=_device(self))
         request: dict[str, Any] = {
             "group": group.name,
@@ -217,7 +230,10 @@ class GlooTransport(Transport[GlooMeta]):
         try:
             # Posting raises at once where the pair is already closed (a dead producer).
             works = [group.pg.recv([status], src, base)]
-            works += [group.pg.recv([d], src, base + 1 + i) for i, d in enumerate(dsts) if d.numel()]
+            if pack is not None:
+                works.append(group.pg.recv([pack], src, base + 1))
+            alone = _alone(dsts, packed)
+            works += [group.pg.recv([dsts[i]], src, base + 2 + i) for i in alone]
             reply = asyncio.ensure_future(channel.request_send(request))
             waiting = asyncio.ensure_future(self.wait_works(works))
             await asyncio.wait([reply, waiting], return_when=asyncio.FIRST_COMPLETED)
@@ -258,6 +274,10 @@ class GlooTransport(Transport[GlooMeta]):
         finally:
             if reply is not None:  # the bytes are here (or the fetch ended): its reply is news to nobody
                 reply.add_done_callback(_consume)  # runs soon if it is done already
+        if pack is not None and buffers is not None:  # the caller's buffers of packed tensors: copied out
+            mine = [(dsts[i], off) for i, off in zip(packed, offsets) if dsts[i] is buffers[i]]
+            if mine:
+                torch._foreach_copy_([_bytes(d) for d, _ in mine], [pack[off : off + d.nbytes] for d, off in mine])
         out = delivered(buffers, dsts)
         await _cuda.wait(_cuda.record(out))  # NCCL: copies into strided buffers ran on this thread's stream
         return out
@@ -277,8 +297,14 @@ class GlooTransport(Transport[GlooMeta]):
 
     async def _send(self, group: Group, dst: int, base: int, tensors: Sequence[torch.Tensor], state: int) -> None:
         srcs = [t.contiguous() for t in tensors]
+        packed, offsets, size = _packing([(tuple(t.shape), t.dtype) for t in srcs])
         works = [group.pg.send([torch.full((1,), state, dtype=torch.int64, device=_device(self))], dst, base)]
-        works += [group.pg.send([t], dst, base + 1 + i) for i, t in enumerate(srcs) if t.numel()]
+        if packed:
+            pack = torch.zeros(size, dtype=torch.uint8, device=_device(self))  # (its gaps: zeros, not stale bytes)
+            sources = [_bytes(srcs[i]) for i in packed]
+            torch._foreach_copy_([pack[off : off + b.numel()] for off, b in zip(offsets, sources)], sources)
+            works.append(group.pg.send([pack], dst, base + 1))
+        works += [group.pg.send([srcs[i]], dst, base + 2 + i) for i in _alone(srcs, packed)]
         await self.wait_works(works)
 
     async def wait_works(self, works: Sequence[Any]) -> None:
@@ -358,7 +384,7 @@ def checked_request(request: Any) -> tuple[Group, int, int, list[tuple[tuple[int
         and all(_is_spec(s) for s in specs)
         and type(base) is int
         and 1 <= base
-        and base + 1 + len(specs) <= TAG_LIMIT
+        and base + 2 + len(specs) <= TAG_LIMIT
     )
     if not ok:
         raise TransferError(
@@ -377,6 +403,40 @@ def _is_spec(spec: Any) -> bool:
         and isinstance(spec[0], tuple)
         and all(type(d) is int and d >= 0 for d in spec[0])
     )
+
+
+def _packing(specs: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> tuple[list[int], list[int], int]:
+    """Which tensors travel packed into one message (their places, in order), each one's
+    offset in the pack, and its bytes: those under PACK_BYTES, up to PACK_MAX_BYTES in all,
+    where two or more are. Both ends work it out from the same specs."""
+    places, sizes, total = [], [], 0
+    for i, (shape, dtype) in enumerate(specs):
+        n = math.prod(shape) * dtype.itemsize
+        if 0 < n < PACK_BYTES and total + n <= PACK_MAX_BYTES:
+            places.append(i)
+            sizes.append(n)
+            total += -(-n // PACK_ALIGN) * PACK_ALIGN
+    if len(places) < 2:
+        return [], [], 0  # one alone is one message anyway
+    offsets, size = aligned_layout(sizes, PACK_ALIGN)
+    return places, offsets, size
+
+
+def _alone(tensors: Sequence[torch.Tensor], packed: Sequence[int]) -> list[int]:
+    """The places of the tensors that travel in messages of their own (not packed, not empty)."""
+    inside = set(packed)
+    return [i for i, t in enumerate(tensors) if t.numel() and i not in inside]
+
+
+def _in_pack(pack: torch.Tensor | None, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    assert pack is not None
+    n = math.prod(shape) * dtype.itemsize
+    return pack[offset : offset + n].view(dtype).view(shape)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes, as a flat uint8 view."""
+    return t.reshape(-1).view(torch.uint8)
 
 
 def _zeros(specs: Sequence[tuple[tuple[int, ...], torch.dtype]], device: str) -> list[torch.Tensor]:
