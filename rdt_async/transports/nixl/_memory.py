@@ -28,6 +28,7 @@ from ... import _io
 from ._agent import Agent
 
 Key = tuple[str, int, int]  # memory type, device index, storage address
+INLINE_MAX = 64  # new CPU storages a fetch registers on the I/O loop (~2-5 us each); more go to the pool
 
 
 def mem_type(t: torch.Tensor) -> str:
@@ -135,7 +136,7 @@ class Registrations:
         return keys
 
     async def register_all(self, tensors: Sequence[torch.Tensor]) -> list[Key]:
-        """`register_many` from the I/O loop: on it where nothing is new, or the new storages
+        """`register_many` from the I/O loop: on it where nothing is new, or a few new storages
         are CPU memory and the agent is free; else in the pool.
 
         A cancel lets a registration already in the pool end, then releases them all.
@@ -144,7 +145,7 @@ class Registrations:
         if not new:
             return keys
         known = [k for k in keys if k not in new.get(k[0], {})]
-        if list(new) == ["DRAM"]:
+        if list(new) == ["DRAM"] and len(new["DRAM"]) <= INLINE_MAX:
             agent = self._agent
             try:
                 made = agent.try_call(agent.nixl.register_memory, _regions(new["DRAM"]), "DRAM", busy=None)
