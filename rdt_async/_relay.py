@@ -94,7 +94,9 @@ class _Counts:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.done = dict.fromkeys(("claimed", "landed", "copied", "handed", "mapped", "waited_for_warm"), 0)
+        self.done = dict.fromkeys(
+            ("claimed", "landed", "copied", "handed", "mapped", "waited_for_warm", "unanswered", "refused", "gave_up"), 0
+        )
         self.claims: set[_Server] = set()  # open: answering who asks
         self.lent: set[_Lease] = set()  # memfds someone maps
 
@@ -110,8 +112,10 @@ def stats() -> dict[str, int]:
     """This process's relay: reads it did for its node (`claimed`: straight into a memfd,
     `landed`, or copied into one after the read for who asked, `copied`), memfds it handed to
     neighbours (`handed`) and mapped from one (`mapped`), fetches that let a warm neighbour
-    claim first (`waited_for_warm`); and what it holds now: open claims, memfds lent out,
-    idle warm memfds and their bytes."""
+    claim first (`waited_for_warm`), asks of a neighbour's claim that ended with this process
+    reading for itself (`unanswered`: its read failed, or it ended without handing the
+    object over; `refused`: an answer we could not take; `gave_up`: none in time); and what
+    it holds now: open claims, memfds lent out, idle warm memfds and their bytes."""
     _io.settle()  # memfds whose last mapping went just now are back
     with memfds.lock:
         idle, idle_bytes = len(memfds.idle), sum(m.capacity for m in memfds.idle)
@@ -785,18 +789,22 @@ async def _ask(obj_id: str, specs: Sequence[TensorSpec], follow: list[torch.Tens
         try:
             msg, fds, flags = _receive(sock)
         except OSError:
+            counts.add("unanswered")
             return None
         if not msg and not fds:
+            counts.add("unanswered")
             return None  # its read failed, was cancelled, or its process died
         offsets, size = _layout(specs)
         answer, ranges = _framed(msg)
         why = _refusal(answer, fds, flags, obj_id, size)
         if why is not None:
+            counts.add("refused")
             log.warning("rdt_async: the consumer of this node holding object %s answered %s; reading it myself", obj_id, why)
             return None
         try:
             views = _private(fds[0], specs, offsets, sock)
         except (OSError, ValueError) as exc:
+            counts.add("refused")
             log.warning("rdt_async: could not map the memfd of object %s (%s); reading it myself", obj_id, exc)
             return None
         kept = True  # (the views close `sock` when they go)
@@ -806,9 +814,11 @@ async def _ask(obj_id: str, specs: Sequence[TensorSpec], follow: list[torch.Tens
         except TimeoutError:
             return _gave_up(obj_id, bound)
         except _Untrue as exc:
+            counts.add("refused")
             log.warning("rdt_async: the consumer of this node holding object %s answered %s; reading it myself", obj_id, str(exc))
             return None
         if not done:
+            counts.add("unanswered")
             return None  # its read failed or was cancelled midway, or its process died
         return views if follow is None else follow
     finally:
@@ -819,6 +829,7 @@ async def _ask(obj_id: str, specs: Sequence[TensorSpec], follow: list[torch.Tens
 
 
 def _gave_up(obj_id: str, bound: float) -> None:
+    counts.add("gave_up")
     log.warning(
         "rdt_async: the consumer of this node reading object %s did not hand it over in %.3g s; reading it myself",
         obj_id, bound,

@@ -214,9 +214,13 @@ async def test_an_asker_handed_anything_but_the_sealed_memfd_of_its_object_reads
     obj = _obj_id()
     mine = [torch.full(s.shape, 3, dtype=s.dtype) for s in SPECS] if into else None
     net = IntoNetwork(mine) if into else Network()
+    said = {k: _relay.counts.done[k] for k in ("unanswered", "refused", "gave_up")}
     with caplog.at_level(logging.WARNING, logger="rdt_async"), _fake_claimer(obj, reply):
         tensors, relayed = await asyncio.wait_for(_relay.fetch(obj, SPECS, net, buffers=mine), 10)
     assert (relayed, net.reads) == (False, 1)  # it mapped nothing it was sent, and read it itself
+    counted = {k: _relay.counts.done[k] - n for k, n in said.items()}  # why, in store_stats()["relay"]
+    assert sum(counted.values()) == 1 and counted["gave_up"] == 0, counted
+    assert (counted["refused"] == 1) == (warned is not None), (counted, warned)
     assert all(torch.equal(t, v) for t, v in zip(tensors, _values()))
     if into:
         assert all(t is b for t, b in zip(tensors, mine))

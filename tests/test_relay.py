@@ -701,7 +701,10 @@ def _producer_and_servers(k: int):
                 for k, n in after["fetches"].items()
                 if n > before["fetches"].get(k, 0)
             }
-            self.relay = {k: after["relay"][k] - before["relay"][k] for k in ("claimed", "landed", "copied")}
+            self.relay = {
+                k: after["relay"][k] - before["relay"][k]
+                for k in ("claimed", "landed", "copied", "unanswered", "refused", "gave_up")
+            }
             return float(got["w"].double().sum()), fetches, got["w"].data_ptr() == buf["w"].data_ptr()
 
         async def relay_did(self):
