@@ -18,8 +18,8 @@ class RDTError(Exception):
 
     def __init__(self, message: str, *, obj_id: str | None = None) -> None:
         if len(message) > MAX_MESSAGE:  # its head says what was refused, its tail the fix
-            cut = len(message) - MAX_MESSAGE + 1000
-            message = f"{message[: MAX_MESSAGE - 1000]} [... {cut} characters cut ...] {message[-800:]}"
+            head, tail = MAX_MESSAGE - 1000, 800
+            message = f"{message[:head]} [... {len(message) - head - tail} characters cut ...] {message[-tail:]}"
         super().__init__(message)
         self.obj_id = obj_id
 
