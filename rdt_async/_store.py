@@ -130,13 +130,17 @@ class Store:
         return ready
 
     def _overlaps(self, spans: list[_Span]) -> bool:
+        return self._holder(spans) is not None
+
+    def _holder(self, spans: list[_Span]) -> str | int | None:
+        """The key of a hold on a byte of `spans` (under the lock), or None."""
         if self._unseen or self._unseen_objects:
             self._see()
         for storage, start, end in spans:
-            for ranges in self._held.get(storage, {}).values():
+            for key, ranges in self._held.get(storage, {}).items():
                 if any(s < end and start < e for s, e in ranges):
-                    return True
-        return False
+                    return key
+        return None
 
     def _see(self) -> None:
         """Hold the bytes of the objects being made that nobody looked at yet (under the lock)."""
@@ -313,12 +317,9 @@ class Store:
         for i, t in enumerate(tensors):
             spans = _spans([t])
             with self._lock:
-                if self._unseen or self._unseen_objects:
-                    self._see()
-                for storage, start, end in spans:
-                    for key, ranges in self._held.get(storage, {}).items():
-                        if any(s < end and start < e for s, e in ranges):
-                            return i, key
+                key = self._holder(spans)
+            if key is not None:
+                return i, key
         return None
 
     def held(self, tensor: torch.Tensor) -> bool:
