@@ -208,11 +208,12 @@ def path(value: Any, k: int) -> str:
             return at if left[0] < 0 else None
         if type(v) in _ATOMS:
             return None
-        for key, x in _named_children(v):
+        children = _named_children(v)
+        for key, x in children:
             found = find(x, at + key)
             if found is not None:
                 return found
-        if _named_children(v) or _holds_none(v):
+        if children or _holds_none(v):
             return None
         inside = _pickle_out(v)  # a leaf of another type: its tensors, unnamed
         left[0] -= 0 if inside is None else len(inside[1])
@@ -227,7 +228,7 @@ def _named_children(v: Any) -> list[tuple[str, Any]]:
         return [(f"[{k!r}]", x) for k, x in v.items()]
     if isinstance(v, tuple) and hasattr(v, "_fields"):
         return [(f".{f}", x) for f, x in zip(v._fields, v)]
-    if isinstance(v, (list, tuple)):
+    if type(v) is tuple or isinstance(v, list):  # (another tuple subclass is a leaf there)
         return [(f"[{i}]", x) for i, x in enumerate(v)]
     if dataclasses.is_dataclass(v) and not isinstance(v, type):
         return [(f".{f.name}", getattr(v, f.name)) for f in dataclasses.fields(v)]

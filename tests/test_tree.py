@@ -15,6 +15,10 @@ from rdt_async._errors import TransferError
 Point = collections.namedtuple("Point", "x y")
 
 
+class Pair(tuple):
+    """A tuple subclass that is no namedtuple: a leaf to `flatten`."""
+
+
 @dataclasses.dataclass
 class Batch:
     x: torch.Tensor
@@ -131,6 +135,8 @@ def test_a_refused_buffer_is_named_by_where_it_lies_in_into():
              "n": 5, "last": torch.zeros(1)}  # fmt: skip
     assert [_tree.path(value, k) for k in range(5)] == ["['w']", "['l'][0]", "['l'][1].x", "['b'].x", "['last']"]
     assert _tree.path(torch.zeros(1), 0) == "" and _tree.path([torch.zeros(1)] * 3, 2) == "[2]"
+    pair = Pair((torch.zeros(1), torch.zeros(1)))  # a tuple subclass: one leaf to flatten (pickled), so one place
+    assert [_tree.path({"p": pair, "w": torch.zeros(1)}, k) for k in range(3)] == ["['p']", "['p']", "['w']"]
     specs = [TensorSpec((4,), torch.float32, "cpu", 16)] * 3
     model = {"layer0.weight": torch.zeros(4), "layer1.weight": torch.zeros(4, dtype=torch.bfloat16), "head": torch.zeros(4)}
     with pytest.raises(ValueError) as refused:
