@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import TypeGuard
 
 import torch
 
@@ -60,10 +61,13 @@ def landing_buffers(
     """
     given = or_none(buffers, len(specs))
     kind = torch.device(device).type
-    return [
-        b if b is not None and b.is_contiguous() and b.device.type == kind else _alloc.empty(s.shape, s.dtype, device)
-        for b, s in zip(given, specs)
-    ]
+    return [b if lands_in(b, kind) else _alloc.empty(s.shape, s.dtype, device) for b, s in zip(given, specs)]
+
+
+def lands_in(b: torch.Tensor | None, kind: str) -> TypeGuard[torch.Tensor]:
+    """Whether a receive on a device of `kind` lands in the caller's buffer `b` itself
+    (`landing_buffers`); where not, it lands elsewhere and `delivered` copies it over."""
+    return b is not None and b.is_contiguous() and b.device.type == kind
 
 
 def delivered(buffers: list[torch.Tensor] | None, landed: list[torch.Tensor]) -> list[torch.Tensor]:

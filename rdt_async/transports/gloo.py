@@ -48,7 +48,7 @@ from .._membership import TAG_LIMIT as TAG_LIMIT
 from .._membership import Group as Group
 from .._membership import groups as groups
 from ._base import Channel, Cost, TransferInfo, Transport, check_specs
-from ._kit import delivered, landing_buffers
+from ._kit import delivered, landing_buffers, lands_in
 from ._kvstore import KV, KVStore, StoreClosedError
 
 HELD, FREED, MISMATCH = 1, 2, 3  # the status message that comes before an object's tensors
@@ -210,11 +210,13 @@ class GlooTransport(Transport[GlooMeta]):
         group, src = checked_source(info, _device(self))  # before anything is posted
         packed, offsets, size = _packing([(tuple(s.shape), s.dtype) for s in info.specs])
         given: list[torch.Tensor | None] = list(buffers) if buffers is not None else [None] * len(info.specs)
-        pack = torch.empty(size, dtype=torch.uint8, device=_device(self)) if packed else None
-        for i, off in zip(packed, offsets):  # where the caller's buffer cannot take it: a view of the pack
-            b = given[i]
-            if b is None or not b.is_contiguous() or b.device.type != torch.device(_device(self)).type:
-                given[i] = _in_pack(pack, off, info.specs[i].shape, info.specs[i].dtype)
+        pack = None
+        if packed:
+            pack = torch.empty(size, dtype=torch.uint8, device=_device(self))
+            kind = torch.device(_device(self)).type
+            for i, off in zip(packed, offsets):  # where the caller's buffer cannot take it: a view of the pack
+                if not lands_in(given[i], kind):
+                    given[i] = _in_pack(pack, off, info.specs[i].shape, info.specs[i].dtype)
         dsts = landing_buffers(info.specs, given, _device(self))
         base = group.tags(len(dsts) + 2)
         status = torch.zeros(1, dtype=torch.int64, device=_device(self))
@@ -428,8 +430,7 @@ def _alone(tensors: Sequence[torch.Tensor], packed: Sequence[int]) -> list[int]:
     return [i for i, t in enumerate(tensors) if t.numel() and i not in inside]
 
 
-def _in_pack(pack: torch.Tensor | None, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    assert pack is not None
+def _in_pack(pack: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     n = math.prod(shape) * dtype.itemsize
     return pack[offset : offset + n].view(dtype).view(shape)
 
