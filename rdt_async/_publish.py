@@ -36,13 +36,13 @@ import pickle
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import ray
 import torch
 
-from . import _io, _metrics, _produce, _ray, _tree
+from . import _io, _metrics, _produce, _ray, _relay, _tree
 from ._buffers import share
 from ._errors import ObjectFreedError, TransferError, few, translating
 from ._local import aligned_layout, copy_to
@@ -611,6 +611,7 @@ class Subscription:
         self.apply_s: float | None = None  # the last version's fetch, from its answer to its tensors in hand
         self.delay_s: float | None = None  # from its publish to its tensors in hand
         self._id = next(_ids)
+        self._warm: tuple[str, Callable[[], None]] | None = None  # the producer whose relay memory we keep warm
         _subscriptions.add(self)
 
     def __aiter__(self) -> Subscription:
@@ -674,6 +675,7 @@ class Subscription:
                 break
             if kind == "closed":
                 self.closed = True
+                self._let_go_warm()
                 raise ObjectFreedError(f"{label}: the publisher closed")
             if kind == "missing":
                 raise LookupError(
@@ -683,11 +685,32 @@ class Subscription:
         _, version, published_at, what, waited = reply
         del reply
         if not chunked:
-            return version, published_at, _unwire(what, label), waited
+            obj = _unwire(what, label)
+            self._keep_warm(obj)
+            return version, published_at, obj, waited
         if type(what) is not list or not what:
             got = "an empty list" if type(what) is list else f"a {type(what).__name__!r} object"
             raise TransferError(f"{label}: the publisher answered with {got}, not a list of chunks")
-        return version, published_at, [_unwire(w, label) for w in what], waited
+        objs = [_unwire(w, label) for w in what]
+        self._keep_warm(objs[0])
+        return version, published_at, objs, waited
+
+    def _keep_warm(self, obj: RDTObject) -> None:
+        """Keep the node relay's memory for the publisher's objects warm while this
+        subscription lives (`_relay._Memfds.want`): the next version lands in memory that
+        the last one faulted in, however long a step takes."""
+        source = _relay.source_of(obj.producer.node_id, obj.producer.pid)
+        if self._warm is not None and self._warm[0] == source:
+            return
+        self._let_go_warm()  # (the publisher's actor restarted: a new process)
+        release = _relay.memfds.want(source)
+        self._warm = source, release
+        _io.finalize(self, release)
+
+    def _let_go_warm(self) -> None:
+        if self._warm is not None:
+            self._warm[1]()
+            self._warm = None
 
     def _took(self, version: int, published_at: float, waited: bool, started: float) -> None:
         """Count `version` as taken: its tensors are in hand."""

@@ -382,6 +382,11 @@ class _Memfd:
     source: str = ""  # the producer of the object it last held (`source_of`)
     pid: int = dataclasses.field(default_factory=os.getpid)  # whose pool reuses it (a fork's child never)
 
+    @property
+    def kind(self) -> tuple[int, str]:
+        """What a seat says of it: (capacity, source)."""
+        return self.capacity, self.source
+
 
 class _Memfds:
     """This process's warm memfds, reused once nothing maps them copy-on-write any more.
@@ -389,12 +394,19 @@ class _Memfds:
     Bounded (MAX_IDLE_BYTES idle in all) and shrinking: one idle for RDT_SHM_IDLE_S
     seconds (default 10) is closed. Capacities are powers of two (a memfd allocates only
     the pages written).
+
+    Except one memfd per capacity of each producer a live subscription of this process
+    follows (`want`), where this process is its node's first warm one of that kind (its
+    seat says so): a version every 30 s would otherwise land each time in fresh memory,
+    which faults in at a fraction of a warm copy's speed. Such a memfd stays, whatever its
+    size, until the last subscription to that producer here goes.
     """
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.idle: list[_Memfd] = []
         self.seats = _Seats()
+        self.wanted: dict[str, int] = {}  # producers (`source_of`) live subscriptions here follow: how many
         self._sweeper = _segments.IdleSweep(self._sweep)
 
     @staticmethod
@@ -434,14 +446,50 @@ class _Memfds:
             return
         m.idle_since = time.monotonic()
         with self.lock:
-            kept = sum(x.capacity for x in self.idle) + m.capacity <= MAX_IDLE_BYTES
-            if kept:
-                self.idle.append(m)
+            spared = {id(x) for x in self._spared()}
+            room = sum(x.capacity for x in self.idle if id(x) not in spared) + m.capacity <= MAX_IDLE_BYTES
+            self.idle.append(m)
+            self.seats.hold(self.idle)
+            kept = room or any(x is m for x in self._spared())  # (a subscription's, whatever its size)
+            if not kept:
+                self.idle.pop()
                 self.seats.hold(self.idle)
         if kept:
             self._sweeper.start()
         else:
             _close(m)
+
+    def want(self, source: str) -> Callable[[], None]:
+        """A subscription here follows `source`'s objects: keep a warm memfd of each of
+        their capacities while it lives (see the class). Returns the call that says it went."""
+        with self.lock:
+            self.wanted[source] = self.wanted.get(source, 0) + 1
+        done = False
+
+        def release() -> None:  # (any thread; never inside a finalizer: `_io.finalize`)
+            nonlocal done
+            if not done:
+                done = True
+                self._unwant(source)
+
+        return release
+
+    def _unwant(self, source: str) -> None:
+        with self.lock:
+            left = self.wanted.pop(source, 0) - 1  # (0: a forked child's copy of the subscription)
+            if left > 0:
+                self.wanted[source] = left
+        self._sweeper.start()  # what it kept goes once idle as long as any other
+
+    def _spared(self) -> list[_Memfd]:
+        """The idle memfds a subscription keeps (under the lock): the newest of each kind of a
+        wanted producer, where this process holds that kind's first seat."""
+        newest: dict[tuple[int, str], _Memfd] = {}
+        for m in self.idle:
+            if m.source in self.wanted and self.seats.first(m.kind):
+                if m.kind not in newest or m.idle_since > newest[m.kind].idle_since:
+                    newest[m.kind] = m
+        return list(newest.values())
 
     def clear(self) -> None:
         """Close every idle memfd now."""
@@ -460,16 +508,19 @@ class _Memfds:
         self.lock = threading.Lock()
         self._sweeper = _segments.IdleSweep(self._sweep)
         idle, self.idle = self.idle, []
+        self.wanted = {}  # (the subscriptions' copies here keep nothing)
         self.seats.forget()
         for m in idle:
             _close(m)
 
     def _sweep(self, cutoff: float) -> float | None:  # on the I/O loop
         with self.lock:
-            old = [m for m in self.idle if m.idle_since <= cutoff]
-            self.idle = [m for m in self.idle if m.idle_since > cutoff]
+            spared = {id(m) for m in self._spared()}
+            old = [m for m in self.idle if m.idle_since <= cutoff and id(m) not in spared]
+            gone = {id(m) for m in old}
+            self.idle = [m for m in self.idle if id(m) not in gone]
             self.seats.hold(self.idle)
-            left = _segments.oldest(self.idle)
+            left = _segments.oldest(m for m in self.idle if id(m) not in spared)
         _segments.let_go_off_loop(_close, old)
         return left
 
@@ -486,13 +537,13 @@ class _Seats:
     """
 
     def __init__(self) -> None:
-        self.held: dict[tuple[int, str], socket.socket] = {}
+        self.held: dict[tuple[int, str], tuple[socket.socket, int]] = {}  # kind: (seat, its number)
 
     def hold(self, idle: Sequence[_Memfd]) -> None:
         """Hold a seat for each (capacity, source) in `idle`, none other (under the pool's lock)."""
-        kinds = {(m.capacity, m.source) for m in idle}
+        kinds = {m.kind for m in idle}
         for kind in [k for k in self.held if k not in kinds]:
-            self.held.pop(kind).close()
+            self.held.pop(kind)[0].close()
         for cap, source in kinds - self.held.keys():  # (every seat held: the others say it already)
             for i in range(SEATS):
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -501,13 +552,18 @@ class _Seats:
                 except OSError:
                     sock.close()  # held by another warm process (or a probe, for a moment)
                     continue
-                self.held[cap, source] = sock
+                self.held[cap, source] = sock, i
                 break
+
+    def first(self, kind: tuple[int, str]) -> bool:
+        """Whether this process holds the first seat of `kind`: no other of the node said so before it."""
+        held = self.held.get(kind)
+        return held is not None and held[1] == 0
 
     def forget(self) -> None:
         """Close this process's copies of the seats (a forked child's: the parent's stay held)."""
         held, self.held = self.held, {}
-        for sock in held.values():
+        for sock, _ in held.values():
             sock.close()
 
     @staticmethod

@@ -232,7 +232,7 @@ class Server:
 
     async def stats(self) -> dict:
         s = rdt.store_stats()
-        return {"subscriptions": s["subscriptions"], "fetches": s["fetches"]}
+        return {"subscriptions": s["subscriptions"], "fetches": s["fetches"], "relay": s["relay"]}
 
 
 @pytest.fixture(scope="module")
@@ -270,6 +270,37 @@ def test_every_version_lands_exactly_and_a_slow_subscriber_skips_to_the_newest(a
         return (version, _samples(body, "ray_rdt_subscription_skipped_total", worker)) if version == {"": last} else None
 
     assert _wait_for(seen)[1] == {"": skipped}
+
+
+def test_versions_further_apart_than_the_idle_time_land_in_the_nodes_warm_relay_memory(actors):
+    """A trainer's step is often longer than RDT_SHM_IDLE_S: a node's relay memory must not
+    go cold between versions (each would land in fresh memory, faulting it in anew), but stay
+    with the process that held the last one, for as long as its subscription lives."""
+    trainer = Trainer.remote()  # (the module's servers on node 2 keep warm memory for the module's trainer)
+    idle = {"env_vars": {"RDT_SHM_IDLE_S": "0.3", "RDT_RELAY_KEEP_S": "0.2"}}  # (a claim ends 0.2 s after its read)
+    pair = [Server.options(**ON_NODE2, runtime_env=idle).remote() for _ in range(2)]
+    ray.get(trainer.open.remote("far"))
+    try:
+        for version in range(3):
+            follows = [s.follow.remote(trainer, "far", version, 0.0, True) for s in pair]
+            assert ray.get(trainer.publish.remote("far"), timeout=60) == [version]
+            assert ray.get(follows, timeout=60) == [[(version, True)]] * 2  # exact, into the buffers
+            time.sleep(1.2)  # four idle times before the next version
+        stats = ray.get([s.stats.remote() for s in pair])
+        relay = [s["relay"] for s in stats]
+        assert sum(r["claimed"] for r in relay) + sum(r["mapped"] for r in relay) == 6, relay
+        # Still warm after the idle time: one memfd in the node, which the later versions landed in.
+        assert sorted(r["idle_memfds"] for r in relay) == [0, 1], relay
+        assert sum(r["landed"] for r in relay) >= 1, relay
+        # Closed: the subscriptions (still alive) keep nothing for it any more.
+        ray.get(trainer.close.remote("far"))
+        ended = ray.get([s.next_within.remote(trainer, "far", 30) for s in pair], timeout=60)
+        assert all(e.startswith("ObjectFreedError") and e.endswith("the publisher closed") for e in ended), ended
+        time.sleep(1.2)
+        assert [s["relay"]["idle_memfds"] for s in ray.get([s.stats.remote() for s in pair])] == [0, 0]
+    finally:
+        for s in (trainer, *pair):
+            ray.kill(s)
 
 
 def _follow_every_version(trainer, here, there, last, follows) -> None:

@@ -14,6 +14,7 @@ import gc
 import multiprocessing
 import os
 import secrets
+import socket
 import time
 from unittest import mock
 
@@ -487,6 +488,65 @@ async def test_an_idle_memfd_is_closed_on_its_own(monkeypatch):
     await asyncio.sleep(0.9)  # nothing uses the pool again: the sweep alone closes it
     assert _relay.memfds.idle == []
     assert not [fd for fd in _fds() - before if "memfd:rdt-relay" in fd]
+
+
+async def test_a_subscription_keeps_its_producers_newest_warm_memfd_past_the_idle_time_and_the_bound(monkeypatch):
+    """A version every 30 s would land each time in fresh memory: while a subscription here
+    follows a producer, the newest idle memfd of each capacity of that producer's objects
+    stays (this process holding the node's first seat of it), whatever the bound on idle
+    bytes; the others go as before, and it goes once the subscription does."""
+    monkeypatch.setenv("RDT_SHM_IDLE_S", "0.3")
+    monkeypatch.setattr(_relay, "MAX_IDLE_BYTES", 0)  # nothing is kept for reuse but a subscription's
+    monkeypatch.setattr(_relay, "memfds", _relay._Memfds())  # no sweep of earlier tests' pending (30 s)
+    size, pool = _relay._layout(SPECS)[1], _relay.memfds
+    cap = pool.capacity(size)
+    release = pool.want(_src())
+    older, newest, other = pool.take(size, _src()), pool.take(size, _src()), pool.take(size, "another producer")
+    older_ino, newest_ino, other_ino = (os.fstat(m.fd).st_ino for m in (older, newest, other))
+    pool.give(older)
+    assert pool.idle == [older] and _relay._Seats.taken(cap, _src())  # kept past the bound, and said
+    pool.give(newest)
+    pool.give(other)  # nobody follows its producer: over the bound, closed at once
+    assert pool.idle == [older, newest] and other_ino not in _open_inodes()
+    await asyncio.sleep(1.0)  # three idle times: the sweep closed the older one only
+    assert pool.idle == [newest] and older_ino not in _open_inodes() and _relay._Seats.taken(cap, _src())
+    assert pool.warm(size) and not pool.warm(4 * cap)
+    taken = pool.take(size, _src())
+    assert taken is newest  # the next version lands in it: warm
+    pool.give(taken)
+    release()
+    release()  # (twice: once counts)
+    assert pool.wanted == {}
+    await asyncio.sleep(1.0)
+    assert pool.idle == [] and newest_ino not in _open_inodes() and not _relay._Seats.taken(cap, _src())
+
+
+def test_a_subscription_keeps_a_memfd_only_where_no_other_process_of_the_node_says_it_keeps_one(monkeypatch):
+    """At most one warm memfd of a kind a node: a process whose seat is not the first (another
+    said before it that it keeps one) lets its own go at the idle time."""
+    monkeypatch.setattr(_relay, "MAX_IDLE_BYTES", 0)
+    size = _relay._layout(SPECS)[1]
+    cap = _relay.memfds.capacity(size)
+    first = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    first.bind(_relay._seat(cap, _src(), 0))  # a neighbour's seat, said first
+    try:
+        release = _relay.memfds.want(_src())
+        m = _relay.memfds.take(size, _src())
+        ino = os.fstat(m.fd).st_ino
+        _relay.memfds.give(m)
+        assert _relay.memfds.idle == [] and ino not in _open_inodes()
+        release()
+    finally:
+        first.close()
+
+
+def _open_inodes() -> set[int]:
+    """The inodes of this process's open descriptors (a memfd's mapping keeps one of its own)."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            out.add(os.stat(f"/proc/self/fd/{fd}").st_ino)
+    return out
 
 
 async def test_a_consumer_arriving_after_the_claim_ended_reads_again(monkeypatch):
