@@ -155,14 +155,15 @@ def _views(buffer: Any, specs: Sequence[TensorSpec], offsets: list[int]) -> list
     return [view_in(buffer, s, off) for s, off in zip(specs, offsets)]
 
 
-def _private(fd: int, specs: Sequence[TensorSpec], offsets: list[int], holder: Any) -> list[torch.Tensor]:
+def _private(fd: int, specs: Sequence[TensorSpec], offsets: list[int], holder: Any, source: str = "") -> list[torch.Tensor]:
     """Map the memfd copy-on-write: views that read its bytes and keep their own writes.
 
     `holder` (the lease of our own memfd, or our connection to the one who lent it) is
     released once no view is left. The mapping is kept for the next handing-out of the
-    same memfd (transports/_mappings.py: warm page tables, our old writes dropped).
+    same memfd (transports/_mappings.py: warm page tables, our old writes dropped), past
+    the idle time while a subscription here follows `source` (the object's producer).
     """
-    buf = _mappings.cache.open(fd, None)
+    buf = _mappings.cache.open(fd, None, source)
     if isinstance(holder, _Lease):
         holder.hold()  # a new lease: never spent yet
         _io.finalize(buf, holder.release)
@@ -220,7 +221,7 @@ async def fetch(
         got = _NO_CLAIM
         if _Seats.taken(memfds.capacity(size), source):
             counts.add("waited_for_warm")
-            got = await _ask_within(obj_id, specs, _cold_wait_s(size), follow)
+            got = await _ask_within(obj_id, specs, _cold_wait_s(size), follow, source)
         if got is not _NO_CLAIM:
             return (got, True) if got is not None else (await transfer(), False)
         if warm_only:
@@ -231,7 +232,7 @@ async def fetch(
         claim.listen(128)  # at once: a neighbour connecting between bind and listen is refused, and reads for itself
     except OSError:
         claim.close()  # another consumer of this node holds the object, or is reading it
-        got = await _ask(obj_id, specs, follow)
+        got = await _ask(obj_id, specs, follow, source)
         if got is not None and got is not _NO_CLAIM:
             return got, True
         return await transfer(), False
@@ -296,7 +297,7 @@ async def _serve(
                 await _io.to_thread_finished(_copy_ranges, views, own.into, _untold(own.copied, specs))
                 mine = own.into
             else:
-                mine = _private(memfd.fd, specs, offsets, lease)  # askers get it while anyone maps it
+                mine = _private(memfd.fd, specs, offsets, lease, source)  # askers get it while anyone maps it
         else:
             mine = await transfer()
             if server.asked():
@@ -464,6 +465,7 @@ class _Memfds:
         their capacities while it lives (see the class). Returns the call that says it went."""
         with self.lock:
             self.wanted[source] = self.wanted.get(source, 0) + 1
+        _mappings.cache.want(source)  # (and the mappings of them this process reads through)
         done = False
 
         def release() -> None:  # (any thread; never inside a finalizer: `_io.finalize`)
@@ -479,6 +481,7 @@ class _Memfds:
             left = self.wanted.pop(source, 0) - 1  # (0: a forked child's copy of the subscription)
             if left > 0:
                 self.wanted[source] = left
+        _mappings.cache.unwant(source)
         self._sweeper.start()  # what it kept goes once idle as long as any other
 
     def _spared(self) -> list[_Memfd]:
@@ -800,11 +803,13 @@ def _cold_wait_s(size: int) -> float:
     return min(COLD_WAIT_MAX_S, max(COLD_WAIT_S, size / (1 << 30) * COLD_WAIT_PER_GIB_S))
 
 
-async def _ask_within(obj_id: str, specs: Sequence[TensorSpec], wait_s: float, follow: list[torch.Tensor] | None) -> Any:
+async def _ask_within(
+    obj_id: str, specs: Sequence[TensorSpec], wait_s: float, follow: list[torch.Tensor] | None, source: str = ""
+) -> Any:
     """`_ask`, again for up to `wait_s` while nobody holds the object yet."""
     deadline = time.monotonic() + wait_s
     while True:
-        got = await _ask(obj_id, specs, follow)
+        got = await _ask(obj_id, specs, follow, source)
         if got is not _NO_CLAIM or time.monotonic() >= deadline:
             return got
         await asyncio.sleep(COLD_STEP_S)
@@ -817,7 +822,7 @@ def _ask_bound(nbytes: int) -> float:
     return ASK_MIN_S + nbytes / 25e6
 
 
-async def _ask(obj_id: str, specs: Sequence[TensorSpec], follow: list[torch.Tensor] | None = None) -> Any:
+async def _ask(obj_id: str, specs: Sequence[TensorSpec], follow: list[torch.Tensor] | None = None, source: str = "") -> Any:
     """The object from the consumer of this node that holds it: None if it cannot give it,
     `_NO_CLAIM` if nobody holds it. Our end of the connection stays open while our
     mapping lives: its closing tells the holder that we no longer map the memfd.
@@ -858,7 +863,7 @@ async def _ask(obj_id: str, specs: Sequence[TensorSpec], follow: list[torch.Tens
             log.warning("rdt_async: the consumer of this node holding object %s answered %s; reading it myself", obj_id, why)
             return None
         try:
-            views = _private(fds[0], specs, offsets, sock)
+            views = _private(fds[0], specs, offsets, sock, source)
         except (OSError, ValueError) as exc:
             counts.add("refused")
             log.warning("rdt_async: could not map the memfd of object %s (%s); reading it myself", obj_id, exc)

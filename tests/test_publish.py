@@ -232,7 +232,10 @@ class Server:
 
     async def stats(self) -> dict:
         s = rdt.store_stats()
-        return {"subscriptions": s["subscriptions"], "fetches": s["fetches"], "relay": s["relay"]}
+        from rdt_async.transports import _mappings
+
+        return {"subscriptions": s["subscriptions"], "fetches": s["fetches"], "relay": s["relay"],
+                "mappings": _mappings.cache.stats()}
 
 
 @pytest.fixture(scope="module")
@@ -292,6 +295,8 @@ def test_versions_further_apart_than_the_idle_time_land_in_the_nodes_warm_relay_
         # Still warm after the idle time: one memfd in the node, which the later versions landed in.
         assert sorted(r["idle_memfds"] for r in relay) == [0, 1], relay
         assert sum(r["landed"] for r in relay) >= 1, relay
+        # And who mapped it kept its mapping (warm page tables) for the next version.
+        assert sum(s["mappings"]["reused"] for s in stats) >= 1, stats
         # Closed: the subscriptions (still alive) keep nothing for it any more.
         ray.get(trainer.close.remote("far"))
         ended = ray.get([s.next_within.remote(trainer, "far", 30) for s in pair], timeout=60)

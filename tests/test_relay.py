@@ -540,6 +540,36 @@ def test_a_subscription_keeps_a_memfd_only_where_no_other_process_of_the_node_sa
         first.close()
 
 
+async def test_a_subscription_keeps_the_newest_mapping_of_its_producers_memfds_past_the_idle_time(monkeypatch):
+    """An asker maps the node's warm memfd of each version: its mapping (warm page tables)
+    stays with it, tagged by the producer, while a subscription here follows that producer."""
+    if not _mappings._keeps():
+        pytest.skip("this kernel keeps no mapping (no PAGEMAP_SCAN)")
+    monkeypatch.setenv("RDT_SHM_IDLE_S", "0.3")
+    monkeypatch.setattr(_mappings, "cache", _mappings.MappingCache())  # no sweep of earlier tests' pending (30 s)
+    size = _relay._layout(SPECS)[1]
+    files = [_relay._Memfds().take(size) for _ in range(3)]
+    release = _relay.memfds.want(_src())  # (the relay's pool tells the mappings)
+    try:
+        for m, tag in zip(files, (_src(), _src(), "another producer")):
+            views = _relay._private(m.fd, SPECS, _relay._layout(SPECS)[0], mock.Mock(), tag)
+            del views
+            await asyncio.sleep(0.01)  # (in order: the newest is the last one of the tag)
+        _io.settle()
+        assert _mappings.cache.stats()["idle"] == 3
+        await asyncio.sleep(1.0)
+        assert _mappings.cache.stats()["idle"] == 1  # the newest of the followed producer's
+        views = _relay._private(files[1].fd, SPECS, _relay._layout(SPECS)[0], mock.Mock(), _src())
+        assert _mappings.cache.reused == 1  # mapped through it
+        del views
+    finally:
+        release()
+    await asyncio.sleep(1.0)
+    assert _mappings.cache.stats()["idle"] == 0
+    for m in files:
+        _relay._close(m)
+
+
 def _open_inodes() -> set[int]:
     """The inodes of this process's open descriptors (a memfd's mapping keeps one of its own)."""
     out = set()
@@ -927,7 +957,7 @@ async def test_a_claimer_that_cannot_map_its_own_copy_gives_the_memfd_back(monke
     before = _fds()
     net, obj = Landing(5), _obj_id()
 
-    def no_memory(fd, hold):
+    def no_memory(fd, hold, tag=""):
         raise OSError(12, "Cannot allocate memory")
 
     with monkeypatch.context() as m:

@@ -13,8 +13,9 @@ Two fetches alive at once never share a mapping (a writer through one would show
 through the other). Pages the producer wrote show, as through a new mapping.
 
 Bounded: MAX_IDLE_BYTES of idle mappings in all; one idle longer than RDT_SHM_IDLE_S
-(default 10 s) is unmapped. Until then it keeps its file's pages (a storage the producer
-freed, a segment it unlinked). Where the kernel lacks PAGEMAP_SCAN (Linux < 6.7) or
+(default 10 s) is unmapped, except the newest of each tag (`open`) somebody wants kept
+(`want`: the node relay's memfds of a producer a subscription here follows). Until then
+it keeps its file's pages (a storage the producer freed, a segment it unlinked). Where the kernel lacks PAGEMAP_SCAN (Linux < 6.7) or
 RDT_SHM_KEEP_MAPS=0, nothing is kept: each fetch maps anew, as before.
 
 Runs on: consumer (shm's views).
@@ -43,6 +44,7 @@ class _Mapped:
     mm: mmap.mmap
     addr: int
     idle_since: float = 0.0
+    tag: str = ""  # whose file it is (`open`), for `want`
 
 
 class MappingCache:
@@ -52,14 +54,15 @@ class MappingCache:
         self._lock = threading.Lock()
         self._idle: dict[tuple[int, int, int], _Mapped] = {}
         self._sweeper = IdleSweep(self._sweep)
+        self._wanted: dict[str, int] = {}  # tags whose newest idle mapping stays past the idle time
         self.reused = 0  # fetches served by a kept mapping
         self.restored_pages = 0  # pages a consumer had written, dropped before a reuse
 
-    def open(self, fd: int, hold: Any) -> Any:
+    def open(self, fd: int, hold: Any, tag: str = "") -> Any:
         """A writable buffer over all of `fd`'s file, mapped copy-on-write; it keeps `hold`.
 
         Views made of it (`torch.frombuffer`) keep it alive; when the last goes, its
-        mapping is kept for the next fetch of the file.
+        mapping is kept for the next fetch of the file (past the idle time where `tag` is wanted).
         """
         st = os.fstat(fd)
         key = (st.st_dev, st.st_ino, st.st_size)
@@ -76,6 +79,7 @@ class MappingCache:
         if m is None:
             mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             m = _Mapped(key, mm, _address(mm))
+        m.tag = tag
         buf = (ctypes.c_char * st.st_size).from_buffer(m.mm)
         buf.hold = hold  # type: ignore[attr-defined]  # the object lives while a view does
         _io.finalize(buf, self._idle_again, m)
@@ -96,12 +100,33 @@ class MappingCache:
             _close(x)
         self._sweeper.start()
 
+    def want(self, tag: str) -> None:
+        """Keep the newest idle mapping tagged `tag` past the idle time, until `unwant`."""
+        with self._lock:
+            self._wanted[tag] = self._wanted.get(tag, 0) + 1
+
+    def unwant(self, tag: str) -> None:
+        with self._lock:
+            left = self._wanted.pop(tag, 0) - 1
+            if left > 0:
+                self._wanted[tag] = left
+        self._sweeper.start()
+
+    def _spared(self) -> set[tuple[int, int, int]]:
+        """The idle mappings kept past the idle time (under the lock): the newest of each wanted tag."""
+        newest: dict[str, _Mapped] = {}
+        for m in self._idle.values():
+            if m.tag in self._wanted and (m.tag not in newest or m.idle_since > newest[m.tag].idle_since):
+                newest[m.tag] = m
+        return {m.key for m in newest.values()}
+
     def _sweep(self, cutoff: float) -> float | None:  # on the I/O loop
         with self._lock:
-            old = [m for m in self._idle.values() if m.idle_since <= cutoff]
+            spared = self._spared()
+            old = [m for m in self._idle.values() if m.idle_since <= cutoff and m.key not in spared]
             for m in old:
                 del self._idle[m.key]
-            left = oldest(self._idle.values())
+            left = oldest(m for m in self._idle.values() if m.key not in spared)
         let_go_off_loop(_close, old)
         return left
 
