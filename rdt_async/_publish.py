@@ -611,7 +611,7 @@ class Subscription:
         self.apply_s: float | None = None  # the last version's fetch, from its answer to its tensors in hand
         self.delay_s: float | None = None  # from its publish to its tensors in hand
         self._id = next(_ids)
-        self._warm: tuple[str, Callable[[], None]] | None = None  # the producer whose relay memory we keep warm
+        self._warm: tuple[str, int, Callable[[], None]] | None = None  # whose relay memory we keep warm, how many
         _subscriptions.add(self)
 
     def __aiter__(self) -> Subscription:
@@ -686,30 +686,31 @@ class Subscription:
         del reply
         if not chunked:
             obj = _unwire(what, label)
-            self._keep_warm(obj)
+            self._keep_warm(obj, 1)
             return version, published_at, obj, waited
         if type(what) is not list or not what:
             got = "an empty list" if type(what) is list else f"a {type(what).__name__!r} object"
             raise TransferError(f"{label}: the publisher answered with {got}, not a list of chunks")
         objs = [_unwire(w, label) for w in what]
-        self._keep_warm(objs[0])
+        self._keep_warm(objs[0], 1 + FETCH_AHEAD)  # (the chunks it fetches at once)
         return version, published_at, objs, waited
 
-    def _keep_warm(self, obj: RDTObject) -> None:
+    def _keep_warm(self, obj: RDTObject, each: int) -> None:
         """Keep the node relay's memory for the publisher's objects warm while this
-        subscription lives (`_relay._Memfds.want`): the next version lands in memory that
-        the last one faulted in, however long a step takes."""
+        subscription lives (`_relay._Memfds.want`: `each` memfds of a size): the next
+        version lands in memory that the last one faulted in, however long a step takes."""
         source = _relay.source_of(obj.producer.node_id, obj.producer.pid)
-        if self._warm is not None and self._warm[0] == source:
+        if self._warm is not None and self._warm[0] == source and self._warm[1] >= each:
             return
-        self._let_go_warm()  # (the publisher's actor restarted: a new process)
-        release = _relay.memfds.want(source)
-        self._warm = source, release
+        each = max(each, self._warm[1]) if self._warm is not None and self._warm[0] == source else each
+        self._let_go_warm()  # (the publisher's actor restarted, a new process; or a stream asks for more)
+        release = _relay.memfds.want(source, each)
+        self._warm = source, each, release
         _io.finalize(self, release)
 
     def _let_go_warm(self) -> None:
         if self._warm is not None:
-            self._warm[1]()
+            self._warm[2]()
             self._warm = None
 
     def _took(self, version: int, published_at: float, waited: bool, started: float) -> None:

@@ -396,18 +396,18 @@ class _Memfds:
     seconds (default 10) is closed. Capacities are powers of two (a memfd allocates only
     the pages written).
 
-    Except one memfd per capacity of each producer a live subscription of this process
-    follows (`want`), where this process is its node's first warm one of that kind (its
-    seat says so): a version every 30 s would otherwise land each time in fresh memory,
-    which faults in at a fraction of a warm copy's speed. Such a memfd stays, whatever its
-    size, until the last subscription to that producer here goes.
+    Except the newest memfd (or few: `want`) per capacity of each producer a live
+    subscription of this process follows, where this process is its node's first warm one
+    of that kind (its seat says so): a version every 30 s would otherwise land each time in
+    fresh memory, which faults in at a fraction of a warm copy's speed. Those stay,
+    whatever their size, until the last subscription to that producer here goes.
     """
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.idle: list[_Memfd] = []
         self.seats = _Seats()
-        self.wanted: dict[str, int] = {}  # producers (`source_of`) live subscriptions here follow: how many
+        self.wanted: dict[str, list[int]] = {}  # producers (`source_of`) live subscriptions here follow: `want`'s `each`
         self._sweeper = _segments.IdleSweep(self._sweep)
 
     @staticmethod
@@ -460,11 +460,12 @@ class _Memfds:
         else:
             _close(m)
 
-    def want(self, source: str) -> Callable[[], None]:
-        """A subscription here follows `source`'s objects: keep a warm memfd of each of
-        their capacities while it lives (see the class). Returns the call that says it went."""
+    def want(self, source: str, each: int = 1) -> Callable[[], None]:
+        """A subscription here follows `source`'s objects: keep `each` warm memfds of each of
+        their capacities while it lives (see the class; a stream fetches a few chunks at
+        once). Returns the call that says it went."""
         with self.lock:
-            self.wanted[source] = self.wanted.get(source, 0) + 1
+            self.wanted.setdefault(source, []).append(each)
         _mappings.cache.want(source)  # (and the mappings of them this process reads through)
         done = False
 
@@ -472,27 +473,33 @@ class _Memfds:
             nonlocal done
             if not done:
                 done = True
-                self._unwant(source)
+                self._unwant(source, each)
 
         return release
 
-    def _unwant(self, source: str) -> None:
+    def _unwant(self, source: str, each: int) -> None:
         with self.lock:
-            left = self.wanted.pop(source, 0) - 1  # (0: a forked child's copy of the subscription)
-            if left > 0:
+            left = self.wanted.pop(source, [])
+            if each in left:  # (not: a forked child's copy of the subscription)
+                left.remove(each)
+            if left:
                 self.wanted[source] = left
         _mappings.cache.unwant(source)
         self._sweeper.start()  # what it kept goes once idle as long as any other
 
     def _spared(self) -> list[_Memfd]:
-        """The idle memfds a subscription keeps (under the lock): the newest of each kind of a
-        wanted producer, where this process holds that kind's first seat."""
-        newest: dict[tuple[int, str], _Memfd] = {}
+        """The idle memfds subscriptions keep (under the lock): the newest of each kind of a
+        wanted producer (as many as its subscriptions ask), where this process holds that
+        kind's first seat."""
+        kinds: dict[tuple[int, str], list[_Memfd]] = {}
         for m in self.idle:
             if m.source in self.wanted and self.seats.first(m.kind):
-                if m.kind not in newest or m.idle_since > newest[m.kind].idle_since:
-                    newest[m.kind] = m
-        return list(newest.values())
+                kinds.setdefault(m.kind, []).append(m)
+        spared = []
+        for (_, source), ms in kinds.items():
+            ms.sort(key=lambda m: m.idle_since, reverse=True)
+            spared += ms[: max(self.wanted[source])]
+        return spared
 
     def clear(self) -> None:
         """Close every idle memfd now."""

@@ -516,9 +516,29 @@ async def test_a_subscription_keeps_its_producers_newest_warm_memfd_past_the_idl
     pool.give(taken)
     release()
     release()  # (twice: once counts)
-    assert pool.wanted == {}
+    assert pool.wanted == {}  # (and a stream's subscription keeps a few: `want(source, each)`)
     await asyncio.sleep(1.0)
     assert pool.idle == [] and newest_ino not in _open_inodes() and not _relay._Seats.taken(cap, _src())
+
+
+async def test_a_streaming_subscription_keeps_as_many_memfds_of_a_size_as_it_fetches_at_once(monkeypatch):
+    monkeypatch.setenv("RDT_SHM_IDLE_S", "0.3")
+    monkeypatch.setattr(_relay, "MAX_IDLE_BYTES", 0)
+    monkeypatch.setattr(_relay, "memfds", _relay._Memfds())
+    size, pool = _relay._layout(SPECS)[1], _relay.memfds
+    one, three = pool.want(_src()), pool.want(_src(), 3)
+    ms = [pool.take(size, _src()) for _ in range(4)]
+    for m in ms:
+        pool.give(m)
+        await asyncio.sleep(0.01)  # (the newest given last)
+    await asyncio.sleep(1.0)
+    assert pool.idle == ms[1:]  # the three newest: what its most asking subscription fetches at once
+    three()
+    await asyncio.sleep(1.0)
+    assert pool.idle == ms[3:]  # the other subscription keeps one
+    one()
+    await asyncio.sleep(1.0)
+    assert pool.idle == []
 
 
 def test_a_subscription_keeps_a_memfd_only_where_no_other_process_of_the_node_says_it_keeps_one(monkeypatch):
