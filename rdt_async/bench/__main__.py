@@ -52,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--publish-sizes", default="1G",
                     help="state-dict sizes of the versioned publishing across hosts (--hosts three): a trainer "
                          "publishes ~200 tensors every step to 8 subscribers on 2 hosts")
+    ap.add_argument("--publish-pause", type=float, default=None, metavar="S",
+                    help="seconds between the versions the trainer publishes (its training step; default longer "
+                         "than the actors keep idle warm memory, as a step of tens of seconds is; 0: back to back)")
     ap.add_argument("--write-costs", default="", metavar="FILE",
                     help="fit auto's cost model to the e2e passes and merge it into FILE (for RDT_AUTO_COSTS)")
     ap.add_argument("--quick", action="store_true",
@@ -109,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         if want("publish") and (hosts == 3 or "publish" in only):
             from . import _publish
 
-            rows += _publish.run([parse_size(s) for s in args.publish_sizes.split(",")], args.repeat, hosts, progress)
+            pause = _publish.PAUSE_S if args.publish_pause is None else args.publish_pause
+            rows += _publish.run([parse_size(s) for s in args.publish_sizes.split(",")], args.repeat, hosts, progress, pause)
         for bench in others:
             with progress.step(bench):
                 rows += _other(bench, sizes, args.repeat)

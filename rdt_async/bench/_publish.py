@@ -4,7 +4,9 @@
 keeps a state dict of ~200 tensors (`--publish-sizes`, 1 GiB by default) in shared
 memory; 8 async inference actors, 4 on each other host, load every version into their
 own model's tensors. A pass publishes `STEPS` versions, the trainer writing the step's
-number into every tensor first (its training step, not timed), by one path; the paths
+number into every tensor first (its training step, not timed) after a pause (`pause`,
+PAUSE_S by default: longer than the actors keep idle warm memory, as a trainer's step of
+tens of seconds is longer than the 10 s they keep it by default), by one path; the paths
 take turns, the order rotating each round:
 
 - `rdt publish`: an `rdt.Publisher` in the trainer; each subscriber waits in `await
@@ -53,6 +55,8 @@ import ray
 import torch
 
 import rdt_async as rdt
+from rdt_async import _relay
+from rdt_async.transports import _mappings
 
 from ._fanout import (
     RAY_ZERO_COPY,
@@ -83,6 +87,7 @@ PUBLISHED = (RDT_PUBLISH, RDT_LENT, RDT_STREAM)  # the subscribers wait for the 
 # of a host). The actors keep it IDLE_S instead, and each pass is followed by a pause that
 # lets one path's idle memory go before the next.
 IDLE_S = 1.0
+PAUSE_S = IDLE_S + 0.5  # between the versions of a pass (`run`): what users' steps are to their idle time
 ENV = {"env_vars": {**ZERO_COPY_ENV["env_vars"], "RDT_SHM_IDLE_S": str(IDLE_S)}}  # (zero-copy: Ray's path only)
 
 
@@ -206,11 +211,19 @@ class Subscriber(_Loader):
         await asyncio.to_thread(self.model, size)
         self.sub = rdt.subscribe(trainer, name)
 
-    async def take(self, path: str, size: int, value: float, refs: list[Any]) -> dict[str, Any]:
+    async def take(self, path: str, size: int, value: float, refs: list[Any], idle_gone: bool = False) -> dict[str, Any]:
         """Load the next version by `path`, then check it: when it was checked, the loop's
-        worst stall meanwhile, when publishing began (hand-written), what went wrong."""
+        worst stall meanwhile, when publishing began (hand-written), what went wrong.
+        `idle_gone`: the pause before the version was longer than idle warm memory is kept."""
         model, sub = self.model(size), self.sub
         assert sub is not None  # (made by prepare)
+        if path == HAND_WRITTEN and idle_gone:
+            # That pattern has no subscription: nothing keeps the relay's memory warm
+            # between its versions (this actor's subscription does for the other paths,
+            # and takes it up again at its next version).
+            sub._let_go_warm()
+            _relay.memfds.clear()  # (what the pause's sweep closed, as the idle time ran out)
+            _mappings.cache.clear()
         before = dict(rdt.store_stats()["fetches"])
         at = None
         stall = LoopStall()
@@ -234,8 +247,10 @@ class Subscriber(_Loader):
                 "used": fetches_since(before), "apply_s": sub.apply_s if path in PUBLISHED else None}
 
 
-def run(sizes: list[int], repeat: int, hosts: int, progress: Progress | None = None) -> list[dict[str, Any]]:
-    """Every size, the paths in turns: a cold pass of each, then `repeat` rounds of warm ones."""
+def run(sizes: list[int], repeat: int, hosts: int, progress: Progress | None = None,
+        pause: float = PAUSE_S) -> list[dict[str, Any]]:
+    """Every size, the paths in turns: a cold pass of each, then `repeat` rounds of warm ones;
+    `pause` seconds before each version (0: back to back)."""
 
     def setup() -> tuple[list[Any], Sized]:
         trainer = Trainer.options(runtime_env=ENV).remote()
@@ -246,7 +261,7 @@ def run(sizes: list[int], repeat: int, hosts: int, progress: Progress | None = N
             if short is not None:  # (this machine holds every host: refused before it runs out)
                 return [{"bench": "publish", "case": p, "size": size, "error": short} for p in PATHS]
             try:
-                return _size(trainer, subs, size, repeat)
+                return _size(trainer, subs, size, repeat, pause)
             except Exception as e:  # the setup failed: every path's row says so
                 error = f"{type(e).__name__}: {e}"[:400]
                 return [{"bench": "publish", "case": p, "size": size, "error": error} for p in PATHS]
@@ -293,7 +308,7 @@ def _available_bytes() -> int | None:
     return None
 
 
-def _size(trainer: Any, subs: list[Any], size: int, repeat: int) -> list[dict[str, Any]]:
+def _size(trainer: Any, subs: list[Any], size: int, repeat: int, pause: float = PAUSE_S) -> list[dict[str, Any]]:
     name = f"weights-{size}"
     setup = ray.get(trainer.setup.remote(size, name), timeout=600)
     ray.get([s.prepare.remote(size, trainer, name) for s in subs], timeout=600)
@@ -310,7 +325,8 @@ def _size(trainer: Any, subs: list[Any], size: int, repeat: int) -> list[dict[st
             try:
                 for _ in range(STEPS):
                     value += 1
-                    steps.append(_one_step(path, trainer, subs, size, value))
+                    time.sleep(pause)  # (the trainer's step: not timed)
+                    steps.append(_one_step(path, trainer, subs, size, value, pause > IDLE_S))
                 if path in PUBLISHED:
                     memory = ray.get(trainer.memory.remote())
             except AssertionError as e:
@@ -324,7 +340,8 @@ def _size(trainer: Any, subs: list[Any], size: int, repeat: int) -> list[dict[st
         ray.get(trainer.close.remote())
     except ray.exceptions.RayError:  # (it died: the rows say what broke)
         pass
-    rows = [_row(p, passes[p], wrong.get(p), broke.get(p), setup, memory, size, len(subs)) for p in PATHS]
+    rows = [{**_row(p, passes[p], wrong.get(p), broke.get(p), setup, memory, size, len(subs)), "pause_s": pause}
+            for p in PATHS]
     _with_ratios(rows)
     return rows
 
@@ -338,13 +355,13 @@ def _with_ratios(rows: list[dict[str, Any]]) -> None:
             row["vs_hand_written"] = round(row["seconds"] / hand, 3)
 
 
-def _one_step(path: str, trainer: Any, subs: list[Any], size: int, value: float) -> dict[str, Any]:
-    """Publish one version by `path` and wait until every subscriber has checked it."""
-    takes = [s.take.remote(path, size, value, []) for s in subs] if path in PUBLISHED else []
+def _one_step(path: str, trainer: Any, subs: list[Any], size: int, value: float, idle_gone: bool = False) -> dict[str, Any]:
+    """Publish one version by `path` and wait until every subscriber has checked it (`idle_gone`: see `take`)."""
+    takes = [s.take.remote(path, size, value, [], idle_gone) for s in subs] if path in PUBLISHED else []
     at, stall, refs, one_copy = ray.get(trainer.step.remote(path, value), timeout=600)
     if path == HAND_WRITTEN:
         refs = [trainer.weights.remote()]
-    takes = takes or [s.take.remote(path, size, value, refs) for s in subs]
+    takes = takes or [s.take.remote(path, size, value, refs, idle_gone) for s in subs]
     del refs  # (each take holds its own)
     out = ray.get(takes, timeout=600)
     wrong = next((o["wrong"] for o in out if o["wrong"]), None)
