@@ -393,7 +393,9 @@ class _Memfds:
     """This process's warm memfds, reused once nothing maps them copy-on-write any more.
 
     Bounded (MAX_IDLE_BYTES idle in all) and shrinking: one idle for RDT_SHM_IDLE_S
-    seconds (default 10) is closed. Capacities are powers of two (a memfd allocates only
+    seconds (default 10) is closed, or unless that is set, where its kind (capacity and
+    producer) is taken again and again, for up to twice the time between takes (120 s at
+    most), as shm's segments (`_segments.Cadence`). Capacities are powers of two (a memfd allocates only
     the pages written).
 
     Except the newest memfd (or few: `want`) per capacity of each producer a live
@@ -407,8 +409,9 @@ class _Memfds:
         self.lock = threading.Lock()
         self.idle: list[_Memfd] = []
         self.seats = _Seats()
+        self.cadence = _segments.Cadence()  # of each kind: one taken again and again stays warm between takes
         self.wanted: dict[str, list[int]] = {}  # producers (`source_of`) live subscriptions here follow: `want`'s `each`
-        self._sweeper = _segments.IdleSweep(self._sweep)
+        self._sweeper = _segments.IdleSweep(self._sweep, lambda: _segments.idle_s())
 
     @staticmethod
     def capacity(size: int) -> int:
@@ -425,6 +428,7 @@ class _Memfds:
         cap = self.capacity(size)
         _io.settle()
         with self.lock:
+            self.cadence.taken((cap, source))
             for i, m in enumerate(self.idle):
                 if m.capacity == cap:
                     taken = self.idle.pop(i)
@@ -445,8 +449,8 @@ class _Memfds:
         if m.pid != os.getpid():  # the parent's, in a forked child (a lease it inherited): not ours to reuse
             _close(m)
             return
-        m.idle_since = time.monotonic()
         with self.lock:
+            m.idle_since = self.cadence.idle_from(m.kind)  # (later where its kind is taken at a slow, steady cadence)
             spared = {id(x) for x in self._spared()}
             room = sum(x.capacity for x in self.idle if id(x) not in spared) + m.capacity <= MAX_IDLE_BYTES
             self.idle.append(m)
@@ -516,7 +520,7 @@ class _Memfds:
         thread that is not here. Let go of the copies: a memfd the parent may reuse is never
         reused here, where both would write it at once."""
         self.lock = threading.Lock()
-        self._sweeper = _segments.IdleSweep(self._sweep)
+        self._sweeper = _segments.IdleSweep(self._sweep, lambda: _segments.idle_s())
         idle, self.idle = self.idle, []
         self.wanted = {}  # (the subscriptions' copies here keep nothing)
         self.seats.forget()

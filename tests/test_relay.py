@@ -541,6 +541,37 @@ async def test_a_streaming_subscription_keeps_as_many_memfds_of_a_size_as_it_fet
     assert pool.idle == []
 
 
+def test_a_memfd_kind_taken_at_a_steady_cadence_stays_warm_between_takes(monkeypatch):
+    """As shm's segments: an object of one producer and size fetched every ~0.6 s (a
+    hand-written weight sync's step) lands in the same memfd, though the idle time is
+    0.3 s; a one-off goes after the idle time; with RDT_SHM_IDLE_S set, that is the keep time."""
+    from rdt_async.transports import _segments
+
+    monkeypatch.delenv("RDT_SHM_IDLE_S", raising=False)
+    monkeypatch.setattr(_segments, "idle_s", lambda: 0.3)
+    monkeypatch.setattr(_relay, "memfds", _relay._Memfds())
+    size, pool = _relay._layout(SPECS)[1], _relay.memfds
+    made = []
+
+    def step(source: str, nbytes: int = size) -> None:
+        m = pool.take(nbytes, source)
+        made.append(os.fstat(m.fd).st_ino)
+        pool.give(m)
+
+    step(_src())
+    for _ in range(3):
+        time.sleep(0.6)  # twice the idle time between takes
+        step(_src())
+    assert len(set(made)) == 2, made  # the first, and one more before the cadence was known
+    assert pool.cadence.keep_s((pool.capacity(size), _src())) == pytest.approx(1.2, abs=0.3)
+    step("a one-off producer", 4 * pool.capacity(size))  # (another capacity: the steady one's memfd is not taken)
+    time.sleep(0.7)
+    assert [m.source for m in pool.idle] == [_src()]  # the one-off went; the steady one waits
+    monkeypatch.setenv("RDT_SHM_IDLE_S", "0.3")
+    assert pool.cadence.keep_s((pool.capacity(size), _src())) == 0.3  # set: exact
+    pool.clear()
+
+
 def test_a_subscription_keeps_a_memfd_only_where_no_other_process_of_the_node_says_it_keeps_one(monkeypatch):
     """At most one warm memfd of a kind a node: a process whose seat is not the first (another
     said before it that it keeps one) lets its own go at the idle time."""

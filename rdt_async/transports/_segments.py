@@ -65,6 +65,34 @@ def idle_s() -> float:
 KEEP_MAX_S = 120.0  # the longest a segment taken at a slow, steady cadence is kept idle
 
 
+class Cadence:
+    """How often things of each kind are taken, so that one taken again and again stays
+    warm between takes: `keep_s` is `idle_s()`, or where RDT_SHM_IDLE_S is not set, up to
+    twice the time between the last two takes of its kind (KEEP_MAX_S at most). Not
+    thread-safe: its owner's lock guards it."""
+
+    def __init__(self) -> None:
+        self._taken: dict[Any, float] = {}  # kind -> when one was last taken
+        self._gap: dict[Any, float] = {}  # kind -> the time between its last two takes
+
+    def taken(self, kind: Any) -> None:
+        now = time.monotonic()
+        if kind in self._taken:
+            self._gap[kind] = now - self._taken[kind]
+        self._taken[kind] = now
+
+    def keep_s(self, kind: Any) -> float:
+        idle = idle_s()
+        if "RDT_SHM_IDLE_S" in os.environ:
+            return idle
+        return max(idle, min(KEEP_MAX_S, 2 * self._gap.get(kind, 0.0)))
+
+    def idle_from(self, kind: Any) -> float:
+        """When one of `kind` going idle now counts as idle to an `IdleSweep` of `idle_s()`:
+        later by the grace its cadence gives it."""
+        return time.monotonic() + self.keep_s(kind) - idle_s()
+
+
 class IdleSweep:
     """Calls `sweep(cutoff)` on the I/O loop `idle()` seconds after `start()`, and again
     while anything is left idle, when the oldest of it has been idle `idle()`. `sweep` lets
@@ -264,30 +292,20 @@ class SegmentPool:
         self._used: dict[str, Segment] = {}
         self._sweeper = IdleSweep(self._sweep, lambda: idle_s())
         self.created = 0  # segments made (not reused) so far
-        self._taken: dict[int, float] = {}  # capacity -> when one was last taken
-        self._gap: dict[int, float] = {}  # capacity -> the time between its last two takes
+        self._cadence = Cadence()  # of each capacity
 
     def keep_s(self, capacity: int) -> float:
         """How long an idle segment of `capacity` is kept: `idle_s()`, or where RDT_SHM_IDLE_S
         is not set, up to twice the time between takes of that capacity (KEEP_MAX_S at most)."""
         with self._lock:
-            return self._keep_s(capacity)
-
-    def _keep_s(self, capacity: int) -> float:  # (holding _lock)
-        idle = idle_s()
-        if "RDT_SHM_IDLE_S" in os.environ:
-            return idle
-        return max(idle, min(KEEP_MAX_S, 2 * self._gap.get(capacity, 0.0)))
+            return self._cadence.keep_s(capacity)
 
     def take(self, nbytes: int, name: str) -> Segment:
         """A segment of at least `nbytes` named `name` (`name_for`): an idle one of the right
         capacity, renamed, else a new one."""
         capacity = _capacity(nbytes)
         with self._lock:
-            now = time.monotonic()
-            if capacity in self._taken:
-                self._gap[capacity] = now - self._taken[capacity]
-            self._taken[capacity] = now
+            self._cadence.taken(capacity)
             seg = next((s for s in self._idle if s.capacity == capacity), None)
             if seg is not None:
                 self._idle.remove(seg)
@@ -331,8 +349,8 @@ class SegmentPool:
             seg = self._used.pop(name, None)
             if seg is None:
                 return
-            grace = self._keep_s(seg.capacity) - idle_s()  # (the sweeper drops what is idle `idle_s()`)
-            seg.idle_since = time.monotonic() + grace  # idle, to the sweeper, once its grace is over
+            seg.idle_since = self._cadence.idle_from(seg.capacity)  # (the sweeper drops what is idle `idle_s()`)
+            grace = max(0.0, seg.idle_since - time.monotonic())
             self._idle.append(seg)
             evicted = []
             bound = max(MAX_BYTES, 2 * seg.capacity)
