@@ -467,7 +467,10 @@ class _Memfds:
     def want(self, source: str, each: int = 1) -> Callable[[], None]:
         """A subscription here follows `source`'s objects: keep `each` warm memfds of each of
         their capacities while it lives (see the class; a stream fetches a few chunks at
-        once). Returns the call that says it went."""
+        once). Returns the call that says it went. With RDT_RELAY_KEEP_WARM=0, nothing is
+        kept past the idle time (the call does nothing)."""
+        if os.environ.get("RDT_RELAY_KEEP_WARM", "1") == "0":
+            return lambda: None
         with self.lock:
             self.wanted.setdefault(source, []).append(each)
         _mappings.cache.want(source)  # (and the mappings of them this process reads through)

@@ -521,6 +521,19 @@ async def test_a_subscription_keeps_its_producers_newest_warm_memfd_past_the_idl
     assert pool.idle == [] and newest_ino not in _open_inodes() and not _relay._Seats.taken(cap, _src())
 
 
+async def test_with_keep_warm_off_a_subscription_keeps_nothing_past_the_idle_time(monkeypatch):
+    monkeypatch.setenv("RDT_SHM_IDLE_S", "0.3")
+    monkeypatch.setenv("RDT_RELAY_KEEP_WARM", "0")
+    monkeypatch.setattr(_relay, "memfds", _relay._Memfds())
+    pool = _relay.memfds
+    release = pool.want(_src())
+    pool.give(pool.take(_relay._layout(SPECS)[1], _src()))
+    assert pool.wanted == {} and len(pool.idle) == 1  # (within the bound: idle, for now)
+    await asyncio.sleep(1.0)
+    assert pool.idle == []
+    release()
+
+
 async def test_a_streaming_subscription_keeps_as_many_memfds_of_a_size_as_it_fetches_at_once(monkeypatch):
     monkeypatch.setenv("RDT_SHM_IDLE_S", "0.3")
     monkeypatch.setattr(_relay, "MAX_IDLE_BYTES", 0)
