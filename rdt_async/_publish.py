@@ -44,7 +44,7 @@ import torch
 
 from . import _io, _metrics, _produce, _ray, _relay, _tree
 from ._buffers import share
-from ._errors import ObjectFreedError, TransferError, few, translating
+from ._errors import ObjectFreedError, PeerDiedError, TransferError, few, translating
 from ._local import aligned_layout, copy_to
 from ._object import RDTObject
 from ._store import store
@@ -667,6 +667,9 @@ class Subscription:
                     reply = await _ray.await_ref(ref)
             except asyncio.CancelledError:
                 _cancel(ref)  # the producer's wait ends now, not POLL_S later
+                raise
+            except PeerDiedError:
+                self._let_go_warm()  # its objects are gone with it: no memory kept for them
                 raise
             finally:
                 del ref

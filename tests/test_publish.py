@@ -308,6 +308,28 @@ def test_versions_further_apart_than_the_idle_time_land_in_the_nodes_warm_relay_
             ray.kill(s)
 
 
+def test_a_dead_trainers_subscribers_keep_no_relay_memory_for_it(actors):
+    trainer = Trainer.remote()
+    idle = {"env_vars": {"RDT_SHM_IDLE_S": "0.3", "RDT_RELAY_KEEP_S": "0.2"}}
+    pair = [Server.options(**ON_NODE2, runtime_env=idle).remote() for _ in range(2)]
+    try:
+        ray.get(trainer.open.remote("gone"))
+        for version in range(3):  # (a version both read for themselves leaves no memfd: one that shares does)
+            follows = [s.follow.remote(trainer, "gone", version, 0.0, True) for s in pair]
+            assert ray.get(trainer.publish.remote("gone"), timeout=60) == [version]
+            assert ray.get(follows, timeout=60) == [[(version, True)]] * 2
+            time.sleep(1.2)
+        assert sorted(s["relay"]["idle_memfds"] for s in ray.get([s.stats.remote() for s in pair])) == [0, 1]
+        ray.kill(trainer)
+        ended = ray.get([s.next_within.remote(trainer, "gone", 60) for s in pair], timeout=90)
+        assert all(e.startswith("PeerDiedError") for e in ended), ended
+        time.sleep(1.2)
+        assert [s["relay"]["idle_memfds"] for s in ray.get([s.stats.remote() for s in pair])] == [0, 0]
+    finally:
+        for s in (trainer, *pair):
+            ray.kill(s)
+
+
 def _follow_every_version(trainer, here, there, last, follows) -> None:
     versions = ray.get(trainer.publish.remote("run", last + 1, 0.01), timeout=60)
     assert versions == list(range(last + 1))  # never waited out: 3 slots were enough
