@@ -473,7 +473,6 @@ class _Memfds:
             return lambda: None
         with self.lock:
             self.wanted.setdefault(source, []).append(each)
-        _mappings.cache.want(source)  # (and the mappings of them this process reads through)
         done = False
 
         def release() -> None:  # (any thread; never inside a finalizer: `_io.finalize`)
@@ -491,7 +490,7 @@ class _Memfds:
                 left.remove(each)
             if left:
                 self.wanted[source] = left
-        _mappings.cache.unwant(source)
+        _mappings.cache.sweep_soon()  # (the mappings of it this process read through: `_kept_tag`)
         self._sweeper.start()  # what it kept goes once idle as long as any other
 
     def _spared(self) -> list[_Memfd]:
@@ -651,6 +650,15 @@ class _Lease:
 
 
 memfds = _Memfds()
+
+
+def _kept_tag(source: str) -> bool:
+    """The mapping cache's `kept_tag`: the mappings of memfds of a producer that a
+    subscription here follows stay as long as its memfds do."""
+    return source in memfds.wanted
+
+
+_mappings.kept_tag = _kept_tag
 
 
 def _forked() -> None:

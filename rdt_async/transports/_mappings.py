@@ -13,8 +13,8 @@ Two fetches alive at once never share a mapping (a writer through one would show
 through the other). Pages the producer wrote show, as through a new mapping.
 
 Bounded: MAX_IDLE_BYTES of idle mappings in all; one idle longer than RDT_SHM_IDLE_S
-(default 10 s) is unmapped, except the newest of each tag (`open`) somebody wants kept
-(`want`: the node relay's memfds of a producer a subscription here follows). Until then
+(default 10 s) is unmapped, except the newest of each tag (`open`) that `kept_tag` says
+is wanted (the node relay's memfds of a producer a subscription here follows). Until then
 it keeps its file's pages (a storage the producer freed, a segment it unlinked). Where the kernel lacks PAGEMAP_SCAN (Linux < 6.7) or
 RDT_SHM_KEEP_MAPS=0, nothing is kept: each fetch maps anew, as before.
 
@@ -29,12 +29,22 @@ import mmap
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .. import _io
 from ._segments import IdleSweep, let_go_off_loop, oldest
 
 MAX_IDLE_BYTES = 4 << 30  # address space and page tables only: the pages are the files'
+
+
+def _none_kept(tag: str) -> bool:
+    return False
+
+
+# Whether the newest idle mapping tagged `tag` (`MappingCache.open`) stays past the idle
+# time: the node relay sets it (a subscription here follows that producer).
+kept_tag: Callable[[str], bool] = _none_kept
 _PAGE = mmap.PAGESIZE
 
 
@@ -44,7 +54,7 @@ class _Mapped:
     mm: mmap.mmap
     addr: int
     idle_since: float = 0.0
-    tag: str = ""  # whose file it is (`open`), for `want`
+    tag: str = ""  # whose file it is (`open`), for `kept_tag`
 
 
 class MappingCache:
@@ -54,7 +64,6 @@ class MappingCache:
         self._lock = threading.Lock()
         self._idle: dict[tuple[int, int, int], _Mapped] = {}
         self._sweeper = IdleSweep(self._sweep)
-        self._wanted: dict[str, int] = {}  # tags whose newest idle mapping stays past the idle time
         self.reused = 0  # fetches served by a kept mapping
         self.restored_pages = 0  # pages a consumer had written, dropped before a reuse
 
@@ -62,7 +71,7 @@ class MappingCache:
         """A writable buffer over all of `fd`'s file, mapped copy-on-write; it keeps `hold`.
 
         Views made of it (`torch.frombuffer`) keep it alive; when the last goes, its
-        mapping is kept for the next fetch of the file (past the idle time where `tag` is wanted).
+        mapping is kept for the next fetch of the file (past the idle time where `kept_tag(tag)`).
         """
         st = os.fstat(fd)
         key = (st.st_dev, st.st_ino, st.st_size)
@@ -100,23 +109,15 @@ class MappingCache:
             _close(x)
         self._sweeper.start()
 
-    def want(self, tag: str) -> None:
-        """Keep the newest idle mapping tagged `tag` past the idle time, until `unwant`."""
-        with self._lock:
-            self._wanted[tag] = self._wanted.get(tag, 0) + 1
-
-    def unwant(self, tag: str) -> None:
-        with self._lock:
-            left = self._wanted.pop(tag, 0) - 1
-            if left > 0:
-                self._wanted[tag] = left
+    def sweep_soon(self) -> None:
+        """A tag is no longer kept (`kept_tag`): its mapping goes once idle as long as any other."""
         self._sweeper.start()
 
     def _spared(self) -> set[tuple[int, int, int]]:
-        """The idle mappings kept past the idle time (under the lock): the newest of each wanted tag."""
+        """The idle mappings kept past the idle time (under the lock): the newest of each kept tag."""
         newest: dict[str, _Mapped] = {}
         for m in self._idle.values():
-            if m.tag in self._wanted and (m.tag not in newest or m.idle_since > newest[m.tag].idle_since):
+            if m.tag and kept_tag(m.tag) and (m.tag not in newest or m.idle_since > newest[m.tag].idle_since):
                 newest[m.tag] = m
         return {m.key for m in newest.values()}
 
