@@ -705,7 +705,6 @@ class Subscription:
         source = _relay.source_of(obj.producer.node_id, obj.producer.pid)
         if self._warm is not None and self._warm[0] == source and self._warm[1] >= each:
             return
-        each = max(each, self._warm[1]) if self._warm is not None and self._warm[0] == source else each
         self._let_go_warm()  # (the publisher's actor restarted, a new process; or a stream asks for more)
         release = _relay.memfds.want(source, each)
         self._warm = source, each, release
