@@ -116,6 +116,11 @@ class _Loader:
         memfds, kept mappings): the hosts share one machine, and the next size's passes
         need its memory (8 models of 1 GiB, after 256 MiB, were killed by Ray's OOM killer)."""
         self.models = {}
+        self.forget_warm()
+
+    @staticmethod
+    def forget_warm() -> None:
+        """Close the relay's idle memfds and the kept mappings now (as their idle sweep would)."""
         _relay.memfds.clear()
         _mappings.cache.clear()
 

@@ -55,8 +55,6 @@ import ray
 import torch
 
 import rdt_async as rdt
-from rdt_async import _relay
-from rdt_async.transports import _mappings
 
 from ._fanout import (
     RAY_ZERO_COPY,
@@ -222,8 +220,7 @@ class Subscriber(_Loader):
             # between its versions (this actor's subscription does for the other paths,
             # and takes it up again at its next version).
             sub._let_go_warm()
-            _relay.memfds.clear()  # (what the pause's sweep closed, as the idle time ran out)
-            _mappings.cache.clear()
+            self.forget_warm()  # (what the pause's sweep closed, as the idle time ran out)
         before = dict(rdt.store_stats()["fetches"])
         at = None
         stall = LoopStall()
