@@ -336,3 +336,58 @@ def test_thousands_of_storages_are_registered_and_let_go_in_one_call_each(monkey
     assert after["deregistered_total"] - before["deregistered_total"] == 16_000
     wait_until(lambda: calls["deregister_memory"] == 2, 10)  # (done at once where the agent is free, else soon)
     assert calls == {"register_memory": 1, "deregister_memory": 2}, calls  # 15,999 at the first close, 1 at the second
+
+
+def _refusing(monkeypatch, times: int) -> dict[str, int]:
+    """Make the real agent's NIXL refuse its next `times` registrations as NIXL does (its
+    backend error), then register for real."""
+    from nixl._api import nixlBind
+
+    from rdt_async.transports import _registry
+
+    asyncio.run(_warm())  # the agent exists first
+    here = _registry.transport("nixl")._current()
+    real = here.agent.nixl.register_memory
+    calls = {"register_memory": 0}
+
+    def refusing(*args):
+        calls["register_memory"] += 1
+        if calls["register_memory"] <= times:
+            raise nixlBind.nixlBackendError("NIXL_ERR_BACKEND")
+        return real(*args)
+
+    monkeypatch.setattr(here.agent.nixl, "register_memory", refusing)
+    return calls
+
+
+def test_a_registration_nixl_refuses_once_is_made_by_a_second_call(monkeypatch, caplog):
+    calls = _refusing(monkeypatch, 1)
+    w = torch.arange(16.0)
+    before = registered()
+
+    async def hold() -> dict:
+        async with await rdt.register_memory(w):
+            return registered()
+
+    with caplog.at_level("WARNING", logger="rdt_async"):
+        held = asyncio.run(hold())
+    assert held["storages"] - before["storages"] == 1 and held["bytes"] - before["bytes"] == w.nbytes
+    assert calls["register_memory"] == 2
+    assert "nixl refused to register 1 DRAM region(s) once" in caplog.text
+    assert registered()["storages"] == before["storages"]
+
+
+def test_a_registration_nixl_refuses_twice_fails_with_what_was_asked_and_how_to_learn_why(monkeypatch):
+    calls = _refusing(monkeypatch, 2)
+    w = torch.arange(16.0)
+    before = registered()
+    with pytest.raises(rdt.BackendError) as err:
+        asyncio.run(rdt.register_memory(w))
+    assert str(err.value).startswith(
+        f"nixl could not register 1 DRAM region(s) of {w.nbytes} bytes, twice "
+        "(nixlBackendError: NIXL_ERR_BACKEND; then nixlBackendError: NIXL_ERR_BACKEND): "
+        "run with NIXL_LOG_LEVEL=DEBUG UCX_LOG_LEVEL=debug to see why"
+    ), err.value
+    assert calls["register_memory"] == 2
+    after = registered()
+    assert after["storages"] == before["storages"] and after["held_storages"] == before["held_storages"]

@@ -17,7 +17,9 @@ registered and let go one call each took seconds; one call of 16,000 takes milli
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,9 +27,12 @@ from typing import Any
 import torch
 
 from ... import _io
+from ..._errors import BackendError
 from ._agent import Agent
 
 Key = tuple[str, int, int]  # memory type, device index, storage address
+_log = logging.getLogger("rdt_async")
+RETRY_S = 0.05  # pause before the second call into NIXL of a refused registration
 INLINE_MAX = 64  # new CPU storages a fetch registers on the I/O loop (~2-5 us each); more go to the pool
 
 
@@ -126,14 +131,41 @@ class Registrations:
         done: set[str] = set()  # memory types whose new storages are in the table
         try:
             for mem, items in new.items():
-                agent = self._agent
-                agent.locked(agent.nixl.register_memory, _regions(items), mem)
+                self._register(items, mem)
                 self._add(items)
                 done.add(mem)
         except BaseException:
             self.release_now([k for k in keys if k[0] in done or k not in new.get(k[0], {})])
             raise
         return keys
+
+    def _register(self, items: dict[Key, tuple[torch.Tensor, int]], mem: str) -> None:
+        """Register `items` in one call into NIXL, once more after a pause if NIXL refuses.
+
+        NIXL answers a refusal of its backend with a bare NIXL_ERR_BACKEND, and UCX says why
+        only at its debug level. Seen once in hundreds of test runs here (a producer's 4 KiB
+        tensor, UCX silent, while another test added and removed network devices): one
+        refusal costs a pause and a second call, not the user's return. A second refusal is
+        the user's to see, with what was asked and how to learn why.
+        """
+        agent = self._agent
+        regions = _regions(items)
+        try:
+            agent.locked(agent.nixl.register_memory, regions, mem)
+            return
+        except Exception as exc:
+            first = exc
+        time.sleep(RETRY_S)
+        try:
+            agent.locked(agent.nixl.register_memory, regions, mem)
+        except Exception as exc:
+            size = sum(r[1] for r in regions)
+            raise BackendError(
+                f"nixl could not register {len(regions)} {mem} region(s) of {size} bytes, twice "
+                f"({type(first).__name__}: {first}; then {type(exc).__name__}: {exc}): run with "
+                "NIXL_LOG_LEVEL=DEBUG UCX_LOG_LEVEL=debug to see why, or return them over another transport"
+            ) from exc
+        _log.warning("rdt_async: nixl refused to register %d %s region(s) once (%s); a second call did", len(regions), mem, first)
 
     async def register_all(self, tensors: Sequence[torch.Tensor]) -> list[Key]:
         """`register_many` from the I/O loop: on it where nothing is new, or a few new storages
@@ -149,6 +181,8 @@ class Registrations:
             agent = self._agent
             try:
                 made = agent.try_call(agent.nixl.register_memory, _regions(new["DRAM"]), "DRAM", busy=None)
+            except Exception:
+                made = None  # refused: the pool's call tries again (`_register`)
             except BaseException:
                 self.release(known)
                 raise
