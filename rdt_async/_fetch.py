@@ -85,7 +85,7 @@ async def fetch_object(
                 direct = transport.fills_buffers
                 into = functools.partial(_fetch_over, obj, transport, info, used=used, asked=tensor_transport) if direct else None
                 tensors, relayed = await _relay.fetch(
-                    obj.obj_id, obj.specs, _only(transfer), _only(into), warm_only=buffers is not None,
+                    _relay.name_of(obj.obj_id, obj.producer, name, obj.specs, info.meta), obj.specs, _only(transfer), _only(into), warm_only=buffers is not None,
                     source=_relay.source_of(obj.producer.node_id, obj.producer.pid), buffers=buffers,
                 )
                 name = "relay" if relayed else used[0]

@@ -99,7 +99,7 @@ class Process:
         Raises: TransferError if the token is not one `here()` makes (it came from another process).
         """
         m = _TOKEN.fullmatch(self.token) if type(self.token) is str else None
-        if m is None:
+        if m is None or int(m[1]) > PID_MAX:
             raise TransferError(f"the ref's producer token {self.token!r} is not one a producer makes (<pid>:<hex>)")
         return int(m[1])
 
@@ -111,7 +111,8 @@ class Process:
 
 
 _handles: dict[str, Any] = {}  # process token -> ActorHandle rebuilt in this process
-_TOKEN = re.compile(r"([1-9][0-9]{0,9}):[0-9a-z]{1,32}")
+_TOKEN = re.compile(r"([1-9][0-9]{0,6}):[0-9a-z]{1,32}")
+PID_MAX = 1 << 22  # Linux's PID_MAX_LIMIT: a larger "pid" is no process (and overflows os.kill)
 
 
 def check(obj: RDTObject) -> None:

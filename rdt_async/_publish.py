@@ -687,6 +687,11 @@ class Subscription:
                 )
         _, version, published_at, what, waited = reply
         del reply
+        if type(version) is not int or version <= after or type(published_at) is not float or type(waited) is not bool:
+            raise TransferError(  # (an answer from another process: no version that is not newer, nor a count gone negative)
+                f"{label}: the publisher answered version {version!r} (published at {published_at!r}), "
+                "not a newer one; is that actor's rdt_async the same version as this one's?"
+            )
         if not chunked:
             obj = _unwire(what, label)
             self._keep_warm(obj, 1)

@@ -604,6 +604,20 @@ def _seat(cap: int, source: str, i: int) -> bytes:
     return b"\0rdt-relay-warm-%d-%d-%s-%d" % (os.getuid(), cap, source.encode(), i)
 
 
+def name_of(obj_id: str, producer: Any, transport: str, specs: Sequence[TensorSpec], meta: Any) -> str:
+    """The name a node's consumers share an object's read under: its id, and a digest of
+    everything the ref says about where its bytes are and what they are.
+
+    The id alone is no key: a ref is input from another process, and one that carried an
+    honest object's id with another producer or other metadata would otherwise have its
+    bytes handed to every consumer of the honest object on the node (or, the other way
+    round, be served the honest bytes without its own metadata ever checked).
+    """
+    what = repr((obj_id, producer.node_id, producer.token, producer.actor_id, transport, specs, meta))
+    digest = hashlib.blake2b(what.encode("utf-8", "surrogatepass"), digest_size=12).hexdigest()
+    return f"{obj_id[:64]}/{digest}"  # (bounded: an abstract socket's name is at most 107 bytes)
+
+
 def source_of(node_id: str, pid: int) -> str:
     """A producer's short name in the seats' names (its node and process)."""
     return hashlib.blake2b(f"{node_id}:{pid}".encode(), digest_size=8).hexdigest()

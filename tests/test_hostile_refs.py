@@ -167,7 +167,7 @@ def _named_like_its_segment(obj) -> tuple[str, str]:
     m = _segments.SEGMENT_NAME.fullmatch(obj.meta["shm"].segment)
     assert m is not None
     key = _segments.new_key()
-    return _segments.name_for(obj.obj_id, key, int(m[1]), m[2]), key
+    return _segments.name_for(obj.obj_id, key, obj.meta["shm"].size, int(m[1]), m[2]), key
 
 
 def test_a_symlink_in_dev_shm_named_like_a_segment_is_never_followed(actors, made, tmp_path):
@@ -241,7 +241,9 @@ def test_another_objects_segment_of_the_same_producer_is_refused(actors, made):
         ({"offsets": (3,)}, "tensor 0 at offset 3"),  # unaligned
         ({"offsets": (0, 64)}, "do not match its 1 tensor(s)"),
         ({"offsets": ("0",)}, "tensor 0 at offset '0'"),
-        ({"size": 1 << 30, "offsets": ((1 << 30) - 4096,)}, "fewer than the 1073741824 its metadata claims"),
+        ({"size": 1 << 30, "offsets": ((1 << 30) - 4096,)}, "not the one its producer makes for object"),
+        # The segment's whole capacity (a reused segment's tail holds an earlier object's bytes):
+        ({"size": _segments.MIN_BYTES, "offsets": (_segments.MIN_BYTES // 2,)}, f"of {_segments.MIN_BYTES} bytes"),
         ({"size": -1}, "size -1"),
         ({"shared": (None, None)}, "do not match its 1 tensor(s)"),
     ],

@@ -269,3 +269,32 @@ def test_a_memfd_cut_after_it_was_handed_over_cannot_kill_the_asker():
     proc.start()
     proc.join(60)
     assert proc.exitcode == 0, f"the asker died of {signal.Signals(-proc.exitcode).name}" if proc.exitcode < 0 else proc.exitcode
+
+
+
+def test_a_node_shares_a_read_only_between_refs_that_say_the_same_of_it():
+    """The relay's name for an object binds everything its ref says of the bytes: a ref that
+    carries an honest object's id with another producer, transport, specs or metadata (a
+    forged one) neither serves its bytes to the honest object's consumers nor is served
+    theirs without its own metadata checked."""
+    from rdt_async._object import Process
+    from rdt_async.transports.tcp import TcpMeta
+
+    obj_id = "ab" * 28
+    producer = Process("cd" * 28, "4242:0a1b2c", "ef" * 16)
+    meta = TcpMeta("10.0.0.2", 40000, b"t" * 16)
+    honest = _relay.name_of(obj_id, producer, "tcp", tuple(SPECS), meta)
+    assert honest == _relay.name_of(obj_id, Process("cd" * 28, "4242:0a1b2c", "ef" * 16), "tcp", tuple(SPECS), TcpMeta("10.0.0.2", 40000, b"t" * 16))
+    assert honest.startswith(obj_id + "/")
+    forged = [
+        _relay.name_of(obj_id, Process("cd" * 28, "4243:0a1b2c", "ef" * 16), "tcp", tuple(SPECS), meta),  # another process
+        _relay.name_of(obj_id, Process("ce" * 28, "4242:0a1b2c", "ef" * 16), "tcp", tuple(SPECS), meta),  # another node
+        _relay.name_of(obj_id, Process("cd" * 28, "4242:0a1b2c", "ee" * 16), "tcp", tuple(SPECS), meta),  # another actor
+        _relay.name_of(obj_id, producer, "ucxx", tuple(SPECS), meta),
+        _relay.name_of(obj_id, producer, "tcp", tuple(SPECS[:1]), meta),
+        _relay.name_of(obj_id, producer, "tcp", tuple(SPECS), TcpMeta("10.0.0.9", 40000, b"t" * 16)),  # the attacker's listener
+        _relay.name_of(obj_id, producer, "tcp", tuple(SPECS), TcpMeta("10.0.0.2", 40000, b"u" * 16)),
+    ]
+    assert len(set(forged)) == len(forged) and honest not in forged
+    long = _relay.name_of("x" * 4096, producer, "tcp", tuple(SPECS), meta)  # an id of any length: a name that binds
+    assert len(_relay._address(long)) <= 107 and long != _relay.name_of("x" * 4097, producer, "tcp", tuple(SPECS), meta)

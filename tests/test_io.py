@@ -356,7 +356,7 @@ def test_a_capacity_taken_at_a_steady_cadence_stays_warm_between_takes(monkeypat
     pool = _segments.SegmentPool()
 
     def step(nbytes: int) -> str:
-        seg = pool.take(nbytes, _segments.name_for(os.urandom(12).hex(), _segments.new_key()))
+        seg = pool.take(nbytes, _segments.name_for(os.urandom(12).hex(), _segments.new_key(), nbytes))
         pool.recycle(seg.name)
         return seg.name
 

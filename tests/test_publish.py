@@ -486,6 +486,32 @@ def test_a_polls_answer_that_is_no_version_is_refused_before_anything_is_fetched
         _publish._unwire(_publish._Wire(b"not a pickle", None), label)
 
 
+@ray.remote
+class OlderVersions:
+    """Answers a subscriber's poll as no publisher does: with a version that is not newer."""
+
+    def rdt__publication(self, name: str, after: int, wait_s: float, chunked: bool):
+        return ("ok", after, time.time(), None, False)
+
+
+def test_a_polls_answer_with_a_version_that_is_not_newer_is_refused(cluster):
+    liar = OlderVersions.remote()
+
+    async def first() -> str:
+        try:
+            await rdt.subscribe(liar, "w").next()
+        except rdt.TransferError as exc:
+            return str(exc)
+        return "taken"
+
+    try:
+        said = asyncio.run(first())
+        assert said.startswith("waiting for a version of 'w' newer than -1: the publisher answered version -1 (published at "), said
+        assert said.endswith("not a newer one; is that actor's rdt_async the same version as this one's?"), said
+    finally:
+        ray.kill(liar)
+
+
 def test_a_publisher_lives_in_an_async_actor_and_only_there_can_be_subscribed_to(cluster):
     with pytest.raises(RuntimeError, match=r"^rdt.Publisher lives in an async @rdt.remote actor .* not in the driver"):
         rdt.Publisher("weights")

@@ -447,10 +447,10 @@ def test_an_idle_segment_unlinked_by_someone_else_is_replaced_not_an_error():
     from rdt_async.transports import _segments
 
     pool = _segments.SegmentPool()
-    seg = pool.take(2 << 20, _segments.name_for("a", _segments.new_key()))
+    seg = pool.take(2 << 20, _segments.name_for("a", _segments.new_key(), 2 << 20))
     pool.recycle(seg.name)  # idle, warm, for the next export of its size
     os.unlink(seg.path)  # a tmp cleaner, or a hand
-    again = pool.take(2 << 20, _segments.name_for("b", _segments.new_key()))
+    again = pool.take(2 << 20, _segments.name_for("b", _segments.new_key(), 2 << 20))
     try:
         assert again is not seg and os.path.exists(again.path) and pool.created == 2
     finally:
@@ -466,14 +466,14 @@ def test_the_pool_keeps_two_idle_segments_of_a_size_past_its_bound(monkeypatch):
 
     monkeypatch.setattr(_segments, "MAX_BYTES", 4 << 20)
     pool = _segments.SegmentPool()
-    small = pool.take(1 << 20, _segments.name_for("s", _segments.new_key()))
+    small = pool.take(1 << 20, _segments.name_for("s", _segments.new_key(), 1 << 20))
     pool.recycle(small.name)
-    a = pool.take(4 << 20, _segments.name_for("a", _segments.new_key()))
-    b = pool.take(4 << 20, _segments.name_for("b", _segments.new_key()))  # `a` still held
+    a = pool.take(4 << 20, _segments.name_for("a", _segments.new_key(), 4 << 20))
+    b = pool.take(4 << 20, _segments.name_for("b", _segments.new_key(), 4 << 20))  # `a` still held
     pool.recycle(a.name)
     pool.recycle(b.name)
     assert pool.stats()["idle_bytes"] == 8 << 20 and not os.path.exists(small.path)  # two of 4 MiB, the 1 MiB gone
-    taken = [pool.take(4 << 20, _segments.name_for(k, _segments.new_key())) for k in "cd"]
+    taken = [pool.take(4 << 20, _segments.name_for(k, _segments.new_key(), 4 << 20)) for k in "cd"]
     try:
         assert {s.mm for s in taken} == {a.mm, b.mm} and pool.created == 3  # both warm, none made
     finally:

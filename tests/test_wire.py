@@ -90,6 +90,13 @@ def test_a_crafted_object_travels_field_by_field_and_the_consumer_refuses_it(cra
         _object.check(back)
 
 
+@pytest.mark.parametrize("token", ["9999999999:ff", "4194305:ff"])  # os.kill would overflow; past PID_MAX_LIMIT
+def test_a_producer_token_naming_a_pid_no_process_has_is_refused(token):
+    back = pickle.loads(pickle.dumps(_obj((_spec((2,), torch.float32),), Process("ef" * 28, token)), protocol=5))
+    with pytest.raises(TransferError, match=f"producer token '{token}' is not one a producer makes"):
+        _object.check(back)
+
+
 def _record(**change) -> bytes:
     obj = _obj(specs=(_spec((2,), torch.float32),))
     fields = list(msgpack.unpackb(_object._wire(obj)[0], use_list=False))

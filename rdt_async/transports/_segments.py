@@ -206,15 +206,18 @@ def new_key() -> str:
     return secrets.token_hex(16)
 
 
-def name_for(obj_id: str, key: str, pid: int | None = None, ns: str | None = None) -> str:
+def name_for(obj_id: str, key: str, size: int, pid: int | None = None, ns: str | None = None) -> str:
     """The name process `pid` (of PID namespace `ns`; default: this process) gives the
-    segment of object `obj_id` whose metadata carries `key`.
+    segment of object `obj_id` whose metadata carries `key` and `size` (its bytes).
 
-    Bound to the object and its secret: a consumer recomputes it from the ref, so a
-    ref opens only its own object's segment. The listing of /dev/shm shows names, not
-    keys, and a name cannot be made from another object's id or key.
+    Bound to the object, its size and its secret: a consumer recomputes it from the ref,
+    so a ref opens only its own object's segment, and reads no byte past the object's
+    own (a reused segment's tail holds an earlier object's bytes: a ref that claimed more
+    would read them). The listing of /dev/shm shows names, not keys, and a name cannot be
+    made from another object's id, size or key.
     """
-    digest = hashlib.blake2b(obj_id.encode("utf-8", "surrogatepass"), key=bytes.fromhex(key), digest_size=12)
+    what = f"{obj_id}\0{size}".encode("utf-8", "surrogatepass")
+    digest = hashlib.blake2b(what, key=bytes.fromhex(key), digest_size=12)
     return f"{PREFIX}{os.getpid() if pid is None else pid}-{pid_namespace() if ns is None else ns}-{digest.hexdigest()}"
 
 

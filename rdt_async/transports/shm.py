@@ -136,7 +136,7 @@ class ShmMeta:
     offsets: tuple[int, ...]
     shared: tuple[Shared | None, ...] = ()
     lazy: bool = False
-    key: str = ""  # the object's secret: the segment is named `_segments.name_for(obj_id, key)`
+    key: str = ""  # the object's secret: the segment is named `_segments.name_for(obj_id, key, size)`
 
     @property
     def nbytes(self) -> int:
@@ -234,7 +234,7 @@ class ShmTransport(Transport[ShmMeta]):
         ensure_guardian()
         key = _segments.new_key()
         try:
-            seg = _segments.pool.take(size, _segments.name_for(obj_id, key))
+            seg = _segments.pool.take(size, _segments.name_for(obj_id, key, size))
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
                 raise _no_room(size, exc) from exc
@@ -388,8 +388,8 @@ def _check_name(meta: ShmMeta, obj_id: str, producer_pid: int | None, bad: Any) 
         raise bad(f"segment {segment!r} was made by process {pid}, not by the producer (process {producer_pid})")
     if type(key) is not str or not _segments.KEY.fullmatch(key) or type(obj_id) is not str:
         raise bad("the object's key is missing or malformed")
-    if segment != _segments.name_for(obj_id, key, pid, m[2]):
-        raise bad(f"segment {segment!r} is not the one its producer makes for object {obj_id}")
+    if type(meta.size) is not int or segment != _segments.name_for(obj_id, key, meta.size, pid, m[2]):
+        raise bad(f"segment {segment!r} is not the one its producer makes for object {obj_id} of {meta.size!r} bytes")
 
 
 def _check_shared(sh: Any, spec: TensorSpec, i: int, producer_pid: int | None, bad: Any) -> None:

@@ -333,7 +333,7 @@ async def test_shm_segment_left_by_a_dead_producer_is_refused():
     dead = subprocess.Popen(["true"])
     dead.wait()
     key = _segments.new_key()
-    name = _segments.name_for("obj-dead", key, dead.pid)
+    name = _segments.name_for("obj-dead", key, 64, dead.pid)
     path = os.path.join(shm.SHM_DIR, name)
     want = torch.arange(16, dtype=torch.float32)
     with open(path, "wb") as f:
