@@ -36,7 +36,7 @@ import pickle
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import ray
@@ -611,7 +611,7 @@ class Subscription:
         self.apply_s: float | None = None  # the last version's fetch, from its answer to its tensors in hand
         self.delay_s: float | None = None  # from its publish to its tensors in hand
         self._id = next(_ids)
-        self._warm: tuple[str, int, Callable[[], None]] | None = None  # whose relay memory we keep warm, how many
+        self._warm: tuple[str, int, frozenset[int], Callable[[], None]] | None = None  # whose relay memory we keep warm: how many, of which sizes
         _subscriptions.add(self)
 
     def __aiter__(self) -> Subscription:
@@ -694,30 +694,33 @@ class Subscription:
             )
         if not chunked:
             obj = _unwire(what, label)
-            self._keep_warm(obj, 1)
+            self._keep_warm([obj], 1)
             return version, published_at, obj, waited
         if type(what) is not list or not what:
             got = "an empty list" if type(what) is list else f"a {type(what).__name__!r} object"
             raise TransferError(f"{label}: the publisher answered with {got}, not a list of chunks")
         objs = [_unwire(w, label) for w in what]
-        self._keep_warm(objs[0], 1 + FETCH_AHEAD)  # (the chunks it fetches at once)
+        self._keep_warm(objs, 1 + FETCH_AHEAD)  # (the chunks it fetches at once)
         return version, published_at, objs, waited
 
-    def _keep_warm(self, obj: RDTObject, each: int) -> None:
-        """Keep the node relay's memory for the publisher's objects warm while this
-        subscription lives (`_relay._Memfds.want`: `each` memfds of a size): the next
-        version lands in memory that the last one faulted in, however long a step takes."""
-        source = _relay.source_of(obj.producer.node_id, obj.producer.pid)
-        if self._warm is not None and self._warm[0] == source and self._warm[1] >= each:
+    def _keep_warm(self, objs: Sequence[RDTObject], each: int) -> None:
+        """Keep the node relay's memory for the publisher's versions (`objs`: one, or a
+        version's chunks) warm while this subscription lives (`_relay._Memfds.want`: `each`
+        memfds of each of their sizes): the next version lands in memory that the last one
+        faulted in, however long a step takes."""
+        source = _relay.source_of(objs[0].producer.node_id, objs[0].producer.pid)
+        sizes = frozenset(_relay.size_of(o.specs) for o in objs)
+        warm = self._warm
+        if warm is not None and warm[0] == source and warm[1] >= each and sizes <= warm[2]:
             return
-        self._let_go_warm()  # (the publisher's actor restarted, a new process; or a stream asks for more)
-        release = _relay.memfds.want(source, each)
-        self._warm = source, each, release
+        self._let_go_warm()  # (the publisher's actor restarted, a new process; a stream asks for more; new sizes)
+        release = _relay.memfds.want(source, each, sorted(sizes))
+        self._warm = source, each, sizes, release
         _io.finalize(self, release)
 
     def _let_go_warm(self) -> None:
         if self._warm is not None:
-            self._warm[2]()
+            self._warm[3]()
             self._warm = None
 
     def _took(self, version: int, published_at: float, waited: bool, started: float) -> None:

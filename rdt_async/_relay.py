@@ -398,8 +398,8 @@ class _Memfds:
     most), as shm's segments (`_segments.Cadence`). Capacities are powers of two (a memfd allocates only
     the pages written).
 
-    Except the newest memfd (or few: `want`) per capacity of each producer a live
-    subscription of this process follows, where this process is its node's first warm one
+    Except the newest memfd (or few: `want`) per capacity of the versions of each
+    producer a live subscription of this process follows, where this process is its node's first warm one
     of that kind (its seat says so): a version every 30 s would otherwise land each time in
     fresh memory, which faults in at a fraction of a warm copy's speed. Those stay,
     whatever their size, until the last subscription to that producer here goes.
@@ -410,7 +410,8 @@ class _Memfds:
         self.idle: list[_Memfd] = []
         self.seats = _Seats()
         self.cadence = _segments.Cadence()  # of each kind: one taken again and again stays warm between takes
-        self.wanted: dict[str, list[int]] = {}  # producers (`source_of`) live subscriptions here follow: `want`'s `each`
+        # Producers (`source_of`) live subscriptions here follow: `want`'s `each` and capacities, one a subscription.
+        self.wanted: dict[str, list[tuple[int, frozenset[int]]]] = {}
         self._sweeper = _segments.IdleSweep(self._sweep, lambda: _segments.idle_s())
 
     @staticmethod
@@ -464,30 +465,33 @@ class _Memfds:
         else:
             _close(m)
 
-    def want(self, source: str, each: int = 1) -> Callable[[], None]:
-        """A subscription here follows `source`'s objects: keep `each` warm memfds of each of
+    def want(self, source: str, each: int = 1, sizes: Sequence[int] = ()) -> Callable[[], None]:
+        """A subscription here follows `source`'s objects of `sizes` (bytes as the relay lays
+        them out, `size_of`; none given: of any size): keep `each` warm memfds of each of
         their capacities while it lives (see the class; a stream fetches a few chunks at
-        once). Returns the call that says it went. With RDT_RELAY_KEEP_WARM=0, nothing is
-        kept past the idle time (the call does nothing)."""
+        once). Another object of that producer (a one-off checkpoint of 8 GiB) is not kept.
+        Returns the call that says it went. With RDT_RELAY_KEEP_WARM=0, nothing is kept past
+        the idle time (the call does nothing)."""
         if os.environ.get("RDT_RELAY_KEEP_WARM", "1") == "0":
             return lambda: None
+        entry = each, frozenset(self.capacity(n) for n in sizes)
         with self.lock:
-            self.wanted.setdefault(source, []).append(each)
+            self.wanted.setdefault(source, []).append(entry)
         done = False
 
         def release() -> None:  # (any thread; never inside a finalizer: `_io.finalize`)
             nonlocal done
             if not done:
                 done = True
-                self._unwant(source, each)
+                self._unwant(source, entry)
 
         return release
 
-    def _unwant(self, source: str, each: int) -> None:
+    def _unwant(self, source: str, entry: tuple[int, frozenset[int]]) -> None:
         with self.lock:
             left = self.wanted.pop(source, [])
-            if each in left:  # (not: a forked child's copy of the subscription)
-                left.remove(each)
+            if entry in left:  # (not: a forked child's copy of the subscription)
+                left.remove(entry)
             if left:
                 self.wanted[source] = left
         _mappings.cache.sweep_soon()  # (the mappings of it this process read through: `_kept_tag`)
@@ -502,9 +506,9 @@ class _Memfds:
             if m.source in self.wanted and self.seats.first(m.kind):
                 kinds.setdefault(m.kind, []).append(m)
         spared = []
-        for (_, source), ms in kinds.items():
+        for (cap, source), ms in kinds.items():
             ms.sort(key=lambda m: m.idle_since, reverse=True)
-            spared += ms[: max(self.wanted[source])]
+            spared += ms[: max((each for each, caps in self.wanted[source] if not caps or cap in caps), default=0)]
         return spared
 
     def clear(self) -> None:
@@ -602,6 +606,11 @@ class _Seats:
 
 def _seat(cap: int, source: str, i: int) -> bytes:
     return b"\0rdt-relay-warm-%d-%d-%s-%d" % (os.getuid(), cap, source.encode(), i)
+
+
+def size_of(specs: Sequence[TensorSpec]) -> int:
+    """The bytes of a memfd holding an object of `specs` (as `want` takes them)."""
+    return _layout(specs)[1]
 
 
 def name_of(obj_id: str, producer: Any, transport: str, specs: Sequence[TensorSpec], meta: Any) -> str:

@@ -521,6 +521,26 @@ async def test_a_subscription_keeps_its_producers_newest_warm_memfd_past_the_idl
     assert pool.idle == [] and newest_ino not in _open_inodes() and not _relay._Seats.taken(cap, _src())
 
 
+async def test_a_subscription_keeps_memory_for_its_versions_sizes_not_for_another_object_of_its_producer(monkeypatch):
+    """A trainer that also returns a one-off object (a checkpoint of 8 GiB) through the
+    relay: a subscription to its weights keeps the memfd of a version's size, not that one."""
+    monkeypatch.setenv("RDT_SHM_IDLE_S", "0.3")
+    monkeypatch.setattr(_relay, "MAX_IDLE_BYTES", 0)  # nothing is kept for reuse but a subscription's
+    monkeypatch.setattr(_relay, "memfds", _relay._Memfds())
+    size, pool = _relay.size_of(SPECS), _relay.memfds
+    release = pool.want(_src(), 1, [size])
+    version, checkpoint = pool.take(size, _src()), pool.take(4 * pool.capacity(size), _src())
+    checkpoint_ino = os.fstat(checkpoint.fd).st_ino
+    pool.give(version)
+    pool.give(checkpoint)  # over the bound, and no subscription's size: closed at once
+    assert pool.idle == [version] and checkpoint_ino not in _open_inodes()
+    await asyncio.sleep(1.0)
+    assert pool.idle == [version]  # past the idle time: kept
+    release()
+    await asyncio.sleep(1.0)
+    assert pool.idle == []
+
+
 async def test_with_keep_warm_off_a_subscription_keeps_nothing_past_the_idle_time(monkeypatch):
     monkeypatch.setenv("RDT_SHM_IDLE_S", "0.3")
     monkeypatch.setenv("RDT_RELAY_KEEP_WARM", "0")
