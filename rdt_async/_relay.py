@@ -452,18 +452,24 @@ class _Memfds:
             return
         with self.lock:
             m.idle_since = self.cadence.idle_from(m.kind)  # (later where its kind is taken at a slow, steady cadence)
-            spared = {id(x) for x in self._spared()}
-            room = sum(x.capacity for x in self.idle if id(x) not in spared) + m.capacity <= MAX_IDLE_BYTES
             self.idle.append(m)
+            self.seats.hold(self.idle)  # (first: who keeps what asks which seats this process holds)
+            spared = {id(x) for x in self._spared()}  # (a subscription's, whatever its size: `m` may displace one)
+            over = sum(x.capacity for x in self.idle if id(x) not in spared) - MAX_IDLE_BYTES
+            out = []
+            for x in sorted((x for x in self.idle if id(x) not in spared), key=lambda x: x is not m):
+                if over <= 0:
+                    break  # (`m` first: a memfd over the bound goes before the older ones it would push out)
+                out.append(x)
+                over -= x.capacity
+            gone = {id(x) for x in out}
+            self.idle = [x for x in self.idle if id(x) not in gone]
             self.seats.hold(self.idle)
-            kept = room or any(x is m for x in self._spared())  # (a subscription's, whatever its size)
-            if not kept:
-                self.idle.pop()
-                self.seats.hold(self.idle)
+            kept = id(m) not in gone
         if kept:
             self._sweeper.start()
-        else:
-            _close(m)
+        for x in out:
+            _close(x)
 
     def want(self, source: str, each: int = 1, sizes: Sequence[int] = ()) -> Callable[[], None]:
         """A subscription here follows `source`'s objects of `sizes` (bytes as the relay lays
