@@ -67,20 +67,27 @@ class Process:
         """The producer's ActorHandle, or None for the driver and tasks (blocks to rebuild it)."""
         if self.actor_state is None:
             return None
-        handle = _handles.get(self.token)
+        handle = _handles.get((self.token, self.actor_id))
         if handle is None:
-            handle = _handles[self.token] = pickle.loads(self.actor_state)
+            handle = pickle.loads(self.actor_state)
+            if getattr(getattr(handle, "_ray_actor_id", None), "hex", lambda: None)() != self.actor_id:
+                named = "no actor" if self.actor_id is None else f"actor {str(self.actor_id)[:16]}"
+                raise TransferError(  # (a ref's fields are input: its handle must be the actor it names)
+                    f"the ref's producer handle is not one of {named}, which the ref names as its producer; "
+                    "pass refs as rdt_async hands them out"
+                )
+            _handles[self.token, self.actor_id] = handle
         return handle
 
     async def handle(self) -> Any:
         """`actor`, rebuilt in the pool the first time: the caller's loop stays free."""
-        if self.actor_state is None or self.token in _handles:
+        if self.actor_state is None or (self.token, self.actor_id) in _handles:
             return self.actor
         return await _io.to_thread(lambda: self.actor, purpose=_io.CALLS)
 
     def call_soon(self, fn: Callable[[Any], Any]) -> None:
         """Call `fn(actor)` now if the handle is here, else once the pool has rebuilt it."""
-        if self.token in _handles:
+        if (self.token, self.actor_id) in _handles:
             fn(self.actor)
             return
 
@@ -110,7 +117,9 @@ class Process:
         return f"actor {self.actor_id[:8]}"
 
 
-_handles: dict[str, Any] = {}  # process token -> ActorHandle rebuilt in this process
+# (process token, actor id) -> ActorHandle rebuilt in this process: by both, so that a ref
+# naming an honest producer's token with another actor's handle sends no later ref of it there.
+_handles: dict[tuple[str, str | None], Any] = {}
 _TOKEN = re.compile(r"([1-9][0-9]{0,6}):[0-9a-z]{1,32}")
 PID_MAX = 1 << 22  # Linux's PID_MAX_LIMIT: a larger "pid" is no process (and overflows os.kill)
 
@@ -125,7 +134,13 @@ def check(obj: RDTObject) -> None:
     if type(obj.obj_id) is not str or not _OBJ_ID.fullmatch(obj.obj_id):
         raise TransferError(f"the ref's object id {obj.obj_id!r} is not one a producer makes")
     check_specs(obj.specs, obj.obj_id)
-    obj.producer.pid  # noqa: B018  (checks the token)
+    p = obj.producer
+    p.pid  # noqa: B018  (checks the token)
+    if p.serves and (type(p.actor_id) is not str or type(p.actor_state) is not bytes):
+        raise TransferError(  # (its `rdt` group is asked through that handle: a fetch's checks, frees)
+            f"the ref says its producer is an rdt actor, but names no actor id and handle for it "
+            f"({p.actor_id!r}, {type(p.actor_state).__name__}); pass refs as rdt_async hands them out"
+        )
 
 
 _OBJ_ID = re.compile(r"[0-9a-f]{24}")

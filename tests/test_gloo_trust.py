@@ -42,7 +42,7 @@ class Member:
         used = dict(collections.Counter(rdt.store_stats()["fetches"]) - before)
         return checksum(value["w"]), used
 
-    async def crafted_fetches(self, refs, group: str, ranks: list, shapes: list) -> list[str]:
+    async def crafted_fetches(self, refs, group: str, ranks: list, shapes: list, anonymous: tuple = ()) -> list[str]:
         """Fetch the ref altered in each way given; return each failure as 'Type: message'."""
         obj = await refs[0]
         backend, _ = obj.meta["groups"][group]
@@ -53,6 +53,9 @@ class Member:
             # (a consistent spec: the core's spec check lets it through to the group's own)
             spec = dataclasses.replace(obj.specs[0], shape=tuple(shape), dtype=dtype, nbytes=nbytes)
             crafted.append(dataclasses.replace(obj, specs=(spec, *obj.specs[1:])))
+        for r in anonymous:  # a producer with no actor id (no member's), said to be rank r
+            producer = dataclasses.replace(obj.producer, actor_id=None, actor_state=None, serves=False)  # (as a driver's)
+            crafted.append(dataclasses.replace(obj, producer=producer, meta={**obj.meta, "groups": {group: (backend, r)}}))
         out = []
         for c in crafted:
             try:
@@ -203,6 +206,7 @@ def test_a_crafted_ref_is_refused_before_anything_is_posted_and_the_group_stays_
                 g.name,
                 [5, -1, "0", True, 1, 2],
                 [((1001,), torch.float32), ((1000,), torch.float64), ((-3,), torch.float32)],
+                (2, 0),
             ),
             timeout=120,
         )
@@ -219,6 +223,8 @@ def test_a_crafted_ref_is_refused_before_anything_is_posted_and_the_group_stays_
             r"TransferError: .* describes tensors \[float64\[1000\], int64\[6\]\], but its producer holds \[float32\[1000\]",
             r"TransferError: .*(its ref describes a tensor as torch.float32\[-3\]@cpu \(the ref was altered\)"
             r"|tensor 0's spec is not one a producer makes: shape \(-3,\))",
+            r"TransferError: .* rank 2 is actor \w{8}, not the object's producer None \(the ref was altered\)",
+            r"TransferError: .* rank 0 is actor \w{8}, not the object's producer None \(the ref was altered\)",
         ]
         assert len(errors) == len(expected)
         import re

@@ -389,3 +389,19 @@ def test_a_field_of_megabytes_makes_a_message_of_a_few_kilobytes(actors, made, f
         crafted = _crafted(obj, **{field: {"offsets": (0,) * 200_000, "shared": (None,) * 200_000, "segment": "x" * 1_000_000}[field]})
     got = _refused(c, crafted, "TransferError", words)
     assert len(got["message"]) <= 4000 and "characters cut ..." in got["message"], len(got["message"])
+
+
+def test_a_ref_with_another_actors_handle_is_refused_and_sends_no_later_ref_there(actors, made):
+    """A ref carries its producer's handle (pickled) beside its token and actor id: one that
+    pairs an honest producer's token and id with another actor's handle must not make this
+    process send that producer's later refs' calls (frees, pings, sends) to the other actor."""
+    from rdt_async import _object
+
+    p, other, _ = actors
+    mine, theirs = _get(made, p.make.remote(1.0)), _get(made, other.make.remote(SECRET))
+    forged = dataclasses.replace(mine, producer=dataclasses.replace(mine.producer, actor_state=theirs.producer.actor_state))
+    _object._handles.clear()  # (as a process that has not met either yet)
+    with pytest.raises(rdt.TransferError, match=f"handle is not one of actor {mine.producer.actor_id[:16]}, which the ref names as its producer"):
+        forged.producer.actor  # noqa: B018
+    assert mine.producer.actor._ray_actor_id.hex() == mine.producer.actor_id  # the honest ref: its own actor
+    assert theirs.producer.actor._ray_actor_id.hex() == theirs.producer.actor_id

@@ -97,6 +97,17 @@ def test_a_producer_token_naming_a_pid_no_process_has_is_refused(token):
         _object.check(back)
 
 
+@pytest.mark.parametrize(
+    "producer",
+    [Process("ef" * 28, "7:ff", None, None, True), Process("ef" * 28, "7:ff", "ab" * 16, None, True), Process("ef" * 28, "7:ff", None, b"x", True)],
+    ids=["no-actor", "no-handle", "handle-of-no-actor"],
+)
+def test_a_producer_said_to_serve_without_an_actor_and_its_handle_is_refused(producer):
+    back = pickle.loads(pickle.dumps(_obj((_spec((2,), torch.float32),), producer), protocol=5))
+    with pytest.raises(TransferError, match="the ref says its producer is an rdt actor, but names no actor id and handle for it"):
+        _object.check(back)
+
+
 def _record(**change) -> bytes:
     obj = _obj(specs=(_spec((2,), torch.float32),))
     fields = list(msgpack.unpackb(_object._wire(obj)[0], use_list=False))

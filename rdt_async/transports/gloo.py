@@ -347,8 +347,9 @@ def checked_source(info: TransferInfo[GlooMeta], device: str) -> tuple[Group, in
             "nothing was received",
             obj_id=info.obj_id,
         )
-    producer = getattr(getattr(info.hold, "producer", None), "actor_id", None)  # the RDTObject's, where there is one
-    if group.members and producer is not None and group.members[src] != producer:
+    made_by = getattr(info.hold, "producer", None)  # the RDTObject's, where there is one (a transport driven alone: none)
+    producer = getattr(made_by, "actor_id", None)
+    if group.members and made_by is not None and group.members[src] != producer:  # (no actor id: no member's)
         raise TransferError(
             f"{what}: rank {src} is actor {group.members[src][:8]}, not the object's producer {str(producer)[:8]} "
             "(the ref was altered); nothing was received",
