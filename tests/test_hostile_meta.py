@@ -198,6 +198,27 @@ def test_crafted_nixl_metadata_is_refused_before_nixl_sees_it(maker):
     ray.kill(other_maker)
 
 
+@pytest.mark.parametrize("bytes_apart", [4000, 8000], ids=["next-1000-floats", "past-them"])
+def test_a_ref_altered_to_read_other_registered_memory_is_refused_and_hands_over_no_byte_of_it(maker, bytes_apart):
+    """Nothing on the producer's side bounds a READ, and the region blobs are the ref's own:
+    a descriptor moved within what the producer registered (`three` returns a view of
+    1000 of `kept`'s 4096 floats: the whole storage is registered) passes every check of
+    the metadata. The liveness slot holds a digest of the descriptors the producer
+    exported: the fetch fails, and what the READ wrote is not handed over."""
+    obj = ray.get(maker.three.remote())
+    want = [checksum(t) for t in rdt.get(obj)]
+    d0 = obj.meta["nixl"].descs[0]
+    bad = crafted(obj, descs=((d0[0] + bytes_apart, *d0[1:]), *obj.meta["nixl"].descs[1:]))
+    into = [torch.full((1000,), -1.0), torch.full((300,), -1.0, dtype=torch.float64), torch.empty(0)]
+    for kwargs in ({}, {"into": into}):
+        with pytest.raises(TransferError, match=f"nixl fetch of {obj.obj_id}: its ref's tensor descriptors are not the ones "
+                           "its producer exported for it \\(the ref was altered\\); what was read was discarded"):
+            rdt.get(bad, **kwargs)
+    assert set(into[0].unique().tolist()) <= {-1.0, 0.0}, into[0][:4]  # (untouched, or zeroed: never kept[1000:])
+    assert set(into[1].unique().tolist()) <= {-1.0, 0.0}
+    assert [checksum(t) for t in rdt.get(obj)] == want  # the honest ref still reads
+
+
 def test_a_crafted_meta_of_the_wrong_type_is_refused(maker):
     obj = ray.get(maker.three.remote())
     bad = dataclasses.replace(obj, meta={**obj.meta, "nixl": {"agent": "x"}})

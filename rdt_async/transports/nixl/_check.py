@@ -14,9 +14,12 @@ loaded or a READ posted, the consumer checks that the metadata hangs together:
   another agent would add regions to that agent's entry here);
 - one descriptor per tensor, none for an empty one; each is as long as its tensor
   (`TensorSpec.nbytes`), of the spec's memory kind and device, and inside a region the
-  object's blobs declare; the liveness slot is 8 bytes inside a declared DRAM region.
+  object's blobs declare; the liveness slot is 16 bytes inside a declared DRAM region.
 
 A failure is a TransferError naming the field; nothing was loaded, registered or read.
+What these checks cannot see (a descriptor moved within a region the producer did
+register: the blobs are the ref's own) the liveness slot's digest catches after the
+READ (`_liveness`).
 Blobs are parsed once each (cached); a check costs microseconds per tensor.
 """
 
@@ -33,6 +36,7 @@ import torch
 
 from ..._errors import TransferError
 from .._base import TensorSpec, TransferInfo
+from ._liveness import SLOT_BYTES
 from ._meta import NixlMeta
 
 _U64 = struct.Struct("<Q")
@@ -187,7 +191,7 @@ def _check(meta: Any, specs: Sequence[TensorSpec], producer_pid: int | None) -> 
         raise _Bad(f"{len(meta.descs)} tensor descriptors for {len(specs)} tensors")
     for i, (desc, spec) in enumerate(zip(meta.descs, specs)):
         _check_desc(i, desc, spec, regions)
-    if not _inside(regions, "DRAM", meta.slot, 8, 0):
+    if not _inside(regions, "DRAM", meta.slot, SLOT_BYTES, 0):
         raise _Bad(f"liveness slot {meta.slot:#x} is outside every region the producer registered")
 
 

@@ -1,25 +1,41 @@
-"""Liveness slots: how a consumer learns that the object it just read was freed.
+"""Liveness slots: how a consumer learns that the object it just read was freed, and
+that it read what its producer exported for it.
 
 Each object owns a slot in a small registered table (the producer's) that holds a random
-token while the object lives. A consumer READs the tensors, then READs the slot: a token
-that no longer matches means the object was freed before or during the read, and the
-fetch raises ObjectFreedError instead of returning stale bytes (after deregistration, a
-CMA READ still returns whatever now lies at the old address).
+token while the object lives, and a digest of the object's id and tensor descriptors
+(address, length, device, memory: `digest`). A consumer READs the tensors, then READs the
+slot: a token that no longer matches means the object was freed before or during the
+read, and the fetch raises ObjectFreedError instead of returning stale bytes (after
+deregistration, a CMA READ still returns whatever now lies at the old address). A digest
+that does not match the ref's descriptors means the ref was altered to READ other memory
+of the producer (nothing on the producer's side bounds a READ: see `_check`): the fetch
+raises TransferError. Either way what the READs wrote where the caller sees it is zeroed
+first (`ReadPlan`): nothing read reaches the caller.
 """
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 import threading
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from ..._errors import ObjectFreedError
+from ..._errors import ObjectFreedError, TransferError
 from .._base import TransferInfo
 from ._agent import Agent
 from ._meta import NixlMeta
 
 SLOTS_PER_TABLE = 1024
+SLOT_BYTES = 16  # the token, then the digest (int64 each)
+
+
+def digest(obj_id: str, descs: Sequence[Any]) -> int:
+    """The digest of an object's id and tensor descriptors a slot holds (a signed int64)."""
+    what = repr((obj_id, tuple(descs))).encode("utf-8", "surrogatepass")
+    return int.from_bytes(hashlib.blake2b(what, digest_size=8).digest(), "little", signed=True)
 
 
 class Slots:
@@ -33,15 +49,16 @@ class Slots:
     def __init__(self, agent: Agent) -> None:
         self._agent = agent
         self._lock = threading.Lock()
-        table = torch.zeros(SLOTS_PER_TABLE, dtype=torch.int64)
+        table = torch.zeros(2 * SLOTS_PER_TABLE, dtype=torch.int64)
         dlist = agent.locked(agent.nixl.register_memory, table)
         self.conn: bytes = agent.locked(agent.nixl.get_partial_agent_metadata, dlist, True)
         self._tables = [table]
         self._free = list(range(SLOTS_PER_TABLE - 1, -1, -1))  # indexes over all tables
 
-    def take(self) -> tuple[int, int, int, tuple[int, int, int, str] | None]:
-        """Hold a slot for a new object: return it, its address, its token, and its table's
-        region when the consumer needs it in the object's metadata (None for table 0).
+    def take(self, bound: int) -> tuple[int, int, int, tuple[int, int, int, str] | None]:
+        """Hold a slot for a new object whose `digest` is `bound`: return it, its address,
+        its token, and its table's region when the consumer needs it in the object's
+        metadata (None for table 0).
 
         Blocking when every table is full: a new one is registered (takes the agent).
         """
@@ -49,7 +66,7 @@ class Slots:
             slot = self._free.pop() if self._free else -1
             table = self._tables[slot // SLOTS_PER_TABLE] if slot >= 0 else None
         if table is None:
-            table = torch.zeros(SLOTS_PER_TABLE, dtype=torch.int64)
+            table = torch.zeros(2 * SLOTS_PER_TABLE, dtype=torch.int64)
             self._agent.locked(self._agent.nixl.register_memory, table)
             with self._lock:
                 n = len(self._tables)
@@ -58,15 +75,16 @@ class Slots:
                 slot = self._free.pop()
         token = secrets.randbits(62) + 1
         i = slot % SLOTS_PER_TABLE
-        table[i] = token
+        table[2 * i + 1] = bound
+        table[2 * i] = token
         region = None if slot < SLOTS_PER_TABLE else (table.data_ptr(), table.numel() * 8, 0, "")
-        return slot, table.data_ptr() + 8 * i, token, region
+        return slot, table.data_ptr() + SLOT_BYTES * i, token, region
 
     def clear(self, slot: int) -> None:
         """Zero the slot's token: from now on every read of its object fails."""
         with self._lock:
             table = self._tables[slot // SLOTS_PER_TABLE]
-            table[slot % SLOTS_PER_TABLE] = 0
+            table[2 * (slot % SLOTS_PER_TABLE)] = 0
 
     def give(self, slot: int) -> None:
         """Free a slot cleared (or never handed out) for another object."""
@@ -75,8 +93,17 @@ class Slots:
 
 
 def check_slot(lslot: torch.Tensor, info: TransferInfo[NixlMeta], cause: Exception | None = None) -> None:
-    """Raise ObjectFreedError unless the liveness slot just read still holds the object's token."""
-    if int(lslot.item()) != info.meta.token:
+    """Raise ObjectFreedError unless the liveness slot just read (`lslot`: token, digest)
+    still holds the object's token; TransferError unless it holds the digest of the ref's
+    descriptors."""
+    token, bound = (int(x) for x in lslot.tolist())
+    if token != info.meta.token:
         raise ObjectFreedError(
             f"nixl fetch of {info.obj_id}: the producer no longer holds it (it was freed)", obj_id=info.obj_id
+        ) from cause
+    if bound != digest(info.obj_id, info.meta.descs):
+        raise TransferError(
+            f"nixl fetch of {info.obj_id}: its ref's tensor descriptors are not the ones its producer exported "
+            "for it (the ref was altered); what was read was discarded",
+            obj_id=info.obj_id,
         ) from cause

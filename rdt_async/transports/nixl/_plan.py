@@ -23,7 +23,7 @@ from ..._local import aligned_layout, copy_into
 from .._base import TransferInfo
 from .._kit import local_device
 from ._agent import Agent
-from ._liveness import check_slot
+from ._liveness import SLOT_BYTES, check_slot
 from ._memory import Key, Registrations, dev_index, mem_type
 from ._meta import NixlMeta
 from ._scratch import BOUNCE_BYTES, Scratch
@@ -77,7 +77,7 @@ class ReadPlan:
         self._landing = scratch.landing.take()
         self._lslot = (
             scratch.landing.view(self._landing) if self._landing >= 0
-            else torch.zeros(1, dtype=torch.int64)  # registered for this fetch only
+            else torch.zeros(2, dtype=torch.int64)  # registered for this fetch only
         )
         self._keys: list[Key] = []
         self._held_by_nixl = False
@@ -181,18 +181,31 @@ class ReadPlan:
                 break
         self._lslot.zero_()
         try:
-            yield Read([(self._lslot.data_ptr(), 8, 0)], [(self.info.meta.slot, 8, 0)])
+            yield Read([(self._lslot.data_ptr(), SLOT_BYTES, 0)], [(self.info.meta.slot, SLOT_BYTES, 0)])
         except Exception:
+            self._discard()
             if error is not None:
                 raise error from None
             raise
-        check_slot(self._lslot, self.info, error)
+        try:
+            check_slot(self._lslot, self.info, error)
+        except BaseException:
+            self._discard()
+            raise
         if error is not None:
+            self._discard()
             raise error
         apart = [(d, land) for (d, _), land in zip(self._pairs, self._lands) if land is not d and land.device == d.device]
         # (stages, on another device, are copied out by `read`, off the I/O loop)
         if apart:
             copy_into([d for d, _ in apart], [land for _, land in apart])
+
+    def _discard(self) -> None:
+        """Zero what the READs wrote where the caller sees it (its `into=` buffers, the
+        tensors it would get): a failed fetch hands over no byte it read."""
+        for (d, _), land in zip(self._pairs, self._lands):
+            if land is d:
+                d.zero_()
 
     def _tensor_reads(self) -> list[Read]:
         """The tensors' READs: one per local device and remote memory (and device)."""

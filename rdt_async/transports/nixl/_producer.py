@@ -29,7 +29,7 @@ import torch
 
 from ... import _io
 from ._agent import Agent
-from ._liveness import Slots
+from ._liveness import Slots, digest
 from ._memory import Key, Registrations, dev_index, mem_type
 from ._meta import NixlMeta
 
@@ -74,7 +74,7 @@ class Exports:
                 held.append(t)
                 descs.append((t.data_ptr(), nbytes, dev_index(t), mem_type(t)))
             keys = self._memory.register_many(held)  # the new storages in one call into NIXL
-            slot, slot_addr, token, table = self._slots.take()
+            slot, slot_addr, token, table = self._slots.take(digest(obj_id, descs))
             regs = self._partial_metadata(keys, table)
         except BaseException:
             self._memory.release_now(keys)

@@ -53,5 +53,5 @@ class Scratch:
     """The bounce chunks and the landing slots of this process's agent."""
 
     def __init__(self, agent: Agent) -> None:
-        self.landing = Chunks(agent, LANDING_SLOTS, 1, torch.int64)
+        self.landing = Chunks(agent, LANDING_SLOTS, 2, torch.int64)  # a liveness slot: token, digest
         self.bounce = Chunks(agent, BOUNCE_CHUNKS, BOUNCE_BYTES, torch.uint8)
