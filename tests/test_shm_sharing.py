@@ -251,10 +251,10 @@ def test_a_descriptor_that_names_another_file_now_is_refused():
     # The producer's fd number is checked against the storage's inode: a stale one
     # (the object freed, the number reused) must never map someone else's bytes.
     w = torch.ones(SHARE_MIN_BYTES // 4).share_memory_()
-    (good,) = _lend([_shared(w)])  # as `prepare` lends it
+    (good,) = _lend("x", [w], [_shared(w)])  # as `prepare` lends it
     assert good is not None
     try:
-        info = TransferInfo("x", (TensorSpec.of(w),), ShmMeta(None, 0, (0,)), producer_pid=os.getpid())
+        info = TransferInfo("x", (TensorSpec.of(w),), ShmMeta(None, 0, (0,), (good,)), producer_pid=os.getpid())
         assert float(_map_shared(info, good).view(torch.float32).sum()) == w.numel()
         with pytest.raises(rdt.ObjectFreedError, match="freed"):
             _map_shared(info, dataclasses.replace(good, inode=(good.inode[0], good.inode[1] + 1)))

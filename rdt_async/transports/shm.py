@@ -37,6 +37,7 @@ import atexit
 import concurrent.futures
 import dataclasses
 import errno
+import hashlib
 import logging
 import os
 import re
@@ -115,13 +116,27 @@ class Shared:
     nbytes: int  # the storage's
     offset: int  # the tensor's, in elements
     stride: tuple[int, ...]
-    # The file position of the descriptor lent for this object (KEY_MIN <= key < KEY_END,
-    # random): a consumer reads it in /proc/<pid>/fdinfo, so a descriptor the producer did
-    # not lend for this object is never mapped.
+    # The random part of the file position of the descriptor lent for this object
+    # (KEY_MIN <= key < KEY_END): the position is `_position(key, obj_id, views)`, the views
+    # being every tensor the object lends through that descriptor. A consumer reads it in
+    # /proc/<pid>/fdinfo, so a descriptor the producer did not lend for this object, or
+    # with other views of it, is never mapped.
     key: int = 0
 
 
 KEY_MIN, KEY_END = 1 << 40, 1 << 62  # far beyond any position a file of ours reaches
+
+
+def _position(key: int, obj_id: str, views: tuple[Any, ...]) -> int:
+    """The file position a descriptor lent for object `obj_id` with `key`, through which
+    the object lends `views` ((shape, offset, stride) each, in order), is set to."""
+    what = repr((key, obj_id, views)).encode("utf-8", "surrogatepass")
+    return KEY_MIN + int.from_bytes(hashlib.blake2b(what, digest_size=8).digest(), "little") % (KEY_END - KEY_MIN)
+
+
+def _views(shapes: Sequence[Any], shared: Sequence[Shared | None], fd: int) -> tuple[Any, ...]:
+    """The views an object lends through its descriptor `fd` (`_position`'s `views`)."""
+    return tuple((tuple(shape), sh.offset, tuple(sh.stride)) for shape, sh in zip(shapes, shared) if sh is not None and sh.fd == fd)
 MAX_FD = 1 << 20
 
 
@@ -170,7 +185,7 @@ class ShmTransport(Transport[ShmMeta]):
 
     def _prepare(self, obj_id: str, tensors: Sequence[torch.Tensor], found: list[Shared | None]) -> ShmMeta:
         """`prepare`, with where each tensor's shared storage lies already found (`_shared`)."""
-        shared = _lend(found)
+        shared = _lend(obj_id, tensors, found)
         try:
             meta = self._segment(obj_id, [t for t, sh in zip(tensors, shared) if sh is None])
         except BaseException:
@@ -191,7 +206,7 @@ class ShmTransport(Transport[ShmMeta]):
         found = _shared_all(tensors)
         if all(not t.numel() or sh is not None for t, sh in zip(tensors, found)):
             return self._prepare(obj_id, tensors, found)  # nothing to copy
-        shared = _lend(found)
+        shared = _lend(obj_id, tensors, found)
         with _lazy_lock:
             _lazy[obj_id] = _Lazy()
         return ShmMeta(None, 0, (), shared if any(shared) else (), lazy=True)
@@ -482,8 +497,10 @@ def _open_shared(info: TransferInfo[ShmMeta], sh: Shared) -> int:
 
     try:
         lent = _lent_key(sh.pid, sh.fd)
-        if lent != sh.key:  # (another file under that number: the pid reused, the object freed and
-            raise gone(     # the number taken again, or a ref naming what was never lent for it)
+        views = _views([spec.shape for spec in info.specs], info.meta.shared, sh.fd)
+        if lent != _position(sh.key, info.obj_id, views):  # (another file under that number: the pid
+            raise gone(  # reused, the object freed and the number taken again, or a ref naming what
+                # was never lent for it: another object's, or other views of it)
                 f"descriptor {sh.fd} of process {sh.pid} is not the one its producer lent for it"
             )
         fd = os.open(f"/proc/{sh.pid}/fd/{sh.fd}", os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
@@ -585,13 +602,14 @@ _said_share = False
 _returned_once: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
 
 
-def _lend(found: list[Shared | None]) -> tuple[Shared | None, ...]:
+def _lend(obj_id: str, tensors: Sequence[torch.Tensor], found: list[Shared | None]) -> tuple[Shared | None, ...]:
     """`found` (each tensor's shared storage, or None: copy it) named through descriptors of
     this object's own (one per storage, closed at its free: a fetch after that finds
     nothing at the number and says freed).
 
-    Each is a new open of the storage's file, its position set to a random key that the
-    metadata carries: a consumer maps a descriptor only if it shows the key (`_open_shared`).
+    Each is a new open of the storage's file, its position set from a random key that the
+    metadata carries, the object's id and the views it lends through it (`_position`): a
+    consumer maps a descriptor only if it shows that position (`_open_shared`).
     """
     if not any(found):
         return tuple(found)
@@ -602,11 +620,13 @@ def _lend(found: list[Shared | None]) -> tuple[Shared | None, ...]:
             if sh is not None:
                 if sh.fd not in own:
                     fd = os.open(f"/proc/self/fd/{sh.fd}", os.O_RDONLY | os.O_CLOEXEC)
-                    own[sh.fd] = (fd, KEY_MIN + secrets.randbelow(KEY_END - KEY_MIN))
-                    os.lseek(fd, own[sh.fd][1], os.SEEK_SET)
+                    own[sh.fd] = (fd, KEY_MIN + secrets.randbelow(KEY_END - KEY_MIN))  # (positioned below)
                 fd, key = own[sh.fd]
                 sh = Shared(sh.pid, fd, sh.inode, sh.nbytes, sh.offset, sh.stride, key)
             out.append(sh)
+        shapes = [t.shape for t in tensors]
+        for fd, key in own.values():
+            os.lseek(fd, _position(key, obj_id, _views(shapes, out, fd)), os.SEEK_SET)
     except OSError as exc:  # out of descriptors (or no /proc): copy them all instead
         for fd, _ in own.values():
             os.close(fd)
