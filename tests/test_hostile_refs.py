@@ -276,6 +276,11 @@ def test_a_descriptor_the_producer_did_not_lend_for_the_object_is_never_opened(a
     again = kept.meta["shm"].shared[0]
     assert again.fd != sh.fd
     _refused(c, _crafted(obj, shared=(dataclasses.replace(sh, fd=again.fd),)), "ObjectFreedError", "not the one its producer lent")
+    # Its whole record (descriptor, key and inode together): lent for the other object only.
+    _refused(c, _crafted(obj, shared=(again,)), "ObjectFreedError", f"descriptor {again.fd}", "not the one its producer lent")
+    # The object's own record with another view of the storage: the views are lent with it.
+    _refused(c, _crafted(obj, shared=(dataclasses.replace(sh, stride=(0,)),)), "ObjectFreedError", "not the one its producer lent")
+    assert ray.get(c.attempt.remote([kept]))["sums"] == [3.0 * BIG]  # its own ref reads it
 
 
 def test_a_forged_producer_whose_descriptor_holds_a_secret_is_never_read(actors, made, tmp_path):
