@@ -584,7 +584,9 @@ class Subscription:
     next(into=...)` lands it in the caller's own tensors (a dict by name, such as
     `model.state_dict()`, or a list in the published order). Without `into=`, on the
     producer's node the tensors are views of the producer's slot: keeping them keeps that
-    slot busy. Bound any wait with `asyncio.timeout`.
+    slot busy. Bound any wait with `asyncio.timeout`. While it lives, its node keeps
+    memory warm for the next version (see the publishing docs): `close()` (or `async with
+    rdt.subscribe(...) as sub:`) lets go of that now rather than when it is collected.
 
     Runs on: consumer (any process with an event loop).
     """
@@ -612,12 +614,28 @@ class Subscription:
         self.delay_s: float | None = None  # from its publish to its tensors in hand
         self._id = next(_ids)
         self._warm: tuple[str, int, frozenset[int], Callable[[], None]] | None = None  # whose relay memory we keep warm: how many, of which sizes
+        self._ended = False  # `close()` was called
         _subscriptions.add(self)
 
     def __aiter__(self) -> Subscription:
         return self
 
+    async def __aenter__(self) -> Subscription:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop following the publisher: let go of the memory this node keeps warm for its
+        versions now. What it returned stays usable; `next()` and `stream()` raise after
+        it. A second call does nothing."""
+        self._ended = True
+        self._let_go_warm()
+
     async def __anext__(self) -> tuple[int, dict[str, torch.Tensor]]:
+        if self._ended:
+            raise StopAsyncIteration  # (closed: `async for` ends)
         try:
             return await self.next()
         except ObjectFreedError:
@@ -634,7 +652,11 @@ class Subscription:
         """
         version, published_at, obj, waited = await self._poll(chunked=False)
         started = time.perf_counter()
-        weights = await _fetch(obj, into)
+        try:
+            weights = await _fetch(obj, into)
+        except PeerDiedError:
+            self._let_go_warm()  # its objects are gone with it: no memory kept for them
+            raise
         del obj  # views of the slot keep its object: nothing else here holds the version
         self._took(version, published_at, waited, started)
         return version, weights
@@ -658,6 +680,8 @@ class Subscription:
 
     async def _poll(self, *, chunked: bool) -> tuple[int, float, Any, bool]:
         """Wait for a version newer than the last taken: (version, published_at, object or chunks, waited)."""
+        if self._ended:
+            raise RuntimeError(f"rdt.subscribe(actor, {self.name!r}): this subscription was closed; subscribe again")
         after = -1 if self.version is None else self.version
         label = f"waiting for a version of {self.name!r} newer than {after}"
         while True:
@@ -843,7 +867,11 @@ class VersionStream:
                 self._tasks[j] = started
         task = self._tasks[i]
         assert task is not None  # (started above)
-        value = await task
+        try:
+            value = await task
+        except PeerDiedError:
+            self._sub._let_go_warm()  # its objects are gone with it: no memory kept for them
+            raise
         del task
         self._tasks[i] = self._objs[i] = self._targets[i] = None  # (views keep their object themselves)
         self._next += 1

@@ -162,6 +162,18 @@ class Server:
             return f"{type(exc).__name__}: {exc}"
         return f"version {version}"
 
+    async def close(self, name: str) -> list:
+        """Close the subscription to `name`: what its iteration and `next` do after."""
+        sub = self.subs[name]
+        sub.close()
+        sub.close()  # (a second does nothing)
+        after = [v async for v in sub]  # `async for` ends
+        try:
+            await sub.next()
+        except RuntimeError as exc:
+            return [after, str(exc)]
+        return [after, "next() returned"]
+
     async def into_tied(self, trainer, name: str, tie: bool, stream: bool) -> tuple:
         """The newest version of a tied model into this side's model (tied or not): its
         number, and whether every parameter holds it (the head: the embedding's values)."""
@@ -305,6 +317,27 @@ def test_versions_further_apart_than_the_idle_time_land_in_the_nodes_warm_relay_
         ended = ray.get([s.next_within.remote(trainer, "far", 30) for s in pair], timeout=60)
         assert all(e.startswith("ObjectFreedError") and e.endswith("the publisher closed") for e in ended), ended
         time.sleep(1.2)
+        assert [s["relay"]["idle_memfds"] for s in ray.get([s.stats.remote() for s in pair])] == [0, 0]
+    finally:
+        for s in (trainer, *pair):
+            ray.kill(s)
+
+
+def test_a_closed_subscription_keeps_no_relay_memory_and_takes_no_version(actors):
+    trainer = Trainer.remote()
+    idle = {"env_vars": {"RDT_SHM_IDLE_S": "0.3", "RDT_RELAY_KEEP_S": "1.0"}}
+    pair = [Server.options(**ON_NODE2, runtime_env=idle).remote() for _ in range(2)]
+    try:
+        ray.get(trainer.open.remote("shut"))
+        for version in range(2):
+            follows = [s.follow.remote(trainer, "shut", version, 0.0, True) for s in pair]
+            assert ray.get(trainer.publish.remote("shut"), timeout=60) == [version]
+            assert ray.get(follows, timeout=60) == [[(version, True)]] * 2
+            time.sleep(1.8)
+        assert sorted(s["relay"]["idle_memfds"] for s in ray.get([s.stats.remote() for s in pair])) == [0, 1]
+        said = ray.get([s.close.remote("shut") for s in pair])
+        assert said == [[[], "rdt.subscribe(actor, 'shut'): this subscription was closed; subscribe again"]] * 2
+        time.sleep(1.2)  # (the idle time, four times: closed, nothing keeps it)
         assert [s["relay"]["idle_memfds"] for s in ray.get([s.stats.remote() for s in pair])] == [0, 0]
     finally:
         for s in (trainer, *pair):
