@@ -238,6 +238,38 @@ def test_a_producer_that_does_not_answer_is_a_transfer_error_not_a_timeout(monke
                 s.close()
 
 
+@pytest.mark.parametrize("answers", [False, True], ids=["no-answer", "answer-then-nothing"])
+def test_a_listener_that_says_nothing_fails_the_fetch_after_the_stall_time(monkeypatch, answers):
+    """A ref's address is input: a listener that accepts and then says nothing (or says
+    HELD and sends no byte) must not hold a fetch for good (nor its thread)."""
+    from rdt_async._errors import translating
+
+    monkeypatch.setenv("RDT_TCP_STALL_S", "1")
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(1)
+        accepted = []
+
+        def accept() -> None:
+            conn, _ = silent.accept()
+            accepted.append(conn)
+            if answers:
+                conn.recv(4096)  # (the token and the request)
+                conn.sendall(tcp.HELD)
+
+        threading.Thread(target=accept, daemon=True).start()
+        meta = tcp.TcpMeta(*silent.getsockname(), bytes(16))
+        fetch = tcp._Fetch()
+        t0 = time.monotonic()
+        said = "mid-transfer" if answers else "no answer to the request"
+        with pytest.raises(rdt.TransferError, match=rf"tcp fetch of obj: the producer's listener at 127\.0\.0\.1:\d+ sent nothing for 1 s \({said}\); RDT_TCP_STALL_S sets how long a fetch waits"):
+            with translating("tcp fetch of obj", "obj", transport=_registry.transport("tcp")):
+                tcp._stream_once(fetch, meta, "obj", [(0, 0, 64)], [memoryview(bytearray(64))], None, reuse=False)
+        assert time.monotonic() - t0 < 5
+        for conn in accepted:
+            conn.close()
+
+
 def test_idle_connections_are_closed_after_idle_s(monkeypatch):
     """A consumer keeps connections for the next fetch, not for good: a producer it never
     fetches from again (gone, or done) would otherwise keep them open for the process's life."""

@@ -70,6 +70,10 @@ CONNECT_S = 10.0  # connecting and the token's arrival
 IDLE_CONNECTIONS = 16  # kept per producer, for reuse
 IDLE_S = 60.0  # an idle connection is closed after this long unused
 USER_TIMEOUT_S = 30.0  # bytes sent and unacknowledged this long: the peer is gone
+
+
+def _stall_s() -> int:
+    return int_setting("RDT_TCP_STALL_S", 120, 1, "the seconds a fetch waits for the producer's next byte (1 or more)")
 HOST_ENV = "RDT_TCP_HOST"
 TOKEN_BYTES = 16
 MAX_PARTS = 1 << 20  # byte ranges one request may ask for (a consumer asks one per tensor and stream)
@@ -285,7 +289,10 @@ def _connect(meta: TcpMeta, reuse: bool = True) -> tuple[socket.socket, bool]:
         ) from exc
     try:
         sock.sendall(MAGIC + meta.token)
-        sock.settimeout(None)
+        # A live producer sends its answer at once and its bytes without pause (a dead or
+        # cut-off one is found by keepalive in ~30 s); a listener that says nothing (a ref's
+        # address is input) must not hold a fetch for good.
+        sock.settimeout(_stall_s())
         _tune(sock)
     except BaseException:
         sock.close()
@@ -415,8 +422,15 @@ def _stream_once(
     except OSError as exc:
         if not fetch.cancelled:
             _forget(meta)  # the producer (or the path to it) failed: its other connections too
-            if reused and not answered:
+            if reused and not answered and not isinstance(exc, TimeoutError):
                 raise _Stale from exc
+            if isinstance(exc, TimeoutError):
+                raise TransferError(
+                    f"tcp fetch of {obj_id}: the producer's listener at {_hostport(meta)} sent nothing for "
+                    f"{_stall_s()} s ({'mid-transfer' if answered else 'no answer to the request'}); "
+                    "RDT_TCP_STALL_S sets how long a fetch waits",
+                    obj_id=obj_id,
+                ) from exc
         raise
     finally:
         if fetch.release(sock) and ok:
