@@ -134,6 +134,15 @@ def check(obj: RDTObject) -> None:
     if type(obj.obj_id) is not str or not _OBJ_ID.fullmatch(obj.obj_id):
         raise TransferError(f"the ref's object id {obj.obj_id!r} is not one a producer makes")
     check_specs(obj.specs, obj.obj_id)
+    meta = obj.meta
+    if type(meta) is not dict or not all(type(k) is str for k in meta):
+        raise TransferError(f"the ref's transport metadata is a {type(meta).__name__}, not a dict by transport name")
+    groups = meta.get("groups")
+    if groups is not None and (
+        type(groups) is not dict
+        or not all(type(k) is str and type(v) is tuple and len(v) == 2 and type(v[0]) is str for k, v in groups.items())
+    ):
+        raise TransferError(f"the ref's collective groups {groups!r:.120} are not {{name: (backend, rank)}}")
     p = obj.producer
     p.pid  # noqa: B018  (checks the token)
     if p.serves and (type(p.actor_id) is not str or type(p.actor_state) is not bytes):

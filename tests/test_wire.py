@@ -90,6 +90,24 @@ def test_a_crafted_object_travels_field_by_field_and_the_consumer_refuses_it(cra
         _object.check(back)
 
 
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        ({"meta": ["shm"]}, "the ref's transport metadata is a list, not a dict by transport name"),
+        ({"meta": {1: "x"}}, "the ref's transport metadata is a dict, not a dict by transport name"),
+        ({"meta": {"groups": ["g"]}}, "the ref's collective groups ['g'] are not {name: (backend, rank)}"),
+        ({"meta": {"groups": {"g": "gloo"}}}, "are not {name: (backend, rank)}"),
+        ({"meta": {"groups": {"g": (1, 2)}}}, "are not {name: (backend, rank)}"),
+        ({"specs": (TensorSpec((0, 1 << 63), torch.float32, "cpu", 0),)}, "tensor 0's spec is not one a producer makes: shape (0, 9223372036854775808)"),
+    ],
+)
+def test_crafted_metadata_and_dims_are_refused_at_the_check(fields, words):
+    back = pickle.loads(pickle.dumps(_obj(**{"specs": (_spec((2,), torch.float32),), **fields}), protocol=5))
+    with pytest.raises(TransferError) as err:
+        _object.check(back)
+    assert words in str(err.value), err.value
+
+
 @pytest.mark.parametrize("token", ["9999999999:ff", "4194305:ff"])  # os.kill would overflow; past PID_MAX_LIMIT
 def test_a_producer_token_naming_a_pid_no_process_has_is_refused(token):
     back = pickle.loads(pickle.dumps(_obj((_spec((2,), torch.float32),), Process("ef" * 28, token)), protocol=5))

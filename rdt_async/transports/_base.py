@@ -83,7 +83,7 @@ def _checked_nbytes(s: Any, i: int, obj_id: str) -> int:
     if type(s) is TensorSpec and type(s.shape) is tuple and len(s.shape) <= MAX_DIMS:
         numel = 1
         for n in s.shape:
-            if type(n) is not int or n < 0:
+            if type(n) is not int or not 0 <= n <= MAX_SPEC_BYTES:  # (a dim of 2**63 beside a 0: no tensor has it)
                 break
             numel *= n
         else:
@@ -106,8 +106,8 @@ def _wrong(s: Any) -> str:
     if type(s) is not TensorSpec:
         return f"a {type(s).__name__}, not a TensorSpec"
     shape, dtype = s.shape, s.dtype
-    if type(shape) is not tuple or len(shape) > MAX_DIMS or not all(type(n) is int and n >= 0 for n in shape):
-        return f"shape {shape!r} (a tuple of at most {MAX_DIMS} non-negative ints)"
+    if type(shape) is not tuple or len(shape) > MAX_DIMS or not all(type(n) is int and 0 <= n <= MAX_SPEC_BYTES for n in shape):
+        return f"shape {shape!r} (a tuple of at most {MAX_DIMS} ints from 0 to {MAX_SPEC_BYTES})"
     if not isinstance(dtype, torch.dtype):
         return f"dtype {dtype!r} (a torch.dtype)"
     if dtype in QUANTIZED:
