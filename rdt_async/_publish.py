@@ -737,10 +737,11 @@ class Subscription:
         warm = self._warm
         if warm is not None and warm[0] == source and warm[1] >= each and sizes <= warm[2]:
             return
-        self._let_go_warm()  # (the publisher's actor restarted, a new process; a stream asks for more; new sizes)
         release = _relay.memfds.want(source, each, sorted(sizes))
-        self._warm = source, each, sizes, release
+        old, self._warm = self._warm, (source, each, sizes, release)
         _io.finalize(self, release)
+        if old is not None:  # (the publisher's actor restarted, a new process; a stream asks for more; new sizes)
+            old[3]()  # (after the new one is wanted: its memory is never unwanted meanwhile)
 
     def _let_go_warm(self) -> None:
         if self._warm is not None:

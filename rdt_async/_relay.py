@@ -410,8 +410,9 @@ class _Memfds:
         self.idle: list[_Memfd] = []
         self.seats = _Seats()
         self.cadence = _segments.Cadence()  # of each kind: one taken again and again stays warm between takes
-        # Producers (`source_of`) live subscriptions here follow: `want`'s `each` and capacities, one a subscription.
-        self.wanted: dict[str, list[tuple[int, frozenset[int]]]] = {}
+        # Producers (`source_of`) live subscriptions here follow: `want`'s `each` and capacities, one a
+        # subscription (and a token of its own: a forked child's copy of a subscription lets go of its own only).
+        self.wanted: dict[str, list[tuple[int, frozenset[int], object]]] = {}
         self._sweeper = _segments.IdleSweep(self._sweep, lambda: _segments.idle_s())
 
     @staticmethod
@@ -480,7 +481,7 @@ class _Memfds:
         the idle time (the call does nothing)."""
         if os.environ.get("RDT_RELAY_KEEP_WARM", "1") == "0":
             return lambda: None
-        entry = each, frozenset(self.capacity(n) for n in sizes)
+        entry = each, frozenset(self.capacity(n) for n in sizes), object()
         with self.lock:
             self.wanted.setdefault(source, []).append(entry)
         done = False
@@ -493,13 +494,13 @@ class _Memfds:
 
         return release
 
-    def _unwant(self, source: str, entry: tuple[int, frozenset[int]]) -> None:
+    def _unwant(self, source: str, entry: tuple[int, frozenset[int], object]) -> None:
         with self.lock:
-            left = self.wanted.pop(source, [])
-            if entry in left:  # (not: a forked child's copy of the subscription)
-                left.remove(entry)
+            left = [e for e in self.wanted.get(source, []) if e[2] is not entry[2]]  # (none: a forked child's copy)
             if left:
                 self.wanted[source] = left
+            else:
+                self.wanted.pop(source, None)
         _mappings.cache.sweep_soon()  # (the mappings of it this process read through: `_kept_tag`)
         self._sweeper.start()  # what it kept goes once idle as long as any other
 
@@ -514,7 +515,7 @@ class _Memfds:
         spared = []
         for (cap, source), ms in kinds.items():
             ms.sort(key=lambda m: m.idle_since, reverse=True)
-            spared += ms[: max((each for each, caps in self.wanted[source] if not caps or cap in caps), default=0)]
+            spared += ms[: max((each for each, caps, _ in self.wanted[source] if not caps or cap in caps), default=0)]
         return spared
 
     def clear(self) -> None:

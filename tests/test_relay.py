@@ -541,6 +541,20 @@ async def test_a_subscription_keeps_memory_for_its_versions_sizes_not_for_anothe
     assert pool.idle == []
 
 
+def test_a_forked_childs_copy_of_a_subscription_lets_go_of_nothing_the_child_wants(monkeypatch):
+    """A forked child inherits the parent's subscriptions (their releases, not yet run): one
+    collected in the child must not take away what the child's own subscription keeps."""
+    monkeypatch.setattr(_relay, "memfds", _relay._Memfds())
+    pool, size = _relay.memfds, _relay.size_of(SPECS)
+    inherited = pool.want(_src(), 1, [size])
+    pool.forked()  # (what a fork runs in the child)
+    own = pool.want(_src(), 1, [size])  # the child's subscription, asking for the same
+    inherited()  # the inherited copy is collected in the child
+    assert [each for each, _, _ in pool.wanted[_src()]] == [1]
+    own()
+    assert pool.wanted == {}
+
+
 async def test_with_keep_warm_off_a_subscription_keeps_nothing_past_the_idle_time(monkeypatch):
     monkeypatch.setenv("RDT_SHM_IDLE_S", "0.3")
     monkeypatch.setenv("RDT_RELAY_KEEP_WARM", "0")
