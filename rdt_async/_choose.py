@@ -44,7 +44,7 @@ def choose_transport(
         return carried, obj.meta[carried]
     shared = _shared_group(obj)
     if name == _registry.AUTO:
-        left_out = avoided.of(obj.producer.node_id) & frozenset(obj.meta) if avoided.any() else frozenset()
+        left_out = _left_out(obj) if avoided.any() else frozenset()
         prepared = frozenset(obj.meta) - {"groups"} - without - left_out
         facts = _auto.Facts(
             nbytes=obj.nbytes,
@@ -91,6 +91,30 @@ def _reach(name: str) -> str:
 def _carries_bytes(name: str) -> bool:
     cls = _registry.known_class(name)
     return cls is not None and cls.carries_bytes
+
+
+def _left_out(obj: RDTObject) -> frozenset[str]:
+    """The prepared paths `auto` leaves out for `obj`: those that could not reach its
+    producer's node lately, at the address its metadata names (`Transport.address`)."""
+    avoid = avoided.of(obj.producer.node_id)
+    out = set()
+    for name, meta in obj.meta.items():
+        if (name, None) in avoid:
+            out.add(name)
+            continue
+        cls = _registry.known_class(name) if any(t == name for t, _ in avoid) else None
+        if cls is not None and (name, address_of(cls, meta)) in avoid:
+            out.add(name)
+    return frozenset(out)
+
+
+def address_of(cls: Any, meta: Any) -> str | None:
+    """`cls.address(meta)`, where a transport of yours fails to say: None (the node's)."""
+    try:
+        address = cls.address(meta)
+    except Exception:
+        return None
+    return address if type(address) is str else None
 
 
 def asked_transport(obj: RDTObject, asked: str, node_id: str) -> tuple[str, Any]:

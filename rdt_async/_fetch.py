@@ -22,7 +22,7 @@ import torch
 
 from . import _buffers, _cuda, _io, _metrics, _object, _ray, _relay, _tree
 from ._avoid import avoided, unusable
-from ._choose import asked_transport, choose_transport
+from ._choose import address_of, asked_transport, choose_transport
 from ._errors import (
     CollectiveGroupError,
     ObjectFreedError,
@@ -176,7 +176,7 @@ async def _fetch_over(
             why = unusable(exc) if chosen == _registry.AUTO else None
             if why is None or transport.name == _registry.FALLBACK:
                 raise
-            avoided.note(obj.producer, transport.name, exc, why)
+            avoided.note(obj.producer, transport.name, exc, why, address_of(type(transport), info.meta))
             fell_back.append((transport.name, why))
             without = frozenset(t for t, _ in fell_back)
             name, meta = choose_transport(obj, _ray.node_id(), without=without, fell_back=tuple(fell_back))

@@ -294,3 +294,42 @@ def test_only_a_name_some_process_may_have_registered_lists_the_clusters_registr
     assert listed == []
     assert _registry.known_class("someones-own") is None
     assert listed == [1]
+
+
+def test_a_path_that_could_not_reach_an_address_is_left_out_for_that_address_only(monkeypatch):
+    """auto leaves tcp out for a node's objects at the address it could not reach: a
+    producer of that node with its own address (its own RDT_TCP_HOST), or a crafted ref
+    naming a bogus one, takes the path away from no other object of the node."""
+    import torch
+
+    from rdt_async import _avoid, _choose
+    from rdt_async._errors import TransferError
+    from rdt_async._object import Process, RDTObject
+    from rdt_async.transports._base import TensorSpec
+    from rdt_async.transports.tcp import TcpMeta
+
+    monkeypatch.setattr(_avoid, "avoided", _avoid.Avoided())
+    monkeypatch.setattr(_choose, "avoided", _avoid.avoided)
+    node = "a" * 56
+    specs = (TensorSpec((1 << 20,), torch.float32, "cpu", 4 << 20),)
+
+    def obj(host: str) -> RDTObject:
+        meta = {"tcp": TcpMeta(host, 40000, bytes(16)), "object_store": None, "groups": {}}
+        return RDTObject("ab" * 12, Process(node, "1:00"), "auto", specs, None, meta, {}, None)
+
+    bogus, honest = obj("10.9.9.9"), obj("10.0.0.2")
+    _avoid.avoided.note(bogus.producer, "tcp", TransferError("unreachable"), "no route", "10.9.9.9")
+    assert _choose._left_out(bogus) == {"tcp"}
+    assert _choose._left_out(honest) == frozenset()
+    assert _choose.choose_transport(honest, "b" * 56)[0] == "tcp"
+    assert _choose.choose_transport(bogus, "b" * 56)[0] == "object_store"
+    # A path with no address (the node's): every object of that node.
+    _avoid.avoided.note(honest.producer, "tcp", TransferError("unreachable"), "no route")
+    assert _choose._left_out(honest) == {"tcp"}
+
+    class Failing:
+        @classmethod
+        def address(cls, meta):
+            raise RuntimeError("a transport of yours that cannot say")
+
+    assert _choose.address_of(Failing, None) is None

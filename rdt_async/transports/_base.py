@@ -354,6 +354,18 @@ class Transport(abc.ABC, Generic[M]):
         return None
 
     @classmethod
+    def address(cls, meta: Any) -> str | None:
+        """Return the address a consumer reaches the producer at for this object (its
+        metadata, checked or not: never raise), or None: the producer's node.
+
+        Runs on: consumer. Where this path could not reach the producer, `auto` leaves it
+        out for a while for objects at the same address (None: every object of that
+        node): a ref naming another address (a producer with its own RDT_TCP_HOST, or a
+        crafted ref) takes it away from no other. Default None.
+        """
+        return None
+
+    @classmethod
     def exports_here(cls) -> bool:
         """Say whether this process's tensors can be prepared (exported) for this transport.
 

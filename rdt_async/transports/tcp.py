@@ -43,7 +43,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -478,6 +478,11 @@ class TcpTransport(Transport[TcpMeta]):
     auto_prepares = True  # auto's path to other nodes (streams in parallel)
     prepares_freely = True  # a listener, once; the object's tensors are served as they are
     auto_costs: ClassVar[Mapping[str, Cost]] = {"cpu/node": Cost(0.0042, 1.72), "cpu/hosts": Cost(0.0048, 1.52)}  # (transports/_auto.py)
+
+
+    @classmethod
+    def address(cls, meta: Any) -> str | None:
+        return meta.host if isinstance(meta, TcpMeta) and type(meta.host) is str else None
 
     @classmethod
     def native_error(cls, exc: BaseException) -> type[RDTError] | None:

@@ -468,6 +468,11 @@ class UcxxTransport(Transport[UcxxMeta]):
     def unavailable_reason(cls) -> str | None:
         return _import_reason() or _ucx.conflict("ucxx")
 
+
+    @classmethod
+    def address(cls, meta: Any) -> str | None:
+        return meta.host if isinstance(meta, UcxxMeta) and type(meta.host) is str else None
+
     @classmethod
     def native_error(cls, exc: BaseException) -> type[RDTError] | None:
         lib = sys.modules.get("ucxx._lib.libucxx")  # loaded by whatever raised it
