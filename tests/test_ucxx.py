@@ -322,3 +322,41 @@ def test_nixl_and_ucxx_refuse_to_share_a_process():
         clash = f"{first} already loaded its own UCX build in this process"
         assert lines[1].startswith(f"{second} ") and clash in lines[1]
         assert lines[2].startswith(f"raised transport '{second}' is unavailable: {clash}")
+
+
+_SILENT = r"""
+import asyncio, socket, threading, time, torch
+from rdt_async import _io
+from rdt_async.transports import ucxx
+from rdt_async.transports._base import TensorSpec, TransferInfo
+
+silent = socket.socket()
+silent.bind(("127.0.0.1", 0))
+silent.listen(4)
+conns = []
+threading.Thread(target=lambda: [conns.append(silent.accept()[0]) for _ in range(4)], daemon=True).start()
+info = TransferInfo("ab" * 12, (TensorSpec((1 << 20,), torch.float32, "cpu", 4 << 20),), ucxx.UcxxMeta(*silent.getsockname()))
+
+async def main():
+    t0 = time.monotonic()
+    try:
+        async with asyncio.timeout(60):
+            await ucxx.UcxxTransport().receive(info, None, None)
+        print("returned")
+    except Exception as exc:
+        print(f"{type(exc).__name__}: {exc} after {time.monotonic() - t0:.0f} s")
+
+_io.start(main()).result()
+"""
+
+
+def test_an_address_that_never_answers_fails_the_fetch_after_the_answer_time():
+    """A ref's address is input: a listener there that accepts and says nothing (no
+    producer) fails the fetch with TransferError after RDT_UCXX_ANSWER_S, not never."""
+    env = {**os.environ, "RDT_UCXX_ANSWER_S": "2", "UCX_LOG_LEVEL": "fatal"}
+    out = subprocess.run([sys.executable, "-c", _SILENT], capture_output=True, text=True, timeout=120, env=env).stdout
+    said = out.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"TransferError: ucxx fetch of (ab){12}: no answer from the producer at 127\.0\.0\.1:\d+ in 2 s; "
+        r"RDT_UCXX_ANSWER_S sets how long a fetch waits after [23] s", said
+    ), out

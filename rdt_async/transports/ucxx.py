@@ -63,12 +63,20 @@ from .._errors import (
 )
 from . import _net, _ucx
 from ._base import NO_STORE, Channel, Keeper, TransferInfo, Transport
-from ._kit import delivered, landing_buffers
+from ._kit import delivered, int_setting, landing_buffers
 
 INSTALL_HINT = "pip install 'rdt_async[ucxx]'"
 POLL_S = 0.0005  # progress period while requests are in flight (events also progress)
 SAFETY_S = 1.0  # progress at least this often while any endpoint is open
 DRAIN_S = 30.0  # the longest a cancelled fetch waits for its bytes in flight
+
+
+class _Silent(TransferError):
+    """No answer from the address a ref names within RDT_UCXX_ANSWER_S."""
+
+
+def _answer_s() -> int:
+    return int_setting("RDT_UCXX_ANSWER_S", 120, 1, "the seconds a fetch waits for the producer's answer (1 or more)")
 PROGRESS_STEPS = 64  # UCX progress calls per wake-up at most; more wait for the next poll
 PACKED_BYTES = 64 << 10  # objects up to this size come with their status in one message
 TAG_STRIDE = 1 << 20  # tags per transfer: status, then one per tensor
@@ -554,6 +562,16 @@ async def _transfer(w: _Worker, info: TransferInfo[UcxxMeta], dsts: list[torch.T
         finally:
             peer.inflight.update(waits)
             w.progress()  # what was posted goes now, and is polled until it ends
+        # A producer answers (the status) at once; an address that is no producer's (a
+        # ref's fields are input: a listener that accepts and says nothing) must not hold
+        # the fetch for good. Its bytes then take what they take (the watch ends a dead one).
+        await asyncio.wait(waits, timeout=_answer_s(), return_when=asyncio.FIRST_EXCEPTION)
+        if not waits[0].done() and not any(f.done() and not f.cancelled() and f.exception() for f in waits):
+            raise _Silent(
+                f"ucxx fetch of {info.obj_id}: no answer from the producer at {meta.host}:{meta.port} in "
+                f"{_answer_s()} s; RDT_UCXX_ANSWER_S sets how long a fetch waits",
+                obj_id=info.obj_id,
+            )
         await asyncio.wait(waits, return_when=asyncio.FIRST_EXCEPTION)
         for error in [f.exception() for f in waits if f.done() and not f.cancelled()]:
             if error is not None:
@@ -567,6 +585,11 @@ async def _transfer(w: _Worker, info: TransferInfo[UcxxMeta], dsts: list[torch.T
                 off += raw.nbytes
     except ObjectFreedError:
         raise
+    except _Silent as exc:
+        w.abandon(peer)  # no producer there (or none that answers): nothing it would send is awaited
+        for fut in waits:
+            fut.cancel()
+        raise TransferError(str(exc), obj_id=info.obj_id) from None
     except BaseException as exc:  # an error, or cancelled
         unfinished = any(not fut.done() for fut in waits)
         live = not peer.closed and peer.ep.alive
