@@ -323,18 +323,26 @@ def test_versions_further_apart_than_the_idle_time_land_in_the_nodes_warm_relay_
             ray.kill(s)
 
 
-def test_a_closed_subscription_keeps_no_relay_memory_and_takes_no_version(actors):
-    trainer = Trainer.remote()
+def _warm_pair(trainer, name: str, versions: int) -> list:
+    """Two servers on node 2 (idle memory kept 0.3 s, a claim 1 s) that followed `versions`
+    versions of `name` into their buffers, published further apart than the idle time: the
+    node keeps one warm memfd for the trainer's versions."""
     idle = {"env_vars": {"RDT_SHM_IDLE_S": "0.3", "RDT_RELAY_KEEP_S": "1.0"}}
     pair = [Server.options(**ON_NODE2, runtime_env=idle).remote() for _ in range(2)]
+    ray.get(trainer.open.remote(name))
+    for version in range(versions):  # (a version both read for themselves leaves no memfd: one that shares does)
+        follows = [s.follow.remote(trainer, name, version, 0.0, True) for s in pair]
+        assert ray.get(trainer.publish.remote(name), timeout=60) == [version]
+        assert ray.get(follows, timeout=60) == [[(version, True)]] * 2
+        time.sleep(1.8)  # the claim ends (1 s), then twice the idle time before the next version
+    assert sorted(s["relay"]["idle_memfds"] for s in ray.get([s.stats.remote() for s in pair])) == [0, 1]
+    return pair
+
+
+def test_a_closed_subscription_keeps_no_relay_memory_and_takes_no_version(actors):
+    trainer, pair = Trainer.remote(), []
     try:
-        ray.get(trainer.open.remote("shut"))
-        for version in range(2):
-            follows = [s.follow.remote(trainer, "shut", version, 0.0, True) for s in pair]
-            assert ray.get(trainer.publish.remote("shut"), timeout=60) == [version]
-            assert ray.get(follows, timeout=60) == [[(version, True)]] * 2
-            time.sleep(1.8)
-        assert sorted(s["relay"]["idle_memfds"] for s in ray.get([s.stats.remote() for s in pair])) == [0, 1]
+        pair = _warm_pair(trainer, "shut", 2)
         said = ray.get([s.close.remote("shut") for s in pair])
         assert said == [[[], "rdt.subscribe(actor, 'shut'): this subscription was closed; subscribe again"]] * 2
         time.sleep(1.2)  # (the idle time, four times: closed, nothing keeps it)
@@ -345,17 +353,9 @@ def test_a_closed_subscription_keeps_no_relay_memory_and_takes_no_version(actors
 
 
 def test_a_dead_trainers_subscribers_keep_no_relay_memory_for_it(actors):
-    trainer = Trainer.remote()
-    idle = {"env_vars": {"RDT_SHM_IDLE_S": "0.3", "RDT_RELAY_KEEP_S": "1.0"}}
-    pair = [Server.options(**ON_NODE2, runtime_env=idle).remote() for _ in range(2)]
+    trainer, pair = Trainer.remote(), []
     try:
-        ray.get(trainer.open.remote("gone"))
-        for version in range(3):  # (a version both read for themselves leaves no memfd: one that shares does)
-            follows = [s.follow.remote(trainer, "gone", version, 0.0, True) for s in pair]
-            assert ray.get(trainer.publish.remote("gone"), timeout=60) == [version]
-            assert ray.get(follows, timeout=60) == [[(version, True)]] * 2
-            time.sleep(1.8)
-        assert sorted(s["relay"]["idle_memfds"] for s in ray.get([s.stats.remote() for s in pair])) == [0, 1]
+        pair = _warm_pair(trainer, "gone", 3)
         ray.kill(trainer)
         ended = ray.get([s.next_within.remote(trainer, "gone", 60) for s in pair], timeout=90)
         assert all(e.startswith("PeerDiedError") for e in ended), ended
