@@ -650,13 +650,20 @@ class Subscription:
         died (what was returned before stays usable); LookupError if the actor publishes
         nothing under this name; what `rdt.fetch` raises.
         """
-        version, published_at, obj, waited = await self._poll(chunked=False)
-        started = time.perf_counter()
+        # Waiting for the next version and about to fetch it: the node's other subscribers
+        # wait for this process's claim where it keeps the memory the version lands in.
+        expected = _relay.memfds.expect(self._warm[0]) if self._warm is not None else None
         try:
-            weights = await _fetch(obj, into)
-        except PeerDiedError:
-            self._let_go_warm()  # its objects are gone with it: no memory kept for them
-            raise
+            version, published_at, obj, waited = await self._poll(chunked=False)
+            started = time.perf_counter()
+            try:
+                weights = await _fetch(obj, into)
+            except PeerDiedError:
+                self._let_go_warm()  # its objects are gone with it: no memory kept for them
+                raise
+        finally:
+            if expected is not None:
+                expected()
         del obj  # views of the slot keep its object: nothing else here holds the version
         self._took(version, published_at, waited, started)
         return version, weights

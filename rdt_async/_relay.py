@@ -74,6 +74,7 @@ COLD_WAIT_S = 0.02
 COLD_WAIT_PER_GIB_S = 0.125
 COLD_WAIT_MAX_S = 0.25
 COLD_STEP_S = 0.004
+KEPT_WAIT_S = 1.0  # the same, where the warm one keeps it for a subscription that expects this version
 FOLLOW_MIN_CORES = 4  # by default consumers fetching `into=` follow the read on this many cores or more (`_follows`)
 SEATS = 4  # processes of a node that say they have warm memory of one capacity (one suffices)
 ASK_MIN_S = 30.0  # an asker waits at least this long for the claimer's read (see _ask_bound)
@@ -219,9 +220,11 @@ async def fetch(
         # lands the bytes in its transport's memory never waits, nor one with nobody to
         # wait for: alone on its node, or beside warm readers of other producers.)
         got = _NO_CLAIM
-        if _Seats.taken(memfds.capacity(size), source):
+        cap = memfds.capacity(size)
+        if _Seats.taken(cap, source):
             counts.add("waited_for_warm")
-            got = await _ask_within(obj_id, specs, _cold_wait_s(size), follow, source)
+            wait = max(KEPT_WAIT_S, _cold_wait_s(size)) if _Seats.kept(cap, source) else _cold_wait_s(size)
+            got = await _ask_within(obj_id, specs, wait, follow, source)
         if got is not _NO_CLAIM:
             return (got, True) if got is not None else (await transfer(), False)
         if warm_only:
@@ -300,7 +303,10 @@ async def _serve(
                 mine = _private(memfd.fd, specs, offsets, lease, source)  # askers get it while anyone maps it
         else:
             mine = await transfer()
-            if server.asked():
+            # Copied where a neighbour waits, or where a subscription here follows the producer:
+            # its next version then lands in warm memory, and a neighbour that hears of this
+            # one late (a busy node) maps this copy instead of reading it over the link again.
+            if server.asked() or source in memfds.wanted:
                 memfd = memfds.take(size, source)
                 await _io.to_thread_finished(_publish, memfd, mine, specs, offsets)
                 counts.add("copied")
@@ -413,6 +419,9 @@ class _Memfds:
         # Producers (`source_of`) live subscriptions here follow: `want`'s `each` and capacities, one a
         # subscription (and a token of its own: a forked child's copy of a subscription lets go of its own only).
         self.wanted: dict[str, list[tuple[int, frozenset[int], object]]] = {}
+        # Of those, the producers a subscription here waits for the next version of, until it
+        # fetched it (`expect`): a neighbour with no warm memory waits longer for this process's claim.
+        self.expecting: dict[str, int] = {}
         self._sweeper = _segments.IdleSweep(self._sweep, lambda: _segments.idle_s())
 
     @staticmethod
@@ -434,7 +443,7 @@ class _Memfds:
             for i, m in enumerate(self.idle):
                 if m.capacity == cap:
                     taken = self.idle.pop(i)
-                    self.seats.hold(self.idle)
+                    self._hold_seats()
                     taken.source = source
                     return taken
         fd = os.memfd_create("rdt-relay", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -454,7 +463,7 @@ class _Memfds:
         with self.lock:
             m.idle_since = self.cadence.idle_from(m.kind)  # (later where its kind is taken at a slow, steady cadence)
             self.idle.append(m)
-            self.seats.hold(self.idle)  # (first: who keeps what asks which seats this process holds)
+            self._hold_seats()  # (first: who keeps what asks which seats this process holds)
             spared = {id(x) for x in self._spared()}  # (a subscription's, whatever its size: `m` may displace one)
             over = sum(x.capacity for x in self.idle if id(x) not in spared) - MAX_IDLE_BYTES
             out = []
@@ -465,7 +474,7 @@ class _Memfds:
                 over -= x.capacity
             gone = {id(x) for x in out}
             self.idle = [x for x in self.idle if id(x) not in gone]
-            self.seats.hold(self.idle)
+            self._hold_seats()
             kept = id(m) not in gone
         if kept:
             self._sweeper.start()
@@ -493,6 +502,36 @@ class _Memfds:
                 self._unwant(source, entry)
 
         return release
+
+    def expect(self, source: str) -> Callable[[], None]:
+        """A subscription here waits for `source`'s next version and will fetch it at once:
+        while it does (until the call returned is made), the kept memfds of that producer say
+        so to the node (`_Seats.kept`), so that a neighbour with no warm memory waits for this
+        process's claim up to KEPT_WAIT_S, not COLD_WAIT_S: on a busy node subscribers hear of
+        a version tens of ms apart, and the first would otherwise read into fresh memory."""
+        with self.lock:
+            self.expecting[source] = self.expecting.get(source, 0) + 1
+            self._hold_seats()
+        done = False
+
+        def release() -> None:
+            nonlocal done
+            if done:
+                return
+            done = True
+            with self.lock:
+                left = self.expecting.pop(source, 0) - 1
+                if left > 0:
+                    self.expecting[source] = left
+                self._hold_seats()
+
+        return release
+
+    def _hold_seats(self) -> None:
+        """Hold the seats of the idle memfds, and the kept marks of those a subscription
+        here expects a version into (under the lock)."""
+        self.seats.hold(self.idle)
+        self.seats.hold_kept({m.kind for m in self._spared() if self.expecting.get(m.source)})
 
     def _unwant(self, source: str, entry: tuple[int, frozenset[int], object]) -> None:
         with self.lock:
@@ -523,7 +562,7 @@ class _Memfds:
         _io.settle()
         with self.lock:
             idle, self.idle = self.idle, []
-            self.seats.hold(self.idle)
+            self._hold_seats()
         for m in idle:
             _close(m)
 
@@ -535,7 +574,7 @@ class _Memfds:
         self.lock = threading.Lock()
         self._sweeper = _segments.IdleSweep(self._sweep, lambda: _segments.idle_s())
         idle, self.idle = self.idle, []
-        self.wanted = {}  # (the subscriptions' copies here keep nothing)
+        self.wanted, self.expecting = {}, {}  # (the subscriptions' copies here keep nothing)
         self.seats.forget()
         for m in idle:
             _close(m)
@@ -546,7 +585,7 @@ class _Memfds:
             old = [m for m in self.idle if m.idle_since <= cutoff and id(m) not in spared]
             gone = {id(m) for m in old}
             self.idle = [m for m in self.idle if id(m) not in gone]
-            self.seats.hold(self.idle)
+            self._hold_seats()
             left = _segments.oldest(m for m in self.idle if id(m) not in spared)
         _segments.let_go_off_loop(_close, old)
         return left
@@ -565,6 +604,7 @@ class _Seats:
 
     def __init__(self) -> None:
         self.held: dict[tuple[int, str], tuple[socket.socket, int]] = {}  # kind: (seat, its number)
+        self.kept_held: dict[tuple[int, str], socket.socket] = {}  # kind: its kept mark (`hold_kept`)
 
     def hold(self, idle: Sequence[_Memfd]) -> None:
         """Hold a seat for each (capacity, source) in `idle`, none other (under the pool's lock)."""
@@ -582,6 +622,33 @@ class _Seats:
                 self.held[cap, source] = sock, i
                 break
 
+    def hold_kept(self, kinds: set[tuple[int, str]]) -> None:
+        """Hold the kept mark of each kind in `kinds` (memfds a subscription here keeps and
+        expects a version into), none other (under the pool's lock)."""
+        for kind in [k for k in self.kept_held if k not in kinds]:
+            self.kept_held.pop(kind).close()
+        for cap, source in kinds - self.kept_held.keys():
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.bind(_kept_seat(cap, source))
+            except OSError:
+                sock.close()  # (another process of the node says it: enough)
+                continue
+            self.kept_held[cap, source] = sock
+
+    @staticmethod
+    def kept(cap: int, source: str) -> bool:
+        """Whether a process of this node says it keeps a warm memfd of `cap` for `source`'s
+        versions and is about to fetch the next one (`hold_kept`)."""
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.bind(_kept_seat(cap, source))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+        finally:
+            probe.close()
+        return False
+
     def first(self, kind: tuple[int, str]) -> bool:
         """Whether this process holds the first seat of `kind`: no other of the node said so before it."""
         held = self.held.get(kind)
@@ -591,6 +658,9 @@ class _Seats:
         """Close this process's copies of the seats (a forked child's: the parent's stay held)."""
         held, self.held = self.held, {}
         for sock, _ in held.values():
+            sock.close()
+        kept, self.kept_held = self.kept_held, {}
+        for sock in kept.values():
             sock.close()
 
     @staticmethod
@@ -613,6 +683,10 @@ class _Seats:
 
 def _seat(cap: int, source: str, i: int) -> bytes:
     return b"\0rdt-relay-warm-%d-%d-%s-%d" % (os.getuid(), cap, source.encode(), i)
+
+
+def _kept_seat(cap: int, source: str) -> bytes:
+    return b"\0rdt-relay-kept-%d-%d-%s" % (os.getuid(), cap, source.encode())
 
 
 def size_of(specs: Sequence[TensorSpec]) -> int:

@@ -291,27 +291,16 @@ def test_versions_further_apart_than_the_idle_time_land_in_the_nodes_warm_relay_
     """A trainer's step is often longer than RDT_SHM_IDLE_S: a node's relay memory must not
     go cold between versions (each would land in fresh memory, faulting it in anew), but stay
     with the process that held the last one, for as long as its subscription lives."""
-    trainer = Trainer.remote()  # (the module's servers on node 2 keep warm memory for the module's trainer)
-    idle = {"env_vars": {"RDT_SHM_IDLE_S": "0.3", "RDT_RELAY_KEEP_S": "1.0"}}  # a claim ends 1 s after its read:
-    # a neighbour whose poll a loaded machine answers late still maps it
-    pair = [Server.options(**ON_NODE2, runtime_env=idle).remote() for _ in range(2)]
-    ray.get(trainer.open.remote("far"))
+    trainer, pair = Trainer.remote(), []  # (the module's servers on node 2 keep warm memory for the module's trainer)
     try:
-        for version in range(3):
-            follows = [s.follow.remote(trainer, "far", version, 0.0, True) for s in pair]
-            assert ray.get(trainer.publish.remote("far"), timeout=60) == [version]
-            assert ray.get(follows, timeout=60) == [[(version, True)]] * 2  # exact, into the buffers
-            time.sleep(1.8)  # the claim ends (1 s), then twice the idle time before the next version
+        pair = _warm_pair(trainer, "far", 3)
         stats = ray.get([s.stats.remote() for s in pair])
         relay = [s["relay"] for s in stats]
-        # Each version claimed by one of them, and shared (a neighbour whose poll a loaded
-        # machine answers after the claim ended reads for itself: not every version).
-        assert sum(r["claimed"] for r in relay) >= 3 and sum(r["mapped"] for r in relay) >= 1, relay
-        # Still warm after the idle time: one memfd in the node, which the later versions landed in.
-        assert sorted(r["idle_memfds"] for r in relay) == [0, 1], relay
-        assert sum(r["landed"] for r in relay) >= 1, relay
-        # And who mapped it kept its mapping (warm page tables) for the next version.
-        assert sum(s["mappings"]["reused"] for s in stats) >= 1, stats
+        # The first version was read once and copied into a memfd (a subscription follows its
+        # trainer); the later ones landed in it, warm: the one that keeps it claims them, its
+        # neighbour waiting for that claim while the keeper expects a version (on a busy
+        # machine they hear of it tens of ms apart) and mapping it.
+        assert sum(r["landed"] for r in relay) >= 1 and sum(r["mapped"] for r in relay) >= 1, relay
         # Closed: the subscriptions (still alive) keep nothing for it any more.
         ray.get(trainer.close.remote("far"))
         ended = ray.get([s.next_within.remote(trainer, "far", 30) for s in pair], timeout=60)
@@ -330,12 +319,13 @@ def _warm_pair(trainer, name: str, versions: int) -> list:
     idle = {"env_vars": {"RDT_SHM_IDLE_S": "0.3", "RDT_RELAY_KEEP_S": "1.0"}}
     pair = [Server.options(**ON_NODE2, runtime_env=idle).remote() for _ in range(2)]
     ray.get(trainer.open.remote(name))
-    for version in range(versions):  # (a version both read for themselves leaves no memfd: one that shares does)
+    for version in range(versions):
         follows = [s.follow.remote(trainer, name, version, 0.0, True) for s in pair]
         assert ray.get(trainer.publish.remote(name), timeout=60) == [version]
-        assert ray.get(follows, timeout=60) == [[(version, True)]] * 2
+        assert ray.get(follows, timeout=60) == [[(version, True)]] * 2  # exact, into the buffers
         time.sleep(1.8)  # the claim ends (1 s), then twice the idle time before the next version
-    assert sorted(s["relay"]["idle_memfds"] for s in ray.get([s.stats.remote() for s in pair])) == [0, 1]
+    relay = [s["relay"] for s in ray.get([s.stats.remote() for s in pair])]
+    assert sorted(r["idle_memfds"] for r in relay) == [0, 1], relay
     return pair
 
 

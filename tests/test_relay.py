@@ -541,6 +541,30 @@ async def test_a_subscription_keeps_memory_for_its_versions_sizes_not_for_anothe
     assert pool.idle == []
 
 
+def test_a_subscription_expecting_a_version_says_so_where_it_keeps_the_memory_it_lands_in(monkeypatch):
+    """On a busy node the subscribers of one trainer hear of a version tens of ms apart: one
+    with no warm memory must wait for the claim of the one that keeps it (else it reads into
+    fresh memory), longer than the usual 20 ms, but only while that one expects a version."""
+    monkeypatch.setattr(_relay, "MAX_IDLE_BYTES", 0)
+    monkeypatch.setattr(_relay, "memfds", _relay._Memfds())
+    pool, size = _relay.memfds, _relay.size_of(SPECS)
+    cap = pool.capacity(size)
+    release = pool.want(_src(), 1, [size])
+    pool.give(pool.take(size, _src()))
+    assert _relay._Seats.taken(cap, _src()) and not _relay._Seats.kept(cap, _src())  # kept, not expecting
+    expected = pool.expect(_src())
+    assert _relay._Seats.kept(cap, _src())
+    assert not _relay._Seats.kept(cap, "another producer")
+    taken = pool.take(size, _src())  # its claim (bound first) takes the memfd: the mark goes with it
+    assert not _relay._Seats.kept(cap, _src())
+    pool.give(taken)
+    assert _relay._Seats.kept(cap, _src())
+    expected()
+    expected()  # (twice: once counts)
+    assert not _relay._Seats.kept(cap, _src()) and pool.expecting == {}
+    release()
+
+
 def test_a_forked_childs_copy_of_a_subscription_lets_go_of_nothing_the_child_wants(monkeypatch):
     """A forked child inherits the parent's subscriptions (their releases, not yet run): one
     collected in the child must not take away what the child's own subscription keeps."""

@@ -255,9 +255,10 @@ def test_a_descriptor_that_names_another_file_now_is_refused():
     assert good is not None
     try:
         info = TransferInfo("x", (TensorSpec.of(w),), ShmMeta(None, 0, (0,), (good,)), producer_pid=os.getpid())
-        assert float(_map_shared(info, good).view(torch.float32).sum()) == w.numel()
+        lent = {good.fd: ((tuple(w.shape), good.offset, good.stride),)}  # (what `_map` finds in the ref)
+        assert float(_map_shared(info, good, lent).view(torch.float32).sum()) == w.numel()
         with pytest.raises(rdt.ObjectFreedError, match="freed"):
-            _map_shared(info, dataclasses.replace(good, inode=(good.inode[0], good.inode[1] + 1)))
+            _map_shared(info, dataclasses.replace(good, inode=(good.inode[0], good.inode[1] + 1)), lent)
     finally:
         _close_lent(ShmMeta(None, 0, (0,), (good,)))
 
