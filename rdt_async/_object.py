@@ -70,7 +70,8 @@ class Process:
         handle = _handles.get((self.token, self.actor_id))
         if handle is None:
             handle = pickle.loads(self.actor_state)
-            if getattr(getattr(handle, "_ray_actor_id", None), "hex", lambda: None)() != self.actor_id:
+            hex_id = getattr(getattr(handle, "_ray_actor_id", None), "hex", None)  # (an ActorHandle's id)
+            if hex_id is None or hex_id() != self.actor_id:
                 named = "no actor" if self.actor_id is None else f"actor {str(self.actor_id)[:16]}"
                 raise TransferError(  # (a ref's fields are input: its handle must be the actor it names)
                     f"the ref's producer handle is not one of {named}, which the ref names as its producer; "

@@ -656,11 +656,10 @@ class Subscription:
         try:
             version, published_at, obj, waited = await self._poll(chunked=False)
             started = time.perf_counter()
-            try:
-                weights = await _fetch(obj, into)
-            except PeerDiedError:
-                self._let_go_warm()  # its objects are gone with it: no memory kept for them
-                raise
+            weights = await _fetch(obj, into)
+        except PeerDiedError:
+            self._let_go_warm()  # its objects are gone with it: no memory kept for them
+            raise
         finally:
             if expected is not None:
                 expected()

@@ -463,7 +463,7 @@ class _Memfds:
         with self.lock:
             m.idle_since = self.cadence.idle_from(m.kind)  # (later where its kind is taken at a slow, steady cadence)
             self.idle.append(m)
-            self._hold_seats()  # (first: who keeps what asks which seats this process holds)
+            self.seats.hold(self.idle)  # (first: who keeps what asks which seats this process holds)
             spared = {id(x) for x in self._spared()}  # (a subscription's, whatever its size: `m` may displace one)
             over = sum(x.capacity for x in self.idle if id(x) not in spared) - MAX_IDLE_BYTES
             out = []
@@ -640,14 +640,7 @@ class _Seats:
     def kept(cap: int, source: str) -> bool:
         """Whether a process of this node says it keeps a warm memfd of `cap` for `source`'s
         versions and is about to fetch the next one (`hold_kept`)."""
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.bind(_kept_seat(cap, source))
-        except OSError as exc:
-            return exc.errno == errno.EADDRINUSE
-        finally:
-            probe.close()
-        return False
+        return _bound(_kept_seat(cap, source)) is True
 
     def first(self, kind: tuple[int, str]) -> bool:
         """Whether this process holds the first seat of `kind`: no other of the node said so before it."""
@@ -669,20 +662,27 @@ class _Seats:
         of `cap` that last held an object of `source`: a seat's name is bound. Probes by
         binding each for a moment."""
         for i in range(SEATS):
-            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                probe.bind(_seat(cap, source, i))
-            except OSError as exc:
-                if exc.errno == errno.EADDRINUSE:
-                    return True
-                return False  # (out of descriptors): do not wait
-            finally:
-                probe.close()
+            bound = _bound(_seat(cap, source, i))
+            if bound is not False:
+                return bound is True  # (None, out of descriptors: do not wait)
         return False
 
 
 def _seat(cap: int, source: str, i: int) -> bytes:
     return b"\0rdt-relay-warm-%d-%d-%s-%d" % (os.getuid(), cap, source.encode(), i)
+
+
+def _bound(name: bytes) -> bool | None:
+    """Whether abstract unix socket name `name` is bound (probed by binding it for a
+    moment); None where the probe itself failed."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.bind(name)
+    except OSError as exc:
+        return True if exc.errno == errno.EADDRINUSE else None
+    finally:
+        probe.close()
+    return False
 
 
 def _kept_seat(cap: int, source: str) -> bytes:
