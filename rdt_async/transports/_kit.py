@@ -7,9 +7,10 @@ uses as well (process liveness, byte layouts, views, copies) is the core's, in
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Sequence
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 import torch
 
@@ -33,6 +34,15 @@ def local_device(device: str) -> torch.device:
 def or_none(buffers: Sequence[torch.Tensor | None] | None, n: int) -> Sequence[torch.Tensor | None]:
     """The caller's `into=` buffers, or None for each of the `n` tensors."""
     return buffers if buffers else [None] * n
+
+
+def digest(obj_id: str, exports: Sequence[Any]) -> int:
+    """A signed int64 digest of an object's id and what its producer exported for it (tensor
+    descriptors, IPC handles): a producer keeps it beside the object's liveness token where
+    consumers read it, and a consumer refuses a ref whose exports do not give it (altered to
+    read other memory of the producer). `exports` must have a stable repr."""
+    what = repr((obj_id, tuple(exports))).encode("utf-8", "surrogatepass")
+    return int.from_bytes(hashlib.blake2b(what, digest_size=8).digest(), "little", signed=True)
 
 
 def int_setting(env: str, default: int, minimum: int, meaning: str) -> int:

@@ -1,13 +1,16 @@
 """`cuda_ipc`: one-sided reads of CUDA tensors between processes of one node, through CUDA IPC.
 
 Producer: `prepare` takes the IPC handle of the allocation under each tensor (the
-caching allocator's segment: `cuIpcGetMemHandle`, no copy) and a liveness slot, a word
-in a small table under /dev/shm that holds a random token while the object lives.
+caching allocator's segment: `cuIpcGetMemHandle`, no copy) and a liveness slot in a
+small table under /dev/shm that holds a random token while the object lives, and a
+digest of the object's id and exports (handle, offset, length, device).
 Non-contiguous tensors are copied once to a contiguous tensor kept with the object.
 torch's own `_share_cuda_` is not used: it expects exactly one release per export, made
 by the one consumer that maps it, and an object here is read by any number of fetches.
 
-Consumer: checks the slot, maps the segment (`cuIpcOpenMemHandle`, no copy; mapped once
+Consumer: checks the slot (the token, and the digest of the ref's exports: a ref altered to
+read elsewhere in an allocation, or another object's handle, is refused before anything
+is mapped), maps the segment (`cuIpcOpenMemHandle`, no copy; mapped once
 per process and kept while fetches use it, closed MAP_IDLE_S after the last), copies
 device-to-device into fresh memory or the caller's `into=` buffers on a copy stream of
 its own, waits for the copy's CUDA event on the caller's own loop (asleep for most of
@@ -51,9 +54,11 @@ from .._errors import ObjectFreedError, PeerDiedError, TransferError, TransportU
 from .._local import pid_alive
 from . import _cudadrv, _segments, shm
 from ._base import MAX_SPEC_BYTES, Channel, Cost, TransferInfo, Transport
-from ._kit import or_none
+from ._kit import digest, or_none
 
 SLOTS_PER_TABLE = 1024
+SLOT_WORDS = 2  # a slot's int64 words: the token, then the digest of the exports
+TABLE_BYTES = SLOTS_PER_TABLE * SLOT_WORDS * 8
 TOKEN_END = 1 << 62  # tokens are 1 .. TOKEN_END
 # A liveness table's name: `rdt-<pid>-<pid namespace>-ipc-<16 hex>` (`_take_slot`).
 TABLE_NAME = re.compile(r"rdt-([1-9][0-9]{0,9})-([0-9]{1,20})-ipc-[0-9a-f]{16}")
@@ -116,7 +121,7 @@ def _uuid(index: int) -> str:
 
 
 class _Table:
-    """A liveness table: SLOTS_PER_TABLE int64 words in a file under /dev/shm."""
+    """A liveness table: SLOTS_PER_TABLE slots of SLOT_WORDS int64 words in a file under /dev/shm."""
 
     def __init__(self, name: str, *, create: bool) -> None:
         """Make table `name` (producer), or open a producer's (consumer: `name` checked against
@@ -128,15 +133,22 @@ class _Table:
         if create:
             fd = os.open(os.path.join(shm.SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         else:
-            fd = _segments.open_own(name, SLOTS_PER_TABLE * 8, "cuda_ipc fetch: liveness table")
+            fd = _segments.open_own(name, TABLE_BYTES, "cuda_ipc fetch: liveness table")
         try:
             if create:
-                os.ftruncate(fd, SLOTS_PER_TABLE * 8)
+                os.ftruncate(fd, TABLE_BYTES)
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if create else 0)
-            self._mm = mmap.mmap(fd, SLOTS_PER_TABLE * 8, flags=mmap.MAP_SHARED, prot=prot)
+            self._mm = mmap.mmap(fd, TABLE_BYTES, flags=mmap.MAP_SHARED, prot=prot)
         finally:
             os.close(fd)
         self.words = memoryview(self._mm).cast("q")
+
+    def token(self, slot: int) -> int:
+        return int(self.words[SLOT_WORDS * slot])
+
+    def bound(self, slot: int) -> int:
+        """The digest of the exports of the object that holds `slot`."""
+        return int(self.words[SLOT_WORDS * slot + 1])
 
     def close(self) -> None:
         self.words.release()
@@ -204,7 +216,7 @@ class CudaIpcTransport(Transport[CudaIpcMeta]):
                 _cuda.settle([t])  # consumers read it outside this thread's streams
             kept.append(t)
             out.append(_export(t, nbytes))
-        table, slot, token = self._take_slot()
+        table, slot, token = self._take_slot(digest(obj_id, out))
         with self._lock:
             self._objects[obj_id] = (slot, kept)
         return CudaIpcMeta(_host(), os.getpid(), tuple(out), table, slot, token)
@@ -215,13 +227,15 @@ class CudaIpcTransport(Transport[CudaIpcMeta]):
             if held is None:
                 return
             slot, kept = held
-            self._tables[slot // SLOTS_PER_TABLE].words[slot % SLOTS_PER_TABLE] = 0  # later reads fail
+            self._tables[slot // SLOTS_PER_TABLE].words[SLOT_WORDS * (slot % SLOTS_PER_TABLE)] = 0  # later reads fail
             self._free_slots.append(slot)
         # A copy that checked the slot just before may still read: keep the memory a while.
         linger = LINGER_S + sum(t.numel() * t.element_size() for t in kept) / LINGER_BYTES_PER_S
         _io.call_soon(_keep_for, kept, linger)
 
-    def _take_slot(self) -> tuple[str, int, int]:
+    def _take_slot(self, bound: int) -> tuple[str, int, int]:
+        """Hold a slot for a new object whose exports' `digest` is `bound`: return its table's
+        name, the slot and its token."""
         with self._lock:
             if not self._free_slots:
                 n = len(self._tables)
@@ -232,7 +246,9 @@ class CudaIpcTransport(Transport[CudaIpcMeta]):
             slot = self._free_slots.pop()
             table = self._tables[slot // SLOTS_PER_TABLE]
             token = secrets.randbelow(TOKEN_END) + 1
-            table.words[slot % SLOTS_PER_TABLE] = token
+            i = SLOT_WORDS * (slot % SLOTS_PER_TABLE)
+            table.words[i + 1] = bound  # (first: a reader that sees the token sees it)
+            table.words[i] = token
         return table.name, slot % SLOTS_PER_TABLE, token
 
     # -- consumer --------------------------------------------------------------------
@@ -304,7 +320,8 @@ class CudaIpcTransport(Transport[CudaIpcMeta]):
         return stream
 
     def _check_live(self, info: TransferInfo[CudaIpcMeta], *, during: bool = False) -> None:
-        """Raise unless the producer is reachable from here, alive, and holds the object."""
+        """Raise unless the producer is reachable from here, alive, and holds the object
+        (and, `during` False, exported for it what the ref says)."""
         meta = info.meta
         if meta.host != _host():
             raise TransportUnavailableError(
@@ -320,10 +337,16 @@ class CudaIpcTransport(Transport[CudaIpcMeta]):
             raise PeerDiedError(
                 f"cuda_ipc fetch of {info.obj_id}: the producer (pid {meta.pid}) died", obj_id=info.obj_id
             ) from None
-        if table.words[meta.slot] != meta.token:
+        if table.token(meta.slot) != meta.token:
             when = "during the read" if during else "before the fetch"
             raise ObjectFreedError(
                 f"cuda_ipc fetch of {info.obj_id}: the producer no longer holds it (freed {when})", obj_id=info.obj_id
+            )
+        if not during and table.bound(meta.slot) != digest(info.obj_id, meta.tensors):
+            raise TransferError(
+                f"cuda_ipc fetch of {info.obj_id}: its ref's exports are not the ones its producer made for it "
+                "(the ref was altered); nothing was mapped or read",
+                obj_id=info.obj_id,
             )
 
     def _table(self, name: str) -> _Table:

@@ -22,7 +22,7 @@ from probes import cancel_after, nixl_stalling
 
 import rdt_async as rdt
 from rdt_async._avoid import unusable
-from rdt_async.transports import _registry
+from rdt_async.transports import _kit, _registry
 from rdt_async.transports._base import FetchRequest, TensorSpec, TransferInfo
 
 from .contract import Producer, fetch, make_value
@@ -598,6 +598,36 @@ def test_cuda_ipc_refuses_a_producer_on_another_node():
     info = TransferInfo("obj-far", (TensorSpec((0,), torch.float32, "cuda:0", 0),), meta)
     with pytest.raises(rdt.TransportUnavailableError, match=r"on another node \(elsewhere\).*use tensor_transport='nixl'"):
         cuda_ipc.CudaIpcTransport()._check_live(info)
+
+
+def test_cuda_ipc_refuses_a_ref_whose_exports_its_producer_did_not_make_for_the_object():
+    """A ref altered to read elsewhere in the producer's allocation (its offset moved inside
+    the caching allocator's segment: other tensors' bytes), or pointing at another object's
+    handle under its own token, is refused before anything is mapped. The liveness table
+    is plain shared memory: this holds on any machine."""
+    from rdt_async.transports import cuda_ipc
+
+    producer, consumer = cuda_ipc.CudaIpcTransport(), cuda_ipc.CudaIpcTransport()
+    mine = (cuda_ipc.IpcTensor("GPU-0", b"a" * 64, 512, 1024), None)
+    other = (cuda_ipc.IpcTensor("GPU-0", b"b" * 64, 0, 1024), None)
+    specs = (TensorSpec((256,), torch.float32, "cuda:0", 1024), TensorSpec((0,), torch.float32, "cuda:0", 0))
+    table, slot, token = producer._take_slot(_kit.digest("obj-mine", mine))
+    try:
+        def info(obj_id, tensors, token=token):
+            meta = cuda_ipc.CudaIpcMeta(cuda_ipc._host(), os.getpid(), tensors, table, slot, token)
+            return TransferInfo(obj_id, specs, meta, producer_pid=os.getpid())
+
+        consumer._check_live(info("obj-mine", mine))  # as made: passes
+        moved = (dataclasses.replace(mine[0], offset=0), None)
+        for obj_id, tensors in [("obj-mine", moved), ("obj-mine", other), ("obj-other", mine)]:
+            with pytest.raises(rdt.TransferError, match=r"its ref's exports are not the ones its producer made for it \(the ref was altered\); nothing was mapped"):
+                consumer._check_live(info(obj_id, tensors))
+        with pytest.raises(rdt.ObjectFreedError, match="no longer holds it"):
+            consumer._check_live(info("obj-mine", mine, token=token ^ 1))
+    finally:
+        for t in (*producer._tables, *consumer._mapped.values()):
+            t.close()
+        os.unlink(os.path.join("/dev/shm", table))
 
 
 async def test_cuda_ipc_a_fetch_cancelled_while_its_segment_is_first_mapped_leaves_the_mapping_whole(monkeypatch):

@@ -15,27 +15,19 @@ first (`ReadPlan`): nothing read reaches the caller.
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 import threading
-from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from ..._errors import ObjectFreedError, TransferError
 from .._base import TransferInfo
+from .._kit import digest
 from ._agent import Agent
 from ._meta import NixlMeta
 
 SLOTS_PER_TABLE = 1024
 SLOT_BYTES = 16  # the token, then the digest (int64 each)
-
-
-def digest(obj_id: str, descs: Sequence[Any]) -> int:
-    """The digest of an object's id and tensor descriptors a slot holds (a signed int64)."""
-    what = repr((obj_id, tuple(descs))).encode("utf-8", "surrogatepass")
-    return int.from_bytes(hashlib.blake2b(what, digest_size=8).digest(), "little", signed=True)
 
 
 class Slots:

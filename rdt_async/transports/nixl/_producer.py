@@ -28,8 +28,9 @@ from dataclasses import dataclass
 import torch
 
 from ... import _io
+from .._kit import digest
 from ._agent import Agent
-from ._liveness import Slots, digest
+from ._liveness import Slots
 from ._memory import Key, Registrations, dev_index, mem_type
 from ._meta import NixlMeta
 
