@@ -114,7 +114,8 @@ def remote(cls: type | None = None, /, **options: Any) -> Any:
     Raises: TypeError for a function (use ray.remote for tasks), and for what would hand
     transfers to Ray's own RDT (enable_tensor_transport=True, a method with
     @ray.method(tensor_transport=...)); ValueError if the options already define a
-    concurrency group named "rdt".
+    concurrency group named "rdt", or if its methods return over two transports that
+    cannot load in one process (`Transport.clashes_with`: nixl and ucxx).
     """
     if cls is None:
         return lambda c: remote(c, **options)
@@ -146,6 +147,7 @@ def remote(cls: type | None = None, /, **options: Any) -> Any:
                 f"its return to Ray's own RDT, bypassing rdt_async: use @rdt.method(tensor_transport="
                 f"{ray_transport.lower()!r}) instead"
             )
+    _check_clashes(cls)
     _install_per_call()
     if any(_is_async(f) for f in _user_methods(cls).values()):
         groups[PUBLISH_GROUP] = PUBLISH_GROUP_CONCURRENCY
@@ -154,6 +156,19 @@ def remote(cls: type | None = None, /, **options: Any) -> Any:
             raise ValueError(f"{cls.__name__}.{name} clashes with rdt_async's control method; rename it")
     make: Any = ray.remote  # its typed overloads name no **options
     return make(concurrency_groups=groups, **options)(_wrap_class(cls))
+
+
+def _check_clashes(cls: type) -> None:
+    """Refuse a class whose methods return over two transports that cannot load in one process."""
+    named = {getattr(f, "__rdt_transport__", None): name for name, f in _user_methods(cls).items()}
+    for transport, method in named.items():
+        known = _registry.known_class(transport) if transport is not None else None
+        for other in sorted(known.clashes_with & named.keys()) if known is not None else ():
+            raise ValueError(
+                f"{cls.__name__}.{method} returns over {transport!r} and {cls.__name__}.{named[other]} over "
+                f"{other!r}, which cannot load in one process (their native libraries clash): return one of "
+                "them from an actor of another class, or return both over one transport"
+            )
 
 
 def _wrap_class(cls: type) -> type:

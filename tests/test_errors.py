@@ -139,6 +139,35 @@ def test_remote_refuses_functions_and_the_reserved_group():
             pass
 
 
+def test_a_class_returning_over_two_transports_that_clash_is_refused_at_decoration():
+    # nixl and ucxx each load their own UCX build: one actor process can use only one, so
+    # the other's returns would all fail (the first to warm up owns UCX).
+    with pytest.raises(ValueError, match=re.escape(
+        "Both.weights returns over 'nixl' and Both.grads over 'ucxx', which cannot load in one process "
+        "(their native libraries clash): return one of them from an actor of another class"
+    )):
+
+        @rdt.remote
+        class Both:
+            @rdt.method(tensor_transport="nixl")
+            def weights(self):
+                pass
+
+            @rdt.method(tensor_transport="ucxx")
+            def grads(self):
+                pass
+
+    @rdt.remote  # either alone, or beside any other, is fine
+    class One:
+        @rdt.method(tensor_transport="ucxx")
+        def grads(self):
+            pass
+
+        @rdt.method(tensor_transport="tcp")
+        def weights(self):
+            pass
+
+
 def test_unsupported_device_fails_when_the_value_is_returned(sync_tools):
     p = sync_tools
     held = set(ray.get(p.object_ids.remote()))

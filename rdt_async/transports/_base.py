@@ -318,6 +318,10 @@ class Transport(abc.ABC, Generic[M]):
     # (NIXL registers it with its agent): objects made of it and fetches into it then skip
     # that work. `rdt.register_memory` refuses transports that say False.
     registers_memory: ClassVar[bool] = False
+    # Names of transports whose native libraries cannot load in one process beside this
+    # one's (nixl and ucxx each bring their own UCX build): `rdt.remote` refuses, at
+    # decoration, an actor class whose methods return over both.
+    clashes_with: ClassVar[frozenset[str]] = frozenset()
     # -- what `auto` may do with it (transports/_auto.py) --
     # The cost of one fetch over it, by "<cpu|gpu>/<node|hosts>" (CPU or GPU tensors; a
     # consumer on the producer's node, or on another one), fitted to end-to-end passes by

@@ -471,6 +471,7 @@ class UcxxTransport(Transport[UcxxMeta]):
     name = "ucxx"
     devices = ("cpu",)
     one_sided = True  # no Ray call: the request travels over UCX to the producer's listener
+    clashes_with = frozenset({"nixl"})  # (each brings its own UCX: see transports/_ucx.py)
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

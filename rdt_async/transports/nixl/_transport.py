@@ -82,6 +82,7 @@ class NixlTransport(Transport[NixlMeta]):
     one_sided = True
     cross_device_buffers = True
     registers_memory = True
+    clashes_with = frozenset({"ucxx"})  # (each brings its own UCX: see transports/_ucx.py)
     auto_prepares = True  # where it is the cheapest (GPU objects for other nodes; CPU ones on RDMA)
     auto_costs: ClassVar[Mapping[str, Cost]] = {
         "cpu/node": Cost(0.0043, 1.98),
