@@ -7,15 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextvars
 import functools
 import inspect
 import math
-import os
-import sys
 import time
-import types
-import warnings
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
@@ -23,7 +18,7 @@ import torch
 
 from . import _io, _object, _produce, _ray, _registered, _relay
 from ._errors import RDTError, one_chain, release_frames, translating
-from ._fetch import fetch_now, fetch_object
+from ._fetch import CALLER, fetch_now, fetch_object, user_line
 from ._fetched import fetched
 from ._object import RDTObject
 from ._store import store
@@ -59,43 +54,6 @@ def _timeout_belongs_to_the_caller(fn: F) -> F:
         if mark is not None:
             mark(call)
     return call  # type: ignore[return-value]
-
-
-# Where the user called `fetch_all` / `as_completed` (file, line, module globals): the
-# fetches run in tasks, whose frames lead back to asyncio, not to the user's line.
-_CALLER: contextvars.ContextVar[tuple[str, int, dict[str, Any]] | None] = contextvars.ContextVar(
-    "rdt_caller", default=None
-)
-_PACKAGE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _user_line() -> tuple[str, int, dict[str, Any]] | None:
-    """(file, line, module globals) of the first frame outside rdt_async on this stack."""
-    frame: types.FrameType | None = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
-        frame = frame.f_back
-    return None if frame is None else (frame.f_code.co_filename, frame.f_lineno, frame.f_globals)
-
-
-def _warn_shared(obj: RDTObject, where: tuple[str, int, dict[str, Any]] | None) -> None:
-    """Warn at `where` that the producer fetches back an object another process fetched.
-
-    The fetch itself warns too (once per object), at the first frame outside rdt_async:
-    the user's line for a direct `await rdt.fetch` or `rdt.get`, but asyncio's or Ray's
-    for a fetch in a task or a method's auto-fetched argument; those warn here first.
-    """
-    if where is None or not _object.is_local(obj):
-        return
-    stored = store.get(obj.obj_id)
-    if stored is None or not stored.served or stored.warned:
-        return
-    stored.warned = True
-    filename, lineno, module_globals = where
-    warnings.warn_explicit(
-        _produce.shared_with_producer(obj.obj_id), UserWarning, filename, lineno,
-        module=module_globals.get("__name__"), registry=module_globals.setdefault("__warningregistry__", {}),
-        module_globals=module_globals,
-    )
 
 
 def _check_timeout(timeout: Any, verb: str) -> float | None:
@@ -135,7 +93,6 @@ async def fetch(
     obj = await _resolve(x)
     if not isinstance(obj, RDTObject):
         return obj
-    _warn_shared(obj, _CALLER.get())
     try:
         return await fetch_object(obj, device=device, into=into, tensor_transport=tensor_transport)
     except RDTError as exc:
@@ -150,11 +107,11 @@ async def fetch_all(xs: Iterable[Any], /, *, device: str | torch.device | None =
     Raises: what `fetch` raises; TypeError for a single ref (use `fetch`) or a `timeout=`.
     """
     _check_many(xs, "fetch_all")
-    caller = _CALLER.set(_user_line())  # the tasks copy it: a warning names the user's line
+    caller = CALLER.set(user_line())  # the tasks copy it: a warning names the user's line
     try:
         tasks: list[asyncio.Future[Any]] = [asyncio.ensure_future(fetch(x, device=device)) for x in xs]
     finally:
-        _CALLER.reset(caller)
+        CALLER.reset(caller)
     return await _all_or_none(tasks)
 
 
@@ -215,17 +172,20 @@ async def fetch_objects(objs: list[RDTObject], where: tuple[str, int, dict[str, 
 async def _fetch_objects(objs: list[RDTObject], where: tuple[str, int, dict[str, Any]] | None) -> list[Any]:
     values: list[Any] = [None] * len(objs)
     later: dict[int, Any] = {}
-    for i, obj in enumerate(objs):
-        _warn_shared(obj, where)
-        done, got = fetch_now(obj, device=None, into=None)
-        if done:
-            values[i] = got
-        else:
-            later[i] = got  # where the fetch goes on from
-    if later:
+    caller = CALLER.set(where)  # (the tasks copy it)
+    try:
+        for i, obj in enumerate(objs):
+            done, got = fetch_now(obj, device=None, into=None)
+            if done:
+                values[i] = got
+            else:
+                later[i] = got  # where the fetch goes on from
         tasks: list[asyncio.Future[Any]] = [
             asyncio.ensure_future(fetch_object(objs[i], device=None, into=None, start=s)) for i, s in later.items()
         ]
+    finally:
+        CALLER.reset(caller)
+    if later:
         try:
             fetched = await _all_or_none(tasks)
         except BaseException:
@@ -247,11 +207,11 @@ async def as_completed(
     Raises: what `fetch` raises; TypeError for a single ref (use `fetch`) or a `timeout=`.
     """
     _check_many(xs, "as_completed")
-    caller = _CALLER.set(_user_line())  # as in fetch_all
+    caller = CALLER.set(user_line())  # as in fetch_all
     try:
         tasks = {asyncio.ensure_future(fetch(x, device=device)): i for i, x in enumerate(xs)}
     finally:
-        _CALLER.reset(caller)
+        CALLER.reset(caller)
     pending = set(tasks)
     try:
         while pending:

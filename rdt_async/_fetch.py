@@ -8,6 +8,7 @@ Runs on: consumer. The verbs in `_api.py` call `fetch_object` (a loop) and `fetc
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import functools
 import os
@@ -36,8 +37,7 @@ from ._errors import (
 from ._fetched import fetched
 from ._local import copy_into
 from ._object import RDTObject
-from ._produce import shared_with_producer
-from ._store import log, store
+from ._store import log, shared_with_producer, store
 from .transports import _registry
 from .transports._base import FetchRequest, TransferInfo, Transport
 
@@ -435,8 +435,19 @@ async def _off_caller_streams(fn: Any, *args: Any, nbytes: int) -> list[torch.Te
     return out
 
 
+# Where the user's code asked for the fetch (file, line, module globals), where the fetch
+# runs in a task whose frames lead back to asyncio or Ray, not to that line: set by
+# `fetch_all` and `as_completed` (the user's line) and a method's fetched arguments (its
+# definition).
+CALLER: contextvars.ContextVar[tuple[str, int, dict[str, Any]] | None] = contextvars.ContextVar(
+    "rdt_caller", default=None
+)
+
+
 def _warn_local(obj_id: str) -> None:
-    """Warn, once per object, where a local fetch meets a send to another process (as Ray does).
+    """Warn, once per object, where a local fetch meets a send to another process (as Ray
+    does): at `CALLER`, else at the first frame outside rdt_async (the user's line for a
+    direct `await rdt.fetch` or `rdt.get`).
 
     Only two-sided sends are known here; one-sided readers (nixl) are not seen.
     """
@@ -444,18 +455,27 @@ def _warn_local(obj_id: str) -> None:
     if stored is None:
         return
     stored.fetched_here = True
-    if stored.served and not stored.warned:
-        stored.warned = True
-        warnings.warn(shared_with_producer(obj_id), UserWarning, stacklevel=_caller_level())
+    if not stored.served or stored.warned:
+        return
+    stored.warned = True
+    where = CALLER.get() or user_line()
+    if where is None:
+        warnings.warn(shared_with_producer(obj_id), UserWarning, stacklevel=1)  # (no frame of the user on this stack)
+        return
+    filename, lineno, module_globals = where
+    warnings.warn_explicit(
+        shared_with_producer(obj_id), UserWarning, filename, lineno,
+        module=module_globals.get("__name__"), registry=module_globals.setdefault("__warningregistry__", {}),
+        module_globals=module_globals,
+    )
 
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _caller_level() -> int:
-    """The stacklevel of the first frame outside rdt_async: the user's call."""
+def user_line() -> tuple[str, int, dict[str, Any]] | None:
+    """(file, line, module globals) of the first frame outside rdt_async on this stack."""
     frame: types.FrameType | None = sys._getframe(1)
-    level = 1
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
-        frame, level = frame.f_back, level + 1
-    return level
+        frame = frame.f_back
+    return None if frame is None else (frame.f_code.co_filename, frame.f_lineno, frame.f_globals)

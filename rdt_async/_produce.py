@@ -24,7 +24,7 @@ from . import _cuda, _io, _ray, _tree
 from ._errors import ObjectFreedError, TransportUnavailableError
 from ._membership import groups
 from ._object import Process, RDTObject, _anchors, _recent, here
-from ._store import StoredObject, log, store
+from ._store import StoredObject, log, shared_with_producer, store
 from .transports import _auto, _registry
 from .transports._base import TensorSpec, Transport
 
@@ -329,14 +329,6 @@ async def serve_send(obj_id: str, transport: str, request: Any) -> Any:
             stored.warned = True
             log.warning("rdt_async: %s", shared_with_producer(obj_id))
         return await t.send_multiple_tensors(obj_id, stored.tensors, meta, request)
-
-
-def shared_with_producer(obj_id: str) -> str:
-    return (
-        f"RDT object {obj_id} was fetched both by the process that produced it, which gets "
-        "the stored tensors themselves, and by another process: writing to them in the "
-        "producer changes what later fetches elsewhere receive. Clone before writing."
-    )
 
 
 def serve_free(obj_id: str) -> None:

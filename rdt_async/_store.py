@@ -378,4 +378,14 @@ def _wake(ready: list[Callable[[], object]]) -> None:
 
 
 
+def shared_with_producer(obj_id: str) -> str:
+    """What the producer of `obj_id` is warned of once it fetched the object itself while
+    another process fetched it too (`StoredObject.warned`)."""
+    return (
+        f"RDT object {obj_id} was fetched both by the process that produced it, which gets "
+        "the stored tensors themselves, and by another process: writing to them in the "
+        "producer changes what later fetches elsewhere receive. Clone before writing."
+    )
+
+
 store = Store()
