@@ -466,10 +466,12 @@ def _control_methods(is_async: bool) -> dict[str, Any]:
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(_io.pool(_io.GROUP), collective.serve, msg)
 
-        async def rdt__publication(self: Any, name: str, after: int, wait_s: float, chunked: bool = False) -> Any:
+        async def rdt__publication(
+            self: Any, name: str, after: int, wait_s: float, chunked: bool = False, incarnation: str | None = None
+        ) -> Any:
             from . import _publish
 
-            return await _publish.serve_poll(name, after, wait_s, chunked)
+            return await _publish.serve_poll(name, after, wait_s, chunked, incarnation)
 
     else:
 

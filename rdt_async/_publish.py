@@ -33,6 +33,7 @@ import dataclasses
 import itertools
 import logging
 import pickle
+import secrets
 import threading
 import time
 import weakref
@@ -42,7 +43,7 @@ from typing import Any
 import ray
 import torch
 
-from . import _io, _metrics, _produce, _ray, _relay, _tree
+from . import _io, _metrics, _object, _produce, _ray, _relay, _tree
 from ._buffers import share
 from ._errors import ObjectFreedError, PeerDiedError, TransferError, few, translating
 from ._local import aligned_layout, copy_to
@@ -233,6 +234,11 @@ class Publisher:
         self._lock = threading.Lock()  # `_newest`, `_waiters`, `closed`: publish and the polls' loop
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self._publishing: asyncio.Lock | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the one loop it publishes from
+        # Which publisher numbered the versions: a subscription that followed another one
+        # of this name (the actor restarted, or closed its publisher and made a new one)
+        # takes this one's newest, whatever its number.
+        self.incarnation = secrets.token_hex(8)
         self.closed = False
         self.dropped = 0
         self.lent = 0  # versions published with lend=True
@@ -271,8 +277,15 @@ class Publisher:
         entries = self._check(state_dict)
         if lend:
             self._check_lendable(state_dict)
+        loop = asyncio.get_running_loop()
         if self._publishing is None:
-            self._publishing = asyncio.Lock()
+            self._publishing, self._loop = asyncio.Lock(), loop
+        elif loop is not self._loop:
+            raise RuntimeError(
+                f"rdt.Publisher {self.name!r}.publish() from a second event loop: it publishes from the loop "
+                "of its first publish (an actor's concurrency groups each run their own loop): publish from "
+                "methods of one concurrency group"
+            )
         async with self._publishing:
             if self.closed:
                 raise RuntimeError(f"rdt.Publisher {self.name!r} is closed; make a new one to publish again")
@@ -502,11 +515,15 @@ def _wake(waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]])
 
 
 
-async def serve_poll(name: str, after: int, wait_s: float, chunked: bool = False) -> tuple[Any, ...]:
-    """Answer a subscriber: ("ok", version, published_at, what, waited) for the newest
-    version after `after`, once there is one (`what`: its object, or with `chunked` the
-    list of its chunks' objects; `waited`: none was there when it asked; at most `wait_s`
-    later: ("none",)); ("closed",) or ("missing", names) if there is nothing to follow.
+async def serve_poll(
+    name: str, after: int, wait_s: float, chunked: bool = False, incarnation: str | None = None
+) -> tuple[Any, ...]:
+    """Answer a subscriber: ("ok", version, published_at, what, waited, incarnation) for the
+    newest version after `after`, once there is one (`what`: its object, or with `chunked`
+    the list of its chunks' objects; `waited`: none was there when it asked; at most
+    `wait_s` later: ("none",)); ("closed",) or ("missing", names) if there is nothing to
+    follow. `after` counts only where `incarnation` is this publisher's (a subscriber of
+    an earlier publisher of this name takes this one's newest).
 
     Runs on: producer (the `rdt_publish` concurrency group's loop).
     """
@@ -514,6 +531,8 @@ async def serve_poll(name: str, after: int, wait_s: float, chunked: bool = False
         pub = _publishers.get(name)
         if pub is None:
             return ("closed",) if name in _closed else ("missing", sorted(_publishers))
+    if incarnation != pub.incarnation:
+        after = -1
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[None] = loop.create_future()
     waited = False
@@ -552,7 +571,7 @@ async def serve_poll(name: str, after: int, wait_s: float, chunked: bool = False
         if newest.wire is None:
             newest.wire = _wire(newest.obj)
         what = newest.wire
-    return ("ok", newest.number, newest.published_at, what, waited)
+    return ("ok", newest.number, newest.published_at, what, waited, pub.incarnation)
 
 
 async def _chunks(pub: Publisher, version: _Version) -> list[RDTObject]:
@@ -582,9 +601,11 @@ class Subscription:
     Each step waits for a version newer than the one it gave last and returns the newest
     (versions published meanwhile are skipped), whole: never a mix of two. `await
     next(into=...)` lands it in the caller's own tensors (a dict by name, such as
-    `model.state_dict()`, or a list in the published order). Without `into=`, on the
+    `model.state_dict()`, or a list in the published order); where that breaks off part
+    way (a cancel, a deadline, a failure), those tensors hold a mix and `version` is None
+    until the next step has landed the newest version whole. Without `into=`, on the
     producer's node the tensors are views of the producer's slot: keeping them keeps that
-    slot busy. Bound any wait with `asyncio.timeout`. While it lives, its node keeps
+    slot busy (in the publishing process itself: a copy). Bound any wait with `asyncio.timeout`. While it lives, its node keeps
     memory warm for the next version (see the publishing docs): `close()` (or `async with
     rdt.subscribe(...) as sub:`) lets go of that now rather than when it is collected.
 
@@ -605,7 +626,11 @@ class Subscription:
         if not isinstance(name, str) or not name:
             raise TypeError(f"rdt.subscribe(actor, name): a non-empty str, not {name!r}")
         self.actor, self.name = actor, name
+        # The version last taken whole; None before the first, and after a fetch `into=` that
+        # broke off part way (a cancel, a timeout, a failure): those tensors then hold a mix,
+        # and the next step takes the newest version, whatever its number, to make them whole.
         self.version: int | None = None
+        self._incarnation: str | None = None  # the publisher that numbered `version`
         self.lag: int | None = None  # versions it was behind the newest when it last asked (0: it waited)
         self.skipped = 0
         self.received = 0
@@ -653,18 +678,23 @@ class Subscription:
         # Waiting for the next version and about to fetch it: the node's other subscribers
         # wait for this process's claim where it keeps the memory the version lands in.
         expected = _relay.memfds.expect(self._warm[0]) if self._warm is not None else None
+        writing = False  # whether `into=` may hold part of this version
         try:
-            version, published_at, obj, waited = await self._poll(chunked=False)
+            version, published_at, obj, waited, incarnation = await self._poll(chunked=False)
             started = time.perf_counter()
+            writing = into is not None
             weights = await _fetch(obj, into)
-        except PeerDiedError:
-            self._let_go_warm()  # its objects are gone with it: no memory kept for them
+        except BaseException as exc:
+            if isinstance(exc, PeerDiedError):
+                self._let_go_warm()  # its objects are gone with it: no memory kept for them
+            if writing and not isinstance(exc, (ValueError, TypeError)):  # (those: refused before anything moved)
+                self.version = None  # `into=` holds a mix now
             raise
         finally:
             if expected is not None:
                 expected()
         del obj  # views of the slot keep its object: nothing else here holds the version
-        self._took(version, published_at, waited, started)
+        self._took(version, incarnation, published_at, waited, started)
         return version, weights
 
     def stream(self, *, into: Any = None) -> VersionStream:
@@ -684,14 +714,15 @@ class Subscription:
         """
         return VersionStream(self, into)
 
-    async def _poll(self, *, chunked: bool) -> tuple[int, float, Any, bool]:
-        """Wait for a version newer than the last taken: (version, published_at, object or chunks, waited)."""
+    async def _poll(self, *, chunked: bool) -> tuple[int, float, Any, bool, str]:
+        """Wait for a version newer than the last taken (of any number, from another
+        publisher of this name): (version, published_at, object or chunks, waited, incarnation)."""
         if self._ended:
             raise RuntimeError(f"rdt.subscribe(actor, {self.name!r}): this subscription was closed; subscribe again")
         after = -1 if self.version is None else self.version
         label = f"waiting for a version of {self.name!r} newer than {after}"
         while True:
-            ref: Any = self.actor.rdt__publication.remote(self.name, after, POLL_S, chunked)
+            ref: Any = self.actor.rdt__publication.remote(self.name, after, POLL_S, chunked, self._incarnation)
             try:
                 with translating(label):
                     reply = await _ray.await_ref(ref)
@@ -715,9 +746,11 @@ class Subscription:
                     f"rdt.subscribe(actor, {self.name!r}): that actor publishes "
                     f"{reply[1] if reply[1] else 'nothing'}; make `rdt.Publisher({self.name!r})` there first"
                 )
-        _, version, published_at, what, waited = reply
+        _, version, published_at, what, waited, incarnation = reply if len(reply) == 6 else (*reply, None)
         del reply
-        if type(version) is not int or version <= after or type(published_at) is not float or type(waited) is not bool:
+        newer = after if incarnation == self._incarnation else -1  # (another publisher: any number)
+        if (type(version) is not int or version <= newer or type(published_at) is not float
+                or type(waited) is not bool or type(incarnation) is not str or len(incarnation) > 64):
             raise TransferError(  # (an answer from another process: no version that is not newer, nor a count gone negative)
                 f"{label}: the publisher answered version {version!r} (published at {published_at!r}), "
                 "not a newer one; is that actor's rdt_async the same version as this one's?"
@@ -725,13 +758,13 @@ class Subscription:
         if not chunked:
             obj = _unwire(what, label)
             self._keep_warm([obj], 1)
-            return version, published_at, obj, waited
+            return version, published_at, obj, waited, incarnation
         if type(what) is not list or not what:
             got = "an empty list" if type(what) is list else f"a {type(what).__name__!r} object"
             raise TransferError(f"{label}: the publisher answered with {got}, not a list of chunks")
         objs = [_unwire(w, label) for w in what]
         self._keep_warm(objs, 1 + FETCH_AHEAD)  # (the chunks it fetches at once)
-        return version, published_at, objs, waited
+        return version, published_at, objs, waited, incarnation
 
     def _keep_warm(self, objs: Sequence[RDTObject], each: int) -> None:
         """Keep the node relay's memory for the publisher's versions (`objs`: one, or a
@@ -754,15 +787,19 @@ class Subscription:
             self._warm[3]()
             self._warm = None
 
-    def _took(self, version: int, published_at: float, waited: bool, started: float) -> None:
-        """Count `version` as taken: its tensors are in hand."""
+    def _took(self, version: int, incarnation: str, published_at: float, waited: bool, started: float) -> None:
+        """Count `version` (numbered by publisher `incarnation`) as taken: its tensors are in hand."""
         self.apply_s = time.perf_counter() - started
         self.delay_s = max(0.0, time.time() - published_at)
-        skipped = 0 if self.version is None else version - self.version - 1
+        self.received += 1
+        last = self.version if incarnation == self._incarnation else None  # (another publisher: counts anew)
+        if last is not None and version <= last:
+            return  # another step of this subscription took a newer one meanwhile: `version` stays
+        skipped = 0 if last is None else version - last - 1
         # Behind by how many versions when it asked: 0 if it waited for this one.
-        self.lag = 0 if waited or self.version is None else version - self.version
+        self.lag = 0 if waited or last is None else version - last
         self.skipped += skipped
-        self.version, self.received = version, self.received + 1
+        self.version, self._incarnation = version, incarnation
         _metrics.subscribed(self.name, version, self.lag, skipped, self.apply_s)
 
     def stats(self) -> dict[str, Any]:
@@ -802,7 +839,7 @@ class VersionStream:
         self._tasks: list[asyncio.Future[Any] | None] = []
         self._ready: collections.deque[tuple[str, torch.Tensor]] = collections.deque()
         self._next = 0  # the chunk to hand over next
-        self._taken: tuple[float, bool, float] | None = None  # published_at, waited, started
+        self._taken: tuple[str, float, bool, float] | None = None  # incarnation, published_at, waited, started
         self._started = self._ended = False
 
     @property
@@ -840,7 +877,7 @@ class VersionStream:
 
     async def _begin(self) -> None:
         sub = self._sub
-        version, published_at, objs, waited = await sub._poll(chunked=True)
+        version, published_at, objs, waited, incarnation = await sub._poll(chunked=True)
         started = time.perf_counter()
         names = [_names_of(o) for o in objs]  # (`_poll` checked they are a list of versions' chunks)
         targets: list[list[torch.Tensor] | None] = [None] * len(objs)
@@ -860,7 +897,7 @@ class VersionStream:
         self.version, self.chunks = version, len(objs)
         self._objs, self._names, self._targets = list(objs), names, targets
         self._tasks = [None] * len(objs)
-        self._taken = (published_at, waited, started)
+        self._taken = (incarnation, published_at, waited, started)
 
     async def _land(self) -> None:
         """Fetch ahead, then wait for the next chunk and queue its tensors."""
@@ -880,6 +917,8 @@ class VersionStream:
             self._sub._let_go_warm()  # its objects are gone with it: no memory kept for them
             raise
         del task
+        if self._targets[i] is None:
+            value = _own(self._objs[i], value)
         self._tasks[i] = self._objs[i] = self._targets[i] = None  # (views keep their object themselves)
         self._next += 1
         self._ready.extend((n, value[n]) for n in self._names[i])
@@ -896,14 +935,24 @@ class VersionStream:
 
     def _drop(self) -> None:
         self._ended = True
+        self._torn()
         for t in self._tasks:
             if t is not None:
                 t.cancel()
         self._tasks, self._objs, self._targets = [], [], []
         self._ready.clear()
 
+    def _torn(self) -> None:
+        """Stopped before the version's last tensor landed, with `into=` tensors written
+        (some of them perhaps): they hold a mix, so the subscription holds no whole version."""
+        started = self._next > 0 or any(t is not None for t in self._tasks)
+        if self._taken is not None and self._into is not None and started:
+            self._sub.version = None
+        self._taken = None
+
     def __del__(self) -> None:
         # Broken out of without aclose: the fetches in flight stop (their cancel releases).
+        self._torn()
         for t in self._tasks:
             if t is not None and not t.done():
                 try:
@@ -926,7 +975,17 @@ async def _fetch(obj: RDTObject, into: Any) -> dict[str, torch.Tensor]:
     if isinstance(into, Mapping):
         into = _ordered(into, _names_of(obj), "next", [obj])
     value: dict[str, torch.Tensor] = await fetch(obj, into=into)
-    return value
+    return value if into is not None else _own(obj, value)
+
+
+def _own(obj: RDTObject | None, value: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`value`, fetched without `into=`; a copy where this process published it: its tensors
+    are then the slot's (or the lent buffers) themselves, which a later publish writes and
+    nothing here would keep from doing so. A tensor under two names stays one."""
+    if obj is None or not _object.is_local(obj):
+        return value
+    copies: dict[int, torch.Tensor] = {}
+    return {n: copies[id(t)] if id(t) in copies else copies.setdefault(id(t), t.clone()) for n, t in value.items()}
 
 
 def _names_of(obj: RDTObject) -> list[str]:

@@ -115,6 +115,14 @@ class Trainer:
     async def pid(self) -> int:
         return os.getpid()
 
+    async def follow_itself(self, name: str) -> list:
+        """Subscribe to its own publisher, take the newest version (no `into=`), publish three
+        more (slots recycled) and say whether what it took still holds the version it took."""
+        sub = rdt.subscribe(ray.get_runtime_context().current_actor, name)
+        version, weights = await sub.next()
+        await self.publish(name, 3)
+        return [version, _exact(version, weights), weights["l0"].data_ptr() != self.state["l0"].data_ptr()]
+
 
 @rdt.remote
 class Server:
@@ -237,6 +245,30 @@ class Server:
         version = stream.version
         del stream
         return {"version": version, "seen": seen, "taken": sub.version}
+
+    async def cut_next(self, trainer, name: str) -> list:
+        """`next(into=)` whose transfer breaks off once its bytes were written (the transfer
+        itself is real: the failure after it stands in for a partition midway): what it
+        raised and the version the subscription says it holds, then the next step's."""
+        from rdt_async import _publish
+
+        sub = self.subs.setdefault(name, rdt.subscribe(trainer, name))
+        real = _publish._fetch
+
+        async def cut(obj, into):
+            await real(obj, into)
+            raise rdt.TransferError("cut off midway")
+
+        _publish._fetch = cut
+        try:
+            await sub.next(into=self.buffers)
+        except rdt.TransferError as exc:
+            said = str(exc)
+        finally:
+            _publish._fetch = real
+        after_cut = sub.version
+        version, _ = await sub.next(into=self.buffers)
+        return [said, after_cut, version, _exact(version, self.buffers), sub.version]
 
     async def iterate(self, trainer, name: str) -> list[int]:
         """`async for` to the end of the publication."""
@@ -515,8 +547,8 @@ def test_a_polls_answer_that_is_no_version_is_refused_before_anything_is_fetched
 class OlderVersions:
     """Answers a subscriber's poll as no publisher does: with a version that is not newer."""
 
-    def rdt__publication(self, name: str, after: int, wait_s: float, chunked: bool):
-        return ("ok", after, time.time(), None, False)
+    def rdt__publication(self, name: str, after: int, wait_s: float, chunked: bool, incarnation: str | None):
+        return ("ok", after, time.time(), None, False, "an-incarnation")
 
 
 def test_a_polls_answer_with_a_version_that_is_not_newer_is_refused(cluster):
@@ -697,3 +729,88 @@ def test_a_model_with_tied_weights_publishes_them_once_into_tied_and_untied_mode
                         version, names, True, tie
                     ), (server, tie, stream)
     ray.get(trainer.close.remote("tied"))
+
+
+def test_into_tensors_left_holding_a_mix_say_so_and_the_next_step_makes_them_whole(actors):
+    # A stream broken off, or a `next(into=)` cut off, after some of a version landed in
+    # the caller's tensors: they hold a mix of two versions, so the subscription holds
+    # none (`version` None, not the last whole one), and its next step takes the newest
+    # version again, whatever its number, and lands all of it.
+    trainer, here, there = actors
+    ray.get(trainer.open.remote("mix", 2, "skip", 1 << 20))  # 4 chunks a version
+    try:
+        assert ray.get(trainer.publish.remote("mix")) == [0]
+        for server in (here[0], there[0]):
+            assert ray.get(server.follow.remote(trainer, "mix", 0, into=True), timeout=60) == [(0, True)]
+        assert ray.get(trainer.publish.remote("mix")) == [1]
+        for server in (here[0], there[0]):
+            got = ray.get(server.stream.remote(trainer, "mix", True, 1, True), timeout=60)  # in `async with`
+            assert got["version"] == 1 and len(got["seen"]) == 1 and got["taken"] is None, got
+            assert ray.get(server.follow.remote(trainer, "mix", 1, into=True), timeout=60) == [(1, True)]
+        assert ray.get(trainer.publish.remote("mix")) == [2]
+        for server in (here[0], there[0]):
+            said, after_cut, version, exact, taken = ray.get(server.cut_next.remote(trainer, "mix"), timeout=60)
+            assert said.startswith("cut off midway") and after_cut is None, said
+            assert (version, exact, taken) == (2, True, 2)  # the same version again, whole
+    finally:
+        ray.get(trainer.close.remote("mix"))
+
+
+def test_a_subscriber_in_the_publishing_process_keeps_what_it_took_while_slots_are_recycled(actors):
+    # There the version's tensors are the slot's own: without a copy, publishing two
+    # versions later wrote them under the subscriber.
+    trainer, _, _ = actors
+    ray.get(trainer.open.remote("self", 2))
+    try:
+        assert ray.get(trainer.publish.remote("self")) == [0]
+        assert ray.get(trainer.follow_itself.remote("self"), timeout=60) == [0, True, True]
+    finally:
+        ray.get(trainer.close.remote("self"))
+
+
+def test_a_subscription_follows_a_new_publisher_of_the_name_from_its_first_version(actors):
+    # A publisher made anew (the actor restarted, or closed it and made another) numbers
+    # from 0 again: a subscription that had taken version 3 waited for a version 4.
+    trainer, here, _ = actors
+    ray.get(trainer.open.remote("again"))
+    assert ray.get(trainer.publish.remote("again", 4)) == [0, 1, 2, 3]
+    assert ray.get(here[1].follow.remote(trainer, "again", 3), timeout=60)[-1] == (3, True)
+    ray.get(trainer.close.remote("again"))
+    ray.get(trainer.open.remote("again"))
+    try:
+        assert ray.get(trainer.publish.remote("again")) == [0]
+        assert ray.get(here[1].next_within.remote(trainer, "again", 20), timeout=60) == "version 0"
+        assert ray.get(trainer.publish.remote("again")) == [1]
+        assert ray.get(here[1].next_within.remote(trainer, "again", 20), timeout=60) == "version 1"
+    finally:
+        ray.get(trainer.close.remote("again"))
+
+
+@rdt.remote(concurrency_groups={"side": 1})
+class TwoLoops:
+    """Publishes from methods of two concurrency groups: two event loops."""
+
+    def __init__(self) -> None:
+        self.pub = rdt.Publisher("two")
+        self.state = _state()
+
+    async def publish(self):
+        return await self.pub.publish(self.state)
+
+    @ray.method(concurrency_group="side")
+    async def publish_aside(self):
+        try:
+            return await self.pub.publish(self.state)
+        except RuntimeError as exc:
+            return str(exc)
+
+
+def test_a_publisher_refuses_to_publish_from_a_second_event_loop(cluster):
+    two = TwoLoops.remote()
+    try:
+        assert ray.get(two.publish.remote(), timeout=60) == 0
+        said = ray.get(two.publish_aside.remote(), timeout=60)
+        assert said.startswith("rdt.Publisher 'two'.publish() from a second event loop:") and "one concurrency group" in said, said
+        assert ray.get(two.publish.remote(), timeout=60) == 1
+    finally:
+        ray.kill(two)
