@@ -840,6 +840,7 @@ class VersionStream:
         self._ready: collections.deque[tuple[str, torch.Tensor]] = collections.deque()
         self._next = 0  # the chunk to hand over next
         self._taken: tuple[str, float, bool, float] | None = None  # incarnation, published_at, waited, started
+        self._received = 0  # the subscription's count when this stream's version was answered
         self._started = self._ended = False
 
     @property
@@ -898,6 +899,7 @@ class VersionStream:
         self._objs, self._names, self._targets = list(objs), names, targets
         self._tasks = [None] * len(objs)
         self._taken = (incarnation, published_at, waited, started)
+        self._received = sub.received
 
     async def _land(self) -> None:
         """Fetch ahead, then wait for the next chunk and queue its tensors."""
@@ -946,7 +948,8 @@ class VersionStream:
         """Stopped before the version's last tensor landed, with `into=` tensors written
         (some of them perhaps): they hold a mix, so the subscription holds no whole version."""
         started = self._next > 0 or any(t is not None for t in self._tasks)
-        if self._taken is not None and self._into is not None and started:
+        # (Unless the subscription took a version since, landing all of it after these writes.)
+        if self._taken is not None and self._into is not None and started and self._sub.received == self._received:
             self._sub.version = None
         self._taken = None
 
