@@ -363,11 +363,18 @@ class _Copier:
                 return
 
     async def finish(self) -> None:
-        """Copy what was told of so far, and stop (a cancel of the caller waits for the copy in hand)."""
-        await asyncio.sleep(0)  # what the transport's threads told of just before it returned
-        self.ending = True
-        self.wake.set()
-        await _io.shielded(self.task)
+        """Copy what was told of so far, and stop: nothing of ours writes `into` once this
+        returns or raises. A cancel meanwhile waits for that, then is raised."""
+
+        async def last() -> None:
+            await asyncio.sleep(0)  # what the transport's threads told of just before it returned
+            self.ending = True
+            self.wake.set()
+            await self.task
+
+        cancelled = await _io.shielded(asyncio.ensure_future(last()))
+        if cancelled:
+            raise asyncio.CancelledError
         if not self.task.cancelled():
             self.task.result()  # a copy that failed fails the fetch
 
@@ -388,6 +395,9 @@ class _Memfd:
     idle_since: float = 0.0
     source: str = ""  # the producer of the object it last held (`source_of`)
     pid: int = dataclasses.field(default_factory=os.getpid)  # whose pool reuses it (a fork's child never)
+    # Lent when this process forked: a child may map it through views it inherited, which
+    # would show the next object's bytes; closed when its lease ends, never reused.
+    forked: bool = False
 
     @property
     def kind(self) -> tuple[int, str]:
@@ -457,7 +467,7 @@ class _Memfds:
         return _Memfd(fd, cap, mm, source=source)
 
     def give(self, m: _Memfd) -> None:
-        if m.pid != os.getpid():  # the parent's, in a forked child (a lease it inherited): not ours to reuse
+        if m.pid != os.getpid() or m.forked:  # the parent's, in a forked child; or mapped in a child perhaps
             _close(m)
             return
         with self.lock:
@@ -772,7 +782,16 @@ def _forked() -> None:
     counts.claims, counts.lent = set(), set()  # the parent's claims and leases
 
 
-os.register_at_fork(after_in_child=_forked)
+def _forking() -> None:
+    """In the parent, before a fork: the memfds lent now may stay mapped in the child (views
+    it inherits of this process's own copy-on-write mapping; an asker's connection, which the
+    child inherits too, already keeps its lease held): never reuse them."""
+    with counts.lock:
+        for lease in counts.lent:
+            lease.memfd.forked = True
+
+
+os.register_at_fork(before=_forking, after_in_child=_forked)
 
 
 class _Server:

@@ -474,6 +474,74 @@ def test_a_forked_child_never_reuses_its_parents_warm_memfds():
     assert _relay.memfds.idle == [warm] and _relay._Seats.taken(_relay.memfds.capacity(size), _src())  # the parent's, as they were
 
 
+def _read_after_parent_let_go(view: torch.Tensor, go, out) -> None:
+    """In a forked child: what `view` (inherited) reads once the parent has read another
+    object (sent on `out`)."""
+    go.recv()
+    out.send(float(view[0]))
+
+
+async def test_a_forked_child_keeps_what_the_first_consumer_mapped_after_the_parent_lets_go(monkeypatch):
+    """The first consumer's own copy-on-write views of its memfd are held by an in-process
+    lease; a child forked meanwhile inherits the views, and where the parent then let go,
+    the memfd went back to the pool and the next object landed in it: under the child's
+    tensor. A memfd lent at a fork is closed when its lease ends, never reused."""
+    monkeypatch.setenv("RDT_RELAY_KEEP_S", "0")
+    ctx = multiprocessing.get_context("fork")
+    mine, _ = await _relay.fetch(_obj_id(), SPECS, Network(fail=True), Landing(1))
+    here, there = ctx.Pipe()
+    go_parent, go_child = ctx.Pipe()
+    child = ctx.Process(target=_read_after_parent_let_go, args=(mine[0], go_child, there))
+    child.start()
+    try:
+        want = float(mine[0][0])
+        del mine
+        await _until(lambda: not _relay.counts.lent)  # let go here: the lease is spent
+        other, _ = await _relay.fetch(_obj_id(), SPECS, Network(fail=True), Landing(2))  # another object, same size
+        assert float(other[0][0]) == float(_values(2)[0][0]) != want
+        go_parent.send("read")
+        assert here.poll(30)
+        assert here.recv() == want  # what the child took is still the first object
+    finally:
+        child.join(10)
+    assert child.exitcode == 0
+
+
+async def test_a_cancel_as_the_first_read_ends_leaves_nothing_writing_its_into_buffers(monkeypatch):
+    """The first consumer, fetching `into=` its buffers, copies each range the read tells of
+    (`_Copier`). A cancel arriving one loop turn after the read returned used to end the
+    fetch with the copier still running: it wrote the buffers after `CancelledError`, from
+    a memfd that meanwhile went back to the pool and held the next object's bytes."""
+    monkeypatch.setenv("RDT_RELAY_FOLLOW", "1")
+    monkeypatch.setenv("RDT_RELAY_KEEP_S", "0")
+    n = 64 << 20
+    specs = [TensorSpec((n,), torch.uint8, "cpu", n)]
+    into = torch.zeros(n, dtype=torch.uint8)
+    me: dict = {}
+
+    async def read_then_cancelled(views, landed=None):
+        views[0].fill_(7)
+        for off in range(0, n, 8 << 20):
+            landed(0, off, 8 << 20)  # as tcp's streams tell of each step
+        asyncio.get_running_loop().call_soon(me["task"].cancel)
+        return views
+
+    async def other_object(views, landed=None):
+        views[0].fill_(9)
+        return views
+
+    me["task"] = asyncio.ensure_future(_relay.fetch(_obj_id(), specs, Network(fail=True), read_then_cancelled, buffers=[into]))
+    with pytest.raises(asyncio.CancelledError):
+        await me["task"]
+    written = into.clone()
+    other, _ = await _relay.fetch(_obj_id(), specs, Network(fail=True), other_object)
+    await asyncio.sleep(0.3)
+    assert torch.equal(into, written), "written after the cancel"
+    assert not bool((into == 9).any()), "the next object's bytes reached the cancelled fetch's buffers"
+    assert not [t for t in asyncio.all_tasks() if "_Copier._run" in repr(t)], "a copier left running"
+    del other
+
+
 async def test_an_idle_memfd_is_closed_on_its_own(monkeypatch):
     monkeypatch.setenv("RDT_RELAY_KEEP_S", "0.1")
     monkeypatch.setenv("RDT_SHM_IDLE_S", "0.5")
