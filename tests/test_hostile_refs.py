@@ -167,7 +167,9 @@ def _named_like_its_segment(obj) -> tuple[str, str]:
     m = _segments.SEGMENT_NAME.fullmatch(obj.meta["shm"].segment)
     assert m is not None
     key = _segments.new_key()
-    return _segments.name_for(obj.obj_id, key, obj.meta["shm"].size, int(m[1]), m[2]), key
+    meta = obj.meta["shm"]
+    layout = [(off, s.nbytes) for s, off in zip(obj.specs, meta.offsets) if s.nbytes]
+    return _segments.name_for(obj.obj_id, key, meta.size, layout, int(m[1]), m[2]), key
 
 
 def test_a_symlink_in_dev_shm_named_like_a_segment_is_never_followed(actors, made, tmp_path):

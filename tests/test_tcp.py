@@ -16,7 +16,12 @@ from helpers import Probed
 
 import rdt_async as rdt
 from rdt_async import _io
-from rdt_async.transports import _registry, tcp
+from rdt_async.transports import _kit, _registry, tcp
+
+
+def _sized(obj_id: str, x) -> int:
+    """What a request names of the object's sizes (`_kit.sizes_digest`): of tensor `x` (or of `x` bytes)."""
+    return _kit.sizes_digest(obj_id, [x if isinstance(x, int) else x.nbytes])
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -180,7 +185,7 @@ def test_a_connection_without_the_token_is_closed_unserved():
             got = b""
             try:
                 s.sendall(tcp.MAGIC + bytes(16))  # a wrong token
-                s.sendall(tcp._HEAD.pack(10, 1) + b"secret-obj" + tcp._PART.pack(0, 0, 80))
+                s.sendall(tcp._HEAD.pack(10, 1, 0) + b"secret-obj" + tcp._PART.pack(0, 0, 80))
                 got = s.recv(100)
             except (ConnectionResetError, BrokenPipeError):
                 pass  # closed on us (a reset, where our request was still unread)
@@ -264,7 +269,7 @@ def test_a_listener_that_says_nothing_fails_the_fetch_after_the_stall_time(monke
         said = "mid-transfer" if answers else "no answer to the request"
         with pytest.raises(rdt.TransferError, match=rf"tcp fetch of obj: the producer's listener at 127\.0\.0\.1:\d+ sent nothing for 1 s \({said}\); RDT_TCP_STALL_S sets how long a fetch waits"):
             with translating("tcp fetch of obj", "obj", transport=_registry.transport("tcp")):
-                tcp._stream_once(fetch, meta, "obj", [(0, 0, 64)], [memoryview(bytearray(64))], None, reuse=False)
+                tcp._stream_once(fetch, meta, "obj", 0, [(0, 0, 64)], [memoryview(bytearray(64))], None, reuse=False)
         assert time.monotonic() - t0 < 5
         for conn in accepted:
             conn.close()
@@ -280,7 +285,7 @@ def test_idle_connections_are_closed_after_idle_s(monkeypatch):
     meta = t.prepare("idle-conns", [x])
     got = torch.empty_like(x)
     try:
-        assert tcp._stream(tcp._Fetch(), meta, "idle-conns", [(0, 0, x.nbytes)], [tcp._raw(got)])
+        assert tcp._stream(tcp._Fetch(), meta, "idle-conns", _sized("idle-conns", x), [(0, 0, x.nbytes)], [tcp._raw(got)])
         assert torch.equal(got, x)
         key = (meta.host, meta.port, meta.token)
         (sock, _), = tcp._idle[key]  # kept for reuse
@@ -314,7 +319,7 @@ def test_a_send_to_a_host_that_vanished_gives_up_and_lets_the_tensors_go(monkeyp
         # The listener binds the address it advertises (Ray's node IP, or the default
         # route's): the consumer's host reaches it through its link to this one.
         subprocess.run(["ip", "netns", "exec", link.name, "ip", "route", "add", f"{meta.host}/32", "via", link.root_ip], check=True)
-        request = tcp._HEAD.pack(6, 1) + b"vanish" + tcp._PART.pack(0, 0, 64 << 20)
+        request = tcp._HEAD.pack(6, 1, _sized("vanish", 64 << 20)) + b"vanish" + tcp._PART.pack(0, 0, 64 << 20)
         code = (
             "import socket, sys, time\n"
             f"s = socket.create_connection(({meta.host!r}, {meta.port}))\n"
@@ -388,7 +393,7 @@ def test_a_kept_connection_found_dead_is_replaced_once(monkeypatch):
         with tcp._idle_lock:
             tcp._idle[key] = [(dead, time.monotonic())]
         got = torch.empty_like(x)
-        assert tcp._stream(tcp._Fetch(), meta, "stale", [(0, 0, x.nbytes)], [tcp._raw(got)])
+        assert tcp._stream(tcp._Fetch(), meta, "stale", _sized("stale", x), [(0, 0, x.nbytes)], [tcp._raw(got)])
         assert torch.equal(got, x) and dead.fileno() == -1
         assert [s.fileno() >= 0 for s, _ in tcp._idle[key]] == [True]  # the new one is kept
     finally:
@@ -409,7 +414,7 @@ def test_wait_tensor_freed_waits_for_a_send_in_flight_after_a_free():
     store.add("in-flight", StoredObject([w], {t: meta}))
     sock = socket.create_connection((meta.host, meta.port))
     try:
-        sock.sendall(tcp.MAGIC + meta.token + tcp._HEAD.pack(9, 1) + b"in-flight" + tcp._PART.pack(0, 0, w.nbytes))
+        sock.sendall(tcp.MAGIC + meta.token + tcp._HEAD.pack(9, 1, _sized("in-flight", w)) + b"in-flight" + tcp._PART.pack(0, 0, w.nbytes))
         assert tcp._recv_exact(sock, 1) == tcp.HELD
         time.sleep(0.2)  # the send fills the buffers and waits: we read no more for now
         assert store.free("in-flight")

@@ -12,6 +12,7 @@ import os
 from collections.abc import Sequence
 from typing import Any, TypeGuard
 
+import numpy as np
 import torch
 
 from .. import _alloc
@@ -42,6 +43,15 @@ def digest(obj_id: str, exports: Sequence[Any]) -> int:
     consumers read it, and a consumer refuses a ref whose exports do not give it (altered to
     read other memory of the producer). `exports` must have a stable repr."""
     what = repr((obj_id, tuple(exports))).encode("utf-8", "surrogatepass")
+    return int.from_bytes(hashlib.blake2b(what, digest_size=8).digest(), "little", signed=True)
+
+
+def sizes_digest(obj_id: str, sizes: Sequence[int]) -> int:
+    """A signed int64 digest of an object's id and its tensors' byte sizes: a consumer sends
+    it with a request (the sizes its ref's specs give), a producer that serves requests
+    itself compares it with its own tensors' and refuses another (a ref altered to read
+    more bytes than a tensor has, or fewer: a prefix). Cheap for thousands of tensors."""
+    what = obj_id.encode("utf-8", "surrogatepass") + np.asarray(sizes, dtype=np.int64).tobytes()
     return int.from_bytes(hashlib.blake2b(what, digest_size=8).digest(), "little", signed=True)
 
 

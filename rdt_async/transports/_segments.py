@@ -30,9 +30,11 @@ import secrets
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from .. import _io
 from .._errors import TransferError
@@ -206,17 +208,21 @@ def new_key() -> str:
     return secrets.token_hex(16)
 
 
-def name_for(obj_id: str, key: str, size: int, pid: int | None = None, ns: str | None = None) -> str:
+def name_for(
+    obj_id: str, key: str, size: int, layout: Sequence[tuple[int, int]] = (), pid: int | None = None, ns: str | None = None
+) -> str:
     """The name process `pid` (of PID namespace `ns`; default: this process) gives the
-    segment of object `obj_id` whose metadata carries `key` and `size` (its bytes).
+    segment of object `obj_id` whose metadata carries `key` and `size` (its bytes), with its
+    tensors at `layout` (offset and bytes of each that has any, in order).
 
-    Bound to the object, its size and its secret: a consumer recomputes it from the ref,
-    so a ref opens only its own object's segment, and reads no byte past the object's
+    Bound to the object, its size, layout and secret: a consumer recomputes it from the
+    ref, so a ref opens only its own object's segment, and reads no byte past the object's
     own (a reused segment's tail holds an earlier object's bytes: a ref that claimed more
-    would read them). The listing of /dev/shm shows names, not keys, and a name cannot be
-    made from another object's id, size or key.
+    would read them), nor a tensor of other bytes than its own (a spec that claims fewer
+    would return a prefix). The listing of /dev/shm shows names, not keys, and a name
+    cannot be made from another object's id, size or key.
     """
-    what = f"{obj_id}\0{size}".encode("utf-8", "surrogatepass")
+    what = f"{obj_id}\0{size}\0".encode("utf-8", "surrogatepass") + np.asarray(layout, dtype=np.int64).tobytes()
     digest = hashlib.blake2b(what, key=bytes.fromhex(key), digest_size=12)
     return f"{PREFIX}{os.getpid() if pid is None else pid}-{pid_namespace() if ns is None else ns}-{digest.hexdigest()}"
 

@@ -156,7 +156,7 @@ class ShmMeta:
     offsets: tuple[int, ...]
     shared: tuple[Shared | None, ...] = ()
     lazy: bool = False
-    key: str = ""  # the object's secret: the segment is named `_segments.name_for(obj_id, key, size)`
+    key: str = ""  # the object's secret: the segment is named `_segments.name_for(obj_id, key, size, layout)`
 
     @property
     def nbytes(self) -> int:
@@ -254,7 +254,9 @@ class ShmTransport(Transport[ShmMeta]):
         ensure_guardian()
         key = _segments.new_key()
         try:
-            seg = _segments.pool.take(size, _segments.name_for(obj_id, key, size))
+            sizes = [t.numel() * t.element_size() for t in tensors]
+            layout = [(off, n) for off, n in zip(offsets, sizes) if n]
+            seg = _segments.pool.take(size, _segments.name_for(obj_id, key, size, layout))
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
                 raise _no_room(size, exc) from exc
@@ -393,11 +395,12 @@ def _checked(info: TransferInfo[Any]) -> ShmMeta:
         if in_segment:
             raise bad("tensors in a segment, and no segment")
         return meta
-    _check_name(meta, obj_id, info.producer_pid, bad)
+    layout = [(off, s.nbytes) for s, off, sh in zip(specs, offsets, shared or [None] * len(specs)) if sh is None and s.nbytes]
+    _check_name(meta, obj_id, layout, info.producer_pid, bad)
     return meta
 
 
-def _check_name(meta: ShmMeta, obj_id: str, producer_pid: int | None, bad: Any) -> None:
+def _check_name(meta: ShmMeta, obj_id: str, layout: list[tuple[int, int]], producer_pid: int | None, bad: Any) -> None:
     """The segment's name must be the one the producer gives this object (`_segments.name_for`)."""
     segment, key = meta.segment, meta.key
     m = _segments.SEGMENT_NAME.fullmatch(segment) if type(segment) is str else None
@@ -408,8 +411,11 @@ def _check_name(meta: ShmMeta, obj_id: str, producer_pid: int | None, bad: Any) 
         raise bad(f"segment {segment!r} was made by process {pid}, not by the producer (process {producer_pid})")
     if type(key) is not str or not _segments.KEY.fullmatch(key) or type(obj_id) is not str:
         raise bad("the object's key is missing or malformed")
-    if type(meta.size) is not int or segment != _segments.name_for(obj_id, key, meta.size, pid, m[2]):
-        raise bad(f"segment {segment!r} is not the one its producer makes for object {obj_id} of {meta.size!r} bytes")
+    if type(meta.size) is not int or segment != _segments.name_for(obj_id, key, meta.size, layout, pid, m[2]):
+        raise bad(
+            f"segment {segment!r} is not the one its producer makes for object {obj_id} of {meta.size!r} bytes "
+            "with tensors of the sizes its specs say"
+        )
 
 
 def _check_shared(sh: Any, spec: TensorSpec, i: int, producer_pid: int | None, bad: Any) -> None:

@@ -21,7 +21,9 @@ request, and its answer:
     --------                                          --------
     obj_id, [(tensor, byte offset, bytes), ...]  ->   look the object up
                                                  <-   HELD and those bytes in order,
-                                                      or FREED
+                                                      or FREED, or ALTERED (the request's
+                                                      digest of the tensors' sizes is
+                                                      not the object's)
 
 Bytes land straight in the caller's `into=` buffers (else in warm reused memory).
 Cancelling a fetch shuts its connections down: every thread reading into its buffers
@@ -59,10 +61,10 @@ from ._base import (
     Transport,
     Unreachable,
 )
-from ._kit import delivered, int_setting, landing_buffers
+from ._kit import delivered, int_setting, landing_buffers, sizes_digest
 
 MAGIC = b"RDT1"
-HELD, FREED = b"\x01", b"\x02"
+HELD, FREED, ALTERED = b"\x01", b"\x02", b"\x03"
 STREAM_MIN_BYTES = 4 << 20  # a stream for each this many bytes, up to `_streams()`
 LANDED_STEP = 8 << 20  # a stream tells `TransferInfo.landed` of its bytes in steps of this many
 PACKED_BYTES = 64 << 10  # answers up to this size leave in one send
@@ -77,7 +79,7 @@ def _stall_s() -> int:
 HOST_ENV = "RDT_TCP_HOST"
 TOKEN_BYTES = 16
 MAX_PARTS = 1 << 20  # byte ranges one request may ask for (a consumer asks one per tensor and stream)
-_HEAD = struct.Struct("<HI")  # obj_id length, number of parts
+_HEAD = struct.Struct("<HIq")  # obj_id length, number of parts, `sizes_digest` of the tensors' bytes
 _PART = struct.Struct("<IQQ")  # tensor index, byte offset, byte count
 
 
@@ -149,6 +151,7 @@ def _tune(sock: socket.socket) -> None:
 # obj_id -> contiguous tensors, for the connection threads to serve. Written by the
 # producer's threads (prepare, garbage_collect) with single dict operations.
 _objects: dict[str, list[torch.Tensor]] = {}
+_sized: dict[str, int] = {}  # obj_id -> `sizes_digest` of its tensors (what a request must name)
 
 
 class _Server:
@@ -191,7 +194,7 @@ def _answer(conn: socket.socket, store: Keeper) -> bool:
         head = _recv_exact(conn, _HEAD.size)
     except ConnectionResetError:
         return False
-    id_len, nparts = _HEAD.unpack(head)
+    id_len, nparts, sized = _HEAD.unpack(head)
     if nparts > MAX_PARTS:
         raise ConnectionAbortedError(f"a request for {nparts} byte ranges")
     body = _recv_exact(conn, id_len + nparts * _PART.size)
@@ -200,6 +203,9 @@ def _answer(conn: socket.socket, store: Keeper) -> bool:
     with store.serving(obj_id, _objects) as tensors:  # held until sent: see Store.serving
         if tensors is None:
             conn.sendall(FREED)
+            return True
+        if sized != _sized.get(obj_id):
+            conn.sendall(ALTERED)  # (a ref's specs that are not the object's: nothing of it is sent)
             return True
         return _send_parts(conn, obj_id, tensors, parts)
 
@@ -371,6 +377,7 @@ def _stream(
     fetch: _Fetch,
     meta: TcpMeta,
     obj_id: str,
+    sized: int,
     parts: list[tuple[int, int, int]],
     dsts: list[memoryview],
     landed: Landed = None,
@@ -382,15 +389,16 @@ def _stream(
     idle: a network blip since healed, keepalive) is replaced by a new one, once.
     """
     try:
-        return _stream_once(fetch, meta, obj_id, parts, dsts, landed, reuse=True)
+        return _stream_once(fetch, meta, obj_id, sized, parts, dsts, landed, reuse=True)
     except _Stale:
-        return _stream_once(fetch, meta, obj_id, parts, dsts, landed, reuse=False)
+        return _stream_once(fetch, meta, obj_id, sized, parts, dsts, landed, reuse=False)
 
 
 def _stream_once(
     fetch: _Fetch,
     meta: TcpMeta,
     obj_id: str,
+    sized: int,
     parts: list[tuple[int, int, int]],
     dsts: list[memoryview],
     landed: Landed,
@@ -401,12 +409,19 @@ def _stream_once(
     ok = answered = False
     try:
         encoded = obj_id.encode()
-        sock.sendall(_HEAD.pack(len(encoded), len(parts)) + encoded + b"".join(_PART.pack(*p) for p in parts))
+        sock.sendall(_HEAD.pack(len(encoded), len(parts), sized) + encoded + b"".join(_PART.pack(*p) for p in parts))
         status = _recv_exact(sock, 1)
         answered = True
         if status == FREED:
             ok = True
             return False
+        if status == ALTERED:
+            ok = True
+            raise TransferError(
+                f"tcp fetch of {obj_id}: the producer's tensors are not of the sizes its ref's specs say "
+                "(the ref was altered); nothing was read",
+                obj_id=obj_id,
+            )
         if status != HELD:
             raise ConnectionAbortedError(f"an answer that is no answer ({status!r})")
         for i, off, n in parts:
@@ -497,11 +512,13 @@ class TcpTransport(Transport[TcpMeta]):
 
     def prepare(self, obj_id: str, tensors: Sequence[torch.Tensor]) -> TcpMeta:
         server = _listening(self.store)
-        _objects[obj_id] = [t.detach().contiguous() for t in tensors]
+        kept = _objects[obj_id] = [t.detach().contiguous() for t in tensors]
+        _sized[obj_id] = sizes_digest(obj_id, [t.numel() * t.element_size() for t in kept])
         return server.meta
 
     def garbage_collect(self, obj_id: str, meta: TcpMeta) -> None:
         _objects.pop(obj_id, None)  # sends in flight keep their own references
+        _sized.pop(obj_id, None)
 
     async def receive(
         self, info: TransferInfo[TcpMeta], buffers: list[torch.Tensor] | None, channel: Channel
@@ -515,7 +532,8 @@ class TcpTransport(Transport[TcpMeta]):
         pool = _threads()
         # Ranges are final where they land in the caller's buffers themselves.
         landed = info.landed if buffers is not None and all(d is b for d, b in zip(dsts, buffers)) else None
-        submitted = [pool.submit(_stream, fetch, info.meta, info.obj_id, p, raws, landed) for p in plans]
+        sized = sizes_digest(info.obj_id, [r.nbytes for r in raws])  # (the producer's must be the same)
+        submitted = [pool.submit(_stream, fetch, info.meta, info.obj_id, sized, p, raws, landed) for p in plans]
         streams = [asyncio.wrap_future(f) for f in submitted]
         try:
             await asyncio.wait(streams, return_when=asyncio.FIRST_EXCEPTION)

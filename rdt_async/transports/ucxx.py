@@ -63,7 +63,7 @@ from .._errors import (
 )
 from . import _net, _ucx
 from ._base import NO_STORE, Channel, Keeper, TransferInfo, Transport
-from ._kit import delivered, int_setting, landing_buffers
+from ._kit import delivered, int_setting, landing_buffers, sizes_digest
 
 INSTALL_HINT = "pip install 'rdt_async[ucxx]'"
 POLL_S = 0.0005  # progress period while requests are in flight (events also progress)
@@ -80,7 +80,7 @@ def _answer_s() -> int:
 PROGRESS_STEPS = 64  # UCX progress calls per wake-up at most; more wait for the next poll
 PACKED_BYTES = 64 << 10  # objects up to this size come with their status in one message
 TAG_STRIDE = 1 << 20  # tags per transfer: status, then one per tensor
-HELD, FREED = 0, 1
+HELD, FREED, ALTERED = 0, 1, 2  # ALTERED: the request's digest of the tensors' sizes is not the object's
 HOST_ENV = "RDT_UCXX_HOST"
 
 
@@ -288,20 +288,22 @@ class _Worker:
     def _send(self, ep: Any, message: bytes) -> None:
         """Post the answer to a fetch request now; a task keeps it until it is sent, and
         the store holds the object until then (see Store.serving)."""
-        base, posted, packed, obj_id = _unpack(message)
+        base, posted, packed, sized, obj_id = _unpack(message)
         held = contextlib.ExitStack()
         try:
             tensors = held.enter_context(self.store.serving(obj_id, _objects))
-            self._post_answer(ep, base, posted, packed, tensors, held)
+            altered = tensors is not None and sized != _sized.get(obj_id)  # (a ref's specs that are not the object's)
+            self._post_answer(ep, base, posted, packed, None if altered else tensors, held, ALTERED if altered else None)
         except BaseException:
             held.close()
             raise
 
     def _post_answer(
         self, ep: Any, base: int, posted: list[int], packed: bool, tensors: list[torch.Tensor] | None,
-        held: contextlib.ExitStack,
+        held: contextlib.ExitStack, refusal: int | None = None,
     ) -> None:
-        status = np.array([HELD if tensors is not None else FREED], dtype=np.uint64)
+        """Answer with the tensors, or with nothing where they are None: FREED, else `refusal`."""
+        status = np.array([HELD if tensors is not None else refusal or FREED], dtype=np.uint64)
         sends: list[tuple[int, np.ndarray, torch.Tensor | None]]
         if packed:  # a small object: status and bytes in one message
             parts = [status.view(np.uint8)] + [_raw(t) for t in tensors or () if t.numel()]
@@ -400,17 +402,19 @@ def _settle(request: Any, fut: asyncio.Future[Any], keep: Any) -> bool:
 _EMPTY = np.empty(0, dtype=np.uint8)
 
 
-def _pack(base: int, posted: list[int], packed: bool, obj_id: str) -> np.ndarray:
+def _pack(base: int, posted: list[int], packed: bool, sized: int, obj_id: str) -> np.ndarray:
     """A fetch request: its base tag, the tensor indexes it posted receives for (or, if
-    `packed`, that it wants status and bytes in one message), the object."""
-    head = np.array([base, len(posted), packed], dtype=np.uint64).tobytes()
+    `packed`, that it wants status and bytes in one message), the `sizes_digest` of the
+    tensors' bytes its receives hold, the object."""
+    head = np.array([base, len(posted), packed], dtype=np.uint64).tobytes() + np.array([sized], dtype=np.int64).tobytes()
     return np.frombuffer(head + np.array(posted, dtype=np.uint32).tobytes() + obj_id.encode(), dtype=np.uint8)
 
 
-def _unpack(message: bytes) -> tuple[int, list[int], bool, str]:
+def _unpack(message: bytes) -> tuple[int, list[int], bool, int, str]:
     base, n, packed = (int(x) for x in np.frombuffer(message[:24], dtype=np.uint64))
-    posted = np.frombuffer(message[24 : 24 + 4 * n], dtype=np.uint32).tolist()
-    return base, posted, bool(packed), message[24 + 4 * n :].decode()
+    sized = int(np.frombuffer(message[24:32], dtype=np.int64)[0])
+    posted = np.frombuffer(message[32 : 32 + 4 * n], dtype=np.uint32).tolist()
+    return base, posted, bool(packed), sized, message[32 + 4 * n :].decode()
 
 
 def _raw(t: torch.Tensor) -> np.ndarray:
@@ -421,6 +425,7 @@ def _raw(t: torch.Tensor) -> np.ndarray:
 # obj_id -> contiguous tensors, for the listener to serve. Written by the producer's
 # threads (prepare, garbage_collect) with single dict operations; read on the I/O loop.
 _objects: dict[str, list[torch.Tensor]] = {}
+_sized: dict[str, int] = {}  # obj_id -> `sizes_digest` of its tensors (what a request must name)
 _workers: dict[int, _Worker] = {}
 _lock = threading.Lock()
 
@@ -498,11 +503,13 @@ class UcxxTransport(Transport[UcxxMeta]):
         w = _worker_blocking()
         w.store = self.store
         address = _io.start(_listen(w)).result() if w.address is None else w.address
-        _objects[obj_id] = [t.detach().contiguous() for t in tensors]
+        kept = _objects[obj_id] = [t.detach().contiguous() for t in tensors]
+        _sized[obj_id] = sizes_digest(obj_id, [t.numel() * t.element_size() for t in kept])
         return address
 
     def garbage_collect(self, obj_id: str, meta: UcxxMeta) -> None:
         _objects.pop(obj_id, None)  # sends in flight keep their own references
+        _sized.pop(obj_id, None)
 
     async def receive(
         self, info: TransferInfo[UcxxMeta], buffers: list[torch.Tensor] | None, channel: Channel
@@ -552,7 +559,7 @@ async def _transfer(w: _Worker, info: TransferInfo[UcxxMeta], dsts: list[torch.T
     # Packed: status and bytes in one message, copied out. Else a receive per tensor.
     status = np.full(8 + (nbytes if packed else 0), 99, dtype=np.uint8)
     posted = [] if packed else [(i, raw, d) for i, (raw, d) in enumerate(zip(raws, dsts)) if raw.nbytes]
-    request = _pack(base, [i for i, _, _ in posted], packed, info.obj_id)
+    request = _pack(base, [i for i, _, _ in posted], packed, sizes_digest(info.obj_id, [r.nbytes for r in raws]), info.obj_id)
     waits: list[asyncio.Future[Any]] = []
     try:
         try:
@@ -577,8 +584,15 @@ async def _transfer(w: _Worker, info: TransferInfo[UcxxMeta], dsts: list[torch.T
         for error in [f.exception() for f in waits if f.done() and not f.cancelled()]:
             if error is not None:
                 raise error
-        if int(status[:8].view(np.uint64)[0]) == FREED:
+        said = int(status[:8].view(np.uint64)[0])
+        if said == FREED:
             raise ObjectFreedError(f"ucxx fetch of {info.obj_id}: the producer no longer holds it", obj_id=info.obj_id)
+        if said == ALTERED:
+            raise TransferError(
+                f"ucxx fetch of {info.obj_id}: the producer's tensors are not of the sizes its ref's specs say "
+                "(the ref was altered); nothing was read",
+                obj_id=info.obj_id,
+            )
         if packed:
             off = 8
             for raw in raws:

@@ -267,6 +267,22 @@ async def test_a_fetch_into_its_own_memory_from_a_stopped_producer_is_cancelled_
         assert_same(await fetch(p, p.make(10)), expect(10))
 
 
+@pytest.mark.parametrize("elements", [2000, 500], ids=["more", "fewer"])
+async def test_a_ref_whose_specs_claim_other_sizes_than_the_objects_is_refused(producer, elements):
+    # A spec altered to claim more bytes than the tensor has left the rest of the receive
+    # buffer as it was (over ucxx: a reused landing buffer's, an earlier fetch's bytes);
+    # fewer returned a prefix (tcp). The sizes must be the object's.
+    info = producer.make(5)
+    assert info.specs[0].shape == (1000,)
+    spec = TensorSpec((elements,), info.specs[0].dtype, info.specs[0].device, elements * 4)
+    altered = dataclasses.replace(info, specs=(spec, *info.specs[1:]))
+    with pytest.raises(rdt.RDTError) as raised:
+        async with asyncio.timeout(30):
+            await fetch(producer, altered)
+    assert not isinstance(raised.value, rdt.PeerDiedError), raised.value
+    assert_same(await fetch(producer, info), expect(5))  # the object itself, as it is
+
+
 @pytest.mark.parametrize("sizes", [(1000, 7, 0), (1 << 16, 3)])  # small, and over 256 KiB
 async def test_fetch_after_free_raises_object_freed(producer, sizes):
     info = producer.make(4, sizes)
@@ -333,7 +349,7 @@ async def test_shm_segment_left_by_a_dead_producer_is_refused():
     dead = subprocess.Popen(["true"])
     dead.wait()
     key = _segments.new_key()
-    name = _segments.name_for("obj-dead", key, 64, dead.pid)
+    name = _segments.name_for("obj-dead", key, 64, [(0, 64)], dead.pid)
     path = os.path.join(shm.SHM_DIR, name)
     want = torch.arange(16, dtype=torch.float32)
     with open(path, "wb") as f:
