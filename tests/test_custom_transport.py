@@ -146,6 +146,19 @@ class SlowSpoolManager(SpoolManager):
     slow = True
 
 
+class LateManager(SpoolManager):
+    """Cannot abort: its receive writes the buffers it is given a second later, whatever
+    happened to the fetch meanwhile."""
+
+    @staticmethod
+    def can_abort_transport():
+        return False
+
+    def recv_multiple_tensors(self, obj_id, tensor_transport_metadata, communicator_metadata, target_buffers=None):
+        time.sleep(1.0)
+        return super().recv_multiple_tensors(obj_id, tensor_transport_metadata, communicator_metadata, target_buffers)
+
+
 @dataclass
 class DropComm(CommunicatorMetadata):
     token: str = ""
@@ -209,6 +222,7 @@ rdt.register_transport("file-spool-slow", ["cpu"], SlowFileSpool)
 rdt.register_transport("manager-spool", ["cpu"], SpoolManager)
 rdt.register_transport("manager-spool-slow", ["cpu"], SlowSpoolManager)
 rdt.register_transport("manager-drop", ["cpu"], DropManager)
+rdt.register_transport("manager-late", ["cpu"], LateManager)
 ROOTS = {"file-spool": FileSpool.root, "manager-spool": SpoolManager.root}
 TRANSPORTS = list(ROOTS)
 
@@ -500,6 +514,22 @@ def test_into_receives_into_caller_buffers(makers):
     got = rdt.get(ref, into=into)
     assert got["w"].data_ptr() == into[0].data_ptr()
     assert_same(got, want)
+
+
+def test_a_manager_that_cannot_abort_never_writes_into_buffers_after_the_fetch_ended(makers):
+    # Ray's managers receive in a pool thread that an abort may not stop (or not within
+    # rdt_async's bound): into the caller's buffers, it wrote them after the fetch raised,
+    # where another fetch (or the caller) may have written them since.
+    [ref] = ray.get(makers["sync"].put.remote(10, "manager-late"))
+    into = [torch.full((64,), -1.0), torch.full((2, 3), -1, dtype=torch.int64)]
+    into += [torch.full((3,), -1.0, dtype=torch.bfloat16), torch.empty(0)]
+    with pytest.raises(TimeoutError):
+        rdt.get(ref, into=into, timeout=0.3)
+    time.sleep(1.5)  # the receive has ended by now
+    assert all(bool((b == -1).all()) for b in into[:3]), "written after the fetch ended"
+    got = rdt.get(ref, into=into, timeout=30)  # one that waits lands in them
+    assert got["w"].data_ptr() == into[0].data_ptr()
+    assert_same(got, nested(10))
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,10 @@ actors (Ray runs it on the object's owner); `tensor_transport_backend` and
 `actor_has_tensor_transport` are never called (the registered name is the name, and
 every process can load every registered transport). A manager whose
 `can_abort_transport()` is False cannot be interrupted: a cancelled fetch returns at once
-and the receive finishes in the pool, its result dropped.
+and the receive finishes in the pool, its result dropped; one that can is waited for
+ABORT_WAIT_S at most. So a manager never receives into the caller's `into=` buffers
+themselves: into memory of its own, copied into them once all of it has landed, and
+nothing writes them after the fetch has returned or raised.
 
 This module imports nothing from Ray: it only calls the manager class it is given and,
 to name the actors, looks Ray up in `sys.modules`.
@@ -44,8 +47,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from .. import _io
+from .. import _cuda, _io
 from .._errors import TransferError, TransportUnavailableError
+from .._local import copy_into
 from ._base import Channel, TensorSpec, TransferInfo, Transport
 
 log = logging.getLogger("rdt_async")
@@ -174,8 +178,11 @@ class RayManagerTransport(Transport[RayMeta]):
             if token is not None:  # what the producer made for this transfer goes back (no wait)
                 asyncio.ensure_future(channel.request_send(_Abort(None, token))).add_done_callback(_retrieve)
             raise
+        # Its own memory, not the caller's buffers: a receive left running (no abort, or one
+        # past ABORT_WAIT_S) would write them after this fetch ended.
+        scratch = None if buffers is None else [torch.empty(b.shape, dtype=b.dtype, device=b.device) for b in buffers]
         recv = asyncio.wrap_future(
-            _io.pool(_io.ADAPTER).submit(self._recv, info.obj_id, meta.transport_meta, comm, buffers)
+            _io.pool(_io.ADAPTER).submit(self._recv, info.obj_id, meta.transport_meta, comm, scratch)
         )
         work = {recv}
         if not self.one_sided:
@@ -185,7 +192,10 @@ class RayManagerTransport(Transport[RayMeta]):
             for fut in done:
                 if fut.exception() is not None:
                     raise fut.exception()  # type: ignore[misc]
-            return _checked(info, recv.result(), self.name)
+            got = _checked(info, recv.result(), self.name)
+            if buffers is None:
+                return got
+            return await _io.to_thread_finished(_cuda.settled, copy_into, buffers, got)
         except BaseException:
             await self._abort(info.obj_id, comm, recv, channel, token)
             raise
