@@ -30,6 +30,10 @@ class Group:
     pg: Any
     store: Any = None  # the rendezvous store: NCCL reads it again for each new communicator
     members: tuple[str, ...] = ()  # who holds each rank (actor ids), where the creator said
+    # Which creation of the group this is (the same in every member): tags start again at 1
+    # in a group made anew under a name, so a send asked for in an earlier one (a request
+    # left by a fetch that ended before) must never go out in this one.
+    creation: str = ""
     broken: str | None = None
     _next_tag: int = 1
     _tag_lock: threading.Lock = field(default_factory=threading.Lock)

@@ -561,3 +561,35 @@ def test_a_state_dict_of_many_small_tensors_arrives_exact_packed_into_one_messag
     packed, offsets, size = gloo._packing(specs)
     assert packed == [0, 1, 2, 3, 4] and offsets == [0, 64, 128, 192, 256] and size == 320
     assert gloo._packing([((4,), torch.float32), ((1 << 17,), torch.float32)]) == ([], [], 0)  # one alone: as it was
+
+
+def test_a_send_asked_for_in_an_earlier_creation_of_a_group_never_goes_out_in_the_next(tmp_path):
+    # Tags start again at 1 in a group made anew under its name (the documented recovery
+    # from a broken group): a request left by a fetch that ended before, served after it,
+    # sent its object at tag 1 of the new group, and the consumer's first fetch there
+    # took those bytes as its own, with no error. Two plain processes, no Ray.
+    import multiprocessing
+
+    import gloo_creations
+
+    ctx = multiprocessing.get_context("spawn")
+    a, b = ctx.Pipe()
+    (sent, sent_out), (got_in, got_out) = ctx.Pipe(), ctx.Pipe()
+    first, second = str(tmp_path / "first"), str(tmp_path / "second")
+    procs = [
+        ctx.Process(target=gloo_creations.producer, args=(a, first, second, sent_out)),
+        ctx.Process(target=gloo_creations.consumer, args=(b, first, second, got_out)),
+    ]
+    for p in procs:
+        p.start()
+    try:
+        assert got_in.poll(90), "the consumer's fetch did not end"
+        got = got_in.recv()
+        said = sent.recv() if sent.poll(30) else "no word from the producer"
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert got == [222.0, 222.0, 222.0], got  # the new object's own bytes, not the old request's
+    assert said.startswith("CollectiveGroupError: a send over group 'g' was asked for another creation of it"), said

@@ -118,7 +118,7 @@ def join(
     finally:
         with _joining_lock:
             _joining.pop(name, None)
-    groups.add(Group(name, backend, rank, size, pg, store, members=tuple(members)))
+    groups.add(Group(name, backend, rank, size, pg, store, members=tuple(members), creation=attempt))
 
 
 def leave(name: str, attempt: str | None = None) -> bool:
@@ -222,6 +222,7 @@ class GlooTransport(Transport[GlooMeta]):
         status = torch.zeros(1, dtype=torch.int64, device=_device(self))
         request: dict[str, Any] = {
             "group": group.name,
+            "creation": group.creation,
             "dst": group.rank,
             "tag": base,
             "specs": [(tuple(s.shape), s.dtype) for s in info.specs],
@@ -376,6 +377,11 @@ def checked_request(request: Any) -> tuple[Group, int, int, list[tuple[tuple[int
     if not isinstance(request, dict) or not isinstance(request.get("group"), str):
         raise TransferError(f"a gloo send was asked without a group: {str(request)[:100]!r}")
     group = groups.require(request["group"])
+    if request.get("creation") != group.creation:
+        raise CollectiveGroupError(
+            f"a send over group {group.name!r} was asked for another creation of it (a request left by a "
+            "fetch that ended before the group was made anew under its name): nothing was sent"
+        )
     dst: Any = request.get("dst")
     base: Any = request.get("tag")
     specs: Any = request.get("specs")

@@ -67,7 +67,7 @@ class Reader:
 
 
 def main() -> None:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=100 * MiB)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=100 * MiB)
     trainer, reader = Trainer.remote(), Reader.remote()
     out: dict = {}
     # 40 MiB: one slot fits, a second (the next version, while the first is the newest) does not

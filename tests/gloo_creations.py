@@ -1,0 +1,90 @@
+"""Two plain processes (no Ray) in a Gloo group that is destroyed and made anew under its
+name, for `test_gloo.py`: a send asked for in the first creation, served in the second."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rdt_async import _io
+from rdt_async._membership import Group, groups
+from rdt_async.transports._base import TensorSpec, TransferInfo
+from rdt_async.transports.gloo import GlooMeta, GlooTransport
+
+SHAPES = [(1000,), (7,), (5,)]
+
+
+def value(fill: float) -> list[torch.Tensor]:
+    return [torch.full(s, fill) for s in SHAPES]
+
+
+def _join(path: str, rank: int, creation: str) -> None:
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timedelta(seconds=15)
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    pg = dist.ProcessGroupGloo(dist.FileStore(path, 2), rank, 2, opts)
+    groups.add(Group("g", "gloo", rank, 2, pg, None, creation=creation))
+
+
+def producer(conn: Any, first: str, second: str, out: Any) -> None:
+    t = GlooTransport()
+    _join(first, 0, "one")
+    stale = conn.recv()  # the request of fetch 1 (object OLD), left unserved: a busy producer
+    conn.recv()
+    groups.leave("g")
+    _join(second, 0, "two")  # the group destroyed and made again under its name
+    conn.recv()
+    # The old request served at last, as `rdt__send` does: the group looked up by name.
+    old = _io.start(t.send_multiple_tensors("OLD", value(111.0), None, stale))
+    time.sleep(0.5)
+    conn.send("served")
+    request = conn.recv()  # fetch 2 (object NEW)
+    new = _io.start(t.send_multiple_tensors("NEW", value(222.0), None, request))
+    try:
+        old.result(timeout=5)
+        said = "sent"
+    except Exception as exc:
+        said = f"{type(exc).__name__}: {exc}"
+    out.send(said)
+    new.result(timeout=5)
+
+
+class _Channel:
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+
+    async def request_send(self, request: Any) -> Any:
+        self.conn.send(request)
+        await asyncio.sleep(3600)  # (the bytes are what counts here, not the reply)
+
+
+def _info(obj_id: str) -> TransferInfo[GlooMeta]:
+    return TransferInfo(obj_id, tuple(TensorSpec.of(x) for x in value(0.0)), GlooMeta("g", 0), producer_pid=0)
+
+
+def consumer(conn: Any, first: str, second: str, out: Any) -> None:
+    t = GlooTransport()
+    _join(first, 1, "one")
+
+    async def given_up() -> None:
+        task = asyncio.ensure_future(t.receive(_info("OLD"), None, _Channel(conn)))
+        await asyncio.sleep(0.5)
+        task.cancel()  # the caller's deadline: its own buffers, so it returns at once
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+
+    _io.start(given_up()).result()
+    conn.send("made anew")
+    groups.leave("g")
+    _join(second, 1, "two")
+    conn.send("go")
+    conn.recv()  # the old request was served
+    got = _io.start(asyncio.wait_for(t.receive(_info("NEW"), None, _Channel(conn)), 15)).result()
+    out.send([float(x[0]) for x in got])
