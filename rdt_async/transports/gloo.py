@@ -263,14 +263,16 @@ class GlooTransport(Transport[GlooMeta]):
                     )
                 raise ObjectFreedError(f"object {info.obj_id} was freed before it was fetched", obj_id=info.obj_id)
         except asyncio.CancelledError:
-            if waiting is not None and (
-                self.matches_in_order or (buffers is not None and any(d is b for d, b in zip(dsts, buffers)))
-            ):
+            if waiting is not None and self._writes_theirs(buffers, dsts):
                 # They write the caller's memory (not after we return), or (NCCL) the pair's
                 # next transfer would meet these receives: they complete first.
                 await _drain(group, waiting)
             raise
         except BaseException as exc:
+            if isinstance(exc, ObjectFreedError) and waiting is not None and self._writes_theirs(buffers, dsts):
+                # The producer's word (freed) can come before the zeros it sends to complete
+                # these receives: they land before the caller has its buffers back.
+                await _drain(group, waiting)
             if not clean and not isinstance(exc, (asyncio.CancelledError, ObjectFreedError)):
                 groups.mark_broken(group.name, f"a transfer failed: {type(exc).__name__}")
             raise
@@ -284,6 +286,11 @@ class GlooTransport(Transport[GlooMeta]):
         out = delivered(buffers, dsts)
         await _cuda.wait(_cuda.record(out))  # NCCL: copies into strided buffers ran on this thread's stream
         return out
+
+    def _writes_theirs(self, buffers: list[torch.Tensor] | None, dsts: list[torch.Tensor]) -> bool:
+        """Whether posted receives must end before a failed receive returns: they write the
+        caller's buffers, or (NCCL) the pair's next transfer would meet them."""
+        return self.matches_in_order or (buffers is not None and any(d is b for d, b in zip(dsts, buffers)))
 
     async def send_multiple_tensors(
         self, obj_id: str, tensors: Sequence[torch.Tensor], meta: Any, request: dict[str, Any]

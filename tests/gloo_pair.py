@@ -88,3 +88,44 @@ def consumer(conn: Any, first: str, second: str, out: Any) -> None:
     conn.recv()  # the old request was served
     got = _io.start(asyncio.wait_for(t.receive(_info("NEW"), None, _Channel(conn)), 15)).result()
     out.send([float(x[0]) for x in got])
+
+
+# -- a refusal whose word comes before its zeros ------------------------------------------
+
+BIG = (1 << 17,)  # 512 KiB: received alone, straight into the caller's buffer
+
+
+def producer_freed(conn: Any, path: str) -> None:
+    t = GlooTransport()
+    _join(path, 0, "one")
+    request = conn.recv()
+    time.sleep(0.5)  # the consumer heard "freed" already (a busy producer's zeros come late)
+    _io.start(t.refuse("GONE", request)).result(timeout=20)
+    conn.recv()
+
+
+class _Freed:
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+
+    async def request_send(self, request: Any) -> Any:
+        from rdt_async._errors import ObjectFreedError
+
+        self.conn.send(request)
+        raise ObjectFreedError("object GONE was freed before it was fetched", obj_id="GONE")
+
+
+def consumer_freed(conn: Any, path: str, out: Any) -> None:
+    t = GlooTransport()
+    _join(path, 1, "one")
+    into = [torch.full(BIG, -1.0)]
+    info = TransferInfo("GONE", (TensorSpec.of(into[0]),), GlooMeta("g", 0), producer_pid=0)
+    try:
+        _io.start(t.receive(info, into, _Freed(conn))).result(timeout=60)
+        said = "received"
+    except Exception as exc:
+        said = type(exc).__name__
+    when_it_ended = float(into[0][-1])
+    time.sleep(1.5)
+    conn.send("done")
+    out.send((said, when_it_ended, float(into[0][-1])))
