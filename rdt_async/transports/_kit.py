@@ -51,7 +51,7 @@ def sizes_digest(obj_id: str, sizes: Sequence[int]) -> int:
     it with a request (the sizes its ref's specs give), a producer that serves requests
     itself compares it with its own tensors' and refuses another (a ref altered to read
     more bytes than a tensor has, or fewer: a prefix). Cheap for thousands of tensors."""
-    what = obj_id.encode("utf-8", "surrogatepass") + np.asarray(sizes, dtype=np.int64).tobytes()
+    what = obj_id.encode("utf-8", "surrogatepass") + np.fromiter(sizes, dtype=np.int64, count=len(sizes)).tobytes()
     return int.from_bytes(hashlib.blake2b(what, digest_size=8).digest(), "little", signed=True)
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import mmap
 import os
 import re
@@ -222,7 +223,8 @@ def name_for(
     would return a prefix). The listing of /dev/shm shows names, not keys, and a name
     cannot be made from another object's id, size or key.
     """
-    what = f"{obj_id}\0{size}\0".encode("utf-8", "surrogatepass") + np.asarray(layout, dtype=np.int64).tobytes()
+    flat = np.fromiter(itertools.chain.from_iterable(layout), dtype=np.int64, count=2 * len(layout))
+    what = f"{obj_id}\0{size}\0".encode("utf-8", "surrogatepass") + flat.tobytes()
     digest = hashlib.blake2b(what, key=bytes.fromhex(key), digest_size=12)
     return f"{PREFIX}{os.getpid() if pid is None else pid}-{pid_namespace() if ns is None else ns}-{digest.hexdigest()}"
 
