@@ -922,6 +922,7 @@ class _Server:
         (EOF); then `lease` (the claim's hold, while it landed) is let go."""
         for conn, held in list(self.following.items()):
             self._drop(conn, held)
+        self.lease = None  # (who connected meanwhile gets EOF from `close`, not a memfd nobody will finish)
         self.close()
         if lease is not None:
             lease.release()

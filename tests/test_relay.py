@@ -542,6 +542,33 @@ async def test_a_cancel_as_the_first_read_ends_leaves_nothing_writing_its_into_b
     del other
 
 
+async def test_a_neighbour_that_asks_as_a_failed_claim_ends_reads_for_itself_at_once():
+    """A claim whose read failed ends (`_Server.end`) while a neighbour's connection waits
+    in its backlog: the neighbour was handed the half-landed memfd as a follower, and then
+    nobody told it anything more: it waited out its bound (30 s and more) before reading
+    for itself. It gets EOF at once."""
+    size = _relay._layout(SPECS)[1]
+    claim = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    claim.bind(b"\0rdt-test-claim-" + secrets.token_hex(8).encode())
+    claim.listen(8)
+    claim.setblocking(False)
+    server = _relay._Server(claim, _obj_id())
+    memfd = _relay.memfds.take(size, _src())
+    lease = _relay._Lease(memfd)
+    lease.hold()  # the claim's, while it lands
+    asker = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        server.landing(lease, size)  # (not started: the neighbour stays in the backlog)
+        asker.connect(claim.getsockname())
+        server.end(lease)  # the read failed
+        asker.settimeout(5)
+        msg, fds, _, _ = socket.recv_fds(asker, 1 << 16, 4)
+        assert (msg, fds) == (b"", []), "handed a memfd by a claim that had ended"
+    finally:
+        asker.close()
+    await _until(lambda: not _relay.counts.lent)  # the memfd went back: nobody holds it
+
+
 async def test_an_idle_memfd_is_closed_on_its_own(monkeypatch):
     monkeypatch.setenv("RDT_RELAY_KEEP_S", "0.1")
     monkeypatch.setenv("RDT_SHM_IDLE_S", "0.5")
