@@ -236,7 +236,8 @@ class Store:
         lends = False
         with self._lock:
             stored = self._objects.pop(obj_id, None)
-            unseen = self._unseen_objects.pop(obj_id, None) is not None  # nobody can wait on it
+            # One nobody has waited on yet stays unseen until its transports let go: a
+            # waiter that looks meanwhile holds it (`_see`) and waits for that too.
             self._remember_freed(obj_id)
             if stored is None:  # the last ref of an object freed explicitly: its lent bytes go now
                 lent = self._lent.pop(obj_id, None) if last_ref else None
@@ -249,7 +250,7 @@ class Store:
                 lends = not last_ref and any(_lends(t, m) for t, m in stored.prepared.items())
                 if lends:
                     self._lent[obj_id] = _spans_of(stored)
-                    if unseen:  # held from now on, for waiters to come
+                    if self._unseen_objects.pop(obj_id, None) is not None:  # held from now on, for waiters to come
                         self._hold(obj_id, self._lent[obj_id])
         if stored is None:
             _wake(ready)
@@ -260,9 +261,10 @@ class Store:
                 (transport.recycle if last_ref else transport.garbage_collect)(obj_id, meta)
             except Exception:  # never let one transport keep the others' resources
                 log.exception("rdt_async: %s could not release object %s", transport.name, obj_id)
-        if not lends and not unseen:
+        if not lends:
             with self._lock:  # after the transports let go: a waiter may write the tensors next
-                ready = self._release(obj_id, _spans_of(stored))
+                seen = self._unseen_objects.pop(obj_id, None) is None
+                ready = self._release(obj_id, _spans_of(stored)) if seen else []
             _wake(ready)
         return True
 

@@ -93,6 +93,38 @@ def test_an_object_kept_with_nobody_looking_works_out_its_bytes_only_when_a_wait
     assert not held(s, t) and not s._held
 
 
+def test_an_object_nobody_waited_on_stays_held_until_its_transports_let_go():
+    """Freed with nobody looking yet, an object was let go before its transports released
+    it (cuda_ipc and nixl clear their liveness slot there): a waiter arriving in between
+    returned, and its write could land under a consumer's read the slot had not yet
+    stopped."""
+    from rdt_async.transports._base import Transport
+
+    entered, go = threading.Event(), threading.Event()
+
+    class Releasing(Transport):  # its garbage_collect takes a while
+        name = "releasing"
+
+        async def receive(self, info, buffers, channel):
+            raise AssertionError("not fetched here")
+
+        def garbage_collect(self, obj_id, meta):
+            entered.set()
+            go.wait(10)
+
+    s, w = Store(), torch.zeros(1 << 10)
+    s.add("o", StoredObject([w], {Releasing(): None}))
+    freeing = threading.Thread(target=s.free, args=("o",))
+    freeing.start()
+    try:
+        assert entered.wait(10)
+        assert not s.wait_freed_blocking(w, 0.2)  # held while its transports let go
+    finally:
+        go.set()
+        freeing.join(10)
+    assert s.wait_freed_blocking(w, 5) and not s._held and not s._unseen_objects
+
+
 def test_waiters_wake_when_the_last_hold_goes_and_only_then():
     s, t = Store(), torch.zeros(4)
     s.add("a", StoredObject([t]))

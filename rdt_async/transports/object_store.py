@@ -2,11 +2,15 @@
 
 Two-sided: the consumer asks the producer (over the channel the core hands in, which
 is an actor call to the producer's `rdt` group) and the reply carries the bytes as
-NumPy arrays, which Ray moves out of band and without pickling tensor data.
+NumPy arrays, which Ray moves out of band and without pickling tensor data. The reply's
+arrays are copies made while the store holds the object: Ray serializes a reply after
+the call has returned and the hold has ended, when `wait_tensor_freed` may have let the
+producer write the tensors again.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
@@ -37,7 +41,7 @@ class ObjectStoreTransport(Transport[None]):
     async def send_multiple_tensors(
         self, obj_id: str, tensors: Sequence[torch.Tensor], meta: None, request: Any
     ) -> list[np.ndarray]:
-        return await _io.to_thread(to_wire, tensors)
+        return await _io.to_thread(functools.partial(to_wire, owned=True), tensors)
 
     async def receive(
         self, info: TransferInfo[None], buffers: list[torch.Tensor] | None, channel: Channel
@@ -47,12 +51,17 @@ class ObjectStoreTransport(Transport[None]):
         return await _io.to_thread_finished(_cuda.settled, from_wire, arrays, info.specs, buffers)
 
 
-def to_wire(tensors: Sequence[torch.Tensor]) -> list[np.ndarray]:
-    """Return each tensor's bytes as a flat uint8 array (bfloat16 and bool included)."""
+def to_wire(tensors: Sequence[torch.Tensor], *, owned: bool = False) -> list[np.ndarray]:
+    """Return each tensor's bytes as a flat uint8 array (bfloat16 and bool included);
+    `owned`: never a view of the tensor's memory (a copy where it would be one)."""
     out = []
     for t in tensors:
         flat = t.detach().to("cpu").contiguous().reshape(-1)
-        out.append(flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, np.uint8))
+        if not flat.numel():
+            out.append(np.empty(0, np.uint8))
+            continue
+        arr = flat.view(torch.uint8).numpy()
+        out.append(arr.copy() if owned and flat.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() else arr)
     return out
 
 

@@ -598,6 +598,22 @@ def test_a_nixl_read_handle_that_is_kept_is_never_released_by_the_garbage_collec
     assert agent.released == [0x53]
 
 
+async def test_an_object_store_reply_owns_its_bytes_before_the_store_lets_the_object_go():
+    # Ray serializes a method's reply after it returned, when the store no longer holds
+    # the object: a reply of views of the producer's tensors was read after
+    # `wait_tensor_freed` may have let the producer write them (the newer value, or a mix).
+    import numpy as np
+
+    from rdt_async.transports import object_store
+
+    plain = torch.arange(1 << 16, dtype=torch.float32)
+    strided = torch.arange(12, dtype=torch.int64).reshape(3, 4).t()
+    reply = await object_store.ObjectStoreTransport().send_multiple_tensors("obj", [plain, strided], None, None)
+    assert not any(np.shares_memory(a, t.numpy()) for a, t in zip(reply, [plain, strided]))
+    plain.add_(1)  # the producer writes its tensor again
+    assert torch.equal(torch.frombuffer(reply[0], dtype=torch.float32), torch.arange(1 << 16, dtype=torch.float32))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_cuda_ipc_refuses_clearly_without_cuda():
     reason = _registry.transport_class("cuda_ipc").unavailable_reason()
