@@ -605,9 +605,10 @@ class Subscription:
     way (a cancel, a deadline, a failure), those tensors hold a mix and `version` is None
     until the next step has landed the newest version whole. Without `into=`, on the
     producer's node the tensors are views of the producer's slot: keeping them keeps that
-    slot busy (in the publishing process itself: a copy). Bound any wait with `asyncio.timeout`. While it lives, its node keeps
-    memory warm for the next version (see the publishing docs): `close()` (or `async with
-    rdt.subscribe(...) as sub:`) lets go of that now rather than when it is collected.
+    slot busy (in the publishing process itself: a copy). Bound any wait with
+    `asyncio.timeout`. While it lives, its node keeps memory warm for the next version
+    (see the publishing docs): `close()` (or `async with rdt.subscribe(...) as sub:`) lets
+    go of that now rather than when it is collected.
 
     Runs on: consumer (any process with an event loop).
     """
@@ -988,7 +989,10 @@ def _own(obj: RDTObject | None, value: dict[str, torch.Tensor]) -> dict[str, tor
     if obj is None or not _object.is_local(obj):
         return value
     copies: dict[int, torch.Tensor] = {}
-    return {n: copies[id(t)] if id(t) in copies else copies.setdefault(id(t), t.clone()) for n, t in value.items()}
+    for t in value.values():
+        if id(t) not in copies:
+            copies[id(t)] = t.clone()
+    return {n: copies[id(t)] for n, t in value.items()}
 
 
 def _names_of(obj: RDTObject) -> list[str]:

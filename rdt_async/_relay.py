@@ -372,7 +372,7 @@ class _Copier:
             self.wake.set()
             await self.task
 
-        cancelled = await _io.shielded(asyncio.ensure_future(last()))
+        cancelled = await _io.shielded(last())
         if cancelled:
             raise asyncio.CancelledError
         if not self.task.cancelled():

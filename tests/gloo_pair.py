@@ -4,7 +4,10 @@ name, for `test_gloo.py`: a send asked for in the first creation, served in the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import multiprocessing
 import time
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -17,6 +20,29 @@ from rdt_async.transports._base import TensorSpec, TransferInfo
 from rdt_async.transports.gloo import GlooMeta, GlooTransport
 
 SHAPES = [(1000,), (7,), (5,)]
+
+
+@contextlib.contextmanager
+def running(producer: Callable[..., None], consumer: Callable[..., None], *args: Any) -> Iterator[tuple[Any, Any]]:
+    """Run `producer` and `consumer` in two spawned processes, joined by a pipe (each
+    one's first argument) and given `args` after it; yield a pipe from each (their last
+    argument: what they report). Both are ended after the block."""
+    ctx = multiprocessing.get_context("spawn")
+    a, b = ctx.Pipe()
+    (from_producer, producer_out), (from_consumer, consumer_out) = ctx.Pipe(), ctx.Pipe()
+    procs = [
+        ctx.Process(target=producer, args=(a, *args, producer_out)),
+        ctx.Process(target=consumer, args=(b, *args, consumer_out)),
+    ]
+    for p in procs:
+        p.start()
+    try:
+        yield from_producer, from_consumer
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
 
 
 def value(fill: float) -> list[torch.Tensor]:
@@ -95,7 +121,7 @@ def consumer(conn: Any, first: str, second: str, out: Any) -> None:
 BIG = (1 << 17,)  # 512 KiB: received alone, straight into the caller's buffer
 
 
-def producer_freed(conn: Any, path: str) -> None:
+def producer_freed(conn: Any, path: str, out: Any) -> None:
     t = GlooTransport()
     _join(path, 0, "one")
     request = conn.recv()

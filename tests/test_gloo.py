@@ -568,29 +568,14 @@ def test_a_send_asked_for_in_an_earlier_creation_of_a_group_never_goes_out_in_th
     # from a broken group): a request left by a fetch that ended before, served after it,
     # sent its object at tag 1 of the new group, and the consumer's first fetch there
     # took those bytes as its own, with no error. Two plain processes, no Ray.
-    import multiprocessing
-
     import gloo_pair
 
-    ctx = multiprocessing.get_context("spawn")
-    a, b = ctx.Pipe()
-    (sent, sent_out), (got_in, got_out) = ctx.Pipe(), ctx.Pipe()
-    first, second = str(tmp_path / "first"), str(tmp_path / "second")
-    procs = [
-        ctx.Process(target=gloo_pair.producer, args=(a, first, second, sent_out)),
-        ctx.Process(target=gloo_pair.consumer, args=(b, first, second, got_out)),
-    ]
-    for p in procs:
-        p.start()
-    try:
+    with gloo_pair.running(gloo_pair.producer, gloo_pair.consumer, str(tmp_path / "first"), str(tmp_path / "second")) as (
+        sent, got_in,
+    ):
         assert got_in.poll(90), "the consumer's fetch did not end"
         got = got_in.recv()
         said = sent.recv() if sent.poll(30) else "no word from the producer"
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
     assert got == [222.0, 222.0, 222.0], got  # the new object's own bytes, not the old request's
     assert said.startswith("CollectiveGroupError: a send over group 'g' was asked for another creation of it"), said
 
@@ -599,27 +584,10 @@ def test_a_freed_objects_refusal_lands_before_the_fetch_returns_never_after(tmp_
     # A producer that no longer holds the object answers "freed" and sends zeros to
     # complete the consumer's posted receives; the consumer raised at the answer, and the
     # zeros landed in its `into=` buffer afterwards, in the caller's hands by then.
-    import multiprocessing
-
     import gloo_pair
 
-    ctx = multiprocessing.get_context("spawn")
-    a, b = ctx.Pipe()
-    got_in, got_out = ctx.Pipe()
-    path = str(tmp_path / "group")
-    procs = [
-        ctx.Process(target=gloo_pair.producer_freed, args=(a, path)),
-        ctx.Process(target=gloo_pair.consumer_freed, args=(b, path, got_out)),
-    ]
-    for p in procs:
-        p.start()
-    try:
+    with gloo_pair.running(gloo_pair.producer_freed, gloo_pair.consumer_freed, str(tmp_path / "group")) as (_, got_in):
         assert got_in.poll(90), "the consumer's fetch did not end"
         said, when_it_ended, later = got_in.recv()
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
     assert said == "ObjectFreedError"
     assert when_it_ended == later, (when_it_ended, later)  # nothing wrote the buffer after the fetch ended

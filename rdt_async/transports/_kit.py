@@ -42,8 +42,7 @@ def digest(obj_id: str, exports: Sequence[Any]) -> int:
     descriptors, IPC handles): a producer keeps it beside the object's liveness token where
     consumers read it, and a consumer refuses a ref whose exports do not give it (altered to
     read other memory of the producer). `exports` must have a stable repr."""
-    what = repr((obj_id, tuple(exports))).encode("utf-8", "surrogatepass")
-    return int.from_bytes(hashlib.blake2b(what, digest_size=8).digest(), "little", signed=True)
+    return _int64(repr((obj_id, tuple(exports))).encode("utf-8", "surrogatepass"))
 
 
 def sizes_digest(obj_id: str, sizes: Sequence[int]) -> int:
@@ -51,7 +50,11 @@ def sizes_digest(obj_id: str, sizes: Sequence[int]) -> int:
     it with a request (the sizes its ref's specs give), a producer that serves requests
     itself compares it with its own tensors' and refuses another (a ref altered to read
     more bytes than a tensor has, or fewer: a prefix). Cheap for thousands of tensors."""
-    what = obj_id.encode("utf-8", "surrogatepass") + np.fromiter(sizes, dtype=np.int64, count=len(sizes)).tobytes()
+    return _int64(obj_id.encode("utf-8", "surrogatepass") + np.fromiter(sizes, dtype=np.int64, count=len(sizes)).tobytes())
+
+
+def _int64(what: bytes) -> int:
+    """A signed int64 hash of `what` (as a liveness slot's word holds it)."""
     return int.from_bytes(hashlib.blake2b(what, digest_size=8).digest(), "little", signed=True)
 
 
