@@ -38,7 +38,7 @@ import torch
 
 from . import _io, _tree
 from ._errors import few
-from ._store import _spans, store
+from ._store import extent, store
 from .transports._base import TensorSpec
 
 
@@ -365,12 +365,13 @@ def _empty(spec: TensorSpec) -> str:
 
 def _span(t: torch.Tensor) -> _Span | None:
     """The bytes `t` reaches, or None where it has none (no elements, no storage)."""
-    found = _spans([t])  # as the store reckons a hold's
-    if not found:
+    found = extent(t)  # as the store reckons a hold's
+    if found is None:
         return None
-    (device, base), start, end = found[0]
-    key = -1 if t.is_cpu else t.get_device() if t.is_cuda else str(device)
-    return (key, int(base) + start, int(base) + end)
+    storage, start, end = found
+    key = -1 if t.is_cpu else t.get_device() if t.is_cuda else str(t.device)
+    base = storage.data_ptr()
+    return (key, base + start, base + end)
 
 
 def overlap(a: _Span | None, b: _Span | None) -> bool:

@@ -29,25 +29,40 @@ if TYPE_CHECKING:
 log = logging.getLogger("rdt_async")
 
 
-# The bytes a tensor covers: its storage and a byte range in it. A storage is named twice:
-# by its address (two storages over the same memory) and by the storage itself (its
-# memory may move: `share_memory_()` moves a storage into shared memory).
+# The bytes a tensor covers: a place in memory and an absolute byte range there. Memory is
+# named twice: by its address, per device and per 4 MiB of addresses it touches (two storages
+# over the same memory that start at different addresses: `torch.from_numpy` of two slices of
+# one array, `frombuffer(offset=)`, DLPack), and by the storage itself, with the range in it
+# (its memory may move: `share_memory_()` moves a storage into shared memory).
 _Span = tuple[tuple[str, int], int, int]
+_CHUNK = 22  # log2 of the address range a hold is filed under: a 1 GiB tensor is 257 spans
+
+
+def extent(t: torch.Tensor) -> tuple[torch.UntypedStorage, int, int] | None:
+    """The storage `t` views and the byte range in it that `t` reaches, or None where `t`
+    has no bytes (no elements, no storage: meta, sparse)."""
+    if t.numel() == 0 or t.is_meta or t.layout != torch.strided:
+        return None
+    storage = t.untyped_storage()
+    size = t.element_size()
+    start = int(t.storage_offset()) * size
+    if t.is_contiguous():  # (a state dict's tensors: 200 of them per object, on every return)
+        return storage, start, start + t.numel() * size
+    # the furthest element a strided view reaches: a safe (over-)estimate of its bytes
+    return storage, start, start + (sum((int(n) - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0) + 1) * size
 
 
 def _spans(tensors: Sequence[torch.Tensor]) -> list[_Span]:
-    out = []
+    out: list[_Span] = []
     for t in tensors:
-        if t.numel() == 0 or t.is_meta or t.layout != torch.strided:
-            continue  # no bytes, or no storage (sparse): nothing to hold (refused at return anyway)
-        storage = t.untyped_storage()
-        size = t.element_size()
-        start = int(t.storage_offset()) * size
-        if t.is_contiguous():  # (a state dict's tensors: 200 of them per object, on every return)
-            end = start + t.numel() * size
-        else:  # the furthest element a strided view reaches: a safe (over-)estimate of its bytes
-            end = start + (sum((int(n) - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0) + 1) * size
-        out.append((("cpu" if t.is_cpu else str(t.device), storage.data_ptr()), start, end))
+        found = extent(t)
+        if found is None:
+            continue  # nothing to hold (and refused at return anyway)
+        storage, start, end = found
+        device = "cpu" if t.is_cpu else str(t.device)
+        base = storage.data_ptr()
+        first, last = base + start, base + end
+        out.extend(((device, chunk), first, last) for chunk in range(first >> _CHUNK, ((last - 1) >> _CHUNK) + 1))
         out.append((("storage", int(storage._cdata)), start, end))
     return out
 
@@ -86,7 +101,7 @@ class Store:
         self._lock = threading.Lock()
         self._objects: dict[str, StoredObject] = {}
         self._bytes = 0  # theirs, in all
-        # storage -> hold key -> byte ranges that hold keeps. A hold key is an object id,
+        # place (`_Span`'s) -> hold key -> byte ranges that hold keeps. A hold key is an object id,
         # or an int for a hold without one (an object being made, a read in progress).
         self._held: dict[tuple[str, int], dict[str | int, list[tuple[int, int]]]] = {}
         # Holds of objects being made whose bytes nobody has asked about yet (`holding`):

@@ -14,6 +14,7 @@ import re
 import threading
 import time
 
+import numpy
 import pytest
 import torch
 
@@ -36,6 +37,26 @@ def test_an_object_holds_its_bytes_under_any_view():
     assert not held(s, torch.zeros(100))
     s.free("a")
     assert not held(s, base)
+
+
+def test_storages_over_the_same_memory_at_other_addresses_hold_each_others_bytes():
+    # Two storages over one array, starting at different addresses (torch.from_numpy of
+    # slices; frombuffer(offset=), DLPack likewise): a hold on either covers the other.
+    array = numpy.zeros(3 << 20, dtype=numpy.float32)  # 12 MiB: spans cross 4 MiB chunks
+    whole, part = torch.from_numpy(array), torch.from_numpy(array[(1 << 20) + 5:(2 << 20) + 7])
+    assert whole.untyped_storage().data_ptr() != part.untyped_storage().data_ptr()
+    s = Store()
+    s.add("a", StoredObject([whole[-3:]]))  # the last 3 floats only
+    assert not held(s, part) and held(s, torch.from_numpy(array[-1:]))
+    s.free("a")
+    s.add("b", StoredObject([part]))
+    assert held(s, whole) and held(s, whole[(2 << 20) + 6:]) and held(s, torch.from_numpy(array[(1 << 20) + 5:][:1]))
+    assert not held(s, whole[(2 << 20) + 7:]) and not held(s, whole[:(1 << 20) + 5])
+    later = torch.frombuffer(memoryview(array).cast("B"), dtype=torch.uint8, offset=(2 << 22) - 4, count=8)
+    assert held(s, later)  # a uint8 view over the bytes around `part`'s 4 MiB boundary
+    assert s.holder([whole[:8], whole]) == (1, "b")
+    s.free("b")
+    assert not held(s, whole)
 
 
 def test_a_strided_view_holds_the_span_it_reaches():
