@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from ._errors import ObjectFreedError, PeerDiedError, TransferError, TransportUnavailableError
-from .transports._base import Unreachable
+from .transports._base import StillWriting, Unreachable
 
 log = logging.getLogger("rdt_async")
 
@@ -30,8 +30,8 @@ def unusable(exc: BaseException) -> str | None:
     """
     if isinstance(exc, TransportUnavailableError):
         return str(exc)
-    if isinstance(exc, (PeerDiedError, ObjectFreedError)) or not isinstance(exc, TransferError):
-        return None
+    if isinstance(exc, (PeerDiedError, ObjectFreedError, StillWriting)) or not isinstance(exc, TransferError):
+        return None  # (StillWriting: its into= buffers may change yet, so nothing lands in them again)
     cause: BaseException | None = exc
     while cause is not None:
         if isinstance(cause, Unreachable):

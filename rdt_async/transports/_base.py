@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Generic, Literal, Protocol, TypeVar
 import torch
 
 from .. import _io
-from .._errors import RDTError, TransferError, TransportUnavailableError
+from .._errors import RDTError, TransferAbortedError, TransferError, TransportUnavailableError
 
 M = TypeVar("M")
 GiB = 1 << 30
@@ -544,3 +544,12 @@ class Unreachable(ConnectionError):
     """
 
     says_its_cause = True  # its message repeats the native error: shown errors skip it (_errors.one_chain)
+
+
+class StillWriting(TransferAbortedError):
+    """Raised by `receive` where a transfer into the caller's buffers (`into=`) was cut off
+    and the transport cannot rule out that it writes them still (a read its library would
+    not end: nixl's READs whose producer is unreachable). The core neither reads again nor
+    falls back into those buffers: bytes landing late would change a value it had returned.
+    The message tells the caller to give the buffers up.
+    """

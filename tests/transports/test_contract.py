@@ -513,6 +513,33 @@ async def test_nixl_a_read_that_stalls_again_over_a_fresh_connection_fails_namin
 
 
 @pytest.mark.skipif("nixl" not in TRANSPORTS, reason="nixl not selected")
+async def test_nixl_a_read_into_caller_buffers_that_will_not_end_fails_at_once_naming_the_fix(monkeypatch, caplog):
+    # A READ NIXL leaves in progress after its connection is cut off may land later; where
+    # it lands in the caller's into= buffers, no READ may go into them again (the stall's
+    # second try did: it returned them, and the first READ could write them after) nor a
+    # fallback: the fetch fails at once, telling the caller to give them up.
+    from rdt_async.transports.nixl import _plan, _xfer
+
+    monkeypatch.setattr(_xfer, "STALL_S", 0.5)
+    monkeypatch.setattr(_xfer, "ABORT_GRACE_S", 0.5)
+    with own_producer("nixl") as p:
+        assert_same(await fetch(p, p.make(8, (8 << 20,))), expect(8, (8 << 20,)))  # connected
+        info = p.make(9, (8 << 20,))
+        buffers = [torch.zeros(s.shape, dtype=s.dtype, device=DEVICE) for s in info.specs]
+        kept = len(_plan._kept_for_nixl)
+        nx = _registry.transport("nixl").agent().nixl
+        with nixl_stalling(nx, until_removed=None) as (posted, removed):
+            with pytest.raises(rdt.TransferAbortedError, match=r"into= buffers could not be ended .*Give them up") as raised:
+                async with asyncio.timeout(30):
+                    await fetch(p, info, buffers)
+        assert type(raised.value).__name__ == "StillWriting" and unusable(raised.value) is None, raised.value
+        assert len(posted) == 1 and removed.count(info.meta.agent) == 1, (posted, removed)  # never read again
+        assert len(_plan._kept_for_nixl) == kept + 1 and "into= buffers, which NIXL may still write" in caplog.text
+        plain = p.make(10, (8 << 20,))  # a fetch into memory of its own is read as before
+        assert_same(await fetch(p, plain), expect(10, (8 << 20,)))
+
+
+@pytest.mark.skipif("nixl" not in TRANSPORTS, reason="nixl not selected")
 async def test_nixl_a_read_broken_on_an_old_connection_leaves_the_new_one_alone():
     # Reads that broke on one connection each drop it; the first may have connected
     # anew already, and a later one must not drop that fresh connection.

@@ -56,6 +56,7 @@ class ReadPlan:
         """Plan the READs of `info` (with `tensors=False`, of its liveness slot alone);
         `same_host`: the producer runs on this node."""
         self.info = info
+        self._into = buffers is not None  # (its contiguous buffers are READ into directly)
         self._same_host = same_host
         self._scratch, self._memory = scratch, memory
         self.out: list[torch.Tensor] = []
@@ -81,6 +82,8 @@ class ReadPlan:
         )
         self._keys: list[Key] = []
         self._held_by_nixl = False
+        # A READ NIXL would not end lands in the caller's own buffers (`into=`): they may change yet.
+        self.writes_caller = False
 
     @property
     def in_scratch(self) -> bool:
@@ -147,10 +150,13 @@ class ReadPlan:
         NIXL may still write its memory, so `release` gives none of it back (a leak, never a late write
         into memory used again)."""
         self._held_by_nixl = True
+        self.writes_caller = self._into and any(land is d for (d, _), land in zip(self._pairs, self._lands))
         _kept_for_nixl.append((self._lands, self.out, self._lslot))  # their storages outlive every reference
         _log.warning(
             "rdt_async: a nixl READ of object %s, cancelled or stalled, could not be ended (its producer unreachable): "
-            "the memory it lands in stays registered and is never reused", self.info.obj_id
+            "the memory it lands in stays registered and is never reused%s", self.info.obj_id,
+            " by rdt_async; it lands in the fetch's into= buffers, which NIXL may still write: give them up"
+            if self.writes_caller else "",
         )
 
     def release(self) -> None:

@@ -34,7 +34,7 @@ from ..._errors import (
 )
 from ..._local import copy_into, pid_alive
 from .. import _ucx
-from .._base import Channel, Cost, TransferInfo, Transport, Unreachable, WarmAt
+from .._base import Channel, Cost, StillWriting, TransferInfo, Transport, Unreachable, WarmAt
 from ._agent import Agent, import_reason
 from ._check import check
 from ._liveness import Slots
@@ -248,8 +248,8 @@ class NixlTransport(Transport[NixlMeta]):
                 remote = await here.peers.connect(meta, info.producer_node)
                 epoch = here.peers.epoch(meta.agent)
                 return await self._read_object(here, remote, info, buffers, functools.partial(here.peers.forget, meta.agent, epoch))
-            except asyncio.CancelledError:
-                raise
+            except (asyncio.CancelledError, StillWriting):
+                raise  # (StillWriting: its buffers may change yet, so no READ lands in them again)
             except BaseException as exc:
                 # A READ of another object that stalled, or was cancelled and would not end,
                 # cuts off the connection this one used too: its READ then ends in an error.
@@ -286,6 +286,15 @@ class NixlTransport(Transport[NixlMeta]):
             # outside any stream. (Caller buffers were waited for on the caller's streams.)
             await _cuda.wait(_cuda.record(plan.out))
             return await plan.read(here.agent, remote, disconnect)
+        except Exception as exc:
+            if plan.writes_caller:
+                raise StillWriting(
+                    f"nixl READ of object {info.obj_id} into the into= buffers could not be ended (its producer "
+                    f"{info.meta.agent} unreachable): NIXL may still write those buffers, now or later. Give them "
+                    "up (they stay registered with NIXL for this process's life) and fetch again into new "
+                    "buffers, or without into="
+                ) from exc
+            raise
         finally:
             plan.release()
 
