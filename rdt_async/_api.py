@@ -18,7 +18,7 @@ import torch
 
 from . import _io, _object, _produce, _ray, _registered, _relay
 from ._errors import RDTError, one_chain, release_frames, translating
-from ._fetch import CALLER, fetch_now, fetch_object, user_line
+from ._fetch import CALLER, abandon, fetch_now, fetch_object, user_line
 from ._fetched import fetched
 from ._object import RDTObject
 from ._store import store
@@ -283,7 +283,8 @@ def _get(x: Any, timeout: float | None, device: str | torch.device | None, into:
             raise  # the fetch's own
         raise TimeoutError(f"rdt.get() timed out after {timeout} s; the transfer was aborted") from exc
     finally:
-        del started  # its future holds the error, whose traceback holds this frame: break the cycle
+        abandon(value)  # (a fetch that never began holds its claim on `into` otherwise: for good)
+        del started, value  # its future holds the error, whose traceback holds this frame: break the cycle
 
 
 def put(value: Any, /, *, tensor_transport: str = "auto") -> Any:

@@ -53,10 +53,11 @@ Copies = list[tuple[torch.Tensor, int]]
 
 def _checked(
     specs: Sequence[TensorSpec], into: Any, skeleton: Any = None
-) -> tuple[list[torch.Tensor] | None, list[tuple[_Span, int]], Copies]:
+) -> tuple[list[torch.Tensor] | None, list[tuple[_Span, int]], Copies, list[int]]:
     """Return the tensors to write for `into=` (None without it), each checked against
-    `specs`; the bytes each reaches (with its place in `into=`, in order); and the
-    buffers that receive a copy once those are written.
+    `specs`; the bytes each reaches (with its place in `into=`, in order); the buffers
+    that receive a copy once those are written; and the place in `into=` of each
+    buffer, then of each of those.
 
     `into=` gives a buffer per tensor of the object, in order; or, where the object's
     value holds a tensor under two names (tied weights, moved once: `skeleton` says
@@ -68,7 +69,7 @@ def _checked(
     is wrong with it and the fix.
     """
     if into is None:
-        return None, [], []
+        return None, [], [], []
     if isinstance(into, Iterator):  # model.parameters(): flattening would see one opaque leaf
         raise TypeError(
             f"into= is an iterator ({type(into).__name__}), which rdt_async cannot look into without "
@@ -97,7 +98,7 @@ def _checked(
         return f"tensor {place}" if where in ("", f"[{place}]") else f"tensor {place} (into{where})"
 
     spans = [_check(p, bufs[p], s, maps, k, name) for k, (p, s) in enumerate(zip(places, specs))]
-    checked_at = list(places)  # the place in `into=` of each span's buffer
+    checked_at = list(places)  # the place in `into=` of each span's buffer (the buffers', then the copies')
     copies: Copies = []
     for place in extra:
         k = order[place]
@@ -106,7 +107,7 @@ def _checked(
         spans.append(_check(place, bufs[place], specs[k], maps, k, name))
         checked_at.append(place)
         copies.append((_writer(bufs[place]), k))
-    return [_writer(bufs[p]) for p in places], _check_disjoint(spans, checked_at, name), copies
+    return [_writer(bufs[p]) for p in places], _check_disjoint(spans, checked_at, name), copies, checked_at
 
 
 def checked_writes(
@@ -115,8 +116,16 @@ def checked_writes(
     """`_checked`'s buffers, and what the fetch writes: the bytes they reach, to claim
     before it writes them, and the copies to make once they are written (None without
     `into=`, or where they reach no byte)."""
-    buffers, ordered, copies = _checked(specs, into, skeleton)
-    return buffers, Writes(ordered, copies) if ordered else None
+    buffers, ordered, copies, places = _checked(specs, into, skeleton)
+    return buffers, Writes(ordered, copies, places) if ordered else None
+
+
+def every(buffers: list[torch.Tensor], writes: Writes | None) -> tuple[list[torch.Tensor], list[int] | None]:
+    """Every buffer a fetch writes: `buffers`, then those that receive a copy of a tensor
+    under a second name (`Writes.copies`); and each one's place in `into=`."""
+    if writes is None:
+        return buffers, None
+    return [*buffers, *(b for b, _ in writes.copies)], writes.places
 
 
 class Writes:
@@ -129,11 +138,12 @@ class Writes:
     still being cancelled; two loads of one model gathered).
     """
 
-    __slots__ = ("__weakref__", "_release", "copies", "hi", "lo", "ordered")
+    __slots__ = ("__weakref__", "_release", "copies", "hi", "lo", "ordered", "places")
 
-    def __init__(self, ordered: list[tuple[_Span, int]], copies: Copies) -> None:
+    def __init__(self, ordered: list[tuple[_Span, int]], copies: Copies, places: list[int]) -> None:
         self.ordered = ordered
         self.copies = copies  # a tensor under two names, into buffers of their own: copied once written
+        self.places = places  # in `into=`, of each buffer, then of each copy's
         self.lo, self.hi = min(s[1] for s, _ in ordered), max(s[2] for s, _ in ordered)
         self._release: weakref.finalize[Any, Any] | None = None
 
@@ -248,31 +258,34 @@ def check_unheld(buffers: Sequence[torch.Tensor], places: Sequence[int] | None =
     )
 
 
-def check_apart(buffers: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> None:
-    """Refuse buffers that share memory with the tensors of a same-process object they receive.
+def check_apart(buffers: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor], writes: Writes | None = None) -> None:
+    """Refuse buffers that share memory with the tensors of a same-process object they
+    receive (`writes`: also those that receive a copy of a tensor's second name).
 
     A buffer that is its own tensor (same memory, same layout) is fine: the copy changes
     nothing. Any other overlap would overwrite a source before it is read; and the others
     must not share memory with another object this process keeps (`check_unheld`).
     Raises: ValueError.
     """
+    every_buffer, places = every(list(buffers), writes)
+    sources = [*range(len(buffers)), *(k for _, k in (writes.copies if writes is not None else ()))]
     theirs = [_span(t) for t in tensors]
     index = _Reach(theirs)
     others = []
-    for i, b in enumerate(buffers):
+    for i, (b, k) in enumerate(zip(every_buffer, sources)):
         span = _span(b)
-        own = span == theirs[i] and b.stride() == tensors[i].stride()
+        own = span == theirs[k] and b.stride() == tensors[k].stride()
         if not own:
             others.append(i)
         for j in index.sharing(span):
-            if i == j and own:
+            if k == j and own:
                 continue
             raise ValueError(
-                f"into= tensor {i} shares memory with tensor {j} of the object it receives, which this "
-                "process produced: receive into a buffer of its own (e.g. torch.empty_like(t)), or use the "
-                "fetched value itself"
+                f"into= tensor {i if places is None else places[i]} shares memory with tensor {j} of the object "
+                "it receives, which this process produced: receive into a buffer of its own (e.g. "
+                "torch.empty_like(t)), or use the fetched value itself"
             )
-    check_unheld([buffers[i] for i in others], others)
+    check_unheld([every_buffer[i] for i in others], [i if places is None else places[i] for i in others])
 
 
 # (device, first byte's address, one past the last byte's address), or None: no bytes.

@@ -16,6 +16,7 @@ import sys
 import time
 import types
 import warnings
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -39,7 +40,7 @@ from ._local import copy_into
 from ._object import RDTObject
 from ._store import log, shared_with_producer, store
 from .transports import _registry
-from .transports._base import FetchRequest, TransferInfo, Transport
+from .transports._base import FetchRequest, TensorSpec, TransferInfo, Transport
 
 
 def _relayed(obj: RDTObject, transport: str, buffers: list[torch.Tensor] | None) -> bool:
@@ -89,11 +90,10 @@ async def fetch_object(
                     source=_relay.source_of(obj.producer.node_id, obj.producer.pid), buffers=buffers,
                 )
                 name = "relay" if relayed else used[0]
-                if buffers is not None and not _landed(tensors, buffers):
-                    tensors = await _copy(buffers, tensors, obj.nbytes)  # (the mapping goes with `tensors`)
             else:
                 tensors, name = await _fetch_over(obj, transport, info, buffers, asked=tensor_transport)
-            buffers = None  # written
+            if buffers is not None and _landed(tensors, buffers):
+                buffers = None  # written (a transport that handed back tensors of its own: copied below)
         if buffers:
             tensors = await _copy(buffers, tensors, obj.nbytes)
         elif device is not None:
@@ -108,10 +108,22 @@ async def fetch_object(
         del exc  # (a cycle through this frame otherwise: see _api._all_or_none)
         raise
     finally:
-        if writes is not None:
+        if isinstance(start, _Done):
+            start.release()  # (its writes, and its hold on a same-process object's tensors)
+        elif writes is not None:
             writes.release()
     _record(obj, name, began)
     return _tree.unflatten(obj.skeleton, tensors)
+
+
+def abandon(start: Any) -> None:
+    """Let go of what `fetch_now` left (`start`) where `fetch_object` never ran it (a
+    `rdt.get` timed out or interrupted before the fetch began): the claim on its `into=`
+    buffers (another fetch into them waited for good) and its hold."""
+    if isinstance(start, _Done):
+        start.release()
+    elif isinstance(start, tuple) and start[4] is not None:
+        start[4].release()
 
 
 async def _started(obj: RDTObject, into: Any, device: Any, asked: str | None) -> _Start:
@@ -142,8 +154,11 @@ def _info(obj: RDTObject, meta: Any) -> TransferInfo[Any]:
 
 
 def _landed(tensors: list[torch.Tensor], buffers: list[torch.Tensor]) -> bool:
-    """Whether `tensors` are the caller's `buffers` (the read landed there), not views of a memfd."""
-    return all(t.data_ptr() == b.data_ptr() for t, b in zip(tensors, buffers))
+    """Whether `tensors` are the caller's `buffers` (the read landed there), not views of a
+    memfd or tensors a transport made of its own."""
+    return len(tensors) == len(buffers) and all(
+        t.data_ptr() == b.data_ptr() or b.numel() == 0 for t, b in zip(tensors, buffers)
+    )
 
 
 async def _fetch_over(
@@ -179,7 +194,8 @@ async def _fetch_over(
             avoided.note(obj.producer, transport.name, exc, why, address_of(type(transport), info.meta))
             fell_back.append((transport.name, why))
             without = frozenset(t for t, _ in fell_back)
-            name, meta = choose_transport(obj, _ray.node_id(), without=without, fell_back=tuple(fell_back))
+            auto = obj if obj.transport == _registry.AUTO else dataclasses.replace(obj, transport=_registry.AUTO)
+            name, meta = choose_transport(auto, _ray.node_id(), without=without, fell_back=tuple(fell_back))
             if name in without:
                 raise
             transport = _registry.transport(name)
@@ -309,20 +325,30 @@ def fetch_now(obj: RDTObject, *, device: Any, into: Any, tensor_transport: str |
         if writes is not None:  # a tensor under two names, into two buffers
             copy_into(*writes.tied(tensors))
     finally:
-        if writes is not None:
-            writes.release()
+        start.release()
     _record(obj, start.transport, began)
     return True, _tree.unflatten(obj.skeleton, tensors)
 
 
 @dataclasses.dataclass
 class _Done:
-    """A fetch whose tensors were had at once: `buffers` are still to be filled."""
+    """A fetch whose tensors were had at once: `buffers` are still to be filled. `hold`:
+    the store's hold on a same-process object's tensors until they are copied (a free
+    meanwhile makes `wait_tensor_freed` wait for the copy); let go by `release`, or
+    once the start is dropped."""
 
     tensors: list[torch.Tensor]
     buffers: list[torch.Tensor] | None
     transport: str
     writes: _buffers.Writes | None = None
+    hold: Any = None
+
+    def release(self) -> None:
+        """Let go of the buffers' claim and the hold (idempotent)."""
+        if self.writes is not None:
+            self.writes.release()
+        if self.hold is not None:
+            self.hold()
 
 
 # What `_start` leaves: tensors had at once, or the transport, info and buffers to transfer
@@ -356,12 +382,16 @@ def _begin(
         return _Done([], None, "none")
     if _object.is_local(obj):
         tensors = _object.resolve_local(obj)
+        _check_local(obj, tensors)
         if buffers is not None:
-            _buffers.check_apart(buffers, tensors)
+            _buffers.check_apart(buffers, tensors, writes)
         _warn_local(obj.obj_id)
-        return _Done(tensors, buffers, "local", writes)
+        done = _Done(tensors, buffers, "local", writes)
+        if buffers is not None or device is not None:  # read later, by a copy
+            done.hold = weakref.finalize(done, store.hold(tensors))
+        return done
     if buffers is not None:
-        _buffers.check_unheld(buffers)
+        _buffers.check_unheld(*_buffers.every(buffers, writes))
     _ray.hand_node_ip()  # before a transport first connects (UCX keeps to this address's interface)
     name, meta = choose_transport(obj, _ray.node_id()) if asked is None else asked_transport(obj, asked, _ray.node_id())
     transport = _registry.transport(name)
@@ -380,11 +410,30 @@ def _begin(
                 raise _died(obj, name, exc) from exc  # one-sided reads on this node (shm)
             raise
         if now is not None:
+            if buffers is not None and not _landed(now, buffers):
+                return _Done(now, buffers, name, writes)  # a transport's own tensors: copied by the caller
             if writes is not None:
                 copy_into(*writes.tied(now))  # (a tensor under two names, into two buffers)
                 writes.release()  # written (where into= was given): nothing writes them any more
             return _Done(now, None, name)
     return transport, info, buffers, ready, writes
+
+
+def _check_local(obj: RDTObject, tensors: list[torch.Tensor]) -> None:
+    """Refuse a ref naming an object of this process with specs other than its tensors'
+    (the ref came from elsewhere: a copy into `into=` would broadcast and convert).
+    Raises: TransferError naming the first that differs."""
+    if len(tensors) != len(obj.specs):
+        raise TransferError(
+            f"the ref names object {obj.obj_id}, which this process produced, with {len(obj.specs)} "
+            f"tensor(s); it has {len(tensors)}: the ref was altered"
+        )
+    for k, (t, spec) in enumerate(zip(tensors, obj.specs)):
+        if TensorSpec.of(t) != spec:
+            raise TransferError(
+                f"the ref names object {obj.obj_id}, which this process produced, and says its tensor {k} is "
+                f"{spec}; it is {TensorSpec.of(t)}: the ref was altered"
+            )
 
 
 def _check_device(device: torch.device) -> None:

@@ -175,6 +175,12 @@ class Store:
         """
         return _Holding(self, tensors)
 
+    def hold(self, tensors: Sequence[torch.Tensor]) -> Callable[[], None]:
+        """Hold `tensors` (as `holding` does) until the function returned is called, once."""
+        holding = _Holding(self, tensors)
+        holding.__enter__()
+        return functools.partial(holding.__exit__, None, None, None)
+
     def _unhold(self, key: int) -> None:
         with self._lock:
             if self._unseen.pop(key, None) is not None:

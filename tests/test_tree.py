@@ -110,10 +110,10 @@ def test_into_takes_a_buffer_per_name_of_a_tied_tensor_and_copies_into_a_second_
     specs = [TensorSpec.of(t) for t in tensors]
     tied_model = {"emb": torch.zeros(3, 4), "mid": torch.zeros(2)}
     tied_model["head"] = tied_model["emb"]
-    buffers, ordered, copies = _buffers._checked(specs, tied_model, skeleton)
+    buffers, ordered, copies, _ = _buffers._checked(specs, tied_model, skeleton)
     assert [b.data_ptr() for b in buffers] == [tied_model["emb"].data_ptr(), tied_model["mid"].data_ptr()] and copies == []
     untied = {"emb": torch.zeros(3, 4), "mid": torch.zeros(2), "head": torch.zeros(3, 4)}
-    buffers, ordered, copies = _buffers._checked(specs, untied, skeleton)
+    buffers, ordered, copies, _ = _buffers._checked(specs, untied, skeleton)
     assert [(b.data_ptr(), k) for b, k in copies] == [(untied["head"].data_ptr(), 0)] and len(ordered) == 3
     assert len(_buffers._checked(specs, [untied["emb"], untied["mid"]], skeleton)[0]) == 2  # a buffer per tensor
     with pytest.raises(ValueError, match=r"into= holds 4 tensor\(s\) but the object has 2"):

@@ -1,0 +1,192 @@
+"""The fetch pipeline's own checks and bookkeeping, without a cluster: refs of this process
+and of another (a process that does not exist), fetched through `rdt.fetch` and `rdt.get`
+over transports of these tests. What a transport moves is tested by the contract suite.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import secrets
+import time
+
+import pytest
+import torch
+
+import rdt_async as rdt
+from rdt_async import _avoid, _buffers, _choose, _io, _object, _ray, _tree
+from rdt_async._object import Process, RDTObject
+from rdt_async._store import StoredObject, store
+from rdt_async.transports._base import Cost, TensorSpec, Transport
+
+NODE = "c" * 56
+
+
+@pytest.fixture(autouse=True)
+def no_ray(monkeypatch):
+    """The few facts a fetch asks of Ray, answered here: this node, nobody died."""
+
+    async def alive(producer, **_):
+        return False
+
+    monkeypatch.setattr(_ray, "node_id", lambda: NODE)
+    monkeypatch.setattr(_ray, "hand_node_ip", lambda: None)
+    monkeypatch.setattr(_ray, "producer_died", alive)
+    monkeypatch.setattr(_ray, "died_on_this_node", lambda producer: False)
+    monkeypatch.setattr(_avoid, "avoided", _avoid.Avoided())
+    monkeypatch.setattr(_choose, "avoided", _avoid.avoided)
+
+
+def made(value, transport: str, *, here: bool = False, meta=None):
+    """A ref to `value`: of this process (`here`: kept in its store), else of another."""
+    skeleton, tensors = _tree.flatten(value, tied=True)
+    token = _object._token_for(os.getpid()) if here else "1:elsewhere"
+    obj = RDTObject(
+        secrets.token_hex(12), Process(NODE, token), transport, tuple(TensorSpec.of(t) for t in tensors),
+        skeleton, meta if meta is not None else {transport: None}, {}, "anchor" if here else None,
+    )
+    if here:
+        store.add(obj.obj_id, StoredObject(list(tensors)))
+    return obj
+
+
+class _Fills(Transport):
+    """Writes `FILL` into the caller's buffers (its own tensors without them), after `DELAY` s."""
+
+    devices = ("cpu",)
+    FILL, DELAY = 5.0, 0.0
+
+    async def receive(self, info, buffers, channel):
+        await asyncio.sleep(self.DELAY)
+        out = buffers or [torch.empty(s.shape, dtype=s.dtype) for s in info.specs]
+        for b in out:
+            b.fill_(self.FILL)
+        return out
+
+
+class Slow(_Fills):
+    DELAY = 0.05
+
+
+class Unreachable(_Fills):
+    auto_costs = {"cpu/node": Cost(1e-6, 100.0), "cpu/hosts": Cost(1e-6, 100.0)}  # auto's first choice
+
+    async def receive(self, info, buffers, channel):
+        raise rdt.TransportUnavailableError("no room here for this test's transport", obj_id=info.obj_id)
+
+
+class Next(_Fills):
+    auto_costs = {"cpu/node": Cost(1e-3, 1.0), "cpu/hosts": Cost(1e-3, 1.0)}
+    FILL = 9.0
+
+
+class OwnTensors(_Fills):
+    """Hands back tensors of its own, its buffers untouched (against the contract)."""
+
+    FILL = 3.0
+
+    async def receive(self, info, buffers, channel):
+        return [torch.full(s.shape, self.FILL, dtype=s.dtype) for s in info.specs]
+
+
+for _cls, _name in [(Slow, "core-slow"), (Unreachable, "core-unreachable"), (Next, "core-next"), (OwnTensors, "core-own")]:
+    rdt.register_transport(_name, ["cpu"], _cls)
+
+
+def test_a_second_name_of_a_tied_tensor_is_not_received_into_memory_this_process_keeps():
+    # The buffer of a tied tensor's second name gets a copy: it was checked against
+    # neither the objects this process keeps nor (same process) the object's own tensors.
+    kept = torch.arange(4.0)
+    keeper = made([kept], "core-slow", here=True)
+    w = torch.zeros(4)
+    remote = made({"a": w, "b": w}, "core-slow")
+    with pytest.raises(ValueError, match=r"into= tensor 1 shares memory with object [0-9a-f]{24}, which this process produced"):
+        rdt.get(remote, into={"a": torch.zeros(4), "b": kept})
+    w, v = torch.full((4,), 1.0), torch.full((4,), 2.0)
+    local = made({"a": w, "b": w, "c": v}, "core-slow", here=True)
+    with pytest.raises(ValueError, match="into= tensor 1 shares memory with tensor 1 of the object it receives"):
+        rdt.get(local, into={"a": torch.zeros(4), "b": v, "c": torch.zeros(4)})
+    assert v.tolist() == [2.0] * 4 and kept.tolist() == [0.0, 1.0, 2.0, 3.0]  # neither written
+    got = rdt.get(local, into={"a": torch.zeros(4), "b": torch.zeros(4), "c": torch.zeros(4)})
+    assert [got[k].tolist() for k in "abc"] == [[1.0] * 4, [1.0] * 4, [2.0] * 4]
+    for obj in (keeper, local):
+        store.free(obj.obj_id)
+
+
+async def test_a_same_process_fetch_holds_what_it_has_yet_to_copy_through_a_free():
+    # A fetch into buffers another fetch still writes waits for them; meanwhile the producer
+    # frees the object and waits for its tensor to be free before writing it in place:
+    # wait_tensor_freed returned at once and the fetch copied the new value.
+    x = torch.full((1 << 16,), 1.0)
+    obj = made([x], "core-slow", here=True)
+    buf = torch.zeros(1 << 16)
+    other = _buffers.checked_writes(obj.specs, [buf])[1]
+    assert other is not None and other.claim_nowait()  # another fetch into buf, under way
+    fetching = asyncio.ensure_future(rdt.fetch(obj, into=[buf]))
+    await asyncio.sleep(0.05)
+    assert not fetching.done()
+    rdt.free(obj)
+    waiting = asyncio.ensure_future(rdt.wait_tensor_freed(x))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()  # the fetch has yet to read x
+    other.release()
+    got = await asyncio.wait_for(fetching, 5)
+    await asyncio.wait_for(waiting, 5)
+    assert got[0] is buf and buf.eq(1.0).all()
+    assert not store.held(x)
+
+
+def test_a_get_that_times_out_before_its_fetch_begins_leaves_its_buffers_to_the_next():
+    obj = made([torch.zeros(4)], "core-slow")
+    buf = torch.zeros(4)
+    _io.io_loop().call_soon_threadsafe(time.sleep, 0.2)  # busy: the fetch is given up before it begins
+    try:
+        rdt.get(obj, into=[buf], timeout=0)
+    except TimeoutError as exc:
+        kept = exc  # (a caller that keeps the error keeps its traceback's frames)
+    began = time.monotonic()
+    assert rdt.get(obj, into=[buf], timeout=10)[0] is buf
+    assert time.monotonic() - began < 5 and buf.eq(Slow.FILL).all(), time.monotonic() - began
+    del kept
+    gc.collect()
+
+
+def test_a_ref_naming_an_object_of_this_process_with_other_specs_is_refused():
+    w = torch.full((3,), 7, dtype=torch.int64)
+    obj = made({"w": w}, "core-slow", here=True)
+    altered = RDTObject(
+        obj.obj_id, obj.producer, obj.transport, (TensorSpec((1000,), torch.float32, "cpu", 4000),),
+        obj.skeleton, obj.meta, {}, obj.anchor,
+    )
+    buf = torch.zeros(1000)
+    with pytest.raises(rdt.TransferError, match=r"says its tensor 0 is float32\[1000\]@cpu; it is int64\[3\]@cpu: the ref was altered"):
+        rdt.get(altered, into={"w": buf})
+    with pytest.raises(rdt.TransferError, match="the ref was altered"):
+        rdt.get(altered)
+    assert buf.eq(0).all()
+    assert rdt.get(obj)["w"] is w
+    store.free(obj.obj_id)
+
+
+def test_a_transport_that_hands_back_tensors_of_its_own_still_fills_into():
+    obj = made([torch.zeros(4), torch.zeros(2, dtype=torch.int64)], "core-own")
+    bufs = [torch.zeros(4), torch.zeros(2, dtype=torch.int64)]
+    got = rdt.get(obj, into=bufs)
+    assert got[0] is bufs[0] and got[1] is bufs[1]
+    assert bufs[0].eq(3.0).all() and bufs[1].eq(3).all()
+    got = asyncio.run(rdt.fetch(obj, into=bufs))
+    assert got[0] is bufs[0] and bufs[1].eq(3).all()
+
+
+def test_auto_asked_by_the_consumer_falls_back_as_auto_chosen_by_the_producer_does():
+    meta = {"core-unreachable": None, "core-next": None}
+    chosen_by_producer = made([torch.zeros(4)], "auto", meta=meta)
+    assert rdt.get(chosen_by_producer, timeout=10)[0].eq(Next.FILL).all()
+    _avoid.avoided._until.clear()
+    named_by_producer = made([torch.zeros(4)], "core-unreachable", meta=meta)
+    with pytest.raises(rdt.TransportUnavailableError, match="no room here"):
+        rdt.get(named_by_producer, timeout=10)  # named: fails
+    got = rdt.get(named_by_producer, timeout=10, tensor_transport="auto")
+    assert got[0].eq(Next.FILL).all()
+    assert rdt.store_stats()["auto"][-1]["fell_back"][0]["transport"] == "core-unreachable"
