@@ -79,15 +79,17 @@ def _checked(
     if not bufs and specs:
         raise TypeError(f"into= holds no tensor ({type(into).__name__} {into_skeleton!r}); pass the tensors to receive into")
     places = list(range(len(bufs)))  # of each tensor of the object, its buffer's place in `into=`
-    extra: list[int] = []  # places of buffers for a tensor's second name
-    if len(bufs) != len(specs):
-        order = _tree.slot_order(skeleton) if skeleton is not None and len(bufs) > len(specs) else []
+    extra: list[tuple[int, int]] = []  # (place, tensor) of buffers for a tensor's second name
+    at = _by_name(into, skeleton, len(bufs)) if skeleton is not None and len(bufs) > 1 else None
+    if len(bufs) != len(specs) or at is not None:
+        order = _tree.slot_order(skeleton) if skeleton is not None and len(bufs) >= len(specs) else []
         if len(order) != len(bufs) or not all(type(k) is int for k in order) or sorted(set(order)) != list(range(len(specs))):
             raise ValueError(f"into= holds {len(bufs)} tensor(s) but the object has {len(specs)}: {few([str(s) for s in specs])}")
         first: dict[int, int] = {}
-        for place, k in enumerate(order):
+        for position, k in enumerate(order):
+            place = position if at is None else at[position]
             if k in first:
-                extra.append(place)
+                extra.append((place, k))
             else:
                 first[k] = place
         places = [first[k] for k in range(len(specs))]
@@ -100,14 +102,28 @@ def _checked(
     spans = [_check(p, bufs[p], s, maps, k, name) for k, (p, s) in enumerate(zip(places, specs))]
     checked_at = list(places)  # the place in `into=` of each span's buffer (the buffers', then the copies')
     copies: Copies = []
-    for place in extra:
-        k = order[place]
+    for place, k in extra:
         if _tree.same_tensor(bufs[place], bufs[places[k]]):
             continue  # tied here too: written once
         spans.append(_check(place, bufs[place], specs[k], maps, k, name))
         checked_at.append(place)
         copies.append((_writer(bufs[place]), k))
     return [_writer(bufs[p]) for p in places], _check_disjoint(spans, checked_at, name), copies, checked_at
+
+
+def _by_name(into: Any, skeleton: Any, count: int) -> list[int] | None:
+    """The place in `into=` of the buffer for each of the value's tensors (in `skeleton`'s
+    order), where both name the same tensors in another order (a state dict rebuilt, its
+    keys in another order: paired by order, its tensors of one shape swapped silently);
+    None where they are in one order, or name other things (then paired in order)."""
+    mine = _tree.names(into)
+    if mine is None or len(mine) != count:
+        return None
+    theirs = _tree.names(skeleton)
+    if theirs is None or theirs == mine or len(theirs) != count or len(set(mine)) != count or set(theirs) != set(mine):
+        return None
+    place = {n: i for i, n in enumerate(mine)}
+    return [place[n] for n in theirs]
 
 
 def checked_writes(

@@ -222,6 +222,25 @@ def path(value: Any, k: int) -> str:
     return find(value, "") or ""
 
 
+def names(value: Any) -> list[str] | None:
+    """Where each tensor of `value` (or each `Slot` of a skeleton) lies in it, in flatten's
+    order, as `path` names it; None where one lies inside a leaf of another type (unnamed)."""
+    out: list[str] = []
+
+    def walk(v: Any, at: str) -> bool:
+        if isinstance(v, (torch.Tensor, Slot)):
+            out.append(at)
+            return True
+        if type(v) in _ATOMS:
+            return True
+        children = _named_children(v)
+        if not children:
+            return isinstance(v, (dict, list, tuple)) or _holds_none(v)  # (an empty container: nothing in it)
+        return all(walk(x, at + key) for key, x in children)
+
+    return out if walk(value, "") else None
+
+
 def _named_children(v: Any) -> list[tuple[str, Any]]:
     """`_map_children`'s children of `v`, in its order, each with how code reaches it."""
     if isinstance(v, dict):

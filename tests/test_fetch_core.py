@@ -190,3 +190,24 @@ def test_auto_asked_by_the_consumer_falls_back_as_auto_chosen_by_the_producer_do
     got = rdt.get(named_by_producer, timeout=10, tensor_transport="auto")
     assert got[0].eq(Next.FILL).all()
     assert rdt.store_stats()["auto"][-1]["fell_back"][0]["transport"] == "core-unreachable"
+
+
+def test_into_a_mapping_that_names_the_objects_tensors_in_another_order_is_matched_by_name():
+    # A state dict rebuilt with its keys in another order: paired in order, two tensors of
+    # one shape were swapped silently.
+    w, b, v = torch.full((4,), 1.0), torch.full((4,), 2.0), torch.full((2,), 3.0)
+    obj = made({"layer": {"w": w, "b": b}, "tied": w, "v": v}, "core-slow", here=True)
+    into = {"v": torch.zeros(2), "tied": torch.zeros(4), "layer": {"b": torch.zeros(4), "w": torch.zeros(4)}}
+    got = rdt.get(obj, into=into)
+    assert got["layer"]["w"] is into["layer"]["w"] and got["v"] is into["v"]
+    assert into["layer"]["w"].eq(1.0).all() and into["layer"]["b"].eq(2.0).all()
+    assert into["tied"].eq(1.0).all() and into["v"].eq(3.0).all()
+    with pytest.raises(ValueError, match=r"into= tensor 3 \(into\['layer'\]\['w'\]\) .*float64"):
+        rdt.get(obj, into={**into, "layer": {"b": torch.zeros(4), "w": torch.zeros(4, dtype=torch.float64)}})
+    # Other names (a prefix of a wrapper): paired in order, as the docs say.
+    plain = made({"w": w, "b": b}, "core-slow", here=True)
+    other = {"module.w": torch.zeros(4), "module.b": torch.zeros(4)}
+    rdt.get(plain, into=other)
+    assert other["module.w"].eq(1.0).all() and other["module.b"].eq(2.0).all()
+    for o in (obj, plain):
+        store.free(o.obj_id)
