@@ -20,7 +20,15 @@ from conftest import wait_until
 
 import rdt_async as rdt
 from rdt_async.transports._base import TensorSpec, TransferInfo
-from rdt_async.transports.shm import SHARE_MIN_BYTES, ShmMeta, _close_lent, _lend, _map_shared, _shared
+from rdt_async.transports.shm import (
+    SHARE_MIN_BYTES,
+    ShmMeta,
+    _close_lent,
+    _lend,
+    _map_shared,
+    _shared,
+    _views,
+)
 
 N = 1 << 20  # float32 elements: 4 MiB, over SHARE_MIN_BYTES
 
@@ -255,8 +263,10 @@ def test_a_descriptor_that_names_another_file_now_is_refused():
     assert good is not None
     try:
         info = TransferInfo("x", (TensorSpec.of(w),), ShmMeta(None, 0, (0,), (good,)), producer_pid=os.getpid())
-        lent = {good.fd: ((tuple(w.shape), good.offset, good.stride),)}  # (what `_map` finds in the ref)
-        assert float(_map_shared(info, good, lent).view(torch.float32).sum()) == w.numel()
+        lent = _views(info.specs, (good,))  # (what `_map` finds in the ref)
+        mapping = _map_shared(info, good, lent)
+        assert float(torch.frombuffer(mapping, dtype=torch.float32, count=w.numel()).sum()) == w.numel()
+        del mapping
         with pytest.raises(rdt.ObjectFreedError, match="freed"):
             _map_shared(info, dataclasses.replace(good, inode=(good.inode[0], good.inode[1] + 1)), lent)
     finally:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import contextlib
 import dataclasses
 import errno
 import hashlib
@@ -129,18 +130,22 @@ KEY_MIN, KEY_END = 1 << 40, 1 << 62  # far beyond any position a file of ours re
 
 def _position(key: int, obj_id: str, views: tuple[Any, ...]) -> int:
     """The file position a descriptor lent for object `obj_id` with `key`, through which
-    the object lends `views` ((shape, offset, stride) each, in order), is set to."""
+    the object lends `views` ((shape, dtype, offset, stride, storage bytes) each, in
+    order), is set to."""
     what = repr((key, obj_id, views)).encode("utf-8", "surrogatepass")
     return KEY_MIN + int.from_bytes(hashlib.blake2b(what, digest_size=8).digest(), "little") % (KEY_END - KEY_MIN)
 
 
-def _views(shapes: Sequence[Any], shared: Sequence[Shared | None]) -> dict[int, tuple[Any, ...]]:
+def _views(specs: Sequence[Any], shared: Sequence[Shared | None]) -> dict[int, tuple[Any, ...]]:
     """The views an object lends through each of its descriptors (`_position`'s `views`), by
-    descriptor: one pass over its tensors (16,000 separately shared ones: 16,000 descriptors)."""
+    descriptor: one pass over its tensors (16,000 separately shared ones: 16,000 descriptors).
+    `specs`: each tensor's (or its TensorSpec's) shape and dtype. The dtype is bound with
+    the offset and strides, which count its elements: a ref with another dtype (the
+    same view of other bytes) names no position the producer set."""
     by: dict[int, list[Any]] = {}
-    for shape, sh in zip(shapes, shared):
+    for spec, sh in zip(specs, shared):
         if sh is not None:
-            by.setdefault(sh.fd, []).append((tuple(shape), sh.offset, tuple(sh.stride)))
+            by.setdefault(sh.fd, []).append((tuple(spec.shape), str(spec.dtype), sh.offset, tuple(sh.stride), sh.nbytes))
     return {fd: tuple(views) for fd, views in by.items()}
 MAX_FD = 1 << 20
 
@@ -360,6 +365,19 @@ def ensure_guardian() -> None:
         _guardian = (proc, os.getpid())
 
 
+def _forked_child() -> None:
+    """In a child forked from a producer: close the inherited end of the parent's guardian
+    pipe (the guardian sweeps the parent's files once every end is closed: a forked worker
+    that outlived the parent kept them until it ended). The child starts its own guardian."""
+    guardian = _guardian
+    if guardian is not None and guardian[1] != os.getpid() and guardian[0].stdin is not None:
+        with contextlib.suppress(OSError):
+            guardian[0].stdin.close()
+
+
+os.register_at_fork(after_in_child=_forked_child)
+
+
 def _checked(info: TransferInfo[Any]) -> ShmMeta:
     """Refuse metadata that its producer did not make for this object: types, the segment's
     name, every size, offset and stride. Return the metadata.
@@ -423,6 +441,8 @@ def _check_shared(sh: Any, spec: TensorSpec, i: int, producer_pid: int | None, b
     if type(sh) is not Shared:
         raise bad(f"tensor {i}'s storage is a {type(sh).__name__}, not Shared")
     fields = (sh.pid, sh.fd, sh.nbytes, sh.offset, sh.key)
+    if type(sh.inode) is not tuple or type(sh.stride) is not tuple:
+        raise bad(f"tensor {i}'s storage has an inode or stride that is not a tuple: {sh!r}")
     if not all(type(x) is int for x in fields) or not all(type(x) is int for x in (*sh.inode, *sh.stride)):
         raise bad(f"tensor {i}'s storage has fields that are not ints: {sh!r}")
     if producer_pid is not None and sh.pid != producer_pid:
@@ -471,8 +491,8 @@ def _map(info: TransferInfo[ShmMeta]) -> list[torch.Tensor]:
             buf = _mappings.cache.open(fd, info.hold)  # a segment is reused once no view of it is left
         finally:
             os.close(fd)
-    storages: dict[tuple[Any, ...], torch.Tensor] = {}  # one mapping per storage, whatever its views
-    lent = _views([spec.shape for spec in info.specs], meta.shared) if meta.shared else {}
+    storages: dict[tuple[Any, ...], Any] = {}  # one mapping per storage, whatever its views
+    lent = _views(info.specs, meta.shared) if meta.shared else {}
     out = []
     for i, (spec, off) in enumerate(zip(info.specs, meta.offsets)):
         sh = meta.shared[i] if meta.shared else None
@@ -482,13 +502,22 @@ def _map(info: TransferInfo[ShmMeta]) -> list[torch.Tensor]:
         key = (sh.pid, sh.fd, sh.inode, sh.nbytes, sh.key)  # the storage, not the view
         if key not in storages:
             storages[key] = _map_shared(info, sh, lent)
-        base = storages[key]
         if spec.nbytes == 0:
             out.append(torch.empty(spec.shape, dtype=spec.dtype))
         else:
-            whole = base.numel() - base.numel() % spec.dtype.itemsize  # (a storage of 4 MiB + 3 bytes)
-            out.append(base[:whole].view(spec.dtype).as_strided(spec.shape, sh.stride, sh.offset))
+            out.append(_lent_view(storages[key], spec, sh))
     return out
+
+
+def _lent_view(mapping: Any, spec: TensorSpec, sh: Shared) -> torch.Tensor:
+    """The tensor `sh` lends of a shared storage mapped whole (`mapping`), over a storage of
+    the bytes it reaches alone: the rest of the producer's storage (what its other tensors,
+    or none of the object's, hold) is not reachable through it (`untyped_storage()`)."""
+    size = spec.dtype.itemsize
+    first = sh.offset * size
+    end = (sh.offset + sum((n - 1) * st for n, st in zip(spec.shape, sh.stride)) + 1) * size  # (checked: within)
+    own = torch.frombuffer(mapping, dtype=torch.uint8, count=end - first, offset=first)
+    return own.view(spec.dtype).as_strided(spec.shape, sh.stride, 0)
 
 
 def _open_shared(info: TransferInfo[ShmMeta], sh: Shared, views: dict[int, tuple[Any, ...]]) -> int:
@@ -560,14 +589,13 @@ def _lent_key(pid: int, fd: int) -> int | None:
     return int(m[1]) if m else None
 
 
-def _map_shared(info: TransferInfo[ShmMeta], sh: Shared, views: dict[int, tuple[Any, ...]]) -> torch.Tensor:
-    """The whole shared storage, mapped copy-on-write, as bytes; the mapping holds the object."""
+def _map_shared(info: TransferInfo[ShmMeta], sh: Shared, views: dict[int, tuple[Any, ...]]) -> Any:
+    """The whole shared storage, mapped copy-on-write; the mapping holds the object."""
     fd = _open_shared(info, sh, views)
     try:
-        buf = _mappings.cache.open(fd, info.hold)  # views keep the buffer, the buffer keeps the object
+        return _mappings.cache.open(fd, info.hold)  # views keep the buffer, the buffer keeps the object
     finally:
         os.close(fd)
-    return torch.frombuffer(buf, dtype=torch.uint8, count=sh.nbytes)
 
 
 def _no_room(size: int, exc: OSError) -> TransportUnavailableError:
@@ -635,7 +663,7 @@ def _lend(obj_id: str, tensors: Sequence[torch.Tensor], found: list[Shared | Non
                 fd, key = own[sh.fd]
                 sh = Shared(sh.pid, fd, sh.inode, sh.nbytes, sh.offset, sh.stride, key)
             out.append(sh)
-        views = _views([t.shape for t in tensors], out)
+        views = _views(tensors, out)
         for fd, key in own.values():
             os.lseek(fd, _position(key, obj_id, views.get(fd, ())), os.SEEK_SET)
     except OSError as exc:  # out of descriptors (or no /proc): copy them all instead
@@ -710,7 +738,7 @@ def _read_into(info: TransferInfo[ShmMeta], buffers: list[torch.Tensor]) -> list
         finally:
             os.close(fd)
     opened: dict[tuple[int, int, int, tuple[int, int]], int] = {}  # each storage lent, opened once (a slot's 200 views: 1 open)
-    lent_views = _views([spec.shape for spec in info.specs], shared)
+    lent_views = _views(info.specs, shared)
     try:
         for b, spec, ok, sh in zip(buffers, info.specs, direct, shared):
             if ok and spec.nbytes and sh is not None:
