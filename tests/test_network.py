@@ -418,6 +418,7 @@ def test_a_tcp_request_for_too_many_ranges_is_dropped_before_it_is_read():
     meta = t.prepare("ranges", [torch.ones(4)])
     try:
         with socket.create_connection((meta.host, meta.port), timeout=10) as sock:
+            assert tcp._recv_exact(sock, 16) == tcp._greeting(meta.token)
             sock.sendall(tcp.MAGIC + meta.token + tcp._HEAD.pack(6, 0xFFFFFFFF, 0) + b"ranges")
             try:
                 assert sock.recv(1) == b""  # closed: no 80 GiB body awaited, nothing allocated

@@ -182,6 +182,7 @@ def test_a_connection_without_the_token_is_closed_unserved():
     meta = t.prepare("secret-obj", [torch.arange(10)])
     try:
         with socket.create_connection((meta.host, meta.port), timeout=10) as s:
+            assert tcp._recv_exact(s, 16) == tcp._greeting(meta.token)  # the listener greets first
             got = b""
             try:
                 s.sendall(tcp.MAGIC + bytes(16))  # a wrong token
@@ -243,9 +244,9 @@ def test_a_producer_that_does_not_answer_is_a_transfer_error_not_a_timeout(monke
                 s.close()
 
 
-@pytest.mark.parametrize("answers", [False, True], ids=["no-answer", "answer-then-nothing"])
-def test_a_listener_that_says_nothing_fails_the_fetch_after_the_stall_time(monkeypatch, answers):
-    """A ref's address is input: a listener that accepts and then says nothing (or says
+@pytest.mark.parametrize("says", ["greeting", "held"], ids=["no-answer", "answer-then-nothing"])
+def test_a_listener_that_says_nothing_fails_the_fetch_after_the_stall_time(monkeypatch, says):
+    """A ref's address is input: a listener that greets and then says nothing (or says
     HELD and sends no byte) must not hold a fetch for good (nor its thread)."""
     from rdt_async._errors import translating
 
@@ -258,7 +259,8 @@ def test_a_listener_that_says_nothing_fails_the_fetch_after_the_stall_time(monke
         def accept() -> None:
             conn, _ = silent.accept()
             accepted.append(conn)
-            if answers:
+            conn.sendall(tcp._greeting(bytes(16)))
+            if says == "held":
                 conn.recv(4096)  # (the token and the request)
                 conn.sendall(tcp.HELD)
 
@@ -266,13 +268,50 @@ def test_a_listener_that_says_nothing_fails_the_fetch_after_the_stall_time(monke
         meta = tcp.TcpMeta(*silent.getsockname(), bytes(16))
         fetch = tcp._Fetch()
         t0 = time.monotonic()
-        said = "mid-transfer" if answers else "no answer to the request"
+        said = "mid-transfer" if says == "held" else "no answer to the request"
         with pytest.raises(rdt.TransferError, match=rf"tcp fetch of obj: the producer's listener at 127\.0\.0\.1:\d+ sent nothing for 1 s \({said}\); RDT_TCP_STALL_S sets how long a fetch waits"):
             with translating("tcp fetch of obj", "obj", transport=_registry.transport("tcp")):
                 tcp._stream_once(fetch, meta, "obj", 0, [(0, 0, 64)], [memoryview(bytearray(64))], None, reuse=False)
         assert time.monotonic() - t0 < 5
         for conn in accepted:
             conn.close()
+
+
+@pytest.mark.parametrize("greets", [None, b"+OK ready here\r\n", "another token"])
+def test_a_ref_naming_another_service_sends_it_nothing(monkeypatch, greets):
+    """A ref's address, port and token are input: a consumer that sent `RDT1` and the token
+    first handed a crafted ref's 16 bytes to whatever listened there (a line-based service
+    without auth read a command in them). It sends nothing until the producer's listener
+    proves it knows the token; a silent or other service is Unreachable (auto takes another path)."""
+    from rdt_async._errors import translating
+
+    monkeypatch.setattr(tcp, "CONNECT_S", 1.0)
+    with socket.socket() as service:
+        service.bind(("127.0.0.1", 0))
+        service.listen(1)
+        heard: list[bytes] = []
+
+        def serve() -> None:
+            conn, _ = service.accept()
+            with conn:
+                if greets is not None:
+                    conn.sendall(tcp._greeting(b"x" * 16) if greets == "another token" else greets)
+                conn.settimeout(3)
+                try:
+                    while chunk := conn.recv(4096):
+                        heard.append(chunk)
+                except OSError:
+                    pass
+
+        server = threading.Thread(target=serve, daemon=True)
+        server.start()
+        meta = tcp.TcpMeta(*service.getsockname(), b"FLUSHALL\r\n\r\n\r\n\r\n\r")
+        why = "no greeting in 1 s" if greets is None else "its greeting is not the one the ref's token asks for"
+        with pytest.raises(rdt.TransferError, match=rf"Unreachable: the listener at 127\.0\.0\.1:\d+ is not the producer's tcp listener \({why}\); nothing was sent to it"):
+            with translating("tcp fetch of obj", "obj", transport=_registry.transport("tcp")):
+                tcp._stream_once(tcp._Fetch(), meta, "obj", 0, [(0, 0, 64)], [memoryview(bytearray(64))], None, reuse=False)
+        server.join(10)
+        assert heard == [], heard
 
 
 def test_idle_connections_are_closed_after_idle_s(monkeypatch):
@@ -323,6 +362,8 @@ def test_a_send_to_a_host_that_vanished_gives_up_and_lets_the_tensors_go(monkeyp
         code = (
             "import socket, sys, time\n"
             f"s = socket.create_connection(({meta.host!r}, {meta.port}))\n"
+            "greeting = b''\n"
+            "while len(greeting) < 16: greeting += s.recv(16 - len(greeting))\n"
             f"s.sendall({tcp.MAGIC + meta.token!r} + {request!r})\n"
             "assert s.recv(1) == b'\\x01'\n"
             "print('reading stopped', flush=True)\n"
@@ -414,6 +455,7 @@ def test_wait_tensor_freed_waits_for_a_send_in_flight_after_a_free():
     store.add("in-flight", StoredObject([w], {t: meta}))
     sock = socket.create_connection((meta.host, meta.port))
     try:
+        assert tcp._recv_exact(sock, 16) == tcp._greeting(meta.token)
         sock.sendall(tcp.MAGIC + meta.token + tcp._HEAD.pack(9, 1, _sized("in-flight", w)) + b"in-flight" + tcp._PART.pack(0, 0, w.nbytes))
         assert tcp._recv_exact(sock, 1) == tcp.HELD
         time.sleep(0.2)  # the send fills the buffers and waits: we read no more for now

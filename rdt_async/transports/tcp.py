@@ -64,6 +64,7 @@ from ._base import (
 from ._kit import delivered, int_setting, landing_buffers, sizes_digest
 
 MAGIC = b"RDT1"
+GREETING = b"RDT-TCP-GREETING"  # what the listener's first bytes prove, keyed with its token (`_greeting`)
 HELD, FREED, ALTERED = b"\x01", b"\x02", b"\x03"
 STREAM_MIN_BYTES = 4 << 20  # a stream for each this many bytes, up to `_streams()`
 LANDED_STEP = 8 << 20  # a stream tells `TransferInfo.landed` of its bytes in steps of this many
@@ -177,6 +178,7 @@ class _Server:
         with conn:
             try:
                 conn.settimeout(CONNECT_S)
+                conn.sendall(_greeting(self.token))  # first: a consumer sends nothing before it
                 hello = _recv_exact(conn, len(MAGIC) + len(self.token))
                 if hello[: len(MAGIC)] != MAGIC or not hmac.compare_digest(hello[len(MAGIC) :], self.token):
                     return  # not one of our consumers
@@ -186,6 +188,15 @@ class _Server:
                     pass
             except OSError:
                 return  # the consumer closed, cancelled or died
+
+
+def _greeting(token: bytes) -> bytes:
+    """The listener's first bytes: proof that it knows `token`, which reveals nothing of it.
+
+    A ref's address and token are input from another process: a consumer that sent them
+    to whatever listens there would hand a crafted ref's 16 bytes to any service it names
+    (a line-based one reads a command in them). It sends nothing until this arrives."""
+    return hmac.digest(token, GREETING, "sha256")[:16]
 
 
 def _answer(conn: socket.socket, store: Keeper) -> bool:
@@ -294,6 +305,8 @@ def _connect(meta: TcpMeta, reuse: bool = True) -> tuple[socket.socket, bool]:
             f"{_net.settings_hint(HOST_ENV)}, or open that port (RDT_PORT_RANGE confines it)"
         ) from exc
     try:
+        sock.settimeout(CONNECT_S)
+        _greeted(sock, meta)
         sock.sendall(MAGIC + meta.token)
         # A live producer sends its answer at once and its bytes without pause (a dead or
         # cut-off one is found by keepalive in ~30 s); a listener that says nothing (a ref's
@@ -304,6 +317,25 @@ def _connect(meta: TcpMeta, reuse: bool = True) -> tuple[socket.socket, bool]:
         sock.close()
         raise
     return sock, False
+
+
+def _greeted(sock: socket.socket, meta: TcpMeta) -> None:
+    """Wait for the listener's greeting (`_greeting`); raise Unreachable where what listens
+    at the ref's address is not the producer's listener, or says nothing in CONNECT_S."""
+    try:
+        said = _recv_exact(sock, 16)
+    except (TimeoutError, ConnectionError) as exc:
+        why = f"no greeting in {CONNECT_S:g} s" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
+        raise Unreachable(
+            f"the listener at {_hostport(meta)} is not the producer's tcp listener ({why}); nothing was sent "
+            f"to it. Where the producer runs, {_net.settings_hint(HOST_ENV)}"
+        ) from exc
+    if not hmac.compare_digest(said, _greeting(meta.token)):
+        raise Unreachable(
+            f"the listener at {_hostport(meta)} is not the producer's tcp listener (its greeting is not the "
+            "one the ref's token asks for); nothing was sent to it: the producer is gone and another "
+            "process listens there, or the ref was altered"
+        )
 
 
 def _hostport(meta: TcpMeta) -> str:
