@@ -395,6 +395,7 @@ def _begin(
     _ray.hand_node_ip()  # before a transport first connects (UCX keeps to this address's interface)
     name, meta = choose_transport(obj, _ray.node_id()) if asked is None else asked_transport(obj, asked, _ray.node_id())
     transport = _registry.transport(name)
+    _check_devices(obj, transport)
     if buffers is None and device is not None:
         buffers = _device_buffers(obj, transport, torch.device(device))
     info = _info(obj, meta)
@@ -433,6 +434,20 @@ def _check_local(obj: RDTObject, tensors: list[torch.Tensor]) -> None:
             raise TransferError(
                 f"the ref names object {obj.obj_id}, which this process produced, and says its tensor {k} is "
                 f"{spec}; it is {TensorSpec.of(t)}: the ref was altered"
+            )
+
+
+def _check_devices(obj: RDTObject, transport: Transport[Any]) -> None:
+    """Refuse specs on devices the transport does not move (no producer returns them over it,
+    `Transport.check_tensors`; a ref's `meta` device came back from the object store as
+    tensors without bytes). Raises: TransferError."""
+    moves = transport.devices
+    for k, spec in enumerate(obj.specs):
+        if spec.device.partition(":")[0] not in moves:
+            raise TransferError(
+                f"object {obj.obj_id}: its tensor {k} is said to be on {spec.device}, which transport "
+                f"{transport.name!r} does not move ({', '.join(moves)}): no producer sends that; the ref was altered",
+                obj_id=obj.obj_id,
             )
 
 

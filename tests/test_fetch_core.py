@@ -211,3 +211,15 @@ def test_into_a_mapping_that_names_the_objects_tensors_in_another_order_is_match
     assert other["module.w"].eq(1.0).all() and other["module.b"].eq(2.0).all()
     for o in (obj, plain):
         store.free(o.obj_id)
+
+
+def test_a_ref_whose_specs_name_a_device_its_transport_does_not_move_is_refused():
+    # The object store moved a spec's `meta` device into a tensor without bytes, silently.
+    meta_spec = TensorSpec((4,), torch.float32, "meta", 16)
+    obj = made([torch.zeros(4)], "core-slow")
+    altered = RDTObject(obj.obj_id, obj.producer, obj.transport, (meta_spec,), obj.skeleton, obj.meta, {}, None)
+    with pytest.raises(rdt.TransferError, match=r"tensor 0 is said to be on meta, which transport 'core-slow' does not move \(cpu\)"):
+        rdt.get(altered)
+    store_ref = RDTObject(obj.obj_id, obj.producer, "object_store", (meta_spec,), obj.skeleton, {"object_store": None}, {}, None)
+    with pytest.raises(rdt.TransferError, match="which transport 'object_store' does not move"):
+        rdt.get(store_ref)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import os
 import re
 import time
 
@@ -591,3 +592,19 @@ def test_a_freed_objects_refusal_lands_before_the_fetch_returns_never_after(tmp_
         said, when_it_ended, later = got_in.recv()
     assert said == "ObjectFreedError"
     assert when_it_ended == later, (when_it_ended, later)  # nothing wrote the buffer after the fetch ended
+
+
+def test_zeros_sent_for_an_altered_refs_specs_cost_the_producer_no_memory():
+    # The MISMATCH answer sends zeros of the specs the consumer's ref gave (maybe crafted):
+    # torch.zeros wrote each page (2 GiB of RSS for a ref claiming 2 GiB).
+    from rdt_async.transports import gloo
+
+    def rss_mib() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") >> 20
+
+    before = rss_mib()
+    zeros = gloo._zeros([((1 << 28,), torch.float32), ((3, 5), torch.int64)], "cpu")  # 1 GiB claimed
+    assert [(tuple(z.shape), z.dtype) for z in zeros] == [((1 << 28,), torch.float32), ((3, 5), torch.int64)]
+    assert float(zeros[0][:: 1 << 12].sum()) == 0.0 and not zeros[1].any()  # read as a send reads them
+    assert rss_mib() - before < 64, rss_mib() - before

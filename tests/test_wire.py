@@ -176,6 +176,7 @@ def test_a_record_no_producer_made_is_refused_as_it_is_read(wire):
         (((2,), "float32", "cpu", 9), "spec is not one a producer makes"),
         (((-2,), "float32", "cpu", -8), "shape"),
         (((2,), "float32", "tpu:0", 8), "spec is not one a producer makes"),
+        (((0, 1 << 50, 1 << 50), "float32", "cpu", 0), r"empty, but its other dimensions overflow a stride"),
     ],
 )
 def test_what_a_well_formed_record_holds_is_checked_before_a_fetch_uses_it(spec, why):

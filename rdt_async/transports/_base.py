@@ -56,6 +56,7 @@ class TensorSpec:
 # Bounds on what a ref may describe: torch's own limit on dimensions, and bytes no machine has.
 MAX_DIMS = 64
 MAX_SPEC_BYTES = 1 << 50
+MAX_REACH = 1 << 62  # the bytes an empty spec's other dimensions span at most: its strides fit int64
 # Dtypes no producer makes (a quantized tensor is refused at return): a tensor of one built
 # from bytes has no quantizer, and torch crashes the process that reads it (a segfault).
 QUANTIZED = frozenset(
@@ -81,17 +82,19 @@ def check_specs(specs: Any, obj_id: str) -> None:
 def _checked_nbytes(s: Any, i: int, obj_id: str) -> int:
     """`s.nbytes`, once `s` is a spec a producer makes (a plain check first: it costs ~1 µs)."""
     if type(s) is TensorSpec and type(s.shape) is tuple and len(s.shape) <= MAX_DIMS:
-        numel = 1
+        numel = reach = 1
         for n in s.shape:
             if type(n) is not int or not 0 <= n <= MAX_SPEC_BYTES:  # (a dim of 2**63 beside a 0: no tensor has it)
                 break
             numel *= n
+            reach *= n or 1  # (an empty tensor's strides: they must fit torch's int64 too)
         else:
             dtype = s.dtype
             if (
                 isinstance(dtype, torch.dtype)
                 and dtype not in QUANTIZED
                 and numel * dtype.itemsize <= MAX_SPEC_BYTES
+                and reach * dtype.itemsize < MAX_REACH
                 and type(s.nbytes) is int
                 and s.nbytes == numel * dtype.itemsize
                 and type(s.device) is str
@@ -115,6 +118,8 @@ def _wrong(s: Any) -> str:
     holds = math.prod(shape) * dtype.itemsize
     if holds > MAX_SPEC_BYTES:
         return f"shape {list(shape)} of {dtype} ({holds} bytes, over {MAX_SPEC_BYTES})"
+    if math.prod(n or 1 for n in shape) * dtype.itemsize >= MAX_REACH:
+        return f"shape {list(shape)} of {dtype} (empty, but its other dimensions overflow a stride)"
     if type(s.nbytes) is not int or s.nbytes != holds:
         return f"nbytes {s.nbytes!r}, where shape {list(shape)} of {dtype} holds {holds}"
     return f"device {s.device!r} (a device string such as 'cpu' or 'cuda:0')"

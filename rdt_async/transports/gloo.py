@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, ClassVar
 
+import numpy
 import torch
 import torch.distributed as dist
 
@@ -455,9 +456,17 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _zeros(specs: Sequence[tuple[tuple[int, ...], torch.dtype]], device: str) -> list[torch.Tensor]:
-    """Zeros of each spec, as views of one buffer (the largest): only sent, never written."""
+    """Zeros of each spec, as views of one buffer (the largest): only sent, never written.
+
+    The specs are a consumer's (a ref's, maybe crafted): on the CPU the buffer is calloc's
+    (NumPy's zeros), whose pages the kernel maps to its one zero page as they are read, so
+    a ref claiming GiBs costs the producer no memory (torch.zeros wrote every page).
+    """
     sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
-    block = torch.zeros(max(sizes, default=0), dtype=torch.uint8, device=device)
+    if device == "cpu":
+        block = torch.from_numpy(numpy.zeros(max(sizes, default=0), dtype=numpy.uint8))
+    else:
+        block = torch.zeros(max(sizes, default=0), dtype=torch.uint8, device=device)
     return [
         block[:size].view(dtype).view(shape) for (shape, dtype), size in zip(specs, sizes)
     ]
