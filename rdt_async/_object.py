@@ -562,6 +562,16 @@ def forget(obj: RDTObject) -> None:
     store.mark_freed(obj.obj_id)
 
 
+def snapshot_only(obj: RDTObject) -> RDTObject:
+    """`obj`, whose fetches in this process too decode the bytes in its ref where it is
+    inline (not the tensors it was made of, `_recent`): for memory reused once the object
+    is made (a publisher's slot: an inline version holds nothing, so the next publish may
+    write that slot at once)."""
+    if obj.anchor is None:
+        _recent.drop(obj.obj_id)
+    return obj
+
+
 class _Recent:
     """Inline objects made in this process, weakly: its own fetches get its tensors.
 

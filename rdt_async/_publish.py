@@ -298,7 +298,7 @@ class Publisher:
                     return None
                 await _io.to_thread_finished(_copy, slot, state_dict)  # a cancel waits for the copy to end
                 views = dict(slot.views)
-            obj = await _produce.produce_async(views, "auto")
+            obj = _object.snapshot_only(await _produce.produce_async(views, "auto"))
             with self._lock:
                 if self.closed:  # closed while this version was copied: nobody may get it
                     del obj
@@ -586,7 +586,8 @@ async def _chunks(pub: Publisher, version: _Version) -> list[RDTObject]:
         if version.chunks is None:
             views = version.views
             version.chunks = [
-                await _produce.produce_async({n: views[n] for n in names}, "auto") for names in pub._groups
+                _object.snapshot_only(await _produce.produce_async({n: views[n] for n in names}, "auto"))
+                for names in pub._groups
             ]
     return version.chunks
 

@@ -223,3 +223,85 @@ def test_a_ref_whose_specs_name_a_device_its_transport_does_not_move_is_refused(
     store_ref = RDTObject(obj.obj_id, obj.producer, "object_store", (meta_spec,), obj.skeleton, {"object_store": None}, {}, None)
     with pytest.raises(rdt.TransferError, match="which transport 'object_store' does not move"):
         rdt.get(store_ref)
+
+
+async def test_a_same_process_subscriber_of_a_small_version_gets_that_version(monkeypatch):
+    # A small version travels inline and holds nothing, so the publisher may write its slot
+    # at the next publish; a fetch in the publishing process got the slot (a later version)
+    # instead of the bytes in the ref.
+    from rdt_async import _produce, _publish
+
+    me = Process(NODE, _object._token_for(os.getpid()))
+    monkeypatch.setattr(_produce, "here", lambda: me)
+    monkeypatch.setattr(_ray, "several_nodes", lambda: False)
+    monkeypatch.setattr(_publish, "_check_place", lambda: None)
+    pub = rdt.Publisher("small", slots=2)
+    try:
+        await pub.publish({"w": torch.full((4,), 0.0)})
+        first = pub._newest.obj  # what a poll hands a subscriber now
+        assert list(first.meta) == ["inline"]
+        for v in (1.0, 2.0):  # the second reuses the first's slot
+            await pub.publish({"w": torch.full((4,), v)})
+        assert (await _publish._fetch(first, None))["w"].tolist() == [0.0] * 4
+        into = {"w": torch.full((4,), -1.0)}
+        assert (await _publish._fetch(first, into))["w"].tolist() == [0.0] * 4
+    finally:
+        pub.close()
+
+
+async def test_a_one_sided_ray_manager_that_hands_back_the_producers_memory_gives_the_consumer_its_own():
+    # The producer writes its tensor once its refs are gone (wait_tensor_freed returned):
+    # the consumer's fetched tensor changed under it.
+    import dataclasses
+
+    from ray.experimental.rdt.tensor_transport_manager import (
+        CommunicatorMetadata,
+        TensorTransportManager,
+        TensorTransportMetadata,
+    )
+
+    from rdt_async.testing import roundtrip
+    from rdt_async.transports import _registry
+
+    memory: dict[str, list[torch.Tensor]] = {}
+
+    @dataclasses.dataclass
+    class Meta(TensorTransportMetadata):
+        key: str = ""
+
+    class Mapping(TensorTransportManager):
+        """One-sided, and as Ray's CUDA IPC manager does, hands back views of the producer's
+        memory (this process's tensors stand in for IPC-mapped ones)."""
+
+        def tensor_transport_backend(self):
+            return "MAP"
+
+        @staticmethod
+        def is_one_sided():
+            return True
+
+        @staticmethod
+        def can_abort_transport():
+            return False
+
+        def actor_has_tensor_transport(self, actor):
+            return True
+
+        def extract_tensor_transport_metadata(self, obj_id, tensors):
+            memory[obj_id] = list(tensors)
+            return Meta([(t.shape, t.dtype) for t in tensors], "cpu", obj_id)
+
+        def get_communicator_metadata(self, src, dst, backend=None):
+            return CommunicatorMetadata()
+
+        def recv_multiple_tensors(self, obj_id, meta, comm, target_buffers=None):
+            return [t.view(t.shape) for t in memory[meta.key]]  # views, not copies
+
+        def garbage_collect(self, obj_id, meta, tensors):
+            memory.pop(obj_id, None)
+
+    rdt.register_transport("core-ray-mapping", ["cpu"], Mapping)
+    w = torch.zeros(4)
+    got = (await roundtrip(_registry.transport("core-ray-mapping"), [w]))[0]
+    w.add_(7.0)
+    assert got.tolist() == [0.0] * 4 and got.data_ptr() != w.data_ptr()

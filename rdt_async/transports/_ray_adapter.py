@@ -51,6 +51,7 @@ from .. import _cuda, _io
 from .._errors import TransferError, TransportUnavailableError
 from .._local import copy_into
 from ._base import Channel, TensorSpec, TransferInfo, Transport
+from ._kit import local_device
 
 log = logging.getLogger("rdt_async")
 
@@ -181,6 +182,12 @@ class RayManagerTransport(Transport[RayMeta]):
         # Its own memory, not the caller's buffers: a receive left running (no abort, or one
         # past ABORT_WAIT_S) would write them after this fetch ended.
         scratch = None if buffers is None else [torch.empty(b.shape, dtype=b.dtype, device=b.device) for b in buffers]
+        if buffers is None and self.one_sided:
+            # A one-sided manager may hand back views of the producer's memory (Ray's CUDA
+            # IPC manager does), which the producer writes once its refs are gone: the
+            # consumer's tensors are its own, as over every transport but shm (copied into
+            # these where the manager does not land in them).
+            scratch = [torch.empty(s.shape, dtype=s.dtype, device=local_device(s.device)) for s in info.specs]
         recv = asyncio.wrap_future(
             _io.pool(_io.ADAPTER).submit(self._recv, info.obj_id, meta.transport_meta, comm, scratch)
         )
@@ -193,6 +200,10 @@ class RayManagerTransport(Transport[RayMeta]):
                 if fut.exception() is not None:
                     raise fut.exception()  # type: ignore[misc]
             got = _checked(info, recv.result(), self.name)
+            if buffers is None and scratch is not None and not all(
+                g.data_ptr() == s.data_ptr() or s.numel() == 0 for g, s in zip(got, scratch)
+            ):
+                return await _io.to_thread_finished(_cuda.settled, copy_into, scratch, got)
             if buffers is None:
                 return got
             return await _io.to_thread_finished(_cuda.settled, copy_into, buffers, got)
