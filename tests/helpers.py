@@ -117,3 +117,27 @@ class Tied(torch.nn.Module):
         with torch.no_grad():
             for i, p in enumerate(self.parameters()):
                 p.copy_(torch.arange(p.numel(), dtype=torch.float32).view(p.shape) + 1000 * i)
+
+
+def manager_base(backend: str, *, one_sided: bool = True, can_abort: bool = False) -> type:
+    """A base for the tests' Ray `TensorTransportManager`s: the methods every such manager
+    has alike (its backend's name, whether it is one-sided and aborts, present on every
+    actor); subclasses say what they move."""
+    from ray.experimental.rdt.tensor_transport_manager import TensorTransportManager
+
+    class Manager(TensorTransportManager):
+        def tensor_transport_backend(self):
+            return backend
+
+        @staticmethod
+        def is_one_sided():
+            return one_sided
+
+        @staticmethod
+        def can_abort_transport():
+            return can_abort
+
+        def actor_has_tensor_transport(self, actor):
+            return True
+
+    return Manager

@@ -27,7 +27,7 @@ import pytest
 import ray
 import torch
 from conftest import wait_until
-from helpers import FetchesWithTimeout
+from helpers import FetchesWithTimeout, manager_base
 from ray.experimental.rdt.tensor_transport_manager import (
     CommunicatorMetadata,
     TensorTransportManager,
@@ -81,7 +81,7 @@ class SpoolManagerMeta(TensorTransportMetadata):
     pid: int = 0
 
 
-class SpoolManager(TensorTransportManager):
+class SpoolManager(manager_base("SPOOL", can_abort=True)):
     """The same spool, written for Ray: synchronous, one-sided, abortable."""
 
     root = os.path.join(SPOOL, "manager")
@@ -89,20 +89,6 @@ class SpoolManager(TensorTransportManager):
 
     def __init__(self):
         self.aborted: set[str] = set()
-
-    def tensor_transport_backend(self):
-        return "SPOOL"
-
-    @staticmethod
-    def is_one_sided():
-        return True
-
-    @staticmethod
-    def can_abort_transport():
-        return True
-
-    def actor_has_tensor_transport(self, actor):
-        return True
 
     def extract_tensor_transport_metadata(self, obj_id, rdt_object):
         folder = os.path.join(self.root, str(os.getpid()))
@@ -164,25 +150,11 @@ class DropComm(CommunicatorMetadata):
     token: str = ""
 
 
-class DropManager(TensorTransportManager):
+class DropManager(manager_base("DROP", one_sided=False)):
     """Two-sided, written for Ray: the producer's send drops the tensors in a file named
     by the communicator metadata; the consumer's receive waits for it."""
 
     root = os.path.join(SPOOL, "drop")
-
-    def tensor_transport_backend(self):
-        return "DROP"
-
-    @staticmethod
-    def is_one_sided():
-        return False
-
-    @staticmethod
-    def can_abort_transport():
-        return False
-
-    def actor_has_tensor_transport(self, actor):
-        return True
 
     def extract_tensor_transport_metadata(self, obj_id, rdt_object):
         os.makedirs(self.root, exist_ok=True)

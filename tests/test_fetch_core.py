@@ -254,11 +254,8 @@ async def test_a_one_sided_ray_manager_that_hands_back_the_producers_memory_give
     # the consumer's fetched tensor changed under it.
     import dataclasses
 
-    from ray.experimental.rdt.tensor_transport_manager import (
-        CommunicatorMetadata,
-        TensorTransportManager,
-        TensorTransportMetadata,
-    )
+    from helpers import manager_base
+    from ray.experimental.rdt.tensor_transport_manager import CommunicatorMetadata, TensorTransportMetadata
 
     from rdt_async.testing import roundtrip
     from rdt_async.transports import _registry
@@ -269,23 +266,9 @@ async def test_a_one_sided_ray_manager_that_hands_back_the_producers_memory_give
     class Meta(TensorTransportMetadata):
         key: str = ""
 
-    class Mapping(TensorTransportManager):
-        """One-sided, and as Ray's CUDA IPC manager does, hands back views of the producer's
-        memory (this process's tensors stand in for IPC-mapped ones)."""
-
-        def tensor_transport_backend(self):
-            return "MAP"
-
-        @staticmethod
-        def is_one_sided():
-            return True
-
-        @staticmethod
-        def can_abort_transport():
-            return False
-
-        def actor_has_tensor_transport(self, actor):
-            return True
+    class Mapping(manager_base("MAP")):
+        """As Ray's CUDA IPC manager does, hands back views of the producer's memory (this
+        process's tensors stand in for IPC-mapped ones)."""
 
         def extract_tensor_transport_metadata(self, obj_id, tensors):
             memory[obj_id] = list(tensors)

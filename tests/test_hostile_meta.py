@@ -20,8 +20,8 @@ pytest.importorskip("nixl")
 import ray
 import torch
 from conftest import wait_until
-from helpers import checksum
-from ray.experimental.rdt import CommunicatorMetadata, TensorTransportManager, TensorTransportMetadata
+from helpers import checksum, manager_base
+from ray.experimental.rdt import CommunicatorMetadata, TensorTransportMetadata
 
 import rdt_async as rdt
 from rdt_async import TransferError
@@ -35,22 +35,8 @@ class InMetaMeta(TensorTransportMetadata):
     blob: bytes = b""
 
 
-class SpoolInMeta(TensorTransportManager):
+class SpoolInMeta(manager_base("IN_META")):
     """A one-sided Ray manager whose metadata carries the tensors themselves."""
-
-    def tensor_transport_backend(self):
-        return "IN_META"
-
-    @staticmethod
-    def is_one_sided():
-        return True
-
-    @staticmethod
-    def can_abort_transport():
-        return False
-
-    def actor_has_tensor_transport(self, actor):
-        return True
 
     def extract_tensor_transport_metadata(self, obj_id, rdt_object):
         return InMetaMeta([(t.shape, t.dtype) for t in rdt_object], "cpu", pickle.dumps([t.clone() for t in rdt_object]))
