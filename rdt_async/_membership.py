@@ -34,6 +34,7 @@ class Group:
     # in a group made anew under a name, so a send asked for in an earlier one (a request
     # left by a fetch that ended before) must never go out in this one.
     creation: str = ""
+    timeout_s: float = 0.0  # bounds each of its operations (Gloo's work ends by then, aborted or not)
     broken: str | None = None
     _next_tag: int = 1
     _tag_lock: threading.Lock = field(default_factory=threading.Lock)

@@ -81,6 +81,10 @@ class AsyncWorker(Member):
     async def full(self, n: int, fill: float):
         return torch.full((n,), fill)
 
+    @rdt.method
+    async def grads_auto(self, n: int = 6):
+        return grads(self.rank, n)
+
     async def ping(self) -> str:
         return "pong"
 
@@ -292,6 +296,24 @@ def test_errors_name_the_holder_and_leave_the_group_usable(four, driver):
         rdt.allreduce(refs, tensor_transport="shmm", inplace=True)  # refused before anything is reduced
     with pytest.raises(ValueError, match=r"unknown tensor_transport 'shmm'"):
         rdt.broadcast(refs[0], to=[workers[1]], tensor_transport="shmm")
+    # Refused before anything is sent, where members reduced the wrong pairs, or failed
+    # inside the collective (which broke the group), or wrote into a copy:
+    ones, zeros = torch.ones(4), torch.zeros(4)
+    orders = [m.value.remote({"w": ones, "b": zeros} if i % 2 else {"b": zeros, "w": ones}) for i, m in enumerate(workers)]
+    with pytest.raises(ValueError, match=r"ref 1 \(held by actor .*\) names its tensors \['w'\], \['b'\], ref 0 \['b'\], \['w'\]: tensors are reduced by their place"):
+        rdt.allreduce(orders)
+    shorts = [m.value.remote(torch.zeros(4, dtype=torch.int16)) for m in workers]
+    with pytest.raises(ValueError, match=r"tensor 0 is int16\[4\]@cpu, and Gloo reduces no int16 tensors"):
+        rdt.allreduce(shorts)
+    complexes = [m.value.remote(torch.zeros(4, dtype=torch.complex64)) for m in workers]
+    with pytest.raises(ValueError, match=r"allreduce\(op='max'\): tensor 0 is complex64\[4\]@cpu, and Gloo has no max"):
+        rdt.allreduce(complexes, op="max")
+    assert rdt.get(rdt.allreduce(complexes)[0], timeout=60).tolist() == [0j] * 4
+    snapshots = [m.grads_auto.remote() for m in workers]  # auto: inline, a copy taken at return
+    with pytest.raises(ValueError, match=r"allreduce\(inplace=True\): ref 0 \(held by actor .*\) was returned over 'auto'.*tensor_transport='gloo'"):
+        rdt.allreduce(snapshots, inplace=True)
+    with pytest.raises(ValueError, match=r"rdt.allreduce needs one ref from each member; it got none"):
+        rdt.allreduce([])
     assert all(b is None for b in ray.get([w.broken.remote("coll-four") for w in workers]))
     assert_value(rdt.get(rdt.allreduce(refs)[2], timeout=60), expected(range(4), "sum"), 2)
 

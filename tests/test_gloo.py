@@ -608,3 +608,23 @@ def test_zeros_sent_for_an_altered_refs_specs_cost_the_producer_no_memory():
     assert [(tuple(z.shape), z.dtype) for z in zeros] == [((1 << 28,), torch.float32), ((3, 5), torch.int64)]
     assert float(zeros[0][:: 1 << 12].sum()) == 0.0 and not zeros[1].any()  # read as a send reads them
     assert rss_mib() - before < 64, rss_mib() - before
+
+
+async def test_a_cancelled_fetchs_receives_are_waited_for_up_to_the_groups_own_timeout(monkeypatch):
+    # Aborting a Gloo group does not end a receive posted in it (a send that arrived after
+    # the abort still landed in the caller's buffers); its timeout does. A group made with
+    # a timeout over DRAIN_S had its cancelled fetches hand the buffers back at DRAIN_S.
+    from rdt_async.transports import gloo
+
+    aborted: list[str] = []
+    monkeypatch.setattr(gloo, "DRAIN_S", 0.2)
+    monkeypatch.setattr(gloo.groups, "abort", lambda name, why: aborted.append(why))
+    group = gloo.Group("drained", "gloo", 0, 2, pg=None, timeout_s=1.0)
+    landing = asyncio.get_running_loop().create_future()
+    asyncio.get_running_loop().call_later(0.8, landing.set_result, None)  # lands at 0.8 s, past DRAIN_S
+    began = time.monotonic()
+    await gloo._drain(group, landing)
+    assert landing.done() and aborted == [] and 0.7 < time.monotonic() - began < 1.5
+    never = asyncio.get_running_loop().create_future()
+    await gloo._drain(group, never)  # past the group's timeout too: aborted
+    assert aborted == ["a cancelled fetch's receives did not complete in 2 s"], aborted

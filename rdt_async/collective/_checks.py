@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+import torch
 
-from .. import _io
-from .._errors import CollectiveGroupError, ObjectFreedError, translate
+from .. import _io, _tree
+from .._errors import CollectiveGroupError, ObjectFreedError, few, translate
 from .._object import RDTObject
 from .._ray import await_ref
 from .._store import store
@@ -47,6 +48,8 @@ async def resolve_all(verb: str, refs: Sequence[Any]) -> list[RDTObject]:
         raise TypeError(f"rdt.{verb} takes a list of refs, one per member")
 
     refs = list(refs)
+    if not refs:
+        raise ValueError(f"rdt.{verb} needs one ref from each member; it got none")
     # Refs whose values are here already resolve in one call (cheaper than a future each).
     ready = await _io.to_thread(_get_ready, list(dict.fromkeys(x for x in refs if isinstance(x, ray.ObjectRef))), purpose=_io.CALLS)
 
@@ -197,6 +200,61 @@ def check_values(verb: str, objs: Sequence[RDTObject], holders: Sequence[Holder]
                     f"rdt.{verb}: tensor {j} of ref {i} (held by {h.label}) is {b} but ref 0's is {a}; "
                     "every holder needs the same shapes and dtypes"
                 )
+
+
+def check_names(verb: str, objs: Sequence[RDTObject], holders: Sequence[Holder]) -> None:
+    """The same names for the tensors of every value, in one order: a reduction pairs them
+    by their place in the value (`{"w", "b"}` and `{"b", "w"}` of one shape summed each
+    rank's w with another's b, silently)."""
+    first = _tree.names(objs[0].skeleton)
+    order = _tree.slot_order(objs[0].skeleton)
+    for i, (o, h) in enumerate(zip(objs, holders)):
+        names = _tree.names(o.skeleton)
+        if names != first or _tree.slot_order(o.skeleton) != order:
+            raise ValueError(
+                f"rdt.{verb}: ref {i} (held by {h.label}) names its tensors {few(names or ['?'])}, ref 0 "
+                f"{few(first or ['?'])}: tensors are reduced by their place in the value, so every holder's "
+                "value must name the same tensors in one order (build the dicts in one order)"
+            )
+
+
+# What Gloo's reductions refuse (every dtype and op run on torch 2.13's Gloo): a member
+# meeting them failed inside the collective, which broke the group for every member.
+GLOO_NEVER = frozenset({
+    torch.int16, torch.uint16, torch.uint32, torch.uint64,
+    torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+})
+
+
+def check_reducible(verb: str, obj: RDTObject, backend: str, op: str) -> None:
+    """Dtypes and ops the group's backend reduces (Gloo's; NCCL's are its own business)."""
+    if backend != "gloo":
+        return
+    for j, s in enumerate(obj.specs):
+        if s.dtype in GLOO_NEVER:
+            raise ValueError(
+                f"rdt.{verb}: tensor {j} is {s}, and Gloo reduces no {str(s.dtype).removeprefix('torch.')} "
+                "tensors; convert them (e.g. to int32 or float32) before returning them"
+            )
+        if s.dtype.is_complex and (op in ("max", "min", "prod") or (op == "avg" and s.dtype == torch.complex32)):
+            raise ValueError(
+                f"rdt.{verb}(op={op!r}): tensor {j} is {s}, and Gloo has no {op} of "
+                f"{str(s.dtype).removeprefix('torch.')} tensors; use op='sum' (or 'avg' of complex64)"
+            )
+
+
+def check_inplace(verb: str, objs: Sequence[RDTObject], holders: Sequence[Holder], backend: str) -> None:
+    """`inplace=True` reduces into the tensors each producer keeps: an input returned over
+    another transport than the group's may be read from a copy taken at return (inline,
+    shm segments, the object store), which would keep the old value."""
+    for i, (o, h) in enumerate(zip(objs, holders)):
+        if o.transport != backend:
+            raise ValueError(
+                f"rdt.{verb}(inplace=True): ref {i} (held by {h.label}) was returned over "
+                f"{o.transport!r}, whose fetches may read a copy taken at return: it would not hold the "
+                f"result everywhere. Return the inputs with tensor_transport={backend!r}, or use the "
+                "refs the collective returns (inplace=False)"
+            )
 
 
 def check_avg(verb: str, obj: RDTObject) -> None:

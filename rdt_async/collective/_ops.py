@@ -20,7 +20,10 @@ from ._checks import (
     check_covered,
     check_distinct,
     check_divisible,
+    check_inplace,
+    check_names,
     check_op,
+    check_reducible,
     check_values,
     holder_of,
     member_handle,
@@ -190,6 +193,11 @@ async def _over_refs(
     name, record = await pick_group(verb, objs, holders, group)
     check_covered(verb, name, record, {h.id for h in holders})
     check_values(verb, objs, holders, record["backend"])
+    if kind is not Allgather:  # (a reduction: tensors paired by their place)
+        check_names(verb, objs, holders)
+        check_reducible(verb, objs[0], record["backend"], op)
+    if inplace:
+        check_inplace(verb, objs, holders, record["backend"])
     if op == "avg":
         check_avg(verb, objs[0])
     if kind is ReduceScatter:

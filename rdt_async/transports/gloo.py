@@ -22,8 +22,9 @@ not one Ray reply later. A producer that no longer holds the object sends status
 FREED and zeros of the right size (so the consumer's posted receives complete), and
 its reply raises ObjectFreedError. Gloo cannot cancel a posted receive: a cancelled
 fetch whose receives land in the caller's `into=` buffers returns once they have landed
-(at most `DRAIN_S`; then the group is aborted, so nothing writes them afterwards), and
-one landing in buffers of its own returns at once.
+(at most `DRAIN_S`, or the group's own timeout where longer: a Gloo receive ends by then,
+aborted or not; then the group is aborted), and one landing in buffers of its own
+returns at once.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def join(
     finally:
         with _joining_lock:
             _joining.pop(name, None)
-    groups.add(Group(name, backend, rank, size, pg, store, members=tuple(members), creation=attempt))
+    groups.add(Group(name, backend, rank, size, pg, store, members=tuple(members), creation=attempt, timeout_s=timeout_s))
 
 
 def leave(name: str, attempt: str | None = None) -> bool:
@@ -478,12 +479,18 @@ def _says(specs: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> str:
 
 
 async def _drain(group: Group, waiting: asyncio.Future[None]) -> None:
-    """Wait (bounded) for a cancelled fetch's receives; abort the group if they hang."""
-    done, _ = await asyncio.wait({waiting}, timeout=DRAIN_S)
+    """Wait (bounded) for a cancelled fetch's receives; abort the group if they hang.
+
+    Bounded by DRAIN_S, or by the group's own timeout where it is longer: aborting a Gloo
+    group does not end a receive posted in it (a send arriving after the abort still
+    landed), its timeout does; the caller's buffers are handed back only after that.
+    """
+    bound = max(DRAIN_S, group.timeout_s + 1.0)
+    done, _ = await asyncio.wait({waiting}, timeout=bound)
     if done:
         _consume(waiting)
     else:
-        groups.abort(group.name, f"a cancelled fetch's receives did not complete in {DRAIN_S:.0f} s")
+        groups.abort(group.name, f"a cancelled fetch's receives did not complete in {bound:.0f} s")
 
 
 def _consume(fut: asyncio.Future[Any]) -> None:
