@@ -107,6 +107,7 @@ async def fetch_all(xs: Iterable[Any], /, *, device: str | torch.device | None =
     Raises: what `fetch` raises; TypeError for a single ref (use `fetch`) or a `timeout=`.
     """
     _check_many(xs, "fetch_all")
+    xs = list(xs)  # (an iterable that raises midway leaves no fetch started behind)
     caller = CALLER.set(user_line())  # the tasks copy it: a warning names the user's line
     try:
         tasks: list[asyncio.Future[Any]] = [asyncio.ensure_future(fetch(x, device=device)) for x in xs]
@@ -203,10 +204,14 @@ async def as_completed(
 ) -> AsyncIterator[tuple[int, Any]]:
     """Fetch many objects concurrently; yield `(index, value)` as each lands.
 
-    Leaving the loop early cancels the fetches still in flight.
+    Leaving the loop early cancels the fetches still in flight once the generator is
+    closed: at once with `async with contextlib.aclosing(rdt.as_completed(xs)) as it`, or
+    when it is collected (a loop over `rdt.as_completed(xs)` itself: the next loop turn;
+    one kept in a variable: not before the variable goes).
     Raises: what `fetch` raises; TypeError for a single ref (use `fetch`) or a `timeout=`.
     """
     _check_many(xs, "as_completed")
+    xs = list(xs)  # as in fetch_all
     caller = CALLER.set(user_line())  # as in fetch_all
     try:
         tasks = {asyncio.ensure_future(fetch(x, device=device)): i for i, x in enumerate(xs)}
@@ -283,7 +288,8 @@ def _get(x: Any, timeout: float | None, device: str | torch.device | None, into:
             raise  # the fetch's own
         raise TimeoutError(f"rdt.get() timed out after {timeout} s; the transfer was aborted") from exc
     finally:
-        abandon(value)  # (a fetch that never began holds its claim on `into` otherwise: for good)
+        if started.task is None:  # never ran (given up before it began): its claim on `into` is let go here
+            abandon(value)  # (a running one lets go itself, once nothing writes `into` any more)
         del started, value  # its future holds the error, whose traceback holds this frame: break the cycle
 
 

@@ -165,23 +165,28 @@ class Writes:
 
     def claim_nowait(self) -> bool:
         """Claim the bytes unless another fetch writes any of them: whether they are ours."""
-        if self._release is None:
-            key = _claims.take(self, None)
-            if key is None:
-                return False
-            self._release = weakref.finalize(self, _claims.drop, key)
-        return True
+        return self._release is not None or self._take(None)
 
     async def claim(self) -> None:
         """Claim the bytes, once no other fetch writes any of them."""
         loop = asyncio.get_running_loop()
         while self._release is None:
             woken: asyncio.Future[None] = loop.create_future()
-            key = _claims.take(self, (loop, woken))
-            if key is not None:
-                self._release = weakref.finalize(self, _claims.drop, key)
+            if self._take((loop, woken)):
                 return
             await woken  # the fetch in the way ended
+
+    def _take(self, waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]] | None) -> bool:
+        """Claim the bytes now, or register `waiter`: whether they are ours. The release is
+        set up before the claim exists (a Ctrl-C between the two left a claim nothing
+        would ever drop: the next fetch into those buffers waited for good)."""
+        key = _claims.new_key()
+        self._release = weakref.finalize(self, _claims.drop, key)
+        if _claims.take(self, key, waiter):
+            return True
+        self._release.detach()
+        self._release = None
+        return False
 
     def tied(self, tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The copies to make once `tensors` (the object's, landed) are written: (buffers,
@@ -210,18 +215,20 @@ class _Claims:
         self._held: dict[int, _Held] = {}
         self._keys = itertools.count()
 
-    def take(self, w: Writes, waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]] | None) -> int | None:
-        """Claim `w`'s bytes: their key, or None where a fetch writes one of them (`waiter`
-        is then woken once that one ends)."""
+    def new_key(self) -> int:
+        return next(self._keys)  # (itertools.count: atomic under the GIL)
+
+    def take(self, w: Writes, key: int, waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]] | None) -> bool:
+        """Claim `w`'s bytes under `key`, or say False where a fetch writes one of them
+        (`waiter` is then woken once that one ends)."""
         with self._lock:
             for held in self._held.values():
                 if w.lo < held.hi and held.lo < w.hi and _share(w.ordered, held.ordered):
                     if waiter is not None:
                         held.waiters.append(waiter)
-                    return None
-            key = next(self._keys)
+                    return False
             self._held[key] = _Held(w.ordered, w.lo, w.hi, [])
-            return key
+            return True
 
     def drop(self, key: int) -> None:
         with self._lock:

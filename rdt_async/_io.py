@@ -277,16 +277,34 @@ class Started(Generic[T]):
             if fut.done():  # (it ended as the wait gave up)
                 return fut.result()
             fut.cancel()
-            self.wait_settled(SETTLE_S)
+            self._settle_through_interrupts()
             raise
         except BaseException:  # Ctrl-C (KeyboardInterrupt), or any other way out of the wait
             if not fut.done():
                 fut.cancel()
                 self.launch()  # if the interrupt came before it was launched: it settles at once
-                self.wait_settled(SETTLE_S)
+                self._settle_through_interrupts()
             raise
         finally:
             del fut  # the future holds the error, whose traceback holds this frame: break the cycle
+
+    def _settle_through_interrupts(self) -> None:
+        """`wait_settled(SETTLE_S)`, through further interrupts (a second Ctrl-C while a
+        cancelled transfer lets go): the work writes the caller's memory until it settles,
+        so returning at the second interrupt handed back buffers still being written. An
+        interrupt that came meanwhile is raised once it settled (or SETTLE_S passed)."""
+        deadline = time.monotonic() + SETTLE_S
+        interrupted: BaseException | None = None
+        while True:
+            try:
+                self.wait_settled(max(0.0, deadline - time.monotonic()))
+                break
+            except KeyboardInterrupt as exc:
+                interrupted = exc
+                if time.monotonic() >= deadline:
+                    break
+        if interrupted is not None:
+            raise interrupted
 
     def cancel(self) -> bool:
         """Cancel the work; what it held is released on the I/O loop."""

@@ -288,3 +288,103 @@ async def test_a_one_sided_ray_manager_that_hands_back_the_producers_memory_give
     got = (await roundtrip(_registry.transport("core-ray-mapping"), [w]))[0]
     w.add_(7.0)
     assert got.tolist() == [0.0] * 4 and got.data_ptr() != w.data_ptr()
+
+
+class Counted(_Fills):
+    started = 0
+
+    async def receive(self, info, buffers, channel):
+        type(self).started += 1
+        return await super().receive(info, buffers, channel)
+
+
+rdt.register_transport("core-counted", ["cpu"], Counted)
+
+
+async def test_fetch_all_over_an_iterable_that_raises_midway_starts_no_fetch():
+    def refs():
+        for _ in range(3):
+            yield made([torch.zeros(4)], "core-counted")
+        raise RuntimeError("the caller's iterable")
+
+    before = Counted.started
+    with pytest.raises(RuntimeError, match="the caller's iterable"):
+        await rdt.fetch_all(refs())
+    left = [t for t in asyncio.all_tasks() if t.get_coro().__qualname__.startswith("fetch")]
+    await asyncio.sleep(0.1)
+    assert left == [] and Counted.started == before  # none left running behind the error
+
+
+def test_an_interrupt_as_a_claim_is_taken_leaves_nothing_claimed(monkeypatch):
+    # A Ctrl-C between the claim's entry and its release's set-up left the entry for good:
+    # the next fetch into those buffers waited forever.
+    buf = torch.zeros(64)
+    claimed = _buffers.checked_writes([TensorSpec.of(buf)], [buf])[1]
+    real = _buffers._claims.take
+
+    def interrupted(*args):
+        real(*args)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_buffers._claims, "take", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        claimed.claim_nowait()
+    monkeypatch.undo()
+    claimed.release()
+    again = _buffers.checked_writes([TensorSpec.of(buf)], [buf])[1]
+    assert again.claim_nowait()
+    again.release()
+
+
+_TWICE = r"""
+import signal, threading, time, json, asyncio, torch
+import rdt_async as rdt
+from rdt_async import _ray, _io
+from rdt_async._object import Process, RDTObject
+from rdt_async.transports._base import TensorSpec, Transport
+_ray.node_id = lambda: "c" * 56
+_ray.hand_node_ip = lambda: None
+async def alive(p, **_): return False
+_ray.producer_died = alive
+_ray.died_on_this_node = lambda p: False
+
+class Writes300ms(Transport):
+    devices = ("cpu",)
+    async def receive(self, info, buffers, channel):
+        def work():
+            for k in range(300):
+                buffers[0].fill_(k + 1)
+                time.sleep(0.001)
+            return buffers
+        return await _io.to_thread_finished(work)
+
+rdt.register_transport("twice", ["cpu"], Writes300ms)
+obj = RDTObject("ab" * 12, Process("c" * 56, "1:elsewhere"), "twice", (TensorSpec.of(torch.zeros(4096)),), None, {"twice": None}, {}, None)
+buf = torch.zeros(4096)
+main = threading.main_thread().ident
+def ctrl_c_twice():
+    time.sleep(0.05); signal.pthread_kill(main, signal.SIGINT)
+    time.sleep(0.02); signal.pthread_kill(main, signal.SIGINT)
+threading.Thread(target=ctrl_c_twice).start()
+began = time.monotonic()
+try:
+    rdt.get(obj, into=[buf])
+except KeyboardInterrupt:
+    pass
+took = time.monotonic() - began
+seen = buf[0].item()
+time.sleep(0.2)
+print(json.dumps({"took": took, "written_after": buf[0].item() != seen}))
+"""
+
+
+def test_a_second_ctrl_c_in_get_returns_only_once_nothing_writes_into():
+    # The second interrupt came while the first's cancel waited for the transport to let go:
+    # rdt.get returned at once while the transfer still wrote `into=` (its claim let go too).
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _TWICE], capture_output=True, text=True, timeout=120)
+    said = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not said["written_after"] and said["took"] > 0.25, (said, done.stderr[-2000:])

@@ -496,3 +496,36 @@ def test_an_answer_of_many_ranges_arrives_whole_and_in_order():
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("silent", ["no greeting", "no accept"])
+def test_a_cancel_ends_a_connect_and_the_wait_for_the_greeting_at_once(silent):
+    """A fetch's socket is the fetch's from the start: a cancel while it connects (a silent
+    network) or waits for the greeting (a stopped producer still accepts) returned only
+    after CONNECT_S (10 s), with the caller's deadline long past."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(0)
+        waiting = []
+        try:
+            if silent == "no accept":  # fill the accept queue: later SYNs are dropped
+                for _ in range(8):
+                    s = socket.socket()
+                    s.settimeout(0.2)
+                    if s.connect_ex(server.getsockname()) != 0:
+                        s.close()
+                        break
+                    waiting.append(s)
+                else:
+                    pytest.skip("the kernel accepted every connection: no full queue to time out on")
+            fetch = tcp._Fetch()
+            threading.Timer(0.3, fetch.cancel).start()
+            began = time.monotonic()
+            with pytest.raises(OSError):
+                tcp._stream_once(fetch, tcp.TcpMeta(*server.getsockname(), bytes(16)), "obj", 0, [(0, 0, 64)],
+                                 [memoryview(bytearray(64))], None, reuse=False)
+            assert time.monotonic() - began < 2, time.monotonic() - began
+            assert fetch.socks == []
+        finally:
+            for s in waiting:
+                s.close()

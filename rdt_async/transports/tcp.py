@@ -36,9 +36,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import hmac
 import os
 import secrets
+import select
 import socket
 import struct
 import threading
@@ -70,6 +72,7 @@ STREAM_MIN_BYTES = 4 << 20  # a stream for each this many bytes, up to `_streams
 LANDED_STEP = 8 << 20  # a stream tells `TransferInfo.landed` of its bytes in steps of this many
 PACKED_BYTES = 64 << 10  # answers up to this size leave in one send
 CONNECT_S = 10.0  # connecting and the token's arrival
+CONNECT_STEP_S = 0.05  # how often a connect looks whether its fetch was cancelled
 IDLE_CONNECTIONS = 16  # kept per producer, for reuse
 IDLE_S = 60.0  # an idle connection is closed after this long unused
 USER_TIMEOUT_S = 30.0  # bytes sent and unacknowledged this long: the peer is gone
@@ -289,22 +292,30 @@ def _sweep(cutoff: float) -> float | None:  # on the I/O loop
 _sweeper = _segments.IdleSweep(_sweep, lambda: IDLE_S)
 
 
-def _connect(meta: TcpMeta, reuse: bool = True) -> tuple[socket.socket, bool]:
-    """A connection to the producer, and whether it is a kept one (else new)."""
+def _connect(meta: TcpMeta, reuse: bool = True, fetch: _Fetch | None = None) -> tuple[socket.socket, bool]:
+    """A connection to the producer, and whether it is a kept one (else new). `fetch`: the
+    fetch it serves, which holds it from the start (`_Fetch.use`): a cancel ends the
+    connect and the wait for the greeting at once (they take CONNECT_S each at most)."""
     if reuse:
         with _idle_lock:
             pool = _idle.get((meta.host, meta.port, meta.token))
             if pool:
-                return pool.pop()[0], True  # the most recently used
+                sock = pool.pop()[0]  # the most recently used
+                if fetch is not None:
+                    fetch.use(sock)
+                return sock, True
+    sock = socket.socket(socket.AF_INET6 if ":" in meta.host else socket.AF_INET, socket.SOCK_STREAM)
+    if fetch is not None:
+        fetch.use(sock)
     try:
-        sock = socket.create_connection((meta.host, meta.port), timeout=CONNECT_S)
-    except OSError as exc:  # not the caller's deadline: a transfer error (the core asks Ray about the producer)
-        why = f"no answer in {CONNECT_S:g} s" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
-        raise Unreachable(
-            f"cannot reach the producer's tcp listener at {_hostport(meta)} ({why}); where the producer runs, "
-            f"{_net.settings_hint(HOST_ENV)}, or open that port (RDT_PORT_RANGE confines it)"
-        ) from exc
-    try:
+        try:
+            _connect_within(sock, (meta.host, meta.port), fetch)
+        except OSError as exc:  # not the caller's deadline: a transfer error (the core asks Ray about the producer)
+            why = f"no answer in {CONNECT_S:g} s" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
+            raise Unreachable(
+                f"cannot reach the producer's tcp listener at {_hostport(meta)} ({why}); where the producer runs, "
+                f"{_net.settings_hint(HOST_ENV)}, or open that port (RDT_PORT_RANGE confines it)"
+            ) from exc
         sock.settimeout(CONNECT_S)
         _greeted(sock, meta)
         sock.sendall(MAGIC + meta.token)
@@ -314,9 +325,33 @@ def _connect(meta: TcpMeta, reuse: bool = True) -> tuple[socket.socket, bool]:
         sock.settimeout(_stall_s())
         _tune(sock)
     except BaseException:
+        if fetch is not None:
+            fetch.release(sock)
         sock.close()
         raise
     return sock, False
+
+
+def _connect_within(sock: socket.socket, address: tuple[str, int], fetch: _Fetch | None) -> None:
+    """Connect within CONNECT_S, looking every CONNECT_STEP_S whether `fetch` was cancelled
+    (a blocking connect into a silent network cannot be cut short from another thread).
+    Raises: TimeoutError, ConnectionAbortedError (cancelled), the connect's OSError."""
+    sock.setblocking(False)
+    err = sock.connect_ex(address)
+    deadline = time.monotonic() + CONNECT_S
+    while err in (errno.EINPROGRESS, errno.EALREADY, errno.EWOULDBLOCK):
+        if fetch is not None and fetch.cancelled:
+            raise ConnectionAbortedError("the fetch was cancelled while it connected")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"no answer to a connect in {CONNECT_S:g} s")
+        _, writable, _ = select.select([], [sock], [], min(left, CONNECT_STEP_S))
+        if writable:
+            err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            break
+    if err:
+        raise OSError(err, os.strerror(err))
+    sock.setblocking(True)
 
 
 def _greeted(sock: socket.socket, meta: TcpMeta) -> None:
@@ -436,8 +471,7 @@ def _stream_once(
     landed: Landed,
     reuse: bool,
 ) -> bool:
-    sock, reused = _connect(meta, reuse)
-    fetch.use(sock)
+    sock, reused = _connect(meta, reuse, fetch)
     ok = answered = False
     try:
         encoded = obj_id.encode()
