@@ -46,13 +46,14 @@ class Server:
 
     async def follow(self, trainer) -> dict:
         versions, slowest = [], 0.0
-        async for version, weights in rdt.subscribe(trainer, "weights"):  # newer versions, as they come
-            self.version = version  # `weights` is self.weights, just loaded
-            assert all(bool((w == float(version)).all()) for w in weights.values()), version
-            versions.append(version)
-            slowest = max(slowest, rdt.store_stats()["subscriptions"][0]["apply_s"])  # its fetch
-            if version == VERSIONS - 1:
-                break
+        async with rdt.subscribe(trainer, "weights") as subscription:
+            while self.version < VERSIONS - 1:
+                version, weights = await subscription.next(into=self.weights)  # the newest, loaded in place
+                self.version = version  # `weights` is self.weights, holding that version whole
+                assert weights["layer0"] is self.weights["layer0"]
+                assert all(bool((w == float(version)).all()) for w in self.weights.values()), version
+                versions.append(version)
+                slowest = max(slowest, rdt.store_stats()["subscriptions"][0]["apply_s"])  # its fetch
         return {"versions": versions, "slowest": slowest}
 
     async def infer(self, x: float) -> tuple[int, float]:

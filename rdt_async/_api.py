@@ -77,7 +77,8 @@ async def fetch(
 
     `x` is an ObjectRef or an RDTObject (a ref to a plain value returns that value).
     `device` moves the tensors; `into` is a value, list or tensor whose tensors, in
-    order, receive the object's tensors; `tensor_transport` asks for another transport
+    order, receive the object's tensors (a dict naming the same tensors as the value,
+    keys in another order, is matched by name); `tensor_transport` asks for another transport
     the producer can serve than the one it chose (`"object_store"` always can, as Ray's
     `ray.get(ref, _use_object_store=True)`). The caller's loop never blocks; cancelling
     the fetch (or an enclosing `asyncio.timeout`) aborts the transfer.

@@ -68,16 +68,18 @@ def allreduce(
 
     `refs[i]` (an ObjectRef or RDTObject) is held by a different member of one collective
     group, and the refs cover the group; the group is found from the refs, or named by
-    `group`. Every value has the same tensor shapes and dtypes (non-tensor leaves may
-    differ; each result keeps its holder's). `op` is one of sum, prod, min, max, avg
-    (avg needs floating-point tensors). All tensors of one dtype go in one collective.
-    The inputs stay untouched unless `inplace=True`, which reduces into them. The new
-    objects use `tensor_transport`, by default their holder's input's.
+    `group`. Every value has the same tensor shapes and dtypes, under the same names in
+    one order (non-tensor leaves may differ; each result keeps its holder's). `op` is one
+    of sum, prod, min, max, avg (avg needs floating-point tensors). All tensors of one
+    dtype go in one collective. The inputs stay untouched unless `inplace=True`, which
+    reduces into them (inputs returned over the group's own transport). The new objects
+    use `tensor_transport`, by default their holder's input's.
 
     Blocking (driver, sync actors); use `allreduce_async` on an event loop.
     Raises: CollectiveGroupError (holders not covering one group, one holder twice, a
-    broken group), ValueError (mismatched shapes or dtypes, a bad op), PeerDiedError (a
-    member died: the group is broken), ObjectFreedError.
+    broken group), ValueError (mismatched shapes, dtypes or names, a bad op, a dtype or
+    op the backend does not reduce, `inplace=True` over another transport than the
+    group's, no refs), PeerDiedError (a member died: the group is broken), ObjectFreedError.
     """
     raise NotImplementedError  # never runs: blocking_twin replaces it
 
