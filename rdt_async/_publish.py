@@ -235,6 +235,7 @@ class Publisher:
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self._publishing: asyncio.Lock | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the one loop it publishes from
+        self._closing: asyncio.Event | None = None  # set by close(): a publish waiting for a slot gives up
         # Which publisher numbered the versions: a subscription that followed another one
         # of this name (the actor restarted, or closed its publisher and made a new one)
         # takes this one's newest, whatever its number.
@@ -279,7 +280,7 @@ class Publisher:
             self._check_lendable(state_dict)
         loop = asyncio.get_running_loop()
         if self._publishing is None:
-            self._publishing, self._loop = asyncio.Lock(), loop
+            self._publishing, self._loop, self._closing = asyncio.Lock(), loop, asyncio.Event()
         elif loop is not self._loop:
             raise RuntimeError(
                 f"rdt.Publisher {self.name!r}.publish() from a second event loop: it publishes from the loop "
@@ -388,7 +389,10 @@ class Publisher:
 
     async def _free_slot(self, entries: list[_Entry]) -> _Slot | None:
         """A slot nobody reads (made if fewer than `slots` exist), or None to skip."""
+        looked_again = False
         while True:
+            if self.closed:
+                raise RuntimeError(f"rdt.Publisher {self.name!r} was closed while this version waited for a slot")
             _io.settle()  # views dropped just now: their frees have run
             newest = self._newest
             for slot in self._slots:
@@ -405,13 +409,22 @@ class Publisher:
                 self._slots.append(slot)
                 return slot
             if self.when_full == "skip":
-                return None
-            # Wait for any slot but the newest's to be let go.
-            waits = [
+                if looked_again:
+                    return None
+                # The versions this publisher let go of just now are freed on the I/O loop
+                # (their last ref's word, `_object._on_anchor_gone`): after a turn of it,
+                # look once more (two slots, published back to back, skipped every other).
+                looked_again = True
+                await _io.start(_turn())
+                continue
+            # Wait for any slot but the newest's to be let go, or for `close()`.
+            waits: list[asyncio.Future[Any]] = [
                 asyncio.ensure_future(store.wait_freed(s.base))
                 for s in self._slots
                 if newest is None or s.version != newest.number
             ]
+            assert self._closing is not None  # (made with the publishing loop)
+            waits.append(asyncio.ensure_future(self._closing.wait()))
             try:
                 await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             finally:
@@ -440,6 +453,11 @@ class Publisher:
             self.closed = True
             self._newest = None
             waiters, self._waiters = self._waiters, []
+        if self._loop is not None and self._closing is not None:  # a publish() waiting for a slot gives up
+            try:
+                self._loop.call_soon_threadsafe(self._closing.set)  # (close() may come from another thread)
+            except RuntimeError:  # that loop is closed: nobody waits there
+                pass
         with _publishers_lock:
             if _publishers.get(self.name) is self:
                 del _publishers[self.name]
@@ -908,6 +926,11 @@ class VersionStream:
         from ._api import fetch
 
         i = self._next
+        if i == 0 and self._into is not None and self._tasks and self._tasks[0] is None:
+            # From the first write on, `into=` holds no whole version until the last chunk
+            # lands (`_took`), however the stream ends: broken out of with the stream kept
+            # in a name, nothing else would say so before it is collected.
+            self._sub.version = None
         for j in range(i, min(i + 1 + FETCH_AHEAD, self.chunks)):
             if self._tasks[j] is None:
                 started = asyncio.ensure_future(fetch(self._objs[j], into=self._targets[j]))
@@ -967,6 +990,10 @@ class VersionStream:
 
     def __repr__(self) -> str:
         return f"rdt.VersionStream({self._sub.name!r}, version={self.version}, landed={self.landed}/{self.chunks})"
+
+
+async def _turn() -> None:
+    """Nothing, on the I/O loop: awaited, a turn of it (what it was told before has run)."""
 
 
 def _retrieved(task: asyncio.Future[Any]) -> None:

@@ -246,6 +246,18 @@ class Server:
         del stream
         return {"version": version, "seen": seen, "taken": sub.version}
 
+    async def break_kept(self, trainer, name: str) -> int | None:
+        """Break out of a stream into the buffers after its first tensor, the stream still in
+        a name: what the subscription says meanwhile."""
+        sub = self.subs.setdefault(name, rdt.subscribe(trainer, name))
+        stream = sub.stream(into=self.buffers)
+        async for _ in stream:
+            break
+        said = sub.version
+        await asyncio.sleep(0.2)  # the fetches it started ahead land meanwhile
+        await stream.aclose()
+        return said
+
     async def cut_next(self, trainer, name: str) -> list:
         """`next(into=)` whose transfer breaks off once its bytes were written (the transfer
         itself is real: the failure after it stands in for a partition midway): what it
@@ -754,6 +766,51 @@ def test_into_tensors_left_holding_a_mix_say_so_and_the_next_step_makes_them_who
             assert (version, exact, taken) == (2, True, 2)  # the same version again, whole
     finally:
         ray.get(trainer.close.remote("mix"))
+
+
+def test_a_stream_broken_out_of_and_kept_says_its_buffers_hold_no_whole_version(actors):
+    # Python closes no class-based iterator at a `break`: a stream kept in a name went on
+    # landing chunks in `into=` while the subscription still named the version before.
+    trainer, here, _ = actors
+    ray.get(trainer.open.remote("kept", 2, "skip", 1 << 20))  # 4 chunks a version
+    try:
+        assert ray.get(trainer.publish.remote("kept")) == [0]
+        assert ray.get(here[0].follow.remote(trainer, "kept", 0, into=True), timeout=60) == [(0, True)]
+        assert ray.get(trainer.publish.remote("kept")) == [1]
+        assert ray.get(here[0].break_kept.remote(trainer, "kept"), timeout=60) is None
+        assert ray.get(here[0].follow.remote(trainer, "kept", 1, into=True), timeout=60) == [(1, True)]
+    finally:
+        ray.get(trainer.close.remote("kept"))
+
+
+def test_close_ends_a_publish_waiting_for_a_slot_at_once(actors):
+    # It waited on while a subscriber kept its view, and once one was let go it made a
+    # fresh slot and copied the whole version into it, to raise after.
+    trainer, here, _ = actors
+    ray.get(trainer.open.remote("closing", 2, "wait"))
+    ray.get(trainer.publish.remote("closing"))
+    assert ray.get(here[0].keep_next.remote(trainer, "closing")) == 0  # version 0's slot viewed
+    ray.get(trainer.publish.remote("closing"))  # version 1: the other slot; both busy now
+    waiting = trainer.publish.remote("closing")
+    time.sleep(0.5)
+    began = time.monotonic()
+    ray.get(trainer.close.remote("closing"))
+    with pytest.raises(ray.exceptions.RayTaskError, match="was closed while this version waited for a slot"):
+        ray.get(waiting, timeout=30)
+    assert time.monotonic() - began < 5
+    ray.get(here[0].drop.remote())
+
+
+def test_two_slots_published_back_to_back_skip_none_nobody_reads(actors):
+    # The versions a publisher lets go of are freed on the I/O loop: with two slots and no
+    # subscriber, `when_full="skip"` skipped nearly every other version published at once.
+    trainer, _, _ = actors
+    ray.get(trainer.open.remote("b2b", 2, "skip"))
+    try:
+        published = ray.get(trainer.publish.remote("b2b", 20))
+        assert published.count(None) <= 1, published
+    finally:
+        ray.get(trainer.close.remote("b2b"))
 
 
 def test_a_subscriber_in_the_publishing_process_keeps_what_it_took_while_slots_are_recycled(actors):
