@@ -391,3 +391,29 @@ def test_a_registration_nixl_refuses_twice_fails_with_what_was_asked_and_how_to_
     assert calls["register_memory"] == 2
     after = registered()
     assert after["storages"] == before["storages"] and after["held_storages"] == before["held_storages"]
+
+
+def test_two_storages_at_one_address_are_registered_as_two_regions():
+    # `torch.from_numpy` of an array's first slice and of the array: two storages that start
+    # at one address, of 64 bytes and 256 KiB. Keyed by address alone, the second took the
+    # first's registration: its metadata declared 64 bytes, and every fetch of it failed as
+    # an altered ref ("outside every region the producer registered").
+    import numpy as np
+
+    from rdt_async.transports import _registry
+    from rdt_async.transports._base import TensorSpec, TransferInfo
+    from rdt_async.transports.nixl._check import check
+
+    array = np.arange(1 << 16, dtype=np.float32)
+    small, big = torch.from_numpy(array[:16]), torch.from_numpy(array)
+    assert small.untyped_storage().data_ptr() == big.untyped_storage().data_ptr()
+    nixl = _registry.transport("nixl")
+    objs = {"ab" * 12: small, "cd" * 12: big}
+    metas = {obj_id: nixl.prepare(obj_id, [t]) for obj_id, t in objs.items()}
+    try:
+        for obj_id, t in objs.items():
+            meta = metas[obj_id]
+            check(TransferInfo(obj_id, (TensorSpec.of(t),), meta, producer_pid=meta.pid), meta.pid)
+    finally:
+        for obj_id, meta in metas.items():
+            nixl.garbage_collect(obj_id, meta)

@@ -30,7 +30,10 @@ from ... import _io
 from ..._errors import BackendError
 from ._agent import Agent
 
-Key = tuple[str, int, int]  # memory type, device index, storage address
+# Memory type, device index, the storage's address and size: two storages at one address
+# (`from_numpy` of an array and of its first slice, `frombuffer`, DLPack) are two regions
+# (the first one's region served the other's tensors past its end: "outside every region").
+Key = tuple[str, int, int, int]
 _log = logging.getLogger("rdt_async")
 RETRY_S = 0.05  # pause before the second call into NIXL of a refused registration
 INLINE_MAX = 64  # new CPU storages a fetch registers on the I/O loop (~2-5 us each); more go to the pool
@@ -199,7 +202,8 @@ class Registrations:
         new: dict[str, dict[Key, tuple[torch.Tensor, int]]] = {}
         with self._lock:
             for t in tensors:
-                key = (mem_type(t), dev_index(t), t.untyped_storage().data_ptr())
+                storage = t.untyped_storage()
+                key = (mem_type(t), dev_index(t), storage.data_ptr(), storage.nbytes())
                 keys.append(key)
                 reg = self._regs.get(key)
                 if reg is not None:

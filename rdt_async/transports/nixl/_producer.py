@@ -34,7 +34,10 @@ from ._liveness import Slots
 from ._memory import Key, Registrations, dev_index, mem_type
 from ._meta import NixlMeta
 
-LINGER_S, LINGER_MAX_S, LINGER_BYTES_PER_S = 0.05, 10.0, float(1 << 30)
+# How long a freed object's memory stays registered for READs already under way: their
+# bytes' time at LINGER_BYTES_PER_S, under what `auto` expects of NIXL across hosts (~0.86
+# GB/s). (A READ that outlives it fails, or reads bytes its liveness token then refuses.)
+LINGER_S, LINGER_MAX_S, LINGER_BYTES_PER_S = 0.05, 10.0, float(512 << 20)
 
 
 @dataclass
