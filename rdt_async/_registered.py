@@ -35,8 +35,8 @@ class MemoryRegistration:
     def __init__(self, transport: Transport[Any], token: Any, tensors: Sequence[torch.Tensor]) -> None:
         self.transport = transport.name
         self.tensors = len(tensors)
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-        self.nbytes = sum(storages.values())  # each storage is registered whole, once
+        storages = {(s.data_ptr(), s.nbytes()) for s in (t.untyped_storage() for t in tensors)}
+        self.nbytes = sum(n for _, n in storages)  # each storage is registered whole, once
         self._impl, self._token = transport, token
         self._lock = threading.Lock()
         self._closed = False
