@@ -213,6 +213,23 @@ def test_bad_stream_setting_names_the_fix(monkeypatch):
     assert tcp._streams() == 2
 
 
+def _fill_accept_queue(server: socket.socket) -> list[socket.socket]:
+    """Connect to a listener that never accepts until its queue is full (its length is the
+    kernel's business): a later connect's SYN is dropped. The connections made (close
+    them); skips the test where the kernel accepted every one."""
+    made = []
+    for _ in range(8):
+        s = socket.socket()
+        s.settimeout(0.2)
+        if s.connect_ex(server.getsockname()) != 0:
+            s.close()
+            return made
+        made.append(s)
+    for s in made:
+        s.close()
+    pytest.skip("the kernel accepted every connection: no full queue to time out on")
+
+
 def test_a_producer_that_does_not_answer_is_a_transfer_error_not_a_timeout(monkeypatch):
     """A connect that times out is the transfer's failure (so the core asks Ray whether the
     producer died), never the builtin TimeoutError that means the caller's own deadline."""
@@ -224,15 +241,7 @@ def test_a_producer_that_does_not_answer_is_a_transfer_error_not_a_timeout(monke
         full.listen(0)  # never accepted: one connection fills the queue, later SYNs are dropped
         waiting = []
         try:
-            for _ in range(8):  # fill the accept queue (its length is the kernel's business)
-                s = socket.socket()
-                s.settimeout(0.2)
-                if s.connect_ex(full.getsockname()) != 0:
-                    s.close()
-                    break
-                waiting.append(s)
-            else:
-                pytest.skip("the kernel accepted every connection: no full queue to time out on")
+            waiting += _fill_accept_queue(full)
             meta = tcp.TcpMeta(*full.getsockname(), bytes(16))
             t0 = time.monotonic()
             with pytest.raises(rdt.TransferError, match=r"failed in tcp: Unreachable: cannot reach the producer's tcp listener at 127\.0\.0\.1:\d+ \(no answer in 0\.3 s\); where the producer runs, set RDT_TCP_HOST"):
@@ -508,16 +517,8 @@ def test_a_cancel_ends_a_connect_and_the_wait_for_the_greeting_at_once(silent):
         server.listen(0)
         waiting = []
         try:
-            if silent == "no accept":  # fill the accept queue: later SYNs are dropped
-                for _ in range(8):
-                    s = socket.socket()
-                    s.settimeout(0.2)
-                    if s.connect_ex(server.getsockname()) != 0:
-                        s.close()
-                        break
-                    waiting.append(s)
-                else:
-                    pytest.skip("the kernel accepted every connection: no full queue to time out on")
+            if silent == "no accept":  # later SYNs are dropped
+                waiting += _fill_accept_queue(server)
             fetch = tcp._Fetch()
             threading.Timer(0.3, fetch.cancel).start()
             began = time.monotonic()
