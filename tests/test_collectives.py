@@ -367,3 +367,18 @@ def test_a_member_killed_mid_collective_gives_peer_died_and_breaks_the_group_in_
         assert rdt.get(out[1], timeout=60).tolist() == [2.0] * 4
     finally:
         rdt.destroy_collective_group(g2)
+
+
+def test_allgather_and_broadcast_move_dtypes_gloo_does_not(four):
+    # They only move bytes: Gloo refused int16, unsigned, float8 and complex tensors inside
+    # the collective ("Invalid scalar type"), which broke the group in every member.
+    workers, group = four
+    values = [torch.arange(4, dtype=torch.int16) + 10 * i for i in range(4)]
+    refs = [w.value.remote({"s": v, "c": v.to(torch.complex64) * 1j}) for w, v in zip(workers, values)]
+    gathered = rdt.get(rdt.allgather(refs)[2], timeout=60)
+    assert [g["s"].tolist() for g in gathered] == [v.tolist() for v in values]
+    assert all(torch.equal(g["c"], v.to(torch.complex64) * 1j) for g, v in zip(gathered, values))
+    got = rdt.get(rdt.broadcast(refs[1], to=[workers[3]], group=group)[0], timeout=60)
+    assert got["s"].dtype == torch.int16 and got["s"].tolist() == values[1].tolist()
+    assert torch.equal(got["c"], values[1].to(torch.complex64) * 1j)
+    assert all(b is None for b in ray.get([w.broken.remote("coll-four") for w in workers]))

@@ -81,7 +81,7 @@ def _broadcast(group: Group, part: Broadcast, inputs: Any, buffers: Buffers, dev
         for i, v in zip(idx, _views(buf, [shapes[i] for i in idx])):
             out[i] = v
         if n:
-            works.append(group.pg.broadcast([buf], opts))
+            works.append(group.pg.broadcast([_bytes(buf)], opts))
     _wait(group, works)
     return _tree.unflatten(part.skeleton, out) if part.keep else None
 
@@ -103,7 +103,7 @@ def _allgather(group: Group, part: Allgather, inputs: Any, buffers: Buffers, dev
                 per_rank[r][i] = v
         held.append(inp)
         if n:
-            works.append(group.pg._allgather_base(out, inp))
+            works.append(group.pg._allgather_base(_bytes(out), _bytes(inp)))
     _wait(group, works)
     return [_tree.unflatten(part.skeletons[p], per_rank[r]) for p, r in enumerate(part.order)]
 
@@ -173,6 +173,13 @@ def _flat(tensors: Inputs, idx: list[int]) -> torch.Tensor | None:
     if tensors is None or len(idx) != 1 or not tensors[idx[0]].is_contiguous():
         return None
     return tensors[idx[0]].view(-1)
+
+
+def _bytes(buf: torch.Tensor) -> torch.Tensor:
+    """A flat buffer as its bytes, for a collective that only moves them (broadcast,
+    allgather): any dtype goes (Gloo moves no int16, uint16/32/64, float8 or complex
+    tensors: "Invalid scalar type", which broke the group in every member)."""
+    return buf.view(torch.uint8)
 
 
 def _wait(group: Group, works: list[Any]) -> None:
