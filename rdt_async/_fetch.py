@@ -36,7 +36,7 @@ from ._errors import (
     translating,
 )
 from ._fetched import fetched
-from ._local import copy_into
+from ._local import copy_into, in_buffers
 from ._object import RDTObject
 from ._store import log, shared_with_producer, store
 from .transports import _registry
@@ -92,7 +92,7 @@ async def fetch_object(
                 name = "relay" if relayed else used[0]
             else:
                 tensors, name = await _fetch_over(obj, transport, info, buffers, asked=tensor_transport)
-            if buffers is not None and _landed(tensors, buffers):
+            if buffers is not None and in_buffers(tensors, buffers):
                 buffers = None  # written (a transport that handed back tensors of its own: copied below)
         if buffers:
             tensors = await _copy(buffers, tensors, obj.nbytes)
@@ -151,14 +151,6 @@ def _lost(obj: RDTObject) -> None:
 def _info(obj: RDTObject, meta: Any) -> TransferInfo[Any]:
     """What a transport is told of `obj` to fetch it with `meta`."""
     return TransferInfo(obj.obj_id, obj.specs, meta, hold=obj, producer_pid=obj.producer.pid, producer_node=obj.producer.node_id)
-
-
-def _landed(tensors: list[torch.Tensor], buffers: list[torch.Tensor]) -> bool:
-    """Whether `tensors` are the caller's `buffers` (the read landed there), not views of a
-    memfd or tensors a transport made of its own."""
-    return len(tensors) == len(buffers) and all(
-        t.data_ptr() == b.data_ptr() or b.numel() == 0 for t, b in zip(tensors, buffers)
-    )
 
 
 async def _fetch_over(
@@ -411,7 +403,7 @@ def _begin(
                 raise _died(obj, name, exc) from exc  # one-sided reads on this node (shm)
             raise
         if now is not None:
-            if buffers is not None and not _landed(now, buffers):
+            if buffers is not None and not in_buffers(now, buffers):
                 return _Done(now, buffers, name, writes)  # a transport's own tensors: copied by the caller
             if writes is not None:
                 copy_into(*writes.tied(now))  # (a tensor under two names, into two buffers)

@@ -55,6 +55,14 @@ def view_in(buffer: Any, spec: TensorSpec, offset: int) -> torch.Tensor:
     return torch.frombuffer(buffer, dtype=spec.dtype, count=numel, offset=offset).view(spec.shape)
 
 
+def in_buffers(tensors: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> bool:
+    """Whether `tensors` are `buffers` (a transfer landed in them), not tensors of other
+    memory (a memfd's views, a transport's own) that are still to be copied there."""
+    return len(tensors) == len(buffers) and all(
+        t.data_ptr() == b.data_ptr() or b.numel() == 0 for t, b in zip(tensors, buffers)
+    )
+
+
 def copy_into(buffers: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Copy each source into its buffer (a blocking call: run it in the pool)."""
     for dst, src in zip(buffers, sources):

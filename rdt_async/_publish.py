@@ -860,7 +860,6 @@ class VersionStream:
         self._ready: collections.deque[tuple[str, torch.Tensor]] = collections.deque()
         self._next = 0  # the chunk to hand over next
         self._taken: tuple[str, float, bool, float] | None = None  # incarnation, published_at, waited, started
-        self._received = 0  # the subscription's count when this stream's version was answered
         self._started = self._ended = False
 
     @property
@@ -919,7 +918,6 @@ class VersionStream:
         self._objs, self._names, self._targets = list(objs), names, targets
         self._tasks = [None] * len(objs)
         self._taken = (incarnation, published_at, waited, started)
-        self._received = sub.received
 
     async def _land(self) -> None:
         """Fetch ahead, then wait for the next chunk and queue its tensors."""
@@ -962,25 +960,15 @@ class VersionStream:
 
     def _drop(self) -> None:
         self._ended = True
-        self._torn()
+        self._taken = None  # (stopped before its last tensor landed, `into=` says no version: `_land`)
         for t in self._tasks:
             if t is not None:
                 t.cancel()
         self._tasks, self._objs, self._targets = [], [], []
         self._ready.clear()
 
-    def _torn(self) -> None:
-        """Stopped before the version's last tensor landed, with `into=` tensors written
-        (some of them perhaps): they hold a mix, so the subscription holds no whole version."""
-        started = self._next > 0 or any(t is not None for t in self._tasks)
-        # (Unless the subscription took a version since, landing all of it after these writes.)
-        if self._taken is not None and self._into is not None and started and self._sub.received == self._received:
-            self._sub.version = None
-        self._taken = None
-
     def __del__(self) -> None:
         # Broken out of without aclose: the fetches in flight stop (their cancel releases).
-        self._torn()
         for t in self._tasks:
             if t is not None and not t.done():
                 try:

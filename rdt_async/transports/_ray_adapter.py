@@ -49,7 +49,7 @@ import torch
 
 from .. import _cuda, _io
 from .._errors import TransferError, TransportUnavailableError
-from .._local import copy_into
+from .._local import copy_into, in_buffers
 from ._base import Channel, TensorSpec, TransferInfo, Transport
 from ._kit import local_device
 
@@ -200,13 +200,10 @@ class RayManagerTransport(Transport[RayMeta]):
                 if fut.exception() is not None:
                     raise fut.exception()  # type: ignore[misc]
             got = _checked(info, recv.result(), self.name)
-            if buffers is None and scratch is not None and not all(
-                g.data_ptr() == s.data_ptr() or s.numel() == 0 for g, s in zip(got, scratch)
-            ):
-                return await _io.to_thread_finished(_cuda.settled, copy_into, scratch, got)
-            if buffers is None:
+            mine = buffers if buffers is not None else scratch  # the tensors the caller gets: its own
+            if mine is None or in_buffers(got, mine):
                 return got
-            return await _io.to_thread_finished(_cuda.settled, copy_into, buffers, got)
+            return await _io.to_thread_finished(_cuda.settled, copy_into, mine, got)
         except BaseException:
             await self._abort(info.obj_id, comm, recv, channel, token)
             raise

@@ -454,8 +454,7 @@ def _check_shared(sh: Any, spec: TensorSpec, i: int, producer_pid: int | None, b
     if spec.nbytes:
         if min(sh.stride, default=0) < 0:
             raise bad(f"tensor {i}'s stride {sh.stride} is negative")
-        last = sh.offset + sum((n - 1) * st for n, st in zip(spec.shape, sh.stride))
-        if (last + 1) * spec.dtype.itemsize > sh.nbytes:
+        if _end(spec, sh) > sh.nbytes:
             raise bad(
                 f"tensor {i} ({list(spec.shape)}, stride {sh.stride}, offset {sh.offset}) reaches past its "
                 f"storage of {sh.nbytes} bytes"
@@ -513,11 +512,15 @@ def _lent_view(mapping: Any, spec: TensorSpec, sh: Shared) -> torch.Tensor:
     """The tensor `sh` lends of a shared storage mapped whole (`mapping`), over a storage of
     the bytes it reaches alone: the rest of the producer's storage (what its other tensors,
     or none of the object's, hold) is not reachable through it (`untyped_storage()`)."""
-    size = spec.dtype.itemsize
-    first = sh.offset * size
-    end = (sh.offset + sum((n - 1) * st for n, st in zip(spec.shape, sh.stride)) + 1) * size  # (checked: within)
-    own = torch.frombuffer(mapping, dtype=torch.uint8, count=end - first, offset=first)
+    first = sh.offset * spec.dtype.itemsize
+    own = torch.frombuffer(mapping, dtype=torch.uint8, count=_end(spec, sh) - first, offset=first)  # (checked: within)
     return own.view(spec.dtype).as_strided(spec.shape, sh.stride, 0)
+
+
+def _end(spec: TensorSpec, sh: Shared) -> int:
+    """One past the last byte of its storage that a view of `spec` at `sh` reaches (it has
+    elements, and no negative stride)."""
+    return (sh.offset + sum((n - 1) * st for n, st in zip(spec.shape, sh.stride)) + 1) * spec.dtype.itemsize
 
 
 def _open_shared(info: TransferInfo[ShmMeta], sh: Shared, views: dict[int, tuple[Any, ...]]) -> int:

@@ -67,6 +67,7 @@ from ._kit import delivered, int_setting, landing_buffers, sizes_digest
 
 MAGIC = b"RDT1"
 GREETING = b"RDT-TCP-GREETING"  # what the listener's first bytes prove, keyed with its token (`_greeting`)
+GREETING_BYTES = 16
 HELD, FREED, ALTERED = b"\x01", b"\x02", b"\x03"
 STREAM_MIN_BYTES = 4 << 20  # a stream for each this many bytes, up to `_streams()`
 LANDED_STEP = 8 << 20  # a stream tells `TransferInfo.landed` of its bytes in steps of this many
@@ -199,7 +200,7 @@ def _greeting(token: bytes) -> bytes:
     A ref's address and token are input from another process: a consumer that sent them
     to whatever listens there would hand a crafted ref's 16 bytes to any service it names
     (a line-based one reads a command in them). It sends nothing until this arrives."""
-    return hmac.digest(token, GREETING, "sha256")[:16]
+    return hmac.digest(token, GREETING, "sha256")[:GREETING_BYTES]
 
 
 def _answer(conn: socket.socket, store: Keeper) -> bool:
@@ -358,7 +359,7 @@ def _greeted(sock: socket.socket, meta: TcpMeta) -> None:
     """Wait for the listener's greeting (`_greeting`); raise Unreachable where what listens
     at the ref's address is not the producer's listener, or says nothing in CONNECT_S."""
     try:
-        said = _recv_exact(sock, 16)
+        said = _recv_exact(sock, GREETING_BYTES)
     except (TimeoutError, ConnectionError) as exc:
         why = f"no greeting in {CONNECT_S:g} s" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
         raise Unreachable(
