@@ -7,9 +7,11 @@ needs handles without that count. Nothing here runs before a transport asks for 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import threading
+from collections.abc import Iterator
 
 CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
 HANDLE_BYTES = 64
@@ -55,52 +57,71 @@ _contexts: dict[int, int] = {}  # device ordinal -> its primary context (kept by
 _lock = threading.Lock()
 
 
-def use_device(ordinal: int) -> None:
-    """Make device `ordinal`'s primary context (torch's) current on this thread."""
-    lib = _lib()
+def _primary(ordinal: int) -> int:
+    """Device `ordinal`'s primary context (torch's), retained once per process."""
     with _lock:
         ctx = _contexts.get(ordinal)
         if ctx is None:
+            lib = _lib()
             dev, c = ctypes.c_int(), ctypes.c_void_p()
             _check("cuDeviceGet", lib.cuDeviceGet(ctypes.byref(dev), ordinal))
             _check("cuDevicePrimaryCtxRetain", lib.cuDevicePrimaryCtxRetain(ctypes.byref(c), dev))
-            ctx = _contexts[ordinal] = c.value or 0  # retained once per process: torch holds it too
+            ctx = _contexts[ordinal] = c.value or 0  # torch holds it too
+    return ctx
+
+
+@contextlib.contextmanager
+def on_device(ordinal: int) -> Iterator[None]:
+    """Make device `ordinal`'s primary context current on this thread for the block, then
+    the one that was current before again.
+
+    Setting a context current is what cudaSetDevice does: left so, the caller's thread
+    (a producer's own, which exports inline) would allocate on `ordinal` from then on.
+    """
+    lib = _lib()
+    ctx = _primary(ordinal)
     current = ctypes.c_void_p()
     _check("cuCtxGetCurrent", lib.cuCtxGetCurrent(ctypes.byref(current)))
-    if (current.value or 0) != ctx:
+    before = current.value or 0
+    if before != ctx:
         _check("cuCtxSetCurrent", lib.cuCtxSetCurrent(ctx))
+    try:
+        yield
+    finally:
+        if before != ctx:
+            _check("cuCtxSetCurrent", lib.cuCtxSetCurrent(before or None))
 
 
 def export(ptr: int, ordinal: int) -> tuple[bytes, int, int]:
     """Return the IPC handle of the allocation holding `ptr`, its base address and size."""
-    use_device(ordinal)
     lib = _lib()
     base, size = ctypes.c_uint64(), ctypes.c_size_t()
-    _check("cuMemGetAddressRange", lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr))
     handle = _Handle()
-    _check("cuIpcGetMemHandle", lib.cuIpcGetMemHandle(ctypes.byref(handle), base.value))
+    with on_device(ordinal):
+        _check("cuMemGetAddressRange", lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr))
+        _check("cuIpcGetMemHandle", lib.cuIpcGetMemHandle(ctypes.byref(handle), base.value))
     return ctypes.string_at(ctypes.addressof(handle), HANDLE_BYTES), base.value, size.value  # NULs and all
 
 
 def open_handle(handle: bytes, ordinal: int) -> int:
     """Map another process's allocation on device `ordinal` here; return its address."""
-    use_device(ordinal)
     h = _Handle()
     ctypes.memmove(ctypes.addressof(h), handle, HANDLE_BYTES)
     ptr = ctypes.c_uint64()
-    _check("cuIpcOpenMemHandle", _lib().cuIpcOpenMemHandle_v2(ctypes.byref(ptr), h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS))
+    with on_device(ordinal):
+        _check("cuIpcOpenMemHandle", _lib().cuIpcOpenMemHandle_v2(ctypes.byref(ptr), h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS))
     return ptr.value
 
 
 def bytes_from(ptr: int, ordinal: int) -> int:
     """How many bytes of its allocation (ours, or one mapped here) lie from `ptr` on."""
-    use_device(ordinal)
     base, size = ctypes.c_uint64(), ctypes.c_size_t()
-    _check("cuMemGetAddressRange", _lib().cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr))
+    with on_device(ordinal):
+        _check("cuMemGetAddressRange", _lib().cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr))
     return int(base.value + size.value - ptr)
 
 
 def close_handle(ptr: int, ordinal: int) -> None:
     """Unmap what `open_handle` mapped."""
-    use_device(ordinal)
-    _check("cuIpcCloseMemHandle", _lib().cuIpcCloseMemHandle(ptr))
+    with on_device(ordinal):
+        _check("cuIpcCloseMemHandle", _lib().cuIpcCloseMemHandle(ptr))

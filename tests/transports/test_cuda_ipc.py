@@ -1,0 +1,99 @@
+"""cuda_ipc's bookkeeping, on any machine: the liveness table is real shared memory and the
+pids real processes; only what needs a GPU (the driver's calls, the device copy) is a
+stand-in. The transfers themselves run in the contract suite on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import pytest
+
+from rdt_async.transports import _cudadrv
+
+
+class FakeDriver:
+    """libcuda's calls that `_cudadrv` makes, with a current context per thread (device i's
+    primary context is CTX + i) and the context each call ran in."""
+
+    CTX = 0x1000
+
+    def __init__(self, fail: dict[str, int] | None = None) -> None:
+        self.tls = threading.local()
+        self.fail = fail or {}
+        self.ran_in: list[tuple[str, int | None]] = []
+
+    def current(self) -> int | None:
+        return getattr(self.tls, "ctx", None)
+
+    def _call(self, name: str) -> int:
+        self.ran_in.append((name, self.current()))
+        return self.fail.get(name, 0)
+
+    def cuDeviceGet(self, dev, ordinal):
+        dev._obj.value = ordinal
+        return 0
+
+    def cuDevicePrimaryCtxRetain(self, ctx, dev):
+        ctx._obj.value = self.CTX + dev.value
+        return 0
+
+    def cuCtxGetCurrent(self, ctx):
+        ctx._obj.value = self.current()
+        return 0
+
+    def cuCtxSetCurrent(self, ctx):
+        self.tls.ctx = ctx
+        return 0
+
+    def cuGetErrorString(self, code, msg):
+        msg._obj.value = b"stand-in error"
+        return 0
+
+    def cuMemGetAddressRange_v2(self, base, size, ptr):
+        base._obj.value, size._obj.value = ptr & ~0xFFFF, 1 << 20
+        return self._call("cuMemGetAddressRange")
+
+    def cuIpcGetMemHandle(self, handle, base):
+        ctypes.memmove(ctypes.addressof(handle._obj), b"h" * _cudadrv.HANDLE_BYTES, _cudadrv.HANDLE_BYTES)
+        return self._call("cuIpcGetMemHandle")
+
+    def cuIpcOpenMemHandle_v2(self, ptr, handle, flags):
+        ptr._obj.value = 0x7000_0000
+        return self._call("cuIpcOpenMemHandle")
+
+    def cuIpcCloseMemHandle(self, ptr):
+        return self._call("cuIpcCloseMemHandle")
+
+
+@pytest.fixture
+def driver(monkeypatch):
+    fake = FakeDriver()
+    monkeypatch.setattr(_cudadrv, "_lib", lambda: fake)
+    monkeypatch.setattr(_cudadrv, "_contexts", {})
+    return fake
+
+
+@pytest.mark.parametrize("before", [FakeDriver.CTX, None], ids=["on-cuda0", "no-context"])
+def test_driver_calls_run_in_the_devices_context_and_leave_the_callers_current(driver, before):
+    """A producer on cuda:0 that returns a tensor of cuda:1 exports it on its own thread
+    (cuda_ipc prepares inline): its thread must still work on cuda:0 afterwards, as must
+    the pool threads that map and unmap for consumers."""
+    driver.tls.ctx = before
+    cuda1 = FakeDriver.CTX + 1
+    handle, base, size = _cudadrv.export(0x7F00_1234, 1)
+    assert (handle, base, size) == (b"h" * 64, 0x7F00_0000, 1 << 20)
+    assert driver.current() == before
+    address = _cudadrv.open_handle(handle, 1)
+    assert _cudadrv.bytes_from(address + 16, 1) == (1 << 20) - 16
+    _cudadrv.close_handle(address, 1)
+    assert driver.current() == before
+    assert driver.ran_in == [
+        ("cuMemGetAddressRange", cuda1), ("cuIpcGetMemHandle", cuda1), ("cuIpcOpenMemHandle", cuda1),
+        ("cuMemGetAddressRange", cuda1), ("cuIpcCloseMemHandle", cuda1),
+    ]
+    driver.fail["cuIpcOpenMemHandle"] = 217
+    with pytest.raises(_cudadrv.CudaDriverError, match=r"cuIpcOpenMemHandle failed: CUDA error 217 \(stand-in error\)"):
+        _cudadrv.open_handle(handle, 1)
+    assert driver.current() == before  # restored on failure too
