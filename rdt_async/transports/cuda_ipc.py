@@ -258,15 +258,20 @@ class CudaIpcTransport(Transport[CudaIpcMeta]):
     ) -> list[torch.Tensor]:
         meta = _checked(info)
         self._check_live(info)
-        out = [
-            b if b is not None else torch.empty(s.shape, dtype=s.dtype, device=_device_of(m))
-            for b, s, m in zip(or_none(buffers, len(info.specs)), info.specs, meta.tensors)
-        ]
-        pairs = [(o, m) for o, m in zip(out, meta.tensors) if m is not None]
-        if not pairs:
-            return out
-        with _mappings.using([m for _, m in pairs]) as use:
-            await use.mapped()
+        read = [m for m in meta.tensors if m is not None]
+        with _mappings.using(read) as use:
+            if read:
+                await use.mapped()
+            # A fresh tensor lands on the device its segment is mapped on (one device copy):
+            # the mapping's, shared by every fetch of it, whatever this thread's device is.
+            devices = iter(use.devices)
+            out = []
+            for b, s, m in zip(or_none(buffers, len(info.specs)), info.specs, meta.tensors):
+                device = next(devices) if m is not None else torch.device("cuda")
+                out.append(b if b is not None else torch.empty(s.shape, dtype=s.dtype, device=device))
+            pairs = [(o, m) for o, m in zip(out, meta.tensors) if m is not None]
+            if not pairs:
+                return out
             if any(o.device.type != "cuda" or not o.is_contiguous() for o, _ in pairs):
                 # Into CPU (or strided) buffers: a blocking copy, off the loop.
                 await _io.to_thread_finished(_copy_blocking, pairs, use.sources)
@@ -416,13 +421,10 @@ def _export(t: torch.Tensor, nbytes: int) -> IpcTensor:
 
 
 def _map_index(m: IpcTensor) -> int:
-    """The device a segment is mapped (and lands) on here: the producer's GPU, else (hidden here) the current one."""
+    """The device a segment is mapped on here when first mapped: the producer's GPU, else (hidden
+    here: peer access) this thread's current one. Every fetch of it lands there while it stays mapped."""
     index = _uuids().get(m.device_uuid)
     return index if index is not None else torch.cuda.current_device()
-
-
-def _device_of(m: IpcTensor | None) -> torch.device:
-    return torch.device("cuda", _map_index(m) if m is not None else torch.cuda.current_device())
 
 
 @dataclass
@@ -452,15 +454,16 @@ class _Mappings:
     def using(self, tensors: list[IpcTensor]) -> _Use:
         return _Use(self, tensors)
 
-    def acquire(self, m: IpcTensor) -> concurrent.futures.Future[tuple[int, int]]:
-        """Count a user of `m`'s segment; the future gives its address here once mapped, and its size."""
+    def acquire(self, m: IpcTensor) -> _Mapped:
+        """Count a user of `m`'s segment; return its mapping (its future gives the segment's
+        address here once mapped, and its size)."""
         with self._lock:
             entry = self._maps.get(m.handle)
             if entry is None:
                 entry = self._maps[m.handle] = _Mapped(concurrent.futures.Future(), _map_index(m))
                 _io.pool().submit(_open_into, entry.future, m.handle, entry.index, m.device_uuid)
             entry.users += 1
-            return entry.future
+            return entry
 
     def release(self, handle: bytes) -> None:
         with self._lock:
@@ -499,22 +502,30 @@ class _Use:
         self.sources: list[torch.Tensor] = []
 
     def __enter__(self) -> _Use:
-        self._futures = [self._maps.acquire(m) for m in self._tensors]
+        self._entries = [self._maps.acquire(m) for m in self._tensors]
         return self
+
+    @property
+    def devices(self) -> list[torch.device]:
+        """The device each segment is mapped on here: its bytes' tensor is on it."""
+        return [torch.device("cuda", e.index) for e in self._entries]
 
     async def mapped(self) -> None:
         """Wait until every segment is mapped; set `sources`, the tensors' bytes in them."""
         # Shielded: the mapping is shared with other fetches, and a cancel reaching its
         # future would leave the handle opened but never closed (and every later fetch of the
         # segment failing on a cancelled future).
-        mapped = [f.result() if f.done() else await asyncio.shield(asyncio.wrap_future(f)) for f in self._futures]
+        futures = [e.future for e in self._entries]
+        mapped = [f.result() if f.done() else await asyncio.shield(asyncio.wrap_future(f)) for f in futures]
         for (_, size), m in zip(mapped, self._tensors):
             if m.offset + m.nbytes > size:  # the metadata came from another process
                 raise TransferError(
                     f"cuda_ipc fetch: refused metadata: {m.nbytes} bytes at offset {m.offset} of a mapped "
                     f"allocation of {size}"
                 )
-        self.sources = [_wrap(a + m.offset, m.nbytes, _map_index(m)) for (a, _), m in zip(mapped, self._tensors)]
+        self.sources = [
+            _wrap(a + m.offset, m.nbytes, e.index) for (a, _), m, e in zip(mapped, self._tensors, self._entries)
+        ]
 
     def __exit__(self, *exc: Any) -> None:
         self.sources = []

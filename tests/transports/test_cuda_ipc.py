@@ -9,6 +9,7 @@ import ctypes
 import threading
 
 import pytest
+import torch
 
 from rdt_async.transports import _cudadrv
 
@@ -97,3 +98,45 @@ def test_driver_calls_run_in_the_devices_context_and_leave_the_callers_current(d
     with pytest.raises(_cudadrv.CudaDriverError, match=r"cuIpcOpenMemHandle failed: CUDA error 217 \(stand-in error\)"):
         _cudadrv.open_handle(handle, 1)
     assert driver.current() == before  # restored on failure too
+
+
+@pytest.fixture
+def stand_in_maps(monkeypatch):
+    """cuda_ipc's mapping calls as stand-ins: `opened`/`closed` list (address, device) of each
+    open and close, `wrapped` (address, bytes, device) of each tensor made of a mapping.
+    The producer's GPU is not visible here (peer access): a segment maps on the thread's
+    current device, `current[0]`."""
+    from rdt_async.transports import cuda_ipc
+
+    log = {"opened": [], "closed": [], "wrapped": [], "current": [0]}
+
+    def open_handle(handle: bytes, index: int) -> int:
+        address = 0x7000_0000 + 0x100_0000 * len(log["opened"])
+        log["opened"].append((address, index))
+        return address
+
+    monkeypatch.setattr(_cudadrv, "open_handle", open_handle)
+    monkeypatch.setattr(_cudadrv, "bytes_from", lambda ptr, index: 1 << 20)
+    monkeypatch.setattr(_cudadrv, "close_handle", lambda ptr, index: log["closed"].append((ptr, index)))
+    monkeypatch.setattr(cuda_ipc, "_uuids", dict)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: log["current"][0])
+    monkeypatch.setattr(cuda_ipc, "_wrap", lambda a, n, index: log["wrapped"].append((a, n, index)) or (a, n, index))
+    return log
+
+
+async def test_a_shared_mapping_is_read_on_its_own_device_whatever_the_fetching_threads(stand_in_maps):
+    """Fetches share one mapping per segment, made on the first fetch's device where the
+    producer's GPU is hidden here. A fetch from a thread on another device reads it as a
+    tensor of the mapping's device (another would make torch copy it, blocking the loop)
+    and lands its fresh tensors there too."""
+    from rdt_async.transports import cuda_ipc
+
+    maps, m = cuda_ipc._Mappings(), cuda_ipc.IpcTensor("GPU-hidden", b"h" * 64, 256, 4096)
+    with maps.using([m]) as first:
+        await first.mapped()
+        stand_in_maps["current"][0] = 1  # another thread's fetch, on cuda:1
+        with maps.using([m]) as second:
+            await second.mapped()
+            assert stand_in_maps["wrapped"] == [(0x7000_0100, 4096, 0)] * 2
+            assert second.devices == first.devices == [torch.device("cuda", 0)]
+    assert stand_in_maps["opened"] == [(0x7000_0000, 0)]
