@@ -343,16 +343,17 @@ class CudaIpcTransport(Transport[CudaIpcMeta]):
                 f"cuda_ipc fetch of {info.obj_id}: the producer (pid {meta.pid}) died", obj_id=info.obj_id
             ) from None
         if table.token(meta.slot) != meta.token:
-            when = "during the read" if during else "before the fetch"
-            raise ObjectFreedError(
-                f"cuda_ipc fetch of {info.obj_id}: the producer no longer holds it (freed {when})", obj_id=info.obj_id
-            )
-        if not during and table.bound(meta.slot) != digest(info.obj_id, meta.tensors):
-            raise TransferError(
-                f"cuda_ipc fetch of {info.obj_id}: its ref's exports are not the ones its producer made for it "
-                "(the ref was altered); nothing was mapped or read",
-                obj_id=info.obj_id,
-            )
+            raise _freed(info, during)
+        if not during:
+            bound = table.bound(meta.slot)
+            if table.token(meta.slot) != meta.token:  # freed (and the slot taken again) between the reads
+                raise _freed(info, during)
+            if bound != digest(info.obj_id, meta.tensors):
+                raise TransferError(
+                    f"cuda_ipc fetch of {info.obj_id}: its ref's exports are not the ones its producer made for it "
+                    "(the ref was altered); nothing was mapped or read",
+                    obj_id=info.obj_id,
+                )
 
     def _table(self, name: str) -> _Table:
         with self._lock:
@@ -366,6 +367,13 @@ class CudaIpcTransport(Transport[CudaIpcMeta]):
             while len(self._mapped) > TABLE_CACHE:
                 self._mapped.popitem(last=False)[1].close()
         return table
+
+
+def _freed(info: TransferInfo[CudaIpcMeta], during: bool) -> ObjectFreedError:
+    when = "during the read" if during else "before the fetch"
+    return ObjectFreedError(
+        f"cuda_ipc fetch of {info.obj_id}: the producer no longer holds it (freed {when})", obj_id=info.obj_id
+    )
 
 
 def _checked(info: TransferInfo[Any]) -> CudaIpcMeta:

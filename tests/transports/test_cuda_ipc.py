@@ -6,12 +6,17 @@ stand-in. The transfers themselves run in the contract suite on the GPU machine.
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 
 import pytest
 import torch
 
-from rdt_async.transports import _cudadrv
+import rdt_async as rdt
+from rdt_async.transports import _cudadrv, _kit, shm
+from rdt_async.transports._base import TensorSpec, TransferInfo
+
+SPECS = (TensorSpec((256,), torch.float32, "cuda:0", 1024),)
 
 
 class FakeDriver:
@@ -140,3 +145,43 @@ async def test_a_shared_mapping_is_read_on_its_own_device_whatever_the_fetching_
             assert stand_in_maps["wrapped"] == [(0x7000_0100, 4096, 0)] * 2
             assert second.devices == first.devices == [torch.device("cuda", 0)]
     assert stand_in_maps["opened"] == [(0x7000_0000, 0)]
+
+
+@pytest.fixture
+def slot():
+    """A producer's liveness slot for obj-A (real shared memory), and a ref to it:
+    (producer, consumer, info)."""
+    from rdt_async.transports import cuda_ipc
+
+    producer, consumer = cuda_ipc.CudaIpcTransport(), cuda_ipc.CudaIpcTransport()
+    exports = (cuda_ipc.IpcTensor("GPU-0", b"a" * 64, 0, 1024),)
+    table, n, token = producer._take_slot(_kit.digest("obj-A", exports))
+    producer._objects["obj-A"] = (n, [])
+    meta = cuda_ipc.CudaIpcMeta(cuda_ipc._host(), os.getpid(), exports, table, n, token)
+    yield producer, consumer, TransferInfo("obj-A", SPECS, meta, producer_pid=os.getpid())
+    for t in (*producer._tables, *consumer._mapped.values()):
+        t.close()
+    os.unlink(os.path.join(shm.SHM_DIR, table))
+
+
+def test_a_ref_freed_while_it_is_checked_is_freed_not_altered(slot, monkeypatch):
+    """The check reads the slot's token, then the digest of the exports bound to it: a free
+    and the slot's reuse by the next object in between (freed slots are reused first) is a
+    freed object, not a ref someone altered."""
+    from rdt_async.transports import cuda_ipc
+
+    producer, consumer, info = slot
+    real = cuda_ipc._Table.token
+
+    def token_then_free(table, n):
+        token = real(table, n)
+        monkeypatch.setattr(cuda_ipc._Table, "token", real)
+        producer.garbage_collect("obj-A", info.meta)
+        other = (cuda_ipc.IpcTensor("GPU-0", b"b" * 64, 0, 8),)
+        assert producer._take_slot(_kit.digest("obj-B", other))[1] == info.meta.slot
+        return token
+
+    monkeypatch.setattr(cuda_ipc._Table, "token", token_then_free)
+    with pytest.raises(rdt.ObjectFreedError, match=r"cuda_ipc fetch of obj-A: the producer no longer holds it \(freed before the fetch\)"):
+        consumer._check_live(info)
+
