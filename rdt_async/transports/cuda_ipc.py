@@ -139,8 +139,13 @@ class _Table:
                 os.ftruncate(fd, TABLE_BYTES)
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if create else 0)
             self._mm = mmap.mmap(fd, TABLE_BYTES, flags=mmap.MAP_SHARED, prot=prot)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        if create:
+            os.close(fd)
+            fd = -1
+        self._fd = fd  # (a consumer's: kept, to tell that the producer's guardian unlinked it)
         self.words = memoryview(self._mm).cast("q")
 
     def token(self, slot: int) -> int:
@@ -150,9 +155,16 @@ class _Table:
         """The digest of the exports of the object that holds `slot`."""
         return int(self.words[SLOT_WORDS * slot + 1])
 
+    def unlinked(self) -> bool:
+        """Whether the table's file has no name left (consumer): its producer ended."""
+        return os.fstat(self._fd).st_nlink == 0
+
     def close(self) -> None:
         self.words.release()
         self._mm.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 class CudaIpcTransport(Transport[CudaIpcMeta]):
@@ -326,7 +338,11 @@ class CudaIpcTransport(Transport[CudaIpcMeta]):
 
     def _check_live(self, info: TransferInfo[CudaIpcMeta], *, during: bool = False) -> None:
         """Raise unless the producer is reachable from here, alive, and holds the object
-        (and, `during` False, exported for it what the ref says)."""
+        (and, `during` False, exported for it what the ref says).
+
+        Raises: TransportUnavailableError (another node; its table not in this SHM_DIR),
+        PeerDiedError, ObjectFreedError, TransferError (an altered ref).
+        """
         meta = info.meta
         if meta.host != _host():
             raise TransportUnavailableError(
@@ -334,14 +350,7 @@ class CudaIpcTransport(Transport[CudaIpcMeta]):
                 f"({meta.host.split('/')[0]}); CUDA IPC reaches one node only: use tensor_transport='nixl' or 'auto'",
                 obj_id=info.obj_id,
             )
-        if not pid_alive(meta.pid):
-            raise PeerDiedError(f"cuda_ipc fetch of {info.obj_id}: the producer (pid {meta.pid}) died", obj_id=info.obj_id)
-        try:
-            table = self._table(meta.table)
-        except FileNotFoundError:
-            raise PeerDiedError(
-                f"cuda_ipc fetch of {info.obj_id}: the producer (pid {meta.pid}) died", obj_id=info.obj_id
-            ) from None
+        table = self._live_table(info)
         if table.token(meta.slot) != meta.token:
             raise _freed(info, during)
         if not during:
@@ -355,6 +364,42 @@ class CudaIpcTransport(Transport[CudaIpcMeta]):
                     obj_id=info.obj_id,
                 )
 
+    def _live_table(self, info: TransferInfo[CudaIpcMeta]) -> _Table:
+        """The producer's liveness table, once its producer is known not to have died.
+
+        Its pid is judged only within its own PID namespace (the table's name holds it, as
+        every file a producer makes): containers that share /dev/shm but not PIDs see each
+        other's pids as dead, or as other processes. A producer of another namespace is
+        judged by its table, which its guardian unlinks when it ends.
+        Raises: PeerDiedError, TransportUnavailableError (its table is not in this SHM_DIR).
+        """
+        meta, obj_id = info.meta, info.obj_id
+        made_by = _segments.owner(meta.table)
+        ours = made_by is not None and made_by[1] == _segments.pid_namespace()
+        died = f"cuda_ipc fetch of {obj_id}: the producer (pid {meta.pid}) died"
+        if ours and not pid_alive(meta.pid):
+            raise PeerDiedError(died, obj_id=obj_id)
+        try:
+            table = self._table(meta.table)
+        except FileNotFoundError:
+            if ours and not pid_alive(meta.pid):  # died since (its guardian unlinked the table)
+                raise PeerDiedError(died, obj_id=obj_id) from None
+            whose = (
+                f"the producer (pid {meta.pid}) is alive but"
+                if ours
+                else f"the producer (pid {meta.pid} of another PID namespace, whose life this process cannot see) "
+                "died, or"
+            )
+            raise TransportUnavailableError(
+                f"cuda_ipc fetch of {obj_id}: its liveness table {shm.SHM_DIR}/{meta.table} is not here: {whose} "
+                f"this process does not share the producer's {shm.SHM_DIR} (a container with one of its own: "
+                "run both with the host's IPC namespace, e.g. docker --ipc=host); or use tensor_transport='nixl'",
+                obj_id=obj_id,
+            ) from None
+        if not ours and table.unlinked():
+            raise PeerDiedError(f"{died} (its liveness table is gone)", obj_id=obj_id)
+        return table
+
     def _table(self, name: str) -> _Table:
         with self._lock:
             table = self._mapped.get(name)
@@ -363,6 +408,10 @@ class CudaIpcTransport(Transport[CudaIpcMeta]):
                 return table
         table = _Table(name, create=False)
         with self._lock:
+            known = self._mapped.get(name)
+            if known is not None:  # another fetch opened it meanwhile
+                table.close()
+                return known
             self._mapped[name] = table
             while len(self._mapped) > TABLE_CACHE:
                 self._mapped.popitem(last=False)[1].close()

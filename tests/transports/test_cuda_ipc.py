@@ -185,3 +185,99 @@ def test_a_ref_freed_while_it_is_checked_is_freed_not_altered(slot, monkeypatch)
     with pytest.raises(rdt.ObjectFreedError, match=r"cuda_ipc fetch of obj-A: the producer no longer holds it \(freed before the fetch\)"):
         consumer._check_live(info)
 
+
+# A producer in a PID namespace of its own (a container sharing the host's /dev/shm but
+# not its PIDs): it holds obj-A's slot, prints its pid there, its table, slot and token,
+# and ends when its stdin closes (its guardian then unlinks the table).
+PRODUCER = """
+import json, sys
+from rdt_async.transports import _kit, cuda_ipc
+p = cuda_ipc.CudaIpcTransport()
+exports = (cuda_ipc.IpcTensor("GPU-0", b"a" * 64, 0, 1024),)
+table, slot, token = p._take_slot(_kit.digest("obj-A", exports))
+print(json.dumps([os.getpid(), table, slot, token]), flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.fixture
+def producer_of_another_pid_namespace():
+    """Start PRODUCER under `unshare --pid`, as a pid that names no process here (set with
+    ns_last_pid); yield (its Popen, its pid there, table, slot, token). Skips where PID
+    namespaces cannot be made."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from rdt_async._local import pid_alive
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare to run a producer in a PID namespace of its own")
+    pid = next(p for p in range(54321, 1 << 22) if not pid_alive(p))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    # sh is the namespace's init: it outlives the producer until its guardian has unlinked
+    # the table (the guardian ends with the namespace's init).
+    shell = (
+        f'echo {pid - 1} > /proc/sys/kernel/ns_last_pid && "$0" -c "import os; $1"; '
+        f"for i in $(seq 100); do ls {shm.SHM_DIR} | grep -q '^rdt-{pid}-' || break; sleep 0.05; done"
+    )
+    proc = subprocess.Popen(
+        ["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", shell, sys.executable, PRODUCER],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        if not line:
+            pytest.skip(f"a producer in a PID namespace of its own did not start (exit {proc.wait(10)})")
+        got = json.loads(line)
+        assert got[0] == pid, f"the producer is pid {got[0]} in its namespace, not {pid}"
+        yield proc, *got
+    finally:
+        proc.stdin.close()
+        proc.wait(10)
+
+
+def test_a_live_producer_in_another_pid_namespace_is_read_and_one_that_ended_has_died(producer_of_another_pid_namespace):
+    """Its pid means nothing here (no process has it): the producer is judged alive by its
+    liveness table, which its guardian unlinks when it ends."""
+    import time
+
+    from rdt_async.transports import _segments, cuda_ipc
+
+    proc, pid, table, n, token = producer_of_another_pid_namespace
+    assert _segments.owner(table)[1] != _segments.pid_namespace()
+    exports = (cuda_ipc.IpcTensor("GPU-0", b"a" * 64, 0, 1024),)
+    meta = cuda_ipc.CudaIpcMeta(cuda_ipc._host(), pid, exports, table, n, token)
+    info = TransferInfo("obj-A", SPECS, meta, producer_pid=pid)
+    consumer = cuda_ipc.CudaIpcTransport()
+    try:
+        consumer._check_live(info)  # alive, and holds obj-A
+        consumer._check_live(info, during=True)
+        proc.stdin.close()  # the producer ends
+        for _ in range(100):
+            if not os.path.exists(os.path.join(shm.SHM_DIR, table)):
+                break
+            time.sleep(0.05)
+        with pytest.raises(rdt.PeerDiedError, match=rf"the producer \(pid {pid}\) died \(its liveness table is gone\)"):
+            consumer._check_live(info, during=True)
+    finally:
+        for t in consumer._mapped.values():
+            t.close()
+
+
+def test_a_live_producer_whose_table_is_not_here_does_not_share_our_dev_shm():
+    """A producer alive (this process) whose liveness table is not in our /dev/shm: the
+    two do not share it (a container with a /dev/shm of its own), which is no death."""
+    from rdt_async.transports import _segments, cuda_ipc
+
+    table = f"{_segments.name_prefix()}ipc-{'0' * 16}"
+    exports = (cuda_ipc.IpcTensor("GPU-0", b"a" * 64, 0, 1024),)
+    meta = cuda_ipc.CudaIpcMeta(cuda_ipc._host(), os.getpid(), exports, table, 0, 1)
+    info = TransferInfo("obj-A", SPECS, meta, producer_pid=os.getpid())
+    with pytest.raises(
+        rdt.TransportUnavailableError,
+        match=rf"liveness table /dev/shm/{table} is not here: the producer \(pid {os.getpid()}\) is alive but this "
+        r"process does not share the producer's /dev/shm .*--ipc=host.*tensor_transport='nixl'",
+    ):
+        cuda_ipc.CudaIpcTransport()._check_live(info)
