@@ -63,8 +63,16 @@ TOKEN_END = 1 << 62  # tokens are 1 .. TOKEN_END
 # A liveness table's name: `rdt-<pid>-<pid namespace>-ipc-<16 hex>` (`_take_slot`).
 TABLE_NAME = re.compile(r"rdt-([1-9][0-9]{0,9})-([0-9]{1,20})-ipc-[0-9a-f]{16}")
 TABLE_CACHE = 64  # liveness tables a consumer keeps mapped (one per producer, mostly)
-MAP_IDLE_S = 2.0  # a mapped segment no fetch uses is closed after this long
-LINGER_S, LINGER_BYTES_PER_S = 0.25, 10e9
+# A consumer closes a mapped segment MAP_IDLE_S after the last fetch using it ends; a
+# producer keeps a freed object's tensors LINGER_S plus their bytes at LINGER_BYTES_PER_S.
+# The producer's hold outlasts the consumer's: a fetch that checked the slot just before
+# the free still maps and copies, and its mapping stays MAP_IDLE_S after; once no tensor of
+# a segment is held, the caching allocator may cudaFree it (empty_cache(), or an allocation
+# that does not fit otherwise), and freeing memory another process still maps is undefined
+# (CUDA's cuIpcOpenMemHandle). The idle keep is short so that the hold is: a burst of
+# fetches of one segment still maps it once.
+MAP_IDLE_S = 0.1
+LINGER_S, LINGER_BYTES_PER_S = MAP_IDLE_S + 0.15, 10e9
 # A device copy's pace until one has been timed here (H100: ~1.5 TB/s, H200: ~2.1): the
 # loop sleeps for most of a copy's expected time first. Copies from PACE_BYTES on are timed
 # by the device, and the fastest pace seen rules after (a sleep past the copy's end is lost:

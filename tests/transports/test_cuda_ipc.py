@@ -5,6 +5,7 @@ stand-in. The transfers themselves run in the contract suite on the GPU machine.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import os
 import threading
@@ -281,3 +282,33 @@ def test_a_live_producer_whose_table_is_not_here_does_not_share_our_dev_shm():
         r"process does not share the producer's /dev/shm .*--ipc=host.*tensor_transport='nixl'",
     ):
         cuda_ipc.CudaIpcTransport()._check_live(info)
+
+
+async def test_a_freed_objects_memory_is_held_until_the_consumers_mapping_of_it_is_closed(slot, stand_in_maps, monkeypatch):
+    """A fetch that checked the slot just before a free ends as the object is freed. The
+    producer may let the allocator have the segment back (and cudaFree it) only once the
+    consumer has closed its mapping, idle since that fetch: cudaFree of memory another
+    process maps is undefined. (The tensors are CPU stand-ins; the timers are the real ones.)"""
+    import time
+    import weakref
+
+    from rdt_async.transports import cuda_ipc
+
+    producer, _, info = slot
+    kept = torch.zeros(1024, dtype=torch.uint8)
+    producer._objects["obj-A"] = (producer._objects["obj-A"][0], [kept])
+    released, closed = [], []
+    weakref.finalize(kept, lambda: released.append(time.monotonic()))
+    del kept
+    monkeypatch.setattr(_cudadrv, "close_handle", lambda ptr, index: closed.append(time.monotonic()))
+
+    maps = cuda_ipc._Mappings()
+    with maps.using(list(info.meta.tensors)) as use:
+        await use.mapped()
+    producer.garbage_collect("obj-A", info.meta)  # as the fetch ends
+    for _ in range(200):
+        if released and closed:
+            break
+        await asyncio.sleep(0.02)
+    assert closed and released, (closed, released)
+    assert closed[0] < released[0], f"the producer let go {closed[0] - released[0]:.2f} s before the consumer's mapping closed"
