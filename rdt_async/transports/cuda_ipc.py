@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import logging
 import mmap
 import os
 import re
@@ -83,6 +84,8 @@ PACE_BYTES = 16 << 20
 # late), then polls it closely until CLOSE_S past that end; a copy still running then (a
 # GPU busy with other work) is waited for in the pool.
 WAKE_EARLY_S, CLOSE_S = 1.5e-3, 2e-3
+
+log = logging.getLogger("rdt_async")
 
 
 @dataclass(frozen=True)
@@ -525,8 +528,11 @@ class _Mappings:
         with self._lock:
             entry = self._maps.get(m.handle)
             if entry is None:
-                entry = self._maps[m.handle] = _Mapped(concurrent.futures.Future(), _map_index(m))
-                _io.pool().submit(_open_into, entry.future, m.handle, entry.index, m.device_uuid)
+                entry = _Mapped(concurrent.futures.Future(), _map_index(m))
+                # (Raises once the pool is shut down, at exit: then nothing is kept.)
+                job = _io.pool().submit(_open_into, entry.future, m.handle, entry.index, m.device_uuid)
+                job.add_done_callback(functools.partial(_never_ran, entry.future))
+                self._maps[m.handle] = entry
             entry.users += 1
             return entry
 
@@ -553,9 +559,12 @@ class _Mappings:
             for h, _ in gone:
                 del self._maps[h]
             left = _segments.oldest(e for h, e in idle.items() if h in self._maps)
-        for _, e in gone:
+        for h, e in gone:
             if not e.future.cancelled() and e.future.exception() is None:
-                _io.pool().submit(_cudadrv.close_handle, e.future.result()[0], e.index)  # a failure stays in its future
+                try:
+                    _io.pool().submit(_close, e.future.result()[0], e.index)
+                except RuntimeError:  # the pool is shut down (at exit): the process's end unmaps it
+                    log.debug("rdt_async: cuda_ipc left a segment mapped at exit (handle %s...)", h[:8].hex())
         return left
 
 
@@ -567,7 +576,13 @@ class _Use:
         self.sources: list[torch.Tensor] = []
 
     def __enter__(self) -> _Use:
-        self._entries = [self._maps.acquire(m) for m in self._tensors]
+        self._entries: list[_Mapped] = []
+        try:
+            for m in self._tensors:
+                self._entries.append(self._maps.acquire(m))
+        except BaseException:
+            self.__exit__()  # the segments counted so far
+            raise
         return self
 
     @property
@@ -594,7 +609,7 @@ class _Use:
 
     def __exit__(self, *exc: Any) -> None:
         self.sources = []
-        for m in self._tensors:
+        for m in self._tensors[: len(self._entries)]:
             self._maps.release(m.handle)
 
 
@@ -620,6 +635,21 @@ def _open_into(fut: concurrent.futures.Future[tuple[int, int]], handle: bytes, i
         )
     except BaseException as exc:
         fut.set_exception(exc)
+
+
+def _never_ran(fut: concurrent.futures.Future[tuple[int, int]], job: concurrent.futures.Future[None]) -> None:
+    """`_open_into`'s job was cancelled before it ran (its pool shut down, at exit): fail
+    its mapping, which every fetch of the segment waits for."""
+    if job.cancelled() and not fut.done():
+        fut.set_exception(TransferError("cuda_ipc fetch: the process is exiting; the producer's memory was not mapped"))
+
+
+def _close(address: int, index: int) -> None:
+    """Unmap a segment no fetch uses (in the pool)."""
+    try:
+        _cudadrv.close_handle(address, index)
+    except Exception as exc:
+        log.warning("rdt_async: cuda_ipc could not unmap a producer's segment at %#x on cuda:%d: %s", address, index, exc)
 
 
 class _DeviceBytes:

@@ -111,10 +111,21 @@ def stand_in_maps(monkeypatch):
     """cuda_ipc's mapping calls as stand-ins: `opened`/`closed` list (address, device) of each
     open and close, `wrapped` (address, bytes, device) of each tensor made of a mapping.
     The producer's GPU is not visible here (peer access): a segment maps on the thread's
-    current device, `current[0]`."""
+    current device, `current[0]`. Every `_Mappings` made meanwhile has closed all it mapped
+    at the end (while the stand-ins are still in place)."""
+    import time
+
     from rdt_async.transports import cuda_ipc
 
     log = {"opened": [], "closed": [], "wrapped": [], "current": [0]}
+    made = []
+
+    class Mappings(cuda_ipc._Mappings):
+        def __init__(self) -> None:
+            super().__init__()
+            made.append(self)
+
+    monkeypatch.setattr(cuda_ipc, "_Mappings", Mappings)
 
     def open_handle(handle: bytes, index: int) -> int:
         address = 0x7000_0000 + 0x100_0000 * len(log["opened"])
@@ -127,7 +138,12 @@ def stand_in_maps(monkeypatch):
     monkeypatch.setattr(cuda_ipc, "_uuids", dict)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: log["current"][0])
     monkeypatch.setattr(cuda_ipc, "_wrap", lambda a, n, index: log["wrapped"].append((a, n, index)) or (a, n, index))
-    return log
+    yield log
+    for _ in range(100):
+        if not any(maps._maps for maps in made):
+            break
+        time.sleep(0.02)
+    assert not any(maps._maps for maps in made), "a mapping was left open"
 
 
 async def test_a_shared_mapping_is_read_on_its_own_device_whatever_the_fetching_threads(stand_in_maps):
@@ -312,3 +328,76 @@ async def test_a_freed_objects_memory_is_held_until_the_consumers_mapping_of_it_
         await asyncio.sleep(0.02)
     assert closed and released, (closed, released)
     assert closed[0] < released[0], f"the producer let go {closed[0] - released[0]:.2f} s before the consumer's mapping closed"
+
+
+async def test_a_fetch_that_cannot_count_all_its_segments_lets_go_of_those_it_counted(stand_in_maps, monkeypatch):
+    from rdt_async.transports import cuda_ipc
+
+    monkeypatch.setattr(cuda_ipc, "MAP_IDLE_S", 0.05)
+    maps = cuda_ipc._Mappings()
+    first, second = (cuda_ipc.IpcTensor(f"GPU-{i}", bytes([i]) * 64, 0, 64) for i in (1, 2))
+    real = cuda_ipc._map_index
+    monkeypatch.setattr(cuda_ipc, "_map_index", lambda m: 1 / 0 if m is second else real(m))
+    with pytest.raises(ZeroDivisionError), maps.using([first, second]):
+        pass
+    assert maps._maps[first.handle].users == 0  # counted, then let go
+    for _ in range(100):
+        if stand_in_maps["closed"]:
+            break
+        await asyncio.sleep(0.02)
+    assert stand_in_maps["closed"] == [(0x7000_0000, 0)] and not maps._maps  # closed once idle
+
+
+async def test_a_mapping_the_pool_cannot_run_fails_its_fetches_and_is_not_kept(stand_in_maps, monkeypatch):
+    """At exit rdt_async's pools are shut down: a new mapping cannot be submitted, and one
+    queued is cancelled. Neither may leave a mapping that later fetches wait for forever."""
+    import concurrent.futures
+
+    from rdt_async import _io
+    from rdt_async.transports import cuda_ipc
+
+    maps, m = cuda_ipc._Mappings(), cuda_ipc.IpcTensor("GPU-x", b"h" * 64, 0, 64)
+
+    async def fetch():
+        with maps.using([m]) as use:
+            await use.mapped()
+            return use.sources
+
+    shut = concurrent.futures.ThreadPoolExecutor(1)
+    shut.shutdown()
+    busy, go = concurrent.futures.ThreadPoolExecutor(1), threading.Event()
+    busy.submit(go.wait, 10)  # its one thread busy: a mapping is queued behind
+    with monkeypatch.context() as patch:
+        patch.setattr(_io, "pool", lambda *_: shut)
+        with pytest.raises(RuntimeError, match="after shutdown"):
+            await fetch()
+        patch.setattr(_io, "pool", lambda *_: busy)
+        queued = asyncio.ensure_future(fetch())
+        await asyncio.sleep(0.05)
+        busy.shutdown(wait=False, cancel_futures=True)
+        go.set()
+        with pytest.raises(rdt.TransferError, match="the process is exiting; the producer's memory was not mapped"):
+            await asyncio.wait_for(queued, 5)
+    # rdt_async's pool again: the next fetch maps the segment
+    assert await asyncio.wait_for(fetch(), 5) == [(0x7000_0000, 64, 0)]
+
+
+async def test_a_segment_that_cannot_be_unmapped_is_logged(stand_in_maps, monkeypatch, caplog):
+    from rdt_async.transports import cuda_ipc
+
+    def close_handle(ptr, index):
+        raise _cudadrv.CudaDriverError("cuIpcCloseMemHandle", 201, "invalid device context")
+
+    monkeypatch.setattr(_cudadrv, "close_handle", close_handle)
+    monkeypatch.setattr(cuda_ipc, "MAP_IDLE_S", 0.05)
+    maps, m = cuda_ipc._Mappings(), cuda_ipc.IpcTensor("GPU-x", b"h" * 64, 0, 64)
+    with maps.using([m]) as use:
+        await use.mapped()
+    for _ in range(100):
+        if caplog.records:
+            break
+        await asyncio.sleep(0.02)
+    assert [r.getMessage() for r in caplog.records] == [
+        "rdt_async: cuda_ipc could not unmap a producer's segment at 0x70000000 on cuda:0: "
+        "cuIpcCloseMemHandle failed: CUDA error 201 (invalid device context)"
+    ]
