@@ -51,7 +51,7 @@ from typing import Any, ClassVar
 import torch
 
 from .. import _cuda, _io
-from .._errors import ObjectFreedError, PeerDiedError, TransferError, TransportUnavailableError
+from .._errors import ObjectFreedError, PeerDiedError, RDTError, TransferError, TransportUnavailableError
 from .._local import pid_alive
 from . import _cudadrv, _segments, shm
 from ._base import MAX_SPEC_BYTES, Channel, Cost, TransferInfo, Transport
@@ -84,6 +84,10 @@ PACE_BYTES = 16 << 20
 # late), then polls it closely until CLOSE_S past that end; a copy still running then (a
 # GPU busy with other work) is waited for in the pool.
 WAKE_EARLY_S, CLOSE_S = 1.5e-3, 2e-3
+# The CUresults of a mapping that cannot work between these two GPUs (or with CUDA IPC
+# here at all): CUDA_ERROR_INVALID_DEVICE, _PEER_ACCESS_UNSUPPORTED, _PEER_ACCESS_NOT_ENABLED,
+# _TOO_MANY_PEERS, _NOT_SUPPORTED. Any other failure is this fetch's, not the path's.
+UNMAPPABLE = frozenset({101, 217, 705, 711, 801})
 
 log = logging.getLogger("rdt_async")
 
@@ -284,7 +288,11 @@ class CudaIpcTransport(Transport[CudaIpcMeta]):
         read = [m for m in meta.tensors if m is not None]
         with _mappings.using(read) as use:
             if read:
-                await use.mapped()
+                try:
+                    await use.mapped()
+                except _MapFailed as exc:
+                    self._check_live(info, during=True)  # a producer that ended or freed it: that is why
+                    raise exc.error(info.obj_id) from exc.__cause__
             # A fresh tensor lands on the device its segment is mapped on (one device copy):
             # the mapping's, shared by every fetch of it, whatever this thread's device is.
             devices = iter(use.devices)
@@ -530,7 +538,7 @@ class _Mappings:
             if entry is None:
                 entry = _Mapped(concurrent.futures.Future(), _map_index(m))
                 # (Raises once the pool is shut down, at exit: then nothing is kept.)
-                job = _io.pool().submit(_open_into, entry.future, m.handle, entry.index, m.device_uuid)
+                job = _io.pool().submit(_open_into, entry.future, m.handle, entry.index)
                 job.add_done_callback(functools.partial(_never_ran, entry.future))
                 self._maps[m.handle] = entry
             entry.users += 1
@@ -591,12 +599,20 @@ class _Use:
         return [torch.device("cuda", e.index) for e in self._entries]
 
     async def mapped(self) -> None:
-        """Wait until every segment is mapped; set `sources`, the tensors' bytes in them."""
+        """Wait until every segment is mapped; set `sources`, the tensors' bytes in them.
+
+        Raises: _MapFailed (the driver refused a mapping), TransferError.
+        """
         # Shielded: the mapping is shared with other fetches, and a cancel reaching its
         # future would leave the handle opened but never closed (and every later fetch of the
         # segment failing on a cancelled future).
-        futures = [e.future for e in self._entries]
-        mapped = [f.result() if f.done() else await asyncio.shield(asyncio.wrap_future(f)) for f in futures]
+        mapped = []
+        for e, m in zip(self._entries, self._tensors):
+            f = e.future
+            try:
+                mapped.append(f.result() if f.done() else await asyncio.shield(asyncio.wrap_future(f)))
+            except _cudadrv.CudaDriverError as exc:
+                raise _MapFailed(exc, m.device_uuid, e.index) from exc
         for (_, size), m in zip(mapped, self._tensors):
             if m.offset + m.nbytes > size:  # the metadata came from another process
                 raise TransferError(
@@ -616,7 +632,29 @@ class _Use:
 _mappings = _Mappings()
 
 
-def _open_into(fut: concurrent.futures.Future[tuple[int, int]], handle: bytes, index: int, uuid: str) -> None:
+class _MapFailed(Exception):
+    """The driver refused to map a segment (`__cause__`: its CudaDriverError)."""
+
+    def __init__(self, exc: _cudadrv.CudaDriverError, uuid: str, index: int) -> None:
+        super().__init__(str(exc))
+        self.code, self.uuid, self.index = exc.code, uuid, index
+
+    def error(self, obj_id: str) -> RDTError:
+        """What a fetch of `obj_id` raises, its producer alive and holding it: the path's
+        limit (TransportUnavailableError) for the CUresults that say so, else TransferError."""
+        what = f"cuda_ipc fetch of {obj_id}: cannot map the producer's memory on GPU {self.uuid} from cuda:{self.index} here ({self})"
+        if self.code in UNMAPPABLE:
+            return TransportUnavailableError(
+                f"{what}: CUDA IPC needs the producer's GPU visible in this process or peer access between "
+                "the two GPUs (and no MIG instance); use tensor_transport='nixl'",
+                obj_id=obj_id,
+            )
+        return TransferError(what, obj_id=obj_id)
+
+
+def _open_into(fut: concurrent.futures.Future[tuple[int, int]], handle: bytes, index: int) -> None:
+    """Map a segment (in the pool) for every fetch waiting on `fut`; a failure stays in
+    `fut` (each fetch judges it for its own object: `_MapFailed`)."""
     try:
         address = _cudadrv.open_handle(handle, index)
         try:
@@ -625,14 +663,6 @@ def _open_into(fut: concurrent.futures.Future[tuple[int, int]], handle: bytes, i
             _cudadrv.close_handle(address, index)
             raise
         fut.set_result((address, size))
-    except _cudadrv.CudaDriverError as exc:
-        fut.set_exception(
-            TransportUnavailableError(
-                f"cuda_ipc cannot map the producer's memory on GPU {uuid} from cuda:{index} here ({exc}): "
-                "CUDA IPC needs the producer's GPU visible in this process or peer access between "
-                "the two GPUs; use tensor_transport='nixl'"
-            )
-        )
     except BaseException as exc:
         fut.set_exception(exc)
 

@@ -401,3 +401,66 @@ async def test_a_segment_that_cannot_be_unmapped_is_logged(stand_in_maps, monkey
         "rdt_async: cuda_ipc could not unmap a producer's segment at 0x70000000 on cuda:0: "
         "cuIpcCloseMemHandle failed: CUDA error 201 (invalid device context)"
     ]
+
+
+def _refusing(code: int, before=lambda: None):
+    """A stand-in for `_cudadrv.open_handle` that runs `before`, then fails with CUresult `code`."""
+
+    def open_handle(handle: bytes, index: int) -> int:
+        before()
+        raise _cudadrv.CudaDriverError("cuIpcOpenMemHandle", code, "stand-in")
+
+    return open_handle
+
+
+@pytest.mark.parametrize(
+    ("code", "error", "message"),
+    [
+        (217, rdt.TransportUnavailableError, r"CUDA error 217 \(stand-in\)\): CUDA IPC needs the producer's GPU visible in this process or peer access"),
+        (101, rdt.TransportUnavailableError, r"CUDA error 101 \(stand-in\)\): CUDA IPC needs"),
+        (400, rdt.TransferError, r"cannot map the producer's memory on GPU GPU-0 from cuda:0 here \(cuIpcOpenMemHandle failed: CUDA error 400 \(stand-in\)\)$"),
+    ],
+)
+async def test_a_mapping_refused_is_blamed_on_peer_access_only_for_its_curesults(slot, stand_in_maps, monkeypatch, code, error, message):
+    _, consumer, info = slot
+    monkeypatch.setattr(_cudadrv, "open_handle", _refusing(code))
+    with pytest.raises(error, match=message) as got:
+        await consumer.receive(info, None, None)
+    assert type(got.value) is error
+
+
+async def test_a_mapping_refused_because_the_object_was_freed_is_a_freed_object(slot, stand_in_maps, monkeypatch):
+    producer, consumer, info = slot
+    monkeypatch.setattr(_cudadrv, "open_handle", _refusing(1, lambda: producer.garbage_collect("obj-A", info.meta)))
+    with pytest.raises(rdt.ObjectFreedError, match=r"cuda_ipc fetch of obj-A: the producer no longer holds it"):
+        await consumer.receive(info, None, None)
+
+
+async def test_a_mapping_refused_because_the_producer_died_is_its_death(stand_in_maps, monkeypatch):
+    """A producer (a real process) that dies while its segment is being mapped."""
+    import subprocess
+    import sys
+
+    from rdt_async.transports import _segments, cuda_ipc
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    table = cuda_ipc._Table(f"rdt-{proc.pid}-{_segments.pid_namespace()}-ipc-{'1' * 16}", create=True)
+    exports = (cuda_ipc.IpcTensor("GPU-0", b"a" * 64, 0, 1024),)
+    table.words[0], table.words[1] = 7, _kit.digest("obj-A", exports)  # slot 0: token 7
+    consumer = cuda_ipc.CudaIpcTransport()
+    meta = cuda_ipc.CudaIpcMeta(cuda_ipc._host(), proc.pid, exports, table.name, 0, 7)
+    info = TransferInfo("obj-A", SPECS, meta, producer_pid=proc.pid)
+
+    def dies() -> None:
+        proc.kill()
+        proc.wait()
+
+    monkeypatch.setattr(_cudadrv, "open_handle", _refusing(1, dies))
+    try:
+        with pytest.raises(rdt.PeerDiedError, match=rf"cuda_ipc fetch of obj-A: the producer \(pid {proc.pid}\) died"):
+            await consumer.receive(info, None, None)
+    finally:
+        proc.kill()
+        for t in (table, *consumer._mapped.values()):
+            t.close()
+        os.unlink(os.path.join(shm.SHM_DIR, table.name))
