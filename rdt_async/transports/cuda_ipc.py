@@ -21,8 +21,12 @@ have handed to other tensors. A cancelled fetch returns once its copy has landed
 copy cannot be recalled), so nothing writes the caller's buffers later.
 
 Freeing: `garbage_collect` clears the slot at once and drops the producer's reference
-to the tensors after a linger (LINGER_S plus the time to read them at 10 GB/s), so a
-copy racing an explicit `free()` never reads memory the allocator gave back.
+to the tensors after a linger (LINGER_S plus the time to read them at 10 GB/s, and past
+the time a consumer keeps a mapping idle: MAP_IDLE_S). A copy racing an explicit
+`free()` mostly reads the object's own bytes, but one that runs past the linger (a busy
+pool, a busy GPU) may read memory the producer's allocator has handed to other tensors:
+the slot's second read fails it then (ObjectFreedError), and `into=` buffers it wrote
+hold no valid value (the error says so).
 
 Reach: the producer's node only, and a GPU the consumer's CUDA context can map: the
 producer's GPU (found by UUID, whatever CUDA_VISIBLE_DEVICES numbers it) or one with
@@ -308,7 +312,7 @@ class CudaIpcTransport(Transport[CudaIpcMeta]):
                 await _io.to_thread_finished(_copy_blocking, pairs, use.sources)
             else:
                 await self._queue_and_wait(pairs, use.sources)
-        self._check_live(info, during=True)
+        self._check_live(info, during=True, into=buffers is not None)
         return out
 
     async def _queue_and_wait(self, pairs: list[tuple[torch.Tensor, IpcTensor]], sources: list[torch.Tensor]) -> None:
@@ -355,9 +359,10 @@ class CudaIpcTransport(Transport[CudaIpcMeta]):
             stream = self._streams[index] = torch.cuda.Stream(index)
         return stream
 
-    def _check_live(self, info: TransferInfo[CudaIpcMeta], *, during: bool = False) -> None:
+    def _check_live(self, info: TransferInfo[CudaIpcMeta], *, during: bool = False, into: bool = False) -> None:
         """Raise unless the producer is reachable from here, alive, and holds the object
-        (and, `during` False, exported for it what the ref says).
+        (and, `during` False, exported for it what the ref says). `into`: the read wrote
+        the caller's buffers (a failure says they hold no valid value).
 
         Raises: TransportUnavailableError (another node; its table not in this SHM_DIR),
         PeerDiedError, ObjectFreedError, TransferError (an altered ref).
@@ -371,7 +376,7 @@ class CudaIpcTransport(Transport[CudaIpcMeta]):
             )
         table = self._live_table(info)
         if table.token(meta.slot) != meta.token:
-            raise _freed(info, during)
+            raise _freed(info, during, into)
         if not during:
             bound = table.bound(meta.slot)
             if table.token(meta.slot) != meta.token:  # freed (and the slot taken again) between the reads
@@ -437,10 +442,16 @@ class CudaIpcTransport(Transport[CudaIpcMeta]):
         return table
 
 
-def _freed(info: TransferInfo[CudaIpcMeta], during: bool) -> ObjectFreedError:
+def _freed(info: TransferInfo[CudaIpcMeta], during: bool, into: bool = False) -> ObjectFreedError:
     when = "during the read" if during else "before the fetch"
+    written = (
+        "; the into= buffers hold no valid value (the copy into them may have read memory the producer's "
+        "allocator had already handed to other tensors)"
+        if into
+        else ""
+    )
     return ObjectFreedError(
-        f"cuda_ipc fetch of {info.obj_id}: the producer no longer holds it (freed {when})", obj_id=info.obj_id
+        f"cuda_ipc fetch of {info.obj_id}: the producer no longer holds it (freed {when}){written}", obj_id=info.obj_id
     )
 
 

@@ -126,6 +126,7 @@ def stand_in_maps(monkeypatch):
             made.append(self)
 
     monkeypatch.setattr(cuda_ipc, "_Mappings", Mappings)
+    monkeypatch.setattr(cuda_ipc, "_mappings", Mappings())  # receive's
 
     def open_handle(handle: bytes, index: int) -> int:
         address = 0x7000_0000 + 0x100_0000 * len(log["opened"])
@@ -464,3 +465,29 @@ async def test_a_mapping_refused_because_the_producer_died_is_its_death(stand_in
         for t in (table, *consumer._mapped.values()):
             t.close()
         os.unlink(os.path.join(shm.SHM_DIR, table.name))
+
+
+async def test_a_read_into_buffers_that_raced_a_free_says_the_buffers_hold_no_valid_value(slot, stand_in_maps, monkeypatch):
+    """The copy ran after the free (its bytes may be other tensors' by then): the buffers
+    it wrote hold nothing the caller may use, and the error says so. (The mapped segment
+    is a CPU tensor here, copied into CPU buffers as a GPU one would be.)"""
+    from rdt_async.transports import cuda_ipc
+
+    producer, consumer, info = slot
+    segment = torch.arange(1024, dtype=torch.int32).view(torch.uint8)
+    monkeypatch.setattr(cuda_ipc, "_wrap", lambda a, n, index: segment[:n])
+    into = [torch.zeros(256, dtype=torch.float32)]
+    got = await consumer.receive(info, into, None)  # held: read whole
+    assert got[0] is into[0] and torch.equal(into[0].view(torch.int32), torch.arange(256, dtype=torch.int32))
+
+    def freed_then_wrapped(a, n, index):
+        producer.garbage_collect("obj-A", info.meta)  # before the copy
+        return segment[:n]
+
+    monkeypatch.setattr(cuda_ipc, "_wrap", freed_then_wrapped)
+    with pytest.raises(
+        rdt.ObjectFreedError,
+        match=r"cuda_ipc fetch of obj-A: the producer no longer holds it \(freed during the read\); the into= "
+        r"buffers hold no valid value \(the copy into them may have read memory the producer's allocator had",
+    ):
+        await consumer.receive(info, into, None)
