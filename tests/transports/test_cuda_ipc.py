@@ -491,3 +491,40 @@ async def test_a_read_into_buffers_that_raced_a_free_says_the_buffers_hold_no_va
         r"buffers hold no valid value \(the copy into them may have read memory the producer's allocator had",
     ):
         await consumer.receive(info, into, None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the real driver: the GPU machine's run")
+def test_exporting_with_the_real_driver_leaves_the_threads_context_and_device():
+    """On the GPU machine: a thread with no CUDA context keeps none after an export; one
+    working on cuda:0 keeps its context, and with two GPUs exports a cuda:1 tensor and
+    still allocates on cuda:0."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def current() -> int:
+        ctx = ctypes.c_void_p()
+        assert _cudadrv._lib().cuCtxGetCurrent(ctypes.byref(ctx)) == 0
+        return ctx.value or 0
+
+    t0 = torch.ones(1 << 20, device="cuda:0")
+    t1 = torch.ones(1 << 20, device="cuda:1") if torch.cuda.device_count() > 1 else None
+
+    def fresh_thread() -> tuple[int, int]:
+        before = current()
+        _cudadrv.export(t0.data_ptr(), 0)
+        return before, current()
+
+    def on_cuda0() -> tuple[int, int, int, str]:
+        torch.cuda.set_device(0)
+        torch.empty(1, device="cuda")
+        before = current()
+        _cudadrv.export(t0.data_ptr(), 0)
+        if t1 is not None:
+            _cudadrv.export(t1.data_ptr(), 1)
+        return before, current(), torch.cuda.current_device(), str(torch.empty(1, device="cuda").device)
+
+    with ThreadPoolExecutor(1) as pool:
+        before, after = pool.submit(fresh_thread).result()
+    assert after == before  # (none, where the runtime has not made one current there)
+    with ThreadPoolExecutor(1) as pool:
+        before, after, device, allocated = pool.submit(on_cuda0).result()
+    assert before != 0 and after == before and (device, allocated) == (0, "cuda:0")
