@@ -73,12 +73,17 @@ class Groups:
                 raise CollectiveGroupError(f"this process is already in a group named {group.name!r}")
             self._groups[group.name] = group
 
-    def leave(self, name: str) -> bool:
-        """Forget group `name` and end its process group; False if this process was not in it."""
+    def leave(self, name: str, creation: str | None = None) -> bool:
+        """Forget group `name` and end its process group; False if this process was not in it.
+
+        `creation`: leave only that creation of it (a Leave that comes late, or from a
+        stale handle, never ends a group made anew under its name); None: whichever it is.
+        """
         with self._lock:
-            group = self._groups.pop(name, None)
-        if group is None:
-            return False
+            group = self._groups.get(name)
+            if group is None or (creation is not None and group.creation != creation):
+                return False
+            del self._groups[name]
         try:
             if group.broken:
                 group.pg.abort()
@@ -104,12 +109,17 @@ class Groups:
         group.check()
         return group
 
-    def abort(self, name: str, why: str) -> bool:
-        """Mark group `name` broken and abort its process group: its pending work ends now."""
-        group = self.get(name)
-        if group is None:
-            return False
-        self.mark_broken(name, why)
+    def abort(self, group: Group, why: str) -> bool:
+        """Mark `group` broken and abort its process group: its pending work ends now.
+
+        Only while it is this process's group of its name: one left already (a fetch from
+        it ended late) has no work to end, and a group made anew under the name is not it.
+        """
+        with self._lock:
+            if self._groups.get(group.name) is not group:
+                return False
+            if not group.broken:
+                group.broken = why
         _close_store(group)  # a wait on it (NCCL making a communicator) ends too
         try:
             group.pg.abort()
@@ -117,11 +127,11 @@ class Groups:
             pass
         return True
 
-    def mark_broken(self, name: str, why: str) -> None:
-        """Mark group `name` broken (the first reason stays)."""
+    def mark_broken(self, group: Group, why: str) -> None:
+        """Mark `group` broken (the first reason stays); a group made anew under its name
+        is another Group, untouched."""
         with self._lock:
-            group = self._groups.get(name)
-            if group is not None and not group.broken:
+            if not group.broken:
                 group.broken = why
 
     def memberships(self) -> dict[str, tuple[str, int]]:

@@ -1,5 +1,7 @@
-"""Two plain processes (no Ray) in a Gloo group that is destroyed and made anew under its
-name, for `test_gloo.py`: a send asked for in the first creation, served in the second."""
+"""Plain processes (no Ray) in Gloo groups that are destroyed and made anew under their
+name: for `test_gloo.py`, a send asked for in the first creation, served in the second;
+for `test_group_lifecycle.py`, a member (`peer`) that joins and leaves as it is told,
+meeting the test's own process through a TCPStore it serves (`StoreKV`, the GCS's stand-in)."""
 
 from __future__ import annotations
 
@@ -43,6 +45,68 @@ def running(producer: Callable[..., None], consumer: Callable[..., None], *args:
             p.join(30)
             if p.is_alive():
                 p.kill()
+
+
+@contextlib.contextmanager
+def spawned(target: Callable[..., None], *args: Any) -> Iterator[Any]:
+    """Run `target(conn, *args)` in a spawned process; yield the other end of `conn` once
+    the target said it is ready (its first message). The process is ended after the block."""
+    ctx = multiprocessing.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(theirs, *args))
+    proc.start()
+    try:
+        assert mine.poll(60) and mine.recv() == "ready", "the spawned process did not start"
+        yield mine
+    finally:
+        mine.send(None)
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+
+
+class StoreKV:
+    """A `KV` (transports._kvstore) over a torch TCPStore on 127.0.0.1 (the test holds its server)."""
+
+    def __init__(self, port: int, prefix: str) -> None:
+        self.store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+        self.prefix = prefix
+
+    def put(self, key: str, value: bytes, *, overwrite: bool = True) -> bool:
+        existed = self.store.check([self.prefix + key])
+        if overwrite or not existed:
+            self.store.set(self.prefix + key, value)
+        return bool(existed)
+
+    def get(self, key: str) -> bytes | None:
+        if not self.store.check([self.prefix + key]):
+            return None
+        return bytes(self.store.get(self.prefix + key))
+
+    def delete(self, key: str) -> bool:
+        return bool(self.store.delete_key(self.prefix + key))
+
+    def count(self, prefix: str) -> int:
+        return 0
+
+
+def peer(conn: Any, port: int, timeout_s: float) -> None:
+    """Rank 1 of 2 of group "g": join or leave each creation the test names (("join", c),
+    ("leave", c)), answering "ok" or the error; None ends it."""
+    from rdt_async.transports import gloo
+
+    conn.send("ready")
+    while (step := conn.recv()) is not None:
+        verb, creation = step
+        try:
+            if verb == "join":
+                gloo.join("g", "gloo", 1, 2, kv=StoreKV(port, f"{creation}/"), host="127.0.0.1", attempt=creation,
+                          timeout_s=timeout_s)  # fmt: skip
+            else:
+                gloo.leave("g", creation)
+            conn.send("ok")
+        except Exception as exc:
+            conn.send(f"{type(exc).__name__}: {exc}")
 
 
 def value(fill: float) -> list[torch.Tensor]:

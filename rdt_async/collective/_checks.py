@@ -127,6 +127,11 @@ async def pick_group(
         record = await _io.to_thread(_records.record, name, purpose=_io.CALLS)
         if record is None:
             raise CollectiveGroupError(f"rdt.{verb}: there is no collective group named {name!r} (destroyed?)")
+        if isinstance(group, CollectiveGroup) and group.creation not in (None, record["creation"]):
+            raise CollectiveGroupError(
+                f"rdt.{verb}: collective group {name!r} was destroyed and made anew since this CollectiveGroup "
+                "was made; pass the new group's (or its name)"
+            )
         for i, h in enumerate(holders):
             if h.id not in record["actors"]:
                 who = f"ref {i} is held by {h.label}, which" if i < len(objs) else f"{h.label} (in to=)"

@@ -29,11 +29,18 @@ PING_TIMEOUT_S = 60.0  # actors still starting answer late; dead ones fail at on
 
 @dataclass(frozen=True)
 class CollectiveGroup:
-    """A collective group: its name, backend and member actors (rank = position)."""
+    """A collective group: its name, backend and member actors (rank = position).
+
+    `creation`: which creation of the name it is (`create_collective_group` sets it), so
+    that a handle that outlived its group never touches a group made anew under the name.
+    A handle rebuilt by hand, `CollectiveGroup(name, backend, actors)`, has none: it
+    stands for whichever group holds the name when it is used.
+    """
 
     name: str
     backend: str
     actors: tuple[Any, ...]
+    creation: str | None = None
 
     def __repr__(self) -> str:
         return f"CollectiveGroup({self.name!r}, backend={self.backend!r}, {len(self.actors)} members)"
@@ -47,13 +54,13 @@ async def create_collective_group_async(
     _validate(actors, backend, name)
     name = name or f"{backend}-{secrets.token_hex(6)}"
     members = tuple(a._actor_id.hex() for a in actors)
-    record = {"backend": backend, "actors": list(members)}
+    creation = secrets.token_hex(8)
+    record = {"backend": backend, "actors": list(members), "creation": creation}
     if await _io.to_thread(_records.claim, name, record, purpose=_io.CALLS):
         raise CollectiveGroupError(
             f"a collective group named {name!r} exists: destroy it (rdt.destroy_collective_group(group), or "
             f"by its name once its members are gone: rdt.destroy_collective_group({name!r})) or pick another name"
         )
-    creation = secrets.token_hex(8)
     try:
         await _ping_all(actors, name)
         await asyncio.gather(
@@ -64,7 +71,7 @@ async def create_collective_group_async(
         if isinstance(exc, (CollectiveGroupError, asyncio.CancelledError)):
             raise  # (a cancel, or the caller's timeout, stays one)
         raise CollectiveGroupError(f"creating collective group {name!r} failed: {cause(exc)}") from exc
-    return CollectiveGroup(name, backend, actors)
+    return CollectiveGroup(name, backend, actors, creation)
 
 
 @blocking_twin(create_collective_group_async)
@@ -85,17 +92,25 @@ async def destroy_collective_group_async(group: CollectiveGroup | str, /) -> Non
     if isinstance(group, str):
         await _io.to_thread(_release_left_behind, group, purpose=_io.CALLS)
         return
-    await _leave_all(group.actors, group.name)
-    await _io.to_thread(_forget, group.name, purpose=_io.CALLS)
+    creation = group.creation
+    if creation is None:  # a handle rebuilt by hand: the group that holds the name now
+        rec = await _io.to_thread(_records.record, group.name, purpose=_io.CALLS)
+        if rec is None:
+            return
+        creation = rec["creation"]
+    await _leave_all(group.actors, group.name, creation)
+    await _io.to_thread(_forget, group.name, creation, purpose=_io.CALLS)
 
 
 @blocking_twin(destroy_collective_group_async)
 def destroy_collective_group(group: CollectiveGroup | str, /) -> None:
     """Tear a group down on every live member and free its name (dead members are skipped).
 
+    Only the creation the handle came from: destroying a handle twice, or one whose
+    group was destroyed and made anew under its name, leaves the new group alone.
     By name (a str): free the name of a group left behind, whose members are all dead
     (its creator's job ended without destroying it); a group with live members must be
-    destroyed through its `CollectiveGroup`, so that they leave it.
+    destroyed through a `CollectiveGroup`, so that they leave it.
     Raises: CollectiveGroupError for a name whose group has live members.
     """
     raise NotImplementedError  # never runs: blocking_twin replaces it
@@ -112,14 +127,17 @@ def _release_left_behind(name: str) -> None:
             f"collective group {name!r} still has live members (ranks {', '.join(map(str, live))}): destroy it "
             "with the CollectiveGroup that create_collective_group returned, so that they leave it"
         )
-    _forget(name)
+    _forget(name, rec["creation"])
 
 
-def _forget(name: str) -> None:
+def _forget(name: str, creation: str) -> None:
     """Delete the group's rendezvous keys, then free its name (in that order: a new group
-    of that name never meets them)."""
+    of that name never meets them); nothing if the name is free, or another creation's."""
+    rec = _records.record(name)
+    if rec is None or rec.get("creation") != creation:
+        return
     _records.purge(name)
-    _records.release(name)
+    _records.release(name, creation)
 
 
 NAME_LIMIT = 256  # characters of a group's name
@@ -149,7 +167,7 @@ def _validate(actors: tuple[Any, ...], backend: str, name: str | None) -> None:
 async def _undo(actors: Sequence[Any], name: str, creation: str) -> None:
     """A creation that did not finish: members leave (or never join), its keys go, the name is free again."""
     await _leave_all(actors, name, creation)
-    await _io.to_thread(_forget, name, purpose=_io.CALLS)
+    await _io.to_thread(_forget, name, creation, purpose=_io.CALLS)
 
 
 async def _ping_all(actors: tuple[Any, ...], name: str) -> None:
@@ -166,7 +184,7 @@ async def _ping_all(actors: tuple[Any, ...], name: str) -> None:
     await asyncio.gather(*(ping(i, a) for i, a in enumerate(actors)))
 
 
-async def _leave_all(actors: Sequence[Any], name: str, creation: str | None = None) -> None:
+async def _leave_all(actors: Sequence[Any], name: str, creation: str) -> None:
     async def leave(a: Any) -> None:
         try:
             async with asyncio.timeout(PING_TIMEOUT_S):

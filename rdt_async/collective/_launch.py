@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import Sequence
 from typing import Any
 
 import ray
@@ -64,7 +63,7 @@ async def _settle(verb: str, name: str, calls: Calls, waits: list[Any]) -> None:
             broken = True
             dead = {i for i, w in enumerate(waits) if w.done() and _died(w.exception())}
             why = f"rdt.{verb} failed" + (f": rank {min(dead)} died" if dead else "")
-            await _break_all([h for i, (h, _) in enumerate(calls) if i not in dead], name, why)
+            await _break_all([c for i, c in enumerate(calls) if i not in dead], why)
     failed = [(i, w.exception()) for i, w in enumerate(waits) if w.done() and w.exception()]
     if not failed:
         return
@@ -101,15 +100,17 @@ def _breaks(exc: BaseException | None) -> bool:
     return exc is not None and not isinstance(getattr(exc, "cause", None), ObjectFreedError)
 
 
-async def _break_all(holders: Sequence[Holder], name: str, why: str) -> None:
-    async def one(h: Holder) -> None:
+async def _break_all(calls: Calls, why: str) -> None:
+    """Break the group in each of these members: the creation their parts ran in, only."""
+
+    async def one(h: Holder, part: Part) -> None:
         try:
             async with asyncio.timeout(BREAK_GRACE_S):
-                await call(h.actor, Break(name, why))
+                await call(h.actor, Break(part.group, part.creation, why))
         except (Exception, TimeoutError):
             pass  # dead too, or unreachable: nothing to mark there
 
-    await asyncio.gather(*(one(h) for h in holders))
+    await asyncio.gather(*(one(h, part) for h, part in calls))
 
 
 def _retrieve(fut: Any) -> None:

@@ -47,10 +47,13 @@ def serve(msg: Message) -> Any:
             )
             return True
         case Leave(name=name, creation=creation):
-            _buffers.drop(name)
-            return gloo.leave(name, creation)
-        case Break(name=name, why=why):
-            return groups.abort(name, why)
+            left = gloo.leave(name, creation)
+            if left:
+                _buffers.drop(name)
+            return left
+        case Break(name=name, creation=creation, why=why):
+            group = groups.get(name)  # (a group made anew under the name is not the one that failed)
+            return group is not None and group.creation == creation and groups.abort(group, why)
         case Part():
             return _take_part(msg)
     raise TypeError(f"not a group message: {msg!r}")
@@ -65,6 +68,11 @@ def _take_part(part: Part) -> RDTObject | None:
     collective fails, which also marks the group broken here.
     """
     group = groups.require(part.group)
+    if group.creation != part.creation:
+        raise CollectiveGroupError(
+            f"rdt.{part.verb}: group {part.group!r} was made anew since the caller looked it up (another "
+            "creation of it is here now); issue the collective again"
+        )
     if (group.rank, group.size) != (part.rank, part.size):
         raise CollectiveGroupError(
             f"rdt.{part.verb}: this member is rank {group.rank} of {group.size} in group {part.group!r}, "
@@ -75,7 +83,7 @@ def _take_part(part: Part) -> RDTObject | None:
         with _reading_inputs(part, device) as (inputs, freed):  # held: wait_tensor_freed waits
             value = _kernels.run(group, part, inputs, _buffers.of(part.group), device)
     except BaseException as exc:
-        groups.mark_broken(part.group, f"rdt.{part.verb} failed in rank {group.rank}: {type(exc).__name__}")
+        groups.mark_broken(group, f"rdt.{part.verb} failed in rank {group.rank}: {type(exc).__name__}")
         raise _collective_error(exc, part) from exc
     if freed:
         raise ObjectFreedError(

@@ -41,18 +41,21 @@ class Join:
 
 @dataclass(frozen=True)
 class Leave:
-    """Leave group `name` (or give up its `creation`, whose join may not have begun there
-    yet); answer whether this member was in it."""
+    """Leave this `creation` of group `name` (give it up, where its join may not have
+    begun there yet); answer whether this member was in it. Another creation of the
+    name stays (a late Leave, or a stale handle's)."""
 
     name: str
-    creation: str | None = None
+    creation: str
 
 
 @dataclass(frozen=True)
 class Break:
-    """Mark group `name` broken and abort its process group; answer whether it was there."""
+    """Mark this `creation` of group `name` broken and abort its process group; answer
+    whether it was there (a group made anew under the name is not touched)."""
 
     name: str
+    creation: str
     why: str
 
 
@@ -62,6 +65,7 @@ class Part:
 
     verb: ClassVar[str]  # the public verb, for messages: rdt.<verb>
     group: str
+    creation: str  # which creation of the group, as its record says: another one refuses the part
     rank: int  # the member's rank, as the group's record says
     size: int
     specs: Specs

@@ -208,7 +208,7 @@ async def _over_refs(
     order = tuple(record["actors"].index(h.id) for h in holders)  # the rank of each ref's holder
     calls: Calls = []
     for o, h, rank in zip(objs, holders, order):
-        common: dict[str, Any] = {"group": name, "rank": rank, "size": len(order), "specs": specs,
+        common: dict[str, Any] = {"group": name, "creation": record["creation"], "rank": rank, "size": len(order), "specs": specs,
                                   "obj_id": o.obj_id, "transport": transport or o.transport, "inline": _inline(o)}  # fmt: skip
         part: Part
         if kind is Allreduce:
@@ -252,7 +252,7 @@ async def _broadcast(ref: Any, to: tuple[Any, ...], group: Any, transport: str |
     calls: Calls = []
     for rank, aid in enumerate(members):
         source = aid == src.id
-        part = Broadcast(group=name, rank=rank, size=len(members), specs=specs,
+        part = Broadcast(group=name, creation=record["creation"], rank=rank, size=len(members), specs=specs,
                          obj_id=obj.obj_id if source else None, skeleton=obj.skeleton, root=root,
                          keep=aid in keep, transport=transport or obj.transport,
                          inline=_inline(obj) if source else None)  # fmt: skip

@@ -26,7 +26,7 @@ def claim(name: str, record: dict[str, Any]) -> bool:
 
 
 def record(name: str) -> dict[str, Any] | None:
-    """Return the record of group `name` ({"backend", "actors": actor ids by rank}), or None."""
+    """Return the record of group `name` ({"backend", "actors": actor ids by rank, "creation"}), or None."""
     blob = internal_kv._internal_kv_get(f"group/{name}", namespace=KV_NAMESPACE)
     try:
         found: dict[str, Any] | None = json.loads(blob) if blob is not None else None
@@ -47,9 +47,16 @@ def live_members(rec: dict[str, Any]) -> list[int]:
     return live
 
 
-def release(name: str) -> None:
-    """Free `name` for a new group."""
+def release(name: str, creation: str) -> bool:
+    """Free `name` for a new group, if its record is still of `creation`; return whether it was.
+
+    (Read, then deleted: the GCS has no delete-if. The window between is one round trip.)
+    """
+    rec = record(name)
+    if rec is None or rec.get("creation") != creation:
+        return False
     internal_kv._internal_kv_del(f"group/{name}", namespace=KV_NAMESPACE)
+    return True
 
 
 def rendezvous_prefix(name: str) -> str:

@@ -126,8 +126,8 @@ def join(
 def leave(name: str, attempt: str | None = None) -> bool:
     """Leave group `name`, ending a join of it under way; False if this process was not in it.
 
-    `attempt`: the creation being given up, where its join may not have begun here yet:
-    that join is refused when it comes.
+    `attempt`: leave only that creation (a group made anew under the name stays); where
+    its join has not begun here yet, it is refused when it comes.
     """
     with _joining_lock:
         joining = _joining.get(name)
@@ -137,7 +137,7 @@ def leave(name: str, attempt: str | None = None) -> bool:
             _abandoned.append(attempt)
     if joining is not None:
         joining[1].close()  # returns once no write of it is under way
-    return groups.leave(name)
+    return groups.leave(name, attempt)
 
 
 def store_closed(exc: BaseException) -> bool:
@@ -276,7 +276,7 @@ class GlooTransport(Transport[GlooMeta]):
                 # these receives: they land before the caller has its buffers back.
                 await _drain(group, waiting)
             if not clean and not isinstance(exc, (asyncio.CancelledError, ObjectFreedError)):
-                groups.mark_broken(group.name, f"a transfer failed: {type(exc).__name__}")
+                groups.mark_broken(group, f"a transfer failed: {type(exc).__name__}")
             raise
         finally:
             if reply is not None:  # the bytes are here (or the fetch ended): its reply is news to nobody
@@ -490,7 +490,7 @@ async def _drain(group: Group, waiting: asyncio.Future[None]) -> None:
     if done:
         _consume(waiting)
     else:
-        groups.abort(group.name, f"a cancelled fetch's receives did not complete in {bound:.0f} s")
+        groups.abort(group, f"a cancelled fetch's receives did not complete in {bound:.0f} s")
 
 
 def _consume(fut: asyncio.Future[Any]) -> None:

@@ -1,0 +1,188 @@
+"""A collective group's life (create, join, break, leave, destroy, made anew under its name),
+without a cluster: real Gloo process groups, made by the `gloo` transport's `join`, in this
+process (groups of one member) or with a spawned member (`gloo_pair.peer`); Ray's GCS
+key-value store is a dict here, and the member calls a creator sends are served in this
+process, as a member's `rdt` group serves them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+import ray
+import torch
+import torch.distributed as dist
+from ray.experimental import internal_kv
+
+import rdt_async as rdt
+from rdt_async import _io
+from rdt_async.collective import _checks, _groups, _member, _records
+from rdt_async.collective._messages import Allreduce, Break, Join, Leave
+from rdt_async.transports import gloo
+from rdt_async.transports._base import TensorSpec, TransferInfo
+
+TS = 2.0  # each group's timeout_s
+
+
+class ActorId:
+    def __init__(self, h: str) -> None:
+        self.h = h
+
+    def hex(self) -> str:
+        return self.h
+
+
+class Actor:
+    """A member as create and destroy see it: an actor id, and an `rdt` group (this process)."""
+
+    def __init__(self, h: str) -> None:
+        self._actor_id = ActorId(h)
+        self.rdt__group = None
+
+
+A, B = Actor("aa" * 16), Actor("bb" * 16)
+
+
+@pytest.fixture
+def gcs(monkeypatch):
+    """Ray's GCS key-value store as a dict; members' calls served here, in a thread."""
+    kv: dict[tuple[str | None, str], bytes] = {}
+
+    def put(key, value, overwrite=True, *, namespace=None):
+        had = (namespace, key) in kv
+        if overwrite or not had:
+            kv[namespace, key] = value
+        return had
+
+    def delete(key, del_by_prefix=False, *, namespace=None):
+        gone = [k for k in kv if k[0] == namespace and (k[1].startswith(key) if del_by_prefix else k[1] == key)]
+        for k in gone:
+            del kv[k]
+        return len(gone)
+
+    monkeypatch.setattr(internal_kv, "_internal_kv_put", put)
+    monkeypatch.setattr(internal_kv, "_internal_kv_get", lambda key, *, namespace=None: kv.get((namespace, key)))
+    monkeypatch.setattr(internal_kv, "_internal_kv_del", delete)
+    monkeypatch.setattr(internal_kv, "_internal_kv_list", lambda p, *, namespace=None: [k[1] for k in kv if k[1].startswith(p)])
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")
+
+    async def call(actor, msg):
+        if isinstance(msg, Join) and msg.rank == 1 and actor is B:
+            raise RuntimeError("this member cannot join (test)")
+        return await asyncio.to_thread(_member.serve, msg)
+
+    monkeypatch.setattr(_groups, "call", call)
+    monkeypatch.setattr(ray.actor, "ActorHandle", Actor)  # (create checks its members are actor handles)
+    yield kv
+    gloo.leave("g")
+
+
+def record(kv) -> dict | None:
+    blob = kv.get((_records.KV_NAMESPACE, "group/g"))
+    return None if blob is None else json.loads(blob)
+
+
+async def test_destroying_a_stale_handle_leaves_the_group_made_anew_under_its_name(gcs):
+    # A handle that outlived its group (destroyed, then made anew under its name by
+    # another driver) tore the new group down: its members left it, its record and keys
+    # were deleted, and a third create of the name succeeded while the second's holder used it.
+    first = await rdt.create_collective_group_async([A], name="g", timeout_s=TS)
+    await rdt.destroy_collective_group_async(first)
+    await rdt.create_collective_group_async([A], name="g", timeout_s=TS)
+    made = gloo.groups.get("g")
+    await rdt.destroy_collective_group_async(first)  # stale: a second destroy, or another driver's
+    assert gloo.groups.get("g") is made  # still in it
+    assert record(gcs) is not None and record(gcs)["creation"] == made.creation  # the name still claimed
+    assert _member.serve(Leave("g", first.creation)) is False  # a Leave that comes late
+    assert gloo.groups.get("g") is made
+    with pytest.raises(rdt.CollectiveGroupError, match="'g' was destroyed and made anew since this CollectiveGroup"):
+        await _checks.pick_group("allreduce", [], [], first)  # a collective given the stale handle
+    with pytest.raises(rdt.CollectiveGroupError, match="named 'g' exists"):
+        await rdt.create_collective_group_async([A], name="g", timeout_s=TS)
+    rebuilt = rdt.CollectiveGroup("g", "gloo", (A,))  # a handle rebuilt by hand: whichever holds the name
+    await rdt.destroy_collective_group_async(rebuilt)
+    assert gloo.groups.get("g") is None and record(gcs) is None and not gcs
+
+
+def test_break_and_parts_reach_only_the_creation_they_were_issued_in(gcs):
+    # A Break by name (a collective of the group's earlier creation failed late) broke
+    # the group made anew under it; a part issued in the earlier one ran in the new one.
+    g = rdt.create_collective_group([A], name="g", timeout_s=TS)
+    part = Allreduce(group="g", creation="an earlier one", rank=0, size=1, specs=(), obj_id=None, skeleton=None)
+    with pytest.raises(rdt.CollectiveGroupError, match="group 'g' was made anew since the caller looked it up"):
+        _member.serve(part)
+    assert _member.serve(Break("g", "an earlier one", "rdt.allreduce failed")) is False
+    assert gloo.groups.get("g").broken is None
+    assert _member.serve(Break("g", g.creation, "rdt.allreduce failed")) is True
+    assert gloo.groups.get("g").broken == "rdt.allreduce failed"
+    rdt.destroy_collective_group(g)
+
+
+# -- with a member in another process -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def port():
+    """The port of a TCPStore served here, where the spawned member and this process meet."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    yield server.port
+    del server
+
+
+@pytest.fixture(scope="module")
+def peer(port):
+    """Rank 1 of group "g", in a spawned process (`gloo_pair.peer`): a test leaves what it joined."""
+    import gloo_pair
+
+    with gloo_pair.spawned(gloo_pair.peer, port, TS) as conn:
+        yield conn
+
+
+def _join_with(peer, port: int, creation: str, *, kv=None) -> tuple[str, str]:
+    """Join creation `creation` of "g" as rank 0 while the peer joins as rank 1; return
+    what each said ("ok", or the error)."""
+    import gloo_pair
+
+    peer.send(("join", creation))
+    try:
+        gloo.join("g", "gloo", 0, 2, kv=kv or gloo_pair.StoreKV(port, f"{creation}/"), host="127.0.0.1",
+                  attempt=creation, timeout_s=TS)  # fmt: skip
+        ours = "ok"
+    except Exception as exc:
+        ours = f"{type(exc).__name__}: {exc}"
+    assert peer.poll(30), "the peer's join did not end"
+    return ours, peer.recv()
+
+
+def test_a_fetch_from_an_old_group_that_fails_late_leaves_the_group_made_anew_alone(peer, port):
+    # A fetch still under way when its group was destroyed failed after the name was
+    # made anew, and marked the NEW group broken (by name): "a transfer failed".
+    assert _join_with(peer, port, "old") == ("ok", "ok")
+    answered = threading.Event()
+
+    class Late:  # the producer's answer comes late, and is a failure
+        async def request_send(self, request):
+            while not answered.is_set():
+                await asyncio.sleep(0.01)
+            raise RuntimeError("the producer failed this send (test)")
+
+    info = TransferInfo("0" * 24, (TensorSpec((4,), torch.float32, "cpu", 16),), gloo.GlooMeta("g", 1))
+    fetch = _io.start(gloo.GlooTransport().receive(info, None, Late()))
+    time.sleep(0.2)
+    gloo.leave("g", "old")  # destroyed (this member left, the other too) ...
+    peer.send(("leave", "old"))
+    assert peer.recv() == "ok"
+    try:
+        assert _join_with(peer, port, "new") == ("ok", "ok")  # ... and made anew under its name
+        answered.set()
+        with pytest.raises(RuntimeError, match="the producer failed this send"):
+            fetch.result(timeout=20)
+        assert (gloo.groups.get("g").creation, gloo.groups.get("g").broken) == ("new", None)
+    finally:
+        gloo.leave("g")
+        peer.send(("leave", "new"))
+        peer.recv()
