@@ -122,6 +122,70 @@ def test_break_and_parts_reach_only_the_creation_they_were_issued_in(gcs):
     rdt.destroy_collective_group(g)
 
 
+def test_a_join_given_up_while_stuck_never_holds_up_the_next_creation():
+    # A join that closing its store cannot end (Gloo connecting to a member that died
+    # after saying where it listens; here: a key-value read that hangs) held the name:
+    # the next creation's join was refused ("already joining a group named 'g'").
+    release = threading.Event()
+
+    class Stuck:
+        def put(self, key, value, *, overwrite=True):
+            return False
+
+        def get(self, key):
+            release.wait(10)  # (past its store's close: as a connect is)
+            return None
+
+        def delete(self, key):
+            return False
+
+        def count(self, prefix):
+            return 0
+
+    outcome: list[str] = []
+
+    def stuck_join() -> None:
+        try:
+            gloo.join("g", "gloo", 0, 2, kv=Stuck(), host="127.0.0.1", attempt="c0", timeout_s=TS)
+            outcome.append("joined")
+        except rdt.CollectiveGroupError as exc:
+            outcome.append(str(exc))
+
+    first = threading.Thread(target=stuck_join)
+    first.start()
+    try:
+        time.sleep(0.2)
+        assert gloo.leave("g", "c0") is False  # the caller gave c0 up: its join is told
+        gloo.join("g", "gloo", 0, 1, kv=_DictKV(), host="127.0.0.1", attempt="c1", timeout_s=TS)
+        assert gloo.groups.get("g").creation == "c1"
+    finally:
+        release.set()
+        first.join(10)
+        assert gloo.groups.get("g") is None or gloo.groups.get("g").creation == "c1"
+        gloo.leave("g")
+    assert outcome == ["group 'g' was torn down while this member joined it"], outcome
+
+
+class _DictKV:
+    def __init__(self) -> None:
+        self.d: dict[str, bytes] = {}
+
+    def put(self, key, value, *, overwrite=True):
+        had = key in self.d
+        if overwrite or not had:
+            self.d[key] = value
+        return had
+
+    def get(self, key):
+        return self.d.get(key)
+
+    def delete(self, key):
+        return self.d.pop(key, None) is not None
+
+    def count(self, prefix):
+        return 0
+
+
 # -- with a member in another process -----------------------------------------------------
 
 
@@ -185,4 +249,33 @@ def test_a_fetch_from_an_old_group_that_fails_late_leaves_the_group_made_anew_al
     finally:
         gloo.leave("g")
         peer.send(("leave", "new"))
+        peer.recv()
+
+
+def test_a_join_that_completes_after_its_creation_was_given_up_is_dropped(peer, port):
+    # The caller gave the creation up (Leave(name, creation)) while this member's join
+    # was past its last read of the store: the join then completed and the abandoned
+    # creation's group stayed, unknown to anyone.
+    import gloo_pair
+
+    fired = threading.Event()
+
+    class GivenUpMidway(gloo_pair.StoreKV):
+        def get(self, key):
+            value = super().get(key)
+            if value is not None and key == "k/0/1" and not fired.is_set():
+                fired.set()  # the other member's address, its last read: the caller's undo comes now
+                leave = threading.Thread(target=gloo.leave, args=("g", "given-up"))
+                leave.start()
+                leave.join()
+            return value
+
+    said, _ = _join_with(peer, port, "given-up", kv=GivenUpMidway(port, "given-up/"))
+    try:
+        assert fired.is_set()
+        assert said == "CollectiveGroupError: the creation of group 'g' was given up while this member joined it"
+        assert gloo.groups.get("g") is None
+    finally:
+        gloo.leave("g")
+        peer.send(("leave", "given-up"))
         peer.recv()

@@ -73,6 +73,11 @@ class KVStore(dist.Store):  # type: ignore[misc,name-defined]  # torch's pybind 
         with self._writes:
             self._closed.set()
 
+    @property
+    def closed(self) -> bool:
+        """Whether `close()` was called (on this store or a clone)."""
+        return self._closed.is_set()
+
     def _put(self, key: str, value: bytes, *, overwrite: bool = True) -> bool:
         with self._writes:
             if self._closed.is_set():

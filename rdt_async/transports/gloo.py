@@ -60,10 +60,13 @@ PACK_ALIGN = 64
 REPLY_AFTER_FAILURE_S = 10.0  # how long a failed receive waits for Ray's word on the producer
 DRAIN_S = 30.0  # how long a cancelled fetch waits for receives that write caller buffers
 
-# Joins under way: group name -> (attempt, its rendezvous store), which `leave` closes;
+# Joins under way: (group name, attempt) -> its rendezvous store, which `leave` closes;
 # and attempts left before their join began here, which that join then refuses (so that
-# nothing writes a key after the caller deleted them).
-_joining: dict[str, tuple[str, KVStore]] = {}
+# nothing writes a key after the caller deleted them). Keyed by attempt too: a join given
+# up but still connecting (to a member that died after saying where it listens: Gloo's
+# connect retries run to about 5x timeout_s, and closing the store cannot end them) never
+# holds up the next creation of the name.
+_joining: dict[tuple[str, str], KVStore] = {}
 _abandoned: collections.deque[str] = collections.deque(maxlen=1024)
 _joining_lock = threading.Lock()
 
@@ -85,9 +88,14 @@ def join(
     The members meet through `kv` (this `attempt`'s keys, scoped by the caller; no port
     is opened for it); Gloo's listener binds `host` (this process's node address) or the
     interface GLOO_SOCKET_IFNAME names. `members`: who holds each rank (checked against a
-    ref's producer). Blocks until every member joined: call it off the loop.
-    Raises: CollectiveGroupError (already in a group of that name, a bad backend, no GPU,
-    or the attempt was left meanwhile); the backend's error if the rendezvous fails.
+    ref's producer). Blocks until every member joined: call it off the loop. A join whose
+    attempt is left meanwhile (`leave`) ends at once while it waits for the others'
+    keys; one already connecting to them ends when Gloo's connect does (about 5x
+    `timeout_s` where a member died meanwhile), and its process group is then dropped,
+    never recorded; a new attempt under the name need not wait for it.
+    Raises: CollectiveGroupError (already in a group of that name, a bad backend,
+    no GPU, or the attempt was left meanwhile); the backend's error if the
+    rendezvous fails.
     """
     if groups.get(name) is not None:
         raise CollectiveGroupError(f"this process is already in a group named {name!r}")
@@ -96,13 +104,14 @@ def join(
     if backend == "nccl" and not torch.cuda.is_available():
         raise CollectiveGroupError("backend 'nccl' needs a CUDA GPU in every member; use backend='gloo'")
     store = KVStore(kv, timeout_s, f"rendezvous of group {name!r} (rank {rank} of {size})")
+    key = (name, attempt)
     with _joining_lock:
         if attempt in _abandoned:
             _abandoned.remove(attempt)
             raise CollectiveGroupError(f"the creation of group {name!r} was given up before this member joined")
-        if name in _joining:
-            raise CollectiveGroupError(f"this process is already joining a group named {name!r}")
-        _joining[name] = (attempt, store)
+        if key in _joining:
+            raise CollectiveGroupError(f"this process is already joining this creation of group {name!r}")
+        _joining[key] = store
     try:
         if backend == "gloo":
             opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private, untyped
@@ -114,29 +123,49 @@ def join(
             opts._timeout = timedelta(seconds=timeout_s)
             pg = dist.ProcessGroupNCCL(store, rank, size, opts)  # reads the store again per communicator
     except Exception as exc:
+        with _joining_lock:
+            _joining.pop(key, None)
         if store_closed(exc):
             raise CollectiveGroupError(f"group {name!r} was torn down while this member joined it") from exc
         raise
-    finally:
-        with _joining_lock:
-            _joining.pop(name, None)
-    groups.add(Group(name, backend, rank, size, pg, store, members=tuple(members), creation=attempt, timeout_s=timeout_s))
+    group = Group(name, backend, rank, size, pg, store, members=tuple(members), creation=attempt, timeout_s=timeout_s)
+    given_up: BaseException | None = None
+    with _joining_lock:  # `leave` decides under this lock too: the group is recorded, or this attempt was left
+        _joining.pop(key, None)
+        if store.closed:
+            given_up = CollectiveGroupError(f"the creation of group {name!r} was given up while this member joined it")
+        else:
+            try:
+                groups.add(group)  # (another attempt's join of the name may have ended first)
+            except CollectiveGroupError as exc:
+                given_up = exc
+    if given_up is not None:
+        store.close()
+        try:
+            pg.abort()  # its peers' work with it ends now, not at their timeout
+        except Exception:
+            pass
+        raise given_up
 
 
 def leave(name: str, attempt: str | None = None) -> bool:
     """Leave group `name`, ending a join of it under way; False if this process was not in it.
 
-    `attempt`: leave only that creation (a group made anew under the name stays); where
-    its join has not begun here yet, it is refused when it comes.
+    `attempt`: leave only that creation (its join under way ends; where it has not begun
+    here yet, it is refused when it comes); a group made anew under the name stays.
+    None: whichever creation this process is in or joining.
     """
     with _joining_lock:
-        joining = _joining.get(name)
-        if joining is not None and attempt is not None and joining[0] != attempt:
-            joining = None  # a later creation's join: not the one given up
-        if joining is None and attempt is not None and groups.get(name) is None:
-            _abandoned.append(attempt)
-    if joining is not None:
-        joining[1].close()  # returns once no write of it is under way
+        if attempt is None:
+            stores = [s for (n, _), s in _joining.items() if n == name]
+        else:
+            joining = _joining.get((name, attempt))
+            stores = [joining] if joining is not None else []
+            group = groups.get(name)
+            if joining is None and (group is None or group.creation != attempt):
+                _abandoned.append(attempt)
+    for s in stores:
+        s.close()  # returns once no write of it is under way
     return groups.leave(name, attempt)
 
 
