@@ -156,7 +156,9 @@ def test_a_failed_creation_leaves_no_key_and_ends_the_others_joins_at_once(four)
     c = Member.remote()  # fresh: its joins fail from now on
     ray.get(c.refuse_joins.remote())
     t0 = time.monotonic()
-    with pytest.raises(rdt.CollectiveGroupError, match=r"creating collective group 'refused' failed: .*refuses to join"):
+    with pytest.raises(
+        rdt.CollectiveGroupError, match=r"creating collective group 'refused' failed in member 2 \(actor \w{8}\): .*refuses to join"
+    ):
         rdt.create_collective_group([a, b, c], name="refused", timeout_s=60)
     assert time.monotonic() - t0 < 20
     # The others' joins ended with the creation (not after timeout_s), and left no key behind.

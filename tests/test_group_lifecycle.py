@@ -108,6 +108,39 @@ async def test_destroying_a_stale_handle_leaves_the_group_made_anew_under_its_na
     assert gloo.groups.get("g") is None and record(gcs) is None and not gcs
 
 
+async def test_a_create_cancelled_while_it_claims_the_name_gives_the_name_back(gcs, monkeypatch):
+    # The caller's deadline fell while the claim of the name was in the GCS (a thread):
+    # the claim went on, nothing undid it, and the name stayed taken for good (create
+    # said "exists", destroy by name "still has live members").
+    put = internal_kv._internal_kv_put
+
+    def slow_put(*args, **kwargs):
+        time.sleep(0.3)  # a GCS round trip under load
+        return put(*args, **kwargs)
+
+    monkeypatch.setattr(internal_kv, "_internal_kv_put", slow_put)
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.1):
+            await rdt.create_collective_group_async([A], name="g", timeout_s=TS)
+    assert record(gcs) is None and gloo.groups.get("g") is None
+    g = await rdt.create_collective_group_async([A], name="g", timeout_s=TS)
+    await rdt.destroy_collective_group_async(g)
+
+
+async def test_a_failed_join_names_the_member_and_frees_the_name(gcs):
+    with pytest.raises(
+        rdt.CollectiveGroupError,
+        match=r"creating collective group 'g' failed in member 1 \(actor bbbbbbbb\): RuntimeError: this member cannot join",
+    ):
+        await rdt.create_collective_group_async([A, B], name="g", timeout_s=TS)
+    assert record(gcs) is None and gloo.groups.get("g") is None and not gcs  # rank 0's join ended too
+
+
+def test_an_actor_listed_twice_is_named_by_both_places(gcs):
+    with pytest.raises(rdt.CollectiveGroupError, match=r"appears twice .*actors\[0\] and actors\[2\] are both actor aaaaaaaa"):
+        rdt.create_collective_group([A, B, A], name="g")
+
+
 def test_break_and_parts_reach_only_the_creation_they_were_issued_in(gcs):
     # A Break by name (a collective of the group's earlier creation failed late) broke
     # the group made anew under it; a part issued in the earlier one ran in the new one.

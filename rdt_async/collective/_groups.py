@@ -56,18 +56,30 @@ async def create_collective_group_async(
     members = tuple(a._actor_id.hex() for a in actors)
     creation = secrets.token_hex(8)
     record = {"backend": backend, "actors": list(members), "creation": creation}
-    if await _io.to_thread(_records.claim, name, record, purpose=_io.CALLS):
-        raise CollectiveGroupError(
-            f"a collective group named {name!r} exists: destroy it (rdt.destroy_collective_group(group), or "
-            f"by its name once its members are gone: rdt.destroy_collective_group({name!r})) or pick another name"
-        )
+    claimed = joining = False
     try:
+        # Every member answers first: a record names only actors Ray knew (see live_members).
         await _ping_all(actors, name)
+        # The claim runs to its end through a cancel, which then takes effect: a claim
+        # made but abandoned would keep the name taken for good.
+        claim = asyncio.ensure_future(_io.to_thread(_records.claim, name, record, purpose=_io.CALLS))
+        cancelled = await _io.shielded(claim)
+        claimed = not claim.result()
+        if cancelled:
+            raise asyncio.CancelledError
+        if not claimed:
+            raise CollectiveGroupError(
+                f"a collective group named {name!r} exists: destroy it (rdt.destroy_collective_group(group) with "
+                f"its CollectiveGroup, or one rebuilt as rdt.CollectiveGroup({name!r}, backend, actors); or by its "
+                f"name once its members are gone: rdt.destroy_collective_group({name!r})), or pick another name"
+            )
+        joining = True
         await asyncio.gather(
-            *(call(a, Join(name, backend, rank, len(actors), members, creation, timeout_s)) for rank, a in enumerate(actors))
+            *(_join(a, Join(name, backend, rank, len(actors), members, creation, timeout_s)) for rank, a in enumerate(actors))
         )
     except BaseException as exc:
-        await asyncio.shield(asyncio.ensure_future(_undo(actors, name, creation)))  # a second cancel leaves it running
+        if claimed:  # a second cancel leaves the undo running
+            await asyncio.shield(asyncio.ensure_future(_undo(actors if joining else (), name, creation)))
         if isinstance(exc, (CollectiveGroupError, asyncio.CancelledError)):
             raise  # (a cancel, or the caller's timeout, stays one)
         raise CollectiveGroupError(f"creating collective group {name!r} failed: {cause(exc)}") from exc
@@ -82,7 +94,8 @@ def create_collective_group(
 
     Callable from the driver or any actor (blocking; use `create_collective_group_async`
     on an event loop). `timeout_s` bounds the group's operations.
-    Raises: CollectiveGroupError (a dead member, a name in use, a bad backend).
+    Raises: CollectiveGroupError (a dead member, or one that failed to join, named by
+    rank; a name in use; a bad backend).
     """
     raise NotImplementedError  # never runs: blocking_twin replaces it
 
@@ -125,7 +138,9 @@ def _release_left_behind(name: str) -> None:
     if live:
         raise CollectiveGroupError(
             f"collective group {name!r} still has live members (ranks {', '.join(map(str, live))}): destroy it "
-            "with the CollectiveGroup that create_collective_group returned, so that they leave it"
+            f"with the CollectiveGroup that create_collective_group returned, or one rebuilt as "
+            f"rdt.CollectiveGroup({name!r}, {rec['backend']!r}, actors) with its actors by rank, so that they "
+            "leave it"
         )
     _forget(name, rec["creation"])
 
@@ -153,15 +168,29 @@ def _validate(actors: tuple[Any, ...], backend: str, name: str | None) -> None:
         raise CollectiveGroupError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
     if not actors:  # (one is a group too, as in Ray: a producer passing refs to itself)
         raise CollectiveGroupError("a collective group needs at least 1 actor, got none")
-    ids = []
+    seen: dict[Any, int] = {}
     for i, a in enumerate(actors):
         if not isinstance(a, ray.actor.ActorHandle):
             raise CollectiveGroupError(f"member {i} is a {type(a).__name__}, not an actor handle")
         if not hasattr(a, "rdt__group"):
             raise CollectiveGroupError(f"member {i} is not an rdt.remote actor: decorate its class with @rdt.remote")
-        ids.append(a._actor_id)
-    if len(set(ids)) != len(ids):
-        raise CollectiveGroupError("an actor appears twice in the group")
+        if a._actor_id in seen:
+            raise CollectiveGroupError(
+                f"an actor appears twice in the group: actors[{seen[a._actor_id]}] and actors[{i}] are both "
+                f"actor {a._actor_id.hex()[:8]}; list each member once"
+            )
+        seen[a._actor_id] = i
+
+
+async def _join(actor: Any, msg: Join) -> None:
+    """Have one member join; a failure names it (its rank and actor)."""
+    try:
+        await call(actor, msg)
+    except Exception as exc:  # (not a cancel of the caller's: that is no member's fault)
+        raise CollectiveGroupError(
+            f"creating collective group {msg.name!r} failed in member {msg.rank} (actor "
+            f"{actor._actor_id.hex()[:8]}): {cause(exc)}"
+        ) from exc
 
 
 async def _undo(actors: Sequence[Any], name: str, creation: str) -> None:
