@@ -17,6 +17,7 @@ from typing import Any
 from ._errors import CollectiveGroupError
 
 TAG_LIMIT = 1 << 30  # Gloo tags are int32: a group's tags wrap here (bench's raw tags lie above)
+MAX_TIMEOUT_S = 1e9  # a group's timeout_s is under this (~31 years): Gloo counts it in int64 nanoseconds
 
 
 @dataclass
@@ -143,6 +144,20 @@ class Groups:
         """Return the groups of this process that are marked broken."""
         with self._lock:
             return [g for g in self._groups.values() if g.broken]
+
+
+def check_timeout(timeout_s: Any) -> None:
+    """Raise CollectiveGroupError unless `timeout_s` is a finite number of seconds over 0.
+
+    It bounds each operation of the group, checked where it is given: Gloo refused a
+    negative one in every member, and failed every operation of a group given 0.
+    """
+    ok = isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
+    if not ok or not 0 < timeout_s < MAX_TIMEOUT_S:
+        raise CollectiveGroupError(
+            f"timeout_s bounds each operation of a collective group: a number of seconds over 0 and under "
+            f"{MAX_TIMEOUT_S:.0e}, not {timeout_s!r}"
+        )
 
 
 def _close_store(group: Group) -> None:

@@ -136,6 +136,17 @@ async def test_a_failed_join_names_the_member_and_frees_the_name(gcs):
     assert record(gcs) is None and gloo.groups.get("g") is None and not gcs  # rank 0's join ended too
 
 
+@pytest.mark.parametrize("timeout_s", [0, -1, 0.0, float("nan"), float("inf"), 1e12, "5", True, None])
+async def test_timeout_s_is_a_positive_number_of_seconds_checked_at_the_call(gcs, timeout_s):
+    # -1 failed in every member (Gloo's "Invalid timeout"); 0 made every operation fail
+    # at once while the rendezvous took it as no limit.
+    with pytest.raises(rdt.CollectiveGroupError, match=r"timeout_s bounds each operation .* over 0 and under 1e\+09, not"):
+        await rdt.create_collective_group_async([A], name="g", timeout_s=timeout_s)
+    with pytest.raises(rdt.CollectiveGroupError, match="timeout_s bounds each operation"):
+        gloo.join("g", "gloo", 0, 1, kv=_records.GroupKV("g", "c"), host="127.0.0.1", attempt="c", timeout_s=timeout_s)
+    assert record(gcs) is None and gloo.groups.get("g") is None
+
+
 def test_an_actor_listed_twice_is_named_by_both_places(gcs):
     with pytest.raises(rdt.CollectiveGroupError, match=r"appears twice .*actors\[0\] and actors\[2\] are both actor aaaaaaaa"):
         rdt.create_collective_group([A, B, A], name="g")

@@ -19,6 +19,7 @@ import ray
 
 from .. import _io
 from .._errors import CollectiveGroupError
+from .._membership import check_timeout
 from . import _records
 from ._messages import Join, Leave, Ping, call
 from ._twins import blocking_twin
@@ -51,7 +52,7 @@ async def create_collective_group_async(
 ) -> CollectiveGroup:
     """Async twin of `create_collective_group`; never blocks the loop."""
     actors = tuple(actors)
-    _validate(actors, backend, name)
+    _validate(actors, backend, name, timeout_s)
     name = name or f"{backend}-{secrets.token_hex(6)}"
     members = tuple(a._actor_id.hex() for a in actors)
     creation = secrets.token_hex(8)
@@ -93,9 +94,10 @@ def create_collective_group(
     """Make a collective group of `rdt.remote` actors; rank i is `actors[i]`.
 
     Callable from the driver or any actor (blocking; use `create_collective_group_async`
-    on an event loop). `timeout_s` bounds the group's operations.
+    on an event loop). `timeout_s` (seconds, over 0) bounds each of the group's
+    operations, not this call.
     Raises: CollectiveGroupError (a dead member, or one that failed to join, named by
-    rank; a name in use; a bad backend).
+    rank; a name in use; a bad backend or timeout_s).
     """
     raise NotImplementedError  # never runs: blocking_twin replaces it
 
@@ -158,7 +160,7 @@ def _forget(name: str, creation: str) -> None:
 NAME_LIMIT = 256  # characters of a group's name
 
 
-def _validate(actors: tuple[Any, ...], backend: str, name: str | None) -> None:
+def _validate(actors: tuple[Any, ...], backend: str, name: str | None, timeout_s: float) -> None:
     if name is not None and (not isinstance(name, str) or len(name) > NAME_LIMIT):
         raise CollectiveGroupError(
             f"a group's name is a str of at most {NAME_LIMIT} characters, not {type(name).__name__} "
@@ -166,6 +168,7 @@ def _validate(actors: tuple[Any, ...], backend: str, name: str | None) -> None:
         )
     if backend not in BACKENDS:
         raise CollectiveGroupError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
+    check_timeout(timeout_s)
     if not actors:  # (one is a group too, as in Ray: a producer passing refs to itself)
         raise CollectiveGroupError("a collective group needs at least 1 actor, got none")
     seen: dict[Any, int] = {}

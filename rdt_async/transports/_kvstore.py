@@ -58,6 +58,8 @@ class KVStore(dist.Store):  # type: ignore[misc,name-defined]  # torch's pybind 
     """torch's Store interface over `kv`, for one group's rendezvous; `close()` ends its waits."""
 
     def __init__(self, kv: KV, timeout_s: float, what: str, closed: threading.Event | None = None) -> None:
+        if not timeout_s > 0:  # (a wait that torch bounds by 0 is unbounded: never the default)
+            raise ValueError(f"{what}: a store's waits are bounded by a timeout over 0 s, not {timeout_s!r}")
         super().__init__()
         self._kv, self._timeout_s, self._what = kv, timeout_s, what
         self._closed = closed or threading.Event()

@@ -48,6 +48,7 @@ from .._errors import CollectiveGroupError, ObjectFreedError, PeerDiedError, RDT
 from .._local import aligned_layout
 from .._membership import TAG_LIMIT as TAG_LIMIT
 from .._membership import Group as Group
+from .._membership import check_timeout
 from .._membership import groups as groups
 from ._base import Channel, Cost, TransferInfo, Transport, check_specs
 from ._kit import delivered, landing_buffers, lands_in
@@ -93,14 +94,15 @@ def join(
     keys; one already connecting to them ends when Gloo's connect does (about 5x
     `timeout_s` where a member died meanwhile), and its process group is then dropped,
     never recorded; a new attempt under the name need not wait for it.
-    Raises: CollectiveGroupError (already in a group of that name, a bad backend,
-    no GPU, or the attempt was left meanwhile); the backend's error if the
+    Raises: CollectiveGroupError (already in a group of that name, a bad backend or
+    timeout, no GPU, or the attempt was left meanwhile); the backend's error if the
     rendezvous fails.
     """
     if groups.get(name) is not None:
         raise CollectiveGroupError(f"this process is already in a group named {name!r}")
     if backend not in ("gloo", "nccl"):
         raise CollectiveGroupError(f"unknown backend {backend!r}; use 'gloo' or 'nccl'")
+    check_timeout(timeout_s)
     if backend == "nccl" and not torch.cuda.is_available():
         raise CollectiveGroupError("backend 'nccl' needs a CUDA GPU in every member; use backend='gloo'")
     store = KVStore(kv, timeout_s, f"rendezvous of group {name!r} (rank {rank} of {size})")
