@@ -195,9 +195,12 @@ def test_crafted_group_names_stay_in_their_own_keys(four):
 
 
 def test_a_crafted_ref_is_refused_before_anything_is_posted_and_the_group_stays_usable(four):
-    """A ref's group metadata came from another process: a rank out of range, our own, a
-    bystander's, or tensors described otherwise than the producer holds them give a clear
-    TransferError, and the very next good fetch over the group works."""
+    """A ref's group metadata came from another process: a rank that is no rank, a
+    producer that is no member, or tensors described otherwise than the producer holds
+    them give a clear TransferError, and the very next good fetch over the group works.
+    Another rank (out of range, our own, a bystander's) is not followed: the receive is
+    posted from the rank the group gives the producer's actor (a group made anew under its
+    name may have moved it since the object was made)."""
     p, c, bystander = four[:3]
     g = rdt.create_collective_group([p, c, bystander])
     try:
@@ -213,20 +216,21 @@ def test_a_crafted_ref_is_refused_before_anything_is_posted_and_the_group_stays_
             timeout=120,
         )
         expected = [
-            r"TransferError: fetch of \w+ over group '.*': its ref says the producer is rank 5, not a rank of this group of 3",
-            r"TransferError: .* the producer is rank -1, not a rank of this group of 3",
+            "fetched",  # rank 5: not followed
+            r"TransferError: fetch of \w+ over group '.*': its ref says the producer is rank -1, not a rank of this group of 3",
             r"TransferError: .* the producer is rank '0', not a rank",
             r"TransferError: .* the producer is rank True, not a rank",
-            r"TransferError: .* the producer is rank 1, this process's own rank \(the ref was altered\); nothing was received",
-            r"TransferError: .* rank 2 is actor \w{8}, not the object's producer \w{8} \(the ref was altered\)",
+            "fetched",  # rank 1 (ours): not followed
+            "fetched",  # rank 2 (a bystander's): not followed
             r"TransferError: gloo fetch of \w+: its ref describes tensors \[float32\[1001\], int64\[6\]\], but its "
             r"producer holds \[float32\[1000\], int64\[6\]\]: the ref was altered, or is not this object's; nothing "
             r"was received \(the group is unharmed\)",
             r"TransferError: .* describes tensors \[float64\[1000\], int64\[6\]\], but its producer holds \[float32\[1000\]",
             r"TransferError: .*(its ref describes a tensor as torch.float32\[-3\]@cpu \(the ref was altered\)"
             r"|tensor 0's spec is not one a producer makes: shape \(-3,\))",
-            r"TransferError: .* rank 2 is actor \w{8}, not the object's producer None \(the ref was altered\)",
-            r"TransferError: .* rank 0 is actor \w{8}, not the object's producer None \(the ref was altered\)",
+            r"TransferError: .* its producer \(driver/process \d+\) holds no rank of this group \(the group was made "
+            r"anew without it since the object was made, or the ref was altered\); nothing was received",
+            r"TransferError: .* its producer \(driver/process \d+\) holds no rank of this group",
         ]
         assert len(errors) == len(expected)
         import re

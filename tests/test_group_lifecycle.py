@@ -11,6 +11,7 @@ import asyncio
 import json
 import threading
 import time
+import types
 
 import pytest
 import ray
@@ -164,6 +165,25 @@ def test_break_and_parts_reach_only_the_creation_they_were_issued_in(gcs):
     assert _member.serve(Break("g", g.creation, "rdt.allreduce failed")) is True
     assert gloo.groups.get("g").broken == "rdt.allreduce failed"
     rdt.destroy_collective_group(g)
+
+
+def test_a_ref_made_before_the_group_was_made_anew_finds_its_producer_by_actor(monkeypatch):
+    # An object names its producer's rank when it was made; the group made anew in
+    # another order put that actor elsewhere, and the fetch failed as an altered ref.
+    monkeypatch.setattr(gloo, "groups", type(gloo.groups)())
+    gloo.groups.add(gloo.Group("g", "gloo", 0, 3, None, members=("cc" * 16, "aa" * 16, "bb" * 16), creation="new"))
+
+    def info(actor_id: str | None, src: int) -> TransferInfo:
+        made_by = types.SimpleNamespace(actor_id=actor_id, label=f"actor {str(actor_id)[:8]}")
+        spec = TensorSpec((4,), torch.float32, "cpu", 16)
+        return TransferInfo("0" * 24, (spec,), gloo.GlooMeta("g", src), hold=types.SimpleNamespace(producer=made_by))
+
+    group, src = gloo.checked_source(info("bb" * 16, 1), "cpu")  # rank 1 then, rank 2 now
+    assert (group.creation, src) == ("new", 2)
+    with pytest.raises(rdt.TransferError, match=r"its producer \(actor dddddddd\) holds no rank of this group \(the group was made anew"):
+        gloo.checked_source(info("dd" * 16, 1), "cpu")
+    with pytest.raises(rdt.TransferError, match="this process's own rank"):
+        gloo.checked_source(info("cc" * 16, 1), "cpu")
 
 
 def test_a_join_given_up_while_stuck_never_holds_up_the_next_creation():

@@ -364,9 +364,11 @@ def checked_source(info: TransferInfo[GlooMeta], device: str) -> tuple[Group, in
     """Check what a ref says of its group and producer, before anything is posted.
 
     The ref came from another process: its group must be one this process is in (and
-    usable), its producer's rank a rank of that group other than ours, held by the
-    object's producer, and its tensors described sanely. A receive posted from the wrong
-    rank, or of the wrong size, could only end by breaking the group.
+    usable), its producer a member of it other than us (the rank is where the group's
+    members put the producer's actor now, not the one the ref names: a group made anew
+    under its name may have put it elsewhere; where members or producer are unknown, the
+    ref's rank, in range), and its tensors described sanely. A receive posted from the
+    wrong rank, or of the wrong size, could only end by breaking the group.
     Runs on: consumer (microseconds).
     Raises: CollectiveGroupError (not in the group, or it is broken); TransferError.
     """
@@ -376,24 +378,30 @@ def checked_source(info: TransferInfo[GlooMeta], device: str) -> tuple[Group, in
         raise TransferError(f"fetch of {info.obj_id}: its ref names no group ({meta.group!r})", obj_id=info.obj_id)
     group = groups.require(meta.group)
     src = meta.src
-    if type(src) is not int or not 0 <= src < group.size:
+    made_by = getattr(info.hold, "producer", None)  # the RDTObject's, where there is one (a transport driven alone: none)
+    known = bool(group.members) and made_by is not None
+    if type(src) is not int or src < 0 or (src >= group.size and not known):
         raise TransferError(
             f"{what}: its ref says the producer is rank {src!r}, not a rank of this group of {group.size} "
             "(the ref was altered); nothing was received",
             obj_id=info.obj_id,
         )
+    if known:
+        # The producer's rank is where its actor is now: an object made before the group
+        # was made anew under its name (in another rank order) names the rank it had then.
+        producer = getattr(made_by, "actor_id", None)  # (no actor id: no member's)
+        if producer not in group.members:
+            raise TransferError(
+                f"{what}: its producer ({getattr(made_by, 'label', str(producer)[:8])}) holds no rank of this "
+                "group (the group was made anew without it since the object was made, or the ref was altered); "
+                "nothing was received",
+                obj_id=info.obj_id,
+            )
+        src = group.members.index(producer)
     if src == group.rank:
         raise TransferError(
             f"{what}: its ref says the producer is rank {src}, this process's own rank (the ref was altered); "
             "nothing was received",
-            obj_id=info.obj_id,
-        )
-    made_by = getattr(info.hold, "producer", None)  # the RDTObject's, where there is one (a transport driven alone: none)
-    producer = getattr(made_by, "actor_id", None)
-    if group.members and made_by is not None and group.members[src] != producer:  # (no actor id: no member's)
-        raise TransferError(
-            f"{what}: rank {src} is actor {group.members[src][:8]}, not the object's producer {str(producer)[:8]} "
-            "(the ref was altered); nothing was received",
             obj_id=info.obj_id,
         )
     check_specs(info.specs, info.obj_id)  # (the core checked them too; a transport driven alone did not)
