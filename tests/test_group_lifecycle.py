@@ -167,6 +167,33 @@ def test_break_and_parts_reach_only_the_creation_they_were_issued_in(gcs):
     rdt.destroy_collective_group(g)
 
 
+def test_records_and_joins_from_elsewhere_are_checked(gcs, monkeypatch):
+    for junk in (b"[1]", b"{}", b'{"backend": "gloo", "actors": "aa", "creation": "c"}',
+                 b'{"backend": "gloo", "actors": ["not hex"], "creation": "c"}', b"not json"):  # fmt: skip
+        gcs[_records.KV_NAMESPACE, "group/g"] = junk
+        with pytest.raises(rdt.CollectiveGroupError, match=r"the record of collective group 'g' .* is not one"):
+            rdt.destroy_collective_group("g")
+    del gcs[_records.KV_NAMESPACE, "group/g"]
+    for rank, size, members in ((3, 2, ("aa", "bb")), (0, 0, ()), (-1, 1, ("aa",)), (0, 2, ("aa",))):
+        with pytest.raises(rdt.CollectiveGroupError, match=r"group 'g': .*rank|members named for"):
+            _member.serve(Join("g", "gloo", rank, size, members, "c", TS))
+    assert gloo.groups.get("g") is None and not gcs
+
+
+def test_an_actor_ray_no_longer_knows_is_dead_to_destroy_by_name(gcs, monkeypatch):
+    # The GCS forgets dead actors (a job's, some minutes after it ended): such a member
+    # counted as live, and the name of a group left behind could never be freed.
+    from ray._private import state
+
+    known = {"aa" * 16: {"State": "ALIVE"}, "cc" * 16: {"State": "DEAD"}}  # bb...: forgotten
+    monkeypatch.setattr(state, "actors", lambda actor_id: known.get(actor_id, {}))
+    rec = {"backend": "gloo", "actors": ["aa" * 16, "bb" * 16, "cc" * 16], "creation": "c"}
+    assert _records.live_members(rec) == [0]
+    gcs[_records.KV_NAMESPACE, "group/g"] = json.dumps({**rec, "actors": ["bb" * 16, "cc" * 16]}).encode()
+    rdt.destroy_collective_group("g")
+    assert record(gcs) is None
+
+
 def test_a_ref_made_before_the_group_was_made_anew_finds_its_producer_by_actor(monkeypatch):
     # An object names its producer's rank when it was made; the group made anew in
     # another order put that actor elsewhere, and the fetch failed as an altered ref.

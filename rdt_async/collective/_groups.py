@@ -151,7 +151,7 @@ def _forget(name: str, creation: str) -> None:
     """Delete the group's rendezvous keys, then free its name (in that order: a new group
     of that name never meets them); nothing if the name is free, or another creation's."""
     rec = _records.record(name)
-    if rec is None or rec.get("creation") != creation:
+    if rec is None or rec["creation"] != creation:
         return
     _records.purge(name)
     _records.release(name, creation)

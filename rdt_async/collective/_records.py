@@ -16,6 +16,8 @@ from typing import Any
 
 from ray.experimental import internal_kv
 
+from .._errors import CollectiveGroupError
+
 KV_NAMESPACE = "rdt_async"
 
 
@@ -26,23 +28,61 @@ def claim(name: str, record: dict[str, Any]) -> bool:
 
 
 def record(name: str) -> dict[str, Any] | None:
-    """Return the record of group `name` ({"backend", "actors": actor ids by rank, "creation"}), or None."""
+    """Return the record of group `name` ({"backend", "actors": actor ids by rank, "creation"}), or None.
+
+    Raises: CollectiveGroupError if the key holds something else than a record
+    `create_collective_group` writes (another program's, or another version's).
+    """
     blob = internal_kv._internal_kv_get(f"group/{name}", namespace=KV_NAMESPACE)
-    try:
-        found: dict[str, Any] | None = json.loads(blob) if blob is not None else None
-        return found
-    except ValueError:
+    if blob is None:
         return None
+    try:
+        found = json.loads(blob)
+    except ValueError:
+        found = None
+    if not _well_formed(found):
+        raise CollectiveGroupError(
+            f"the record of collective group {name!r} in Ray's GCS (namespace {KV_NAMESPACE!r}, key "
+            f"'group/{name}') is not one this version of rdt_async writes ({bytes(blob)[:80]!r}); pick another "
+            "name, or delete the key if nothing uses it"
+        )
+    return dict(found)
+
+
+def _well_formed(found: Any) -> bool:
+    if not isinstance(found, dict) or found.get("backend") not in ("gloo", "nccl"):
+        return False
+    actors, creation = found.get("actors"), found.get("creation")
+    return (
+        isinstance(creation, str)
+        and bool(creation)
+        and isinstance(actors, list)
+        and bool(actors)
+        and all(isinstance(a, str) and _is_hex(a) for a in actors)
+        and len(set(actors)) == len(actors)
+    )
+
+
+def _is_hex(text: str) -> bool:
+    try:
+        return bool(text) and bytes.fromhex(text).hex() == text.lower()
+    except ValueError:
+        return False
 
 
 def live_members(rec: dict[str, Any]) -> list[int]:
-    """The ranks of a record whose actors Ray does not know as dead."""
+    """The ranks of a record whose actors Ray does not know as dead.
+
+    An actor the GCS no longer knows counts as dead: it forgets only dead actors (those
+    of a job that ended, some minutes after; the oldest beyond its cache of dead ones),
+    and a record names only actors that answered the creator's ping (so were known).
+    """
     from ray._private import state
 
     live = []
-    for rank, actor_id in enumerate(rec.get("actors", [])):
-        info = state.actors(actor_id) or {}
-        if info.get("State") != "DEAD":
+    for rank, actor_id in enumerate(rec["actors"]):
+        info = state.actors(actor_id)
+        if info and info.get("State") != "DEAD":
             live.append(rank)
     return live
 
@@ -53,7 +93,7 @@ def release(name: str, creation: str) -> bool:
     (Read, then deleted: the GCS has no delete-if. The window between is one round trip.)
     """
     rec = record(name)
-    if rec is None or rec.get("creation") != creation:
+    if rec is None or rec["creation"] != creation:
         return False
     internal_kv._internal_kv_del(f"group/{name}", namespace=KV_NAMESPACE)
     return True

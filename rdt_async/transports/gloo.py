@@ -103,6 +103,13 @@ def join(
     if backend not in ("gloo", "nccl"):
         raise CollectiveGroupError(f"unknown backend {backend!r}; use 'gloo' or 'nccl'")
     check_timeout(timeout_s)
+    if type(rank) is not int or type(size) is not int or not 0 <= rank < size:
+        raise CollectiveGroupError(f"group {name!r}: rank {rank!r} of {size!r} is no rank of a group (0 <= rank < size)")
+    if members and (len(members) != size or not all(isinstance(m, str) for m in members)):
+        raise CollectiveGroupError(
+            f"group {name!r}: {len(members)} members named for {size} ranks ({few([str(m)[:8] for m in members])}); "
+            "the creator names one actor id per rank"
+        )
     if backend == "nccl" and not torch.cuda.is_available():
         raise CollectiveGroupError("backend 'nccl' needs a CUDA GPU in every member; use backend='gloo'")
     store = KVStore(kv, timeout_s, f"rendezvous of group {name!r} (rank {rank} of {size})")
