@@ -146,6 +146,11 @@ def check(obj: RDTObject) -> None:
         raise TransferError(f"the ref's collective groups {groups!r:.120} are not {{name: (backend, rank)}}")
     p = obj.producer
     p.pid  # noqa: B018  (checks the token)
+    if type(p.node_id) is not str or not _NODE_ID.fullmatch(p.node_id):
+        raise TransferError(  # (it keys what `auto` remembers of a node, and is logged)
+            f"the ref's producer node id {p.node_id!r:.80} is not one a producer makes (a Ray node id: "
+            f"{_NODE_HEX} hex digits): the ref was altered; pass refs as rdt_async hands them out"
+        )
     if p.serves and (type(p.actor_id) is not str or type(p.actor_state) is not bytes):
         raise TransferError(  # (its `rdt` group is asked through that handle: a fetch's checks, frees)
             f"the ref says its producer is an rdt actor, but names no actor id and handle for it "
@@ -154,6 +159,8 @@ def check(obj: RDTObject) -> None:
 
 
 _OBJ_ID = re.compile(r"[0-9a-f]{24}")
+_NODE_HEX = 56  # a Ray NodeID's 28 bytes, as `get_node_id()` spells them
+_NODE_ID = re.compile(rf"[0-9a-f]{{{_NODE_HEX}}}")
 
 
 @functools.lru_cache(maxsize=1)

@@ -6,6 +6,7 @@ over transports of these tests. What a transport moves is tested by the contract
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import os
 import secrets
@@ -190,6 +191,16 @@ def test_auto_asked_by_the_consumer_falls_back_as_auto_chosen_by_the_producer_do
     got = rdt.get(named_by_producer, timeout=10, tensor_transport="auto")
     assert got[0].eq(Next.FILL).all()
     assert rdt.store_stats()["auto"][-1]["fell_back"][0]["transport"] == "core-unreachable"
+
+
+@pytest.mark.parametrize("node", [12345, None, ("a",), "node-a"])
+def test_a_ref_whose_producer_node_id_is_no_ray_node_id_is_refused_before_auto_remembers_it(node):
+    obj = made([torch.zeros(4)], "auto", meta={"core-unreachable": None, "core-next": None})
+    crafted = dataclasses.replace(obj, producer=Process(node, "1:elsewhere"))
+    with pytest.raises(rdt.TransferError, match=r"producer node id .* the ref was altered"):
+        rdt.get(crafted, timeout=10)
+    assert not _avoid.avoided.any()
+    assert rdt.get(obj, timeout=10)[0].eq(Next.FILL).all()  # (a ref of a real node falls back, as ever)
 
 
 def test_into_a_mapping_that_names_the_objects_tensors_in_another_order_is_matched_by_name():

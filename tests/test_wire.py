@@ -108,6 +108,14 @@ def test_crafted_metadata_and_dims_are_refused_at_the_check(fields, words):
     assert words in str(err.value), err.value
 
 
+@pytest.mark.parametrize("node", [12345, None, ["ab"], "n", "AB" * 28, "ab" * 27, "ab" * 29, "ab" * 27 + "g0"])
+def test_a_producer_node_id_that_is_not_a_ray_node_id_is_refused(node):
+    # (it keys what auto remembers of a node: an int, None or a list reached it as a TypeError)
+    back = pickle.loads(pickle.dumps(_obj((_spec((2,), torch.float32),), Process(node, "7:ff")), protocol=5))
+    with pytest.raises(TransferError, match=r"producer node id .* is not one a producer makes \(a Ray node id: 56 hex digits\): the ref was altered"):
+        _object.check(back)
+
+
 @pytest.mark.parametrize("token", ["9999999999:ff", "4194305:ff"])  # os.kill would overflow; past PID_MAX_LIMIT
 def test_a_producer_token_naming_a_pid_no_process_has_is_refused(token):
     back = pickle.loads(pickle.dumps(_obj((_spec((2,), torch.float32),), Process("ef" * 28, token)), protocol=5))
