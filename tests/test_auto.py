@@ -296,35 +296,64 @@ def test_only_a_name_some_process_may_have_registered_lists_the_clusters_registr
     assert listed == [1]
 
 
-def test_a_path_that_could_not_reach_an_address_is_left_out_for_that_address_only(monkeypatch):
-    """auto leaves tcp out for a node's objects at the address it could not reach: a
-    producer of that node with its own address (its own RDT_TCP_HOST), or a crafted ref
-    naming a bogus one, takes the path away from no other object of the node."""
+@pytest.fixture
+def avoided(monkeypatch):
+    """A fresh table of the paths `auto` leaves out, for `_choose` too."""
+    from rdt_async import _avoid, _choose, _fetch
+
+    table = _avoid.Avoided()
+    for module in (_avoid, _choose, _fetch):
+        monkeypatch.setattr(module, "avoided", table)
+    return table
+
+
+def _unreachable(why: str = "no route", lasting: bool = True):
+    """A fetch's error where its transport could not reach the producer (as tcp raises it)."""
+    from rdt_async._errors import TransferError
+    from rdt_async.transports._base import Unreachable
+
+    exc = TransferError(f"tcp fetch failed: {why}")
+    exc.__cause__ = Unreachable(why, lasting=lasting)
+    return exc
+
+
+class _Producer:
+    label = "actor 0123abcd"
+
+    def __init__(self, node: str) -> None:
+        self.node_id = node
+
+
+def test_a_path_that_could_not_reach_an_address_is_left_out_for_that_address_only(avoided):
+    """auto leaves tcp out for a node's objects at the listener it could not reach (host and
+    port): a producer of that node with its own address (its own RDT_TCP_HOST) or port, or
+    a crafted ref naming a bogus one, takes the path away from no other object of the node."""
     import torch
 
-    from rdt_async import _avoid, _choose
-    from rdt_async._errors import TransferError
+    from rdt_async import _choose
     from rdt_async._object import Process, RDTObject
     from rdt_async.transports._base import TensorSpec
-    from rdt_async.transports.tcp import TcpMeta
+    from rdt_async.transports.tcp import TcpMeta, TcpTransport
 
-    monkeypatch.setattr(_avoid, "avoided", _avoid.Avoided())
-    monkeypatch.setattr(_choose, "avoided", _avoid.avoided)
     node = "a" * 56
     specs = (TensorSpec((1 << 20,), torch.float32, "cpu", 4 << 20),)
 
-    def obj(host: str) -> RDTObject:
-        meta = {"tcp": TcpMeta(host, 40000, bytes(16)), "object_store": None, "groups": {}}
+    def obj(host: str, port: int = 40000) -> RDTObject:
+        meta = {"tcp": TcpMeta(host, port, bytes(16)), "object_store": None, "groups": {}}
         return RDTObject("ab" * 12, Process(node, "1:00"), "auto", specs, None, meta, {}, None)
 
-    bogus, honest = obj("10.9.9.9"), obj("10.0.0.2")
-    _avoid.avoided.note(bogus.producer, "tcp", TransferError("unreachable"), "no route", "10.9.9.9")
-    assert _choose._left_out(bogus) == {"tcp"}
-    assert _choose._left_out(honest) == frozenset()
+    bogus, honest, closed = obj("10.9.9.9"), obj("10.0.0.2"), obj("10.0.0.2", 40001)
+    assert TcpTransport.address(closed.meta["tcp"]) == "10.0.0.2:40001"
+    assert TcpTransport.address(TcpMeta("::ffff:10.0.0.2", 40001, bytes(16))) == "10.0.0.2:40001"  # one spelling
+    assert TcpTransport.address(TcpMeta("FD00::5", 7, bytes(16))) == "[fd00::5]:7"
+    avoided.note(bogus.producer, "tcp", _unreachable(), "no route", "10.9.9.9:40000")
+    avoided.note(closed.producer, "tcp", _unreachable(), "refused", TcpTransport.address(closed.meta["tcp"]))
+    assert _choose._left_out(bogus) == _choose._left_out(closed) == {"tcp"}
+    assert _choose._left_out(honest) == frozenset()  # its host, another port: its listener's own
     assert _choose.choose_transport(honest, "b" * 56)[0] == "tcp"
     assert _choose.choose_transport(bogus, "b" * 56)[0] == "object_store"
     # A path with no address (the node's): every object of that node.
-    _avoid.avoided.note(honest.producer, "tcp", TransferError("unreachable"), "no route")
+    avoided.note(honest.producer, "tcp", _unreachable(), "no route")
     assert _choose._left_out(honest) == {"tcp"}
 
     class Failing:
@@ -333,3 +362,56 @@ def test_a_path_that_could_not_reach_an_address_is_left_out_for_that_address_onl
             raise RuntimeError("a transport of yours that cannot say")
 
     assert _choose.address_of(Failing, None) is None
+
+
+def test_a_listener_that_is_not_the_refs_producer_and_a_transport_that_cannot_serve_leave_nothing_out(avoided, caplog):
+    """A tcp greeting of another token (a stale or crafted ref naming a live producer's
+    listener) and a TransportUnavailableError send that fetch over the next path; the log
+    says so, and nothing is left out of the node's later fetches."""
+    from rdt_async import TransportUnavailableError
+    from rdt_async._avoid import AVOID_S
+
+    node = "a" * 56
+    caplog.set_level("WARNING", logger="rdt_async")
+    avoided.note(_Producer(node), "tcp", _unreachable("its greeting is not the one", lasting=False), "not ours", "10.0.0.2:40000")
+    avoided.note(_Producer(node), "mine", TransportUnavailableError("no room"), "no room")
+    assert not avoided.any() and avoided.of(node) == frozenset()
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        f"rdt_async: auto could not use {t} with actor 0123abcd (node aaaaaaaaaaaa): {why}; fetching this object over "
+        f"the next path; it takes {t} again for the next object (said once per node and path)"
+        for t, why in (("tcp", "not ours"), ("mine", "no room"))
+    ]
+    avoided.note(_Producer(node), "tcp", _unreachable(), "refused", "10.0.0.2:40001")
+    assert caplog.records[-1].getMessage().endswith(
+        f"; fetching this object over the next path; auto leaves tcp out for that node's objects at 10.0.0.2:40001 for {AVOID_S:g} s"
+    )
+    assert avoided.of(node) == {("tcp", "10.0.0.2:40001")}
+
+
+def test_the_paths_left_out_stay_cheap_to_ask_however_many_nodes_refs_name(avoided, monkeypatch):
+    """Crafted refs naming many nodes: a fetch asks its own node's entries (no walk of all),
+    ended ones go, and the fallbacks remembered as logged are the last WARNED."""
+    import time
+
+    from rdt_async import TransportUnavailableError, _avoid
+
+    monkeypatch.setattr(_avoid, "log", type("Quiet", (), {"warning": staticmethod(lambda *a, **k: None)}))
+    exc = _unreachable()
+    for i in range(50_000):
+        avoided.note(_Producer(f"{i:056x}"), "tcp", exc, "no route", f"10.0.{i >> 8 & 255}.{i & 255}:1")
+    took = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        assert avoided.of("c" * 56) == frozenset()
+        took.append(time.perf_counter() - t0)
+    assert min(took) < 1e-3, took  # (a walk of every entry took ~5 ms)
+    assert avoided.of(f"{7:056x}") == {("tcp", "10.0.0.7:1")}
+    later = time.monotonic() + _avoid.AVOID_S + 1
+    with monkeypatch.context() as m:
+        m.setattr(_avoid, "time", type("Later", (), {"monotonic": staticmethod(lambda: later)}))
+        assert avoided.of(f"{7:056x}") == frozenset() and not avoided.any()  # ended: gone, every node's
+    for i in range(_avoid.WARNED + 50):
+        avoided.note(_Producer(f"{i:056x}"), "tcp", TransportUnavailableError("no room"), "no room")
+    assert len(avoided._warned) == _avoid.WARNED
+

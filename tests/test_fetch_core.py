@@ -10,15 +10,17 @@ import dataclasses
 import gc
 import os
 import secrets
+import socket
 import time
 
 import pytest
 import torch
 
 import rdt_async as rdt
-from rdt_async import _avoid, _buffers, _choose, _io, _object, _ray, _tree
+from rdt_async import _avoid, _buffers, _choose, _fetch, _io, _object, _ray, _tree
 from rdt_async._object import Process, RDTObject
 from rdt_async._store import StoredObject, store
+from rdt_async.transports import _net, _registry
 from rdt_async.transports._base import Cost, TensorSpec, Transport
 
 NODE = "c" * 56
@@ -37,6 +39,7 @@ def no_ray(monkeypatch):
     monkeypatch.setattr(_ray, "died_on_this_node", lambda producer: False)
     monkeypatch.setattr(_avoid, "avoided", _avoid.Avoided())
     monkeypatch.setattr(_choose, "avoided", _avoid.avoided)
+    monkeypatch.setattr(_fetch, "avoided", _avoid.avoided)
 
 
 def made(value, transport: str, *, here: bool = False, meta=None):
@@ -91,7 +94,16 @@ class OwnTensors(_Fills):
         return [torch.full(s.shape, self.FILL, dtype=s.dtype) for s in info.specs]
 
 
-for _cls, _name in [(Slow, "core-slow"), (Unreachable, "core-unreachable"), (Next, "core-next"), (OwnTensors, "core-own")]:
+class Later(_Fills):
+    """Slower than tcp by its declared cost, faster than the object store: auto's next path after tcp."""
+
+    auto_costs = {"cpu/node": Cost(0.005, 1.0), "cpu/hosts": Cost(0.005, 1.0)}  # (the object store: 5.5 ms)
+    FILL = 7.0
+
+
+for _cls, _name in [
+    (Slow, "core-slow"), (Unreachable, "core-unreachable"), (Next, "core-next"), (OwnTensors, "core-own"), (Later, "core-later"),
+]:
     rdt.register_transport(_name, ["cpu"], _cls)
 
 
@@ -184,7 +196,7 @@ def test_auto_asked_by_the_consumer_falls_back_as_auto_chosen_by_the_producer_do
     meta = {"core-unreachable": None, "core-next": None}
     chosen_by_producer = made([torch.zeros(4)], "auto", meta=meta)
     assert rdt.get(chosen_by_producer, timeout=10)[0].eq(Next.FILL).all()
-    _avoid.avoided._until.clear()
+    _avoid.avoided.clear()
     named_by_producer = made([torch.zeros(4)], "core-unreachable", meta=meta)
     with pytest.raises(rdt.TransportUnavailableError, match="no room here"):
         rdt.get(named_by_producer, timeout=10)  # named: fails
@@ -201,6 +213,33 @@ def test_a_ref_whose_producer_node_id_is_no_ray_node_id_is_refused_before_auto_r
         rdt.get(crafted, timeout=10)
     assert not _avoid.avoided.any()
     assert rdt.get(obj, timeout=10)[0].eq(Next.FILL).all()  # (a ref of a real node falls back, as ever)
+
+
+def test_a_ref_naming_a_live_producers_tcp_listener_with_another_token_or_a_closed_port_leaves_its_objects_on_tcp():
+    """A stale or crafted ref falls back, for that fetch: one whose listener greets for
+    another token leaves nothing out; one naming a closed port of the host (in any spelling)
+    leaves out that port only. The producer's own objects still go over tcp."""
+    tcp = _registry.transport("tcp")
+    t = torch.arange(8, dtype=torch.float32)
+    good_id = secrets.token_hex(12)
+    meta = tcp.prepare(good_id, [t])
+    try:
+        good = dataclasses.replace(made([t], "auto", meta={"tcp": meta, "core-later": None}), obj_id=good_id)
+        with socket.socket(_net.Address(meta.host, "", "").family) as s:
+            s.bind((meta.host, 0))
+            closed = s.getsockname()[1]
+        for bad in (dataclasses.replace(meta, token=b"x" * 16), dataclasses.replace(meta, port=closed)):
+            assert rdt.get(made([torch.zeros(8)], "auto", meta={"tcp": bad, "core-later": None}), timeout=10)[0].eq(Later.FILL).all()
+            assert rdt.store_stats()["auto"][-1]["fell_back"][0]["transport"] == "tcp"
+            assert torch.equal(rdt.get(good, timeout=10)[0], t)
+            assert rdt.store_stats()["auto"][-1]["transport"] == "tcp"
+        assert _avoid.avoided.of(NODE) == {("tcp", _net.endpoint(meta.host, closed))}
+        if ":" not in meta.host:  # the closed port in another spelling: left out at once
+            other = dataclasses.replace(meta, host=f"::ffff:{meta.host}", port=closed)
+            assert rdt.get(made([torch.zeros(8)], "auto", meta={"tcp": other, "core-later": None}), timeout=10)[0].eq(Later.FILL).all()
+            assert rdt.store_stats()["auto"][-1]["why"].endswith("tcp left out: could not reach that node lately")
+    finally:
+        tcp.garbage_collect(good_id, meta)
 
 
 def test_into_a_mapping_that_names_the_objects_tensors_in_another_order_is_matched_by_name():

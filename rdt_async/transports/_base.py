@@ -367,10 +367,12 @@ class Transport(abc.ABC, Generic[M]):
         """Return the address a consumer reaches the producer at for this object (its
         metadata, checked or not: never raise), or None: the producer's node.
 
-        Runs on: consumer. Where this path could not reach the producer, `auto` leaves it
-        out for a while for objects at the same address (None: every object of that
-        node): a ref naming another address (a producer with its own RDT_TCP_HOST, or a
-        crafted ref) takes it away from no other. Default None.
+        Runs on: consumer. Where this path could not reach the producer (`Unreachable`,
+        lasting), `auto` leaves it out for a while for objects at the same address (None:
+        every object of that node): a ref naming another address (a producer with its own
+        RDT_TCP_HOST, or a crafted ref naming a closed port) takes it away from no other.
+        Name the producer as finely as your metadata can: tcp and ucxx give the
+        listener's `host:port`. Default None.
         """
         return None
 
@@ -549,6 +551,14 @@ class Unreachable(ConnectionError):
     """
 
     says_its_cause = True  # its message repeats the native error: shown errors skip it (_errors.one_chain)
+
+    def __init__(self, *args: object, lasting: bool = True) -> None:
+        super().__init__(*args)
+        # Whether the address stays unreachable a while: `auto` then leaves this path out
+        # for objects at that address (`Transport.address`) for 5 minutes. False where
+        # something answered there that is not this ref's producer (tcp's greeting of
+        # another token: a stale or crafted ref): only this fetch takes another path.
+        self.lasting = lasting
 
 
 class StillWriting(TransferAbortedError):

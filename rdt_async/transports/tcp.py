@@ -367,10 +367,11 @@ def _greeted(sock: socket.socket, meta: TcpMeta) -> None:
             f"to it. Where the producer runs, {_net.settings_hint(HOST_ENV)}"
         ) from exc
     if not hmac.compare_digest(said, _greeting(meta.token)):
-        raise Unreachable(
+        raise Unreachable(  # (not lasting: a ref with another token takes tcp away from no live producer there)
             f"the listener at {_hostport(meta)} is not the producer's tcp listener (its greeting is not the "
             "one the ref's token asks for); nothing was sent to it: the producer is gone and another "
-            "process listens there, or the ref was altered"
+            "process listens there, or the ref was altered",
+            lasting=False,
         )
 
 
@@ -564,7 +565,9 @@ class TcpTransport(Transport[TcpMeta]):
 
     @classmethod
     def address(cls, meta: Any) -> str | None:
-        return meta.host if isinstance(meta, TcpMeta) and type(meta.host) is str else None
+        """The listener's host and port: a ref naming another port of the host (a closed
+        one) takes tcp away from no producer listening on another."""
+        return _net.endpoint(meta.host, meta.port) if isinstance(meta, TcpMeta) else None
 
     @classmethod
     def native_error(cls, exc: BaseException) -> type[RDTError] | None:

@@ -485,7 +485,7 @@ class UcxxTransport(Transport[UcxxMeta]):
 
     @classmethod
     def address(cls, meta: Any) -> str | None:
-        return meta.host if isinstance(meta, UcxxMeta) and type(meta.host) is str else None
+        return _net.endpoint(meta.host, meta.port) if isinstance(meta, UcxxMeta) else None
 
     @classmethod
     def native_error(cls, exc: BaseException) -> type[RDTError] | None:
