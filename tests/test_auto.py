@@ -415,3 +415,32 @@ def test_the_paths_left_out_stay_cheap_to_ask_however_many_nodes_refs_name(avoid
         avoided.note(_Producer(f"{i:056x}"), "tcp", TransportUnavailableError("no room"), "no room")
     assert len(avoided._warned) == _avoid.WARNED
 
+
+def test_nixl_reads_that_stall_from_one_producer_leave_nixl_out_for_that_producer_only(avoided):
+    """nixl's address is the producer's agent (name and connection metadata): READs that
+    stall from one producer, or from a ref naming a live agent with other connection
+    metadata, take nixl away from no other producer of the node."""
+    import torch
+
+    from rdt_async import _choose
+    from rdt_async._object import Process, RDTObject
+    from rdt_async.transports._base import TensorSpec
+    from rdt_async.transports.nixl._meta import NixlMeta
+
+    node = "a" * 56
+    specs = (TensorSpec((1 << 20,), torch.float32, "cpu", 4 << 20),)
+
+    def obj(agent: str, conn: bytes, pid: int) -> RDTObject:
+        meta = {"nixl": NixlMeta(agent, conn, (), (None,), 0, 1, pid, "host-a"), "object_store": None}
+        return RDTObject("ab" * 12, Process(node, f"{pid}:00"), "auto", specs, None, meta, {}, None)
+
+    stalled, other = obj("rdt-host-a-11-0a0a0a0a", b"conn-11", 11), obj("rdt-host-a-12-0b0b0b0b", b"conn-12", 12)
+    crafted = obj("rdt-host-a-12-0b0b0b0b", b"not its conn", 12)
+    address = NixlTransport.address(stalled.meta["nixl"])
+    assert address is not None and address.startswith("rdt-host-a-11-0a0a0a0a/")
+    assert NixlTransport.address(crafted.meta["nixl"]) != NixlTransport.address(other.meta["nixl"])
+    assert NixlTransport.address("crafted meta") is None
+    for ref in (stalled, crafted):
+        avoided.note(ref.producer, "nixl", _unreachable("nixl READs stall"), "stall", _choose.address_of(NixlTransport, ref.meta["nixl"]))
+    assert _choose._left_out(stalled) == {"nixl"}  # its other objects: the same agent
+    assert _choose._left_out(other) == frozenset()

@@ -381,7 +381,7 @@ def test_auto_takes_another_path_where_every_nixl_read_from_a_producer_stalls(tm
     """auto reads other nodes' CPU objects over nixl (an RDMA network's costs); where
     NIXL leaves every READ in progress, the first is cut off at its bound, the liveness
     check over a fresh connection stalls too, and the fetch goes on over tcp, says why
-    once, and leaves nixl out for that node. A fetch that names nixl fails, naming the bound."""
+    once, and leaves nixl out for that producer. A fetch that names nixl fails, naming the bound."""
     costs = nixl_costs(tmp_path)
     producer = NixlProducer.options(**costs).remote()
     reader = StallingReader.options(**costs, **ON_NODE2).remote()

@@ -372,7 +372,7 @@ class Transport(abc.ABC, Generic[M]):
         every object of that node): a ref naming another address (a producer with its own
         RDT_TCP_HOST, or a crafted ref naming a closed port) takes it away from no other.
         Name the producer as finely as your metadata can: tcp and ucxx give the
-        listener's `host:port`. Default None.
+        listener's `host:port`, nixl the producer's agent. Default None.
         """
         return None
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import hashlib
 import importlib.util
 import logging
 import os
@@ -113,6 +114,15 @@ class NixlTransport(Transport[NixlMeta]):
         if not _installed("nixl") or _installed("ucxx"):
             return "never"
         return "where auto may take it"
+
+    @classmethod
+    def address(cls, meta: object) -> str | None:
+        """The producer's agent: its name and a digest of its connection metadata. READs
+        from one producer that stall take nixl away from no other producer of its node
+        (nor does a ref naming a live agent with other connection metadata)."""
+        if not isinstance(meta, NixlMeta) or type(meta.agent) is not str or type(meta.conn) is not bytes:
+            return None
+        return f"{meta.agent[:100]}/{hashlib.sha256(meta.conn).hexdigest()[:16]}"
 
     @classmethod
     def native_error(cls, exc: BaseException) -> type[RDTError] | None:
