@@ -34,8 +34,9 @@ def choose_transport(
     `rdt.store_stats()["auto"]`. A one-sided transport that cannot reach this node
     falls back to object_store. Gloo/NCCL objects go over a group both ends share,
     else object_store.
-    `without`: prepared transports `auto` must not pick (those that failed this fetch,
-    `fell_back`: each with why). Returns the transport's name and the metadata its fetch needs.
+    `without`: prepared transports, or the shared group's backend, `auto` must not pick
+    (those that failed this fetch, `fell_back`: each with why). Returns the transport's
+    name and the metadata its fetch needs.
     """
     name = obj.transport
     carried = _in_ref(obj.meta) if name == _registry.AUTO and not (without or fell_back or avoided.any()) else None
@@ -44,7 +45,9 @@ def choose_transport(
         return carried, obj.meta[carried]
     shared = _shared_group(obj)
     if name == _registry.AUTO:
-        left_out = _left_out(obj) if avoided.any() else frozenset()
+        left_out = _left_out(obj, shared) if avoided.any() else frozenset()
+        if shared is not None and shared[0] in without | left_out:
+            shared = None  # the group failed this fetch (or could not reach that node lately): not again
         prepared = frozenset(obj.meta) - {"groups"} - without - left_out
         facts = _auto.Facts(
             nbytes=obj.nbytes,
@@ -93,12 +96,13 @@ def _carries_bytes(name: str) -> bool:
     return cls is not None and cls.carries_bytes
 
 
-def _left_out(obj: RDTObject) -> frozenset[str]:
-    """The prepared paths `auto` leaves out for `obj`: those that could not reach its
-    producer's node lately, at the address its metadata names (`Transport.address`)."""
+def _left_out(obj: RDTObject, shared: tuple[str, Any] | None = None) -> frozenset[str]:
+    """The prepared paths `auto` leaves out for `obj` (and the backend of the group both
+    ends share, `shared`): those that could not reach its producer's node lately, at the
+    address its metadata names (`Transport.address`)."""
     avoid = avoided.of(obj.producer.node_id)
     out = set()
-    for name, meta in obj.meta.items():
+    for name, meta in [*obj.meta.items(), *([shared] if shared is not None else [])]:
         if (name, None) in avoid:
             out.add(name)
             continue

@@ -20,6 +20,7 @@ import rdt_async as rdt
 from rdt_async import _avoid, _buffers, _choose, _fetch, _io, _object, _ray, _tree
 from rdt_async._object import Process, RDTObject
 from rdt_async._store import StoredObject, store
+from rdt_async.transports import _base as transports_base
 from rdt_async.transports import _net, _registry
 from rdt_async.transports._base import Cost, TensorSpec, Transport
 
@@ -101,8 +102,19 @@ class Later(_Fills):
     FILL = 7.0
 
 
+class Grouped(Unreachable):
+    """A collective group's transport of a user's, auto's first choice, that cannot serve."""
+
+    needs_group = True
+
+    @classmethod
+    def group_meta(cls, group, rank):
+        return (group, rank)
+
+
 for _cls, _name in [
     (Slow, "core-slow"), (Unreachable, "core-unreachable"), (Next, "core-next"), (OwnTensors, "core-own"), (Later, "core-later"),
+    (Grouped, "core-group"),
 ]:
     rdt.register_transport(_name, ["cpu"], _cls)
 
@@ -240,6 +252,21 @@ def test_a_ref_naming_a_live_producers_tcp_listener_with_another_token_or_a_clos
             assert rdt.store_stats()["auto"][-1]["why"].endswith("tcp left out: could not reach that node lately")
     finally:
         tcp.garbage_collect(good_id, meta)
+
+
+def test_auto_falls_back_from_a_group_both_ends_share_whose_transport_cannot_serve(monkeypatch):
+    monkeypatch.setattr(_choose.groups, "memberships", lambda: {"g": ("core-group", 1)})
+    obj = made([torch.zeros(4)], "auto", meta={"groups": {"g": ("core-group", 0)}, "core-next": None})
+    assert rdt.get(obj, timeout=10)[0].eq(Next.FILL).all()
+    choice = rdt.store_stats()["auto"][-1]
+    assert choice["transport"] == "core-next", choice
+    assert choice["fell_back"] == [{"transport": "core-group", "why": "no room here for this test's transport"}]
+    # A group that could not reach that node lately is left out as a prepared path is.
+    cut_off = rdt.TransferError("core-group fetch failed")
+    cut_off.__cause__ = transports_base.Unreachable("no route")
+    _avoid.avoided.note(obj.producer, "core-group", cut_off, "no route")
+    assert _choose.choose_transport(obj, NODE)[0] == "core-next"
+    assert rdt.store_stats()["auto"][-1]["why"].endswith("core-group left out: could not reach that node lately")
 
 
 def test_into_a_mapping_that_names_the_objects_tensors_in_another_order_is_matched_by_name():
