@@ -76,6 +76,16 @@ def test_an_unreadable_cost_file_names_the_fix(tmp_path, monkeypatch):
         _auto.choose(facts())
 
 
+@pytest.mark.parametrize("cost", ["[0.001, 0]", "[0.001, -2.0]", "[-0.5, 1.0]", "[NaN, 1.0]", '[0.001, "inf"]', "[Infinity, 1.0]"])
+def test_a_cost_file_whose_latency_or_bandwidth_is_no_cost_names_the_entry_and_the_fix(tmp_path, monkeypatch, cost):
+    # (a bandwidth of 0 raised ZeroDivisionError at every auto choice; a negative one won them all)
+    path = tmp_path / "costs.json"
+    path.write_text(f'{{"cpu": {{"object_store/hosts": {cost}}}}}')
+    monkeypatch.setenv("RDT_AUTO_COSTS", str(path))
+    with pytest.raises(ValueError, match=r"RDT_AUTO_COSTS=.*costs\.json.*: its cpu cost 'object_store/hosts' is \[.*\]: give \[latency_s, GiB/s\], a latency of 0 or more and a bandwidth above 0, both finite; unset RDT_AUTO_COSTS"):
+        _auto.choose(facts())
+
+
 @pytest.mark.parametrize("text", ["{not json", '{"cpu": {"tcp/hosts": [0.001]}}', '{"cpu": ["tcp/hosts"]}', "[]"])
 def test_the_bench_refuses_to_merge_costs_into_a_file_that_is_not_one_before_it_runs(tmp_path, text):
     from rdt_async.bench._e2e import check_costs_file

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 import statistics
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -243,9 +244,17 @@ def read_costs(path: str) -> dict[str, dict[str, Cost]]:
     try:
         with open(path) as fh:
             data = json.load(fh)
-        return {dev: {k: Cost(float(v[0]), float(v[1])) for k, v in data.get(dev, {}).items()} for dev in ("cpu", "gpu")}
+        tables = {dev: {k: Cost(float(v[0]), float(v[1])) for k, v in data.get(dev, {}).items()} for dev in ("cpu", "gpu")}
     except (OSError, ValueError, TypeError, IndexError, AttributeError, KeyError) as e:
         raise ValueError(f"cannot read costs from it ({type(e).__name__}: {e})") from e
+    for dev, table in tables.items():
+        for key, cost in table.items():
+            if not (math.isfinite(cost.latency_s) and cost.latency_s >= 0 and math.isfinite(cost.gib_s) and cost.gib_s > 0):
+                raise ValueError(  # (a bandwidth of 0 divided every choice by zero; a negative one won them all)
+                    f"its {dev} cost {key!r} is [{cost.latency_s}, {cost.gib_s}]: give [latency_s, GiB/s], a "
+                    "latency of 0 or more and a bandwidth above 0, both finite"
+                )
+    return tables
 
 
 def fit(points: Iterable[tuple[int, float]]) -> Cost | None:
