@@ -236,6 +236,25 @@ def test_ucx_settings_name_the_advertised_interface_and_the_port_range_and_yield
     assert "UCX_TCP_BRIDGE_ENABLE" not in os.environ  # only while a context is made
 
 
+def test_nixls_ucx_keeps_to_rdt_port_range_whatever_the_address_says_and_a_bad_setting_is_named(monkeypatch):
+    """NIXL's agent reads the port range only: a name in RDT_ADVERTISE_HOST (which it never
+    advertises) lost a good RDT_PORT_RANGE, and a bad range was dropped without a word."""
+    from rdt_async.transports import _ucx
+
+    for var in ("UCX_NET_DEVICES", "UCX_TCP_PORT_RANGE", "RDT_UCXX_HOST"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("RDT_PORT_RANGE", "20000-20100")
+    monkeypatch.setenv("RDT_ADVERTISE_HOST", "node-a.local")
+    assert _ucx.settings(_net.ADVERTISE_ENV, devices=False) == {"UCX_TCP_PORT_RANGE": "20000-20100"}
+    with pytest.raises(ValueError, match=r"RDT_ADVERTISE_HOST='node-a.local': give an IP address"):
+        _ucx.settings("RDT_UCXX_HOST")  # (ucxx's context keeps to that address's interface: it reads it)
+    monkeypatch.delenv("RDT_ADVERTISE_HOST")
+    monkeypatch.setenv("RDT_PORT_RANGE", "20000:20100")
+    for devices in (False, True):
+        with pytest.raises(ValueError, match=r"RDT_PORT_RANGE='20000:20100': give LOW-HIGH"):
+            _ucx.settings(_net.ADVERTISE_ENV, devices=devices)
+
+
 def test_ucx_settings_enable_a_bridge_that_holds_the_node_ip(monkeypatch):
     """A node IP on a Linux bridge (a container or VM network, the split rig's data
     network): UCX leaves bridges out unless told, so ucxx's context is told."""

@@ -84,16 +84,18 @@ def settings(env: str, devices: bool = True) -> dict[str, str]:
     - `UCX_TCP_BRIDGE_ENABLE=y` where one of them is a bridge (UCX leaves bridges out).
     - `UCX_TCP_PORT_RANGE` from RDT_PORT_RANGE, so that UCX's own listeners keep to it.
 
-    `devices=False`: the port range only (NIXL's agent: see `nixl/_agent.Agent`).
+    `devices=False`: the port range only (NIXL's agent: see `nixl/_agent.Agent`); the
+    address is not read.
+    Raises: ValueError naming a setting that is not what it should be (RDT_PORT_RANGE;
+    with `devices`, the address's: `env` or RDT_ADVERTISE_HOST), as tcp's listener does.
     """
     out: dict[str, str] = {}
-    try:
+    span = _net.port_range()
+    found: list[str] = []
+    if devices and "UCX_NET_DEVICES" not in os.environ:
         where = _net.address(env)
-        span = _net.port_range()
-    except ValueError:
-        return out  # a bad setting: the transport's listener says so
-    pin = devices and "UCX_NET_DEVICES" not in os.environ and where.source != _net.ROUTE_OUT
-    found = _net.cluster_interfaces(where.host) if pin else []
+        if where.source != _net.ROUTE_OUT:
+            found = _net.cluster_interfaces(where.host)
     if found:
         # Loopback too: UCX's control messages between processes of this host go over TCP
         # (NIXL asks for peer failure handling, which UCX's shared-memory transports lack),
