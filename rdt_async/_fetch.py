@@ -169,8 +169,9 @@ async def _fetch_over(
 
     The one fallback of a fetch: the reason goes into `store_stats()["auto"]`, is logged
     once per node and path, and `auto` leaves a path that could not reach a node out of
-    that node's fetches for `_avoid.AVOID_S`. A transport named explicitly, by the producer or by
-    the consumer (`asked`), fails instead.
+    that node's fetches for `_avoid.AVOID_S`; where the next path fails too, its error
+    says why each path before it could not be used. A transport named explicitly, by the
+    producer or by the consumer (`asked`), fails instead.
     """
     chosen = asked or obj.transport
     fell_back: list[tuple[str, str]] = []
@@ -182,14 +183,20 @@ async def _fetch_over(
         except (TransportUnavailableError, TransferError) as exc:
             why = unusable(exc) if chosen == _registry.AUTO else None
             if why is None or transport.name == _registry.FALLBACK:
+                told = _after(exc, transport.name, fell_back)
+                if told is not exc:
+                    raise told from exc
                 raise
             avoided.note(obj.producer, transport.name, exc, why, address_of(type(transport), info.meta))
-            fell_back.append((transport.name, why))
-            without = frozenset(t for t, _ in fell_back)
+            without = frozenset(t for t, _ in fell_back) | {transport.name}
             auto = obj if obj.transport == _registry.AUTO else dataclasses.replace(obj, transport=_registry.AUTO)
-            name, meta = choose_transport(auto, _ray.node_id(), without=without, fell_back=tuple(fell_back))
+            name, meta = choose_transport(auto, _ray.node_id(), without=without, fell_back=(*fell_back, (transport.name, why)))
             if name in without:
+                told = _after(exc, transport.name, fell_back)
+                if told is not exc:
+                    raise told from exc
                 raise
+            fell_back.append((transport.name, why))
             transport = _registry.transport(name)
             info = _info(obj, meta)
             del exc
@@ -197,6 +204,20 @@ async def _fetch_over(
         if used is not None:
             used[0] = transport.name
         return tensors, transport.name
+
+
+def _after(exc: RDTError, name: str, fell_back: list[tuple[str, str]]) -> RDTError:
+    """`exc`, raised by `name` where `auto` fell back to it, saying why each path before it
+    could not be used: the first one's reason names the address and the setting to change,
+    which the last path's error (the object store of a driver's put, say) does not. `exc`
+    itself where `auto` fell back to no path before it."""
+    if not fell_back:
+        return exc
+    tried = "; ".join(f"{path}: {why[:1000]}" for path, why in fell_back)
+    try:  # (a new error: the one raised may be another fetch's too)
+        return type(exc)(f"{exc} (auto took {name} after: {tried})", obj_id=exc.obj_id)
+    except Exception:  # a transport's own error type that is not built so: as it is
+        return exc
 
 
 def _only(

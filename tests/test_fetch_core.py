@@ -23,6 +23,7 @@ from rdt_async._store import StoredObject, store
 from rdt_async.transports import _base as transports_base
 from rdt_async.transports import _net, _registry
 from rdt_async.transports._base import Cost, TensorSpec, Transport
+from rdt_async.transports.tcp import TcpMeta
 
 NODE = "c" * 56
 
@@ -267,6 +268,22 @@ def test_auto_falls_back_from_a_group_both_ends_share_whose_transport_cannot_ser
     _avoid.avoided.note(obj.producer, "core-group", cut_off, "no route")
     assert _choose.choose_transport(obj, NODE)[0] == "core-next"
     assert rdt.store_stats()["auto"][-1]["why"].endswith("core-group left out: could not reach that node lately")
+
+
+def test_where_the_path_auto_fell_back_to_fails_too_its_error_says_why_the_first_could_not_be_used():
+    # A driver's put whose tcp listener is closed: the object store cannot serve it either,
+    # and its error alone named neither the address tcp tried nor the setting to change.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    obj = made([torch.zeros(4)], "auto", meta={"tcp": TcpMeta("127.0.0.1", closed, b"t" * 16)})
+    with pytest.raises(rdt.TransportUnavailableError) as err:
+        rdt.get(obj, timeout=10)
+    said = str(err.value)
+    assert said.startswith("transport 'object_store' cannot serve this fetch: the object was put by driver/process 1"), said
+    assert f" (auto took object_store after: tcp: cannot reach the producer's tcp listener at 127.0.0.1:{closed} (" in said, said
+    assert "set RDT_TCP_HOST (this transport) or RDT_ADVERTISE_HOST" in said, said
+    assert rdt.store_stats()["auto"][-1]["fell_back"][0]["transport"] == "tcp"
 
 
 def test_into_a_mapping_that_names_the_objects_tensors_in_another_order_is_matched_by_name():
