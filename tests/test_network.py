@@ -193,6 +193,17 @@ def test_settings_must_be_ip_addresses(monkeypatch):
     monkeypatch.setenv("RDT_ADVERTISE_HOST", "head.example")
     with pytest.raises(ValueError, match=r"RDT_ADVERTISE_HOST='head.example': give an IP address"):
         _net.address("RDT_TCP_HOST")
+    # Addresses no peer connects to are refused, naming the setting (they were advertised).
+    for host, what in (("0.0.0.0", "the unspecified address"), ("::", "the unspecified address"),
+                       ("224.0.0.1", "a multicast address"), ("255.255.255.255", "the broadcast address")):
+        monkeypatch.setenv("RDT_TCP_HOST", host)
+        with pytest.raises(ValueError, match=rf"RDT_TCP_HOST='{_re(host)}': that is {what}, which a peer on another node cannot connect to; give an address of this host"):
+            _net.address("RDT_TCP_HOST")
+    monkeypatch.setenv("RDT_TCP_HOST", " 10.1.2.3 ")  # spaces around it are dropped, as RDT_PORT_RANGE's are
+    assert _net.address("RDT_TCP_HOST") == _net.Address("10.1.2.3", "10.1.2.3", "RDT_TCP_HOST")
+    monkeypatch.setenv("RDT_TCP_HOST", "  ")  # spaces alone: unset
+    with pytest.raises(ValueError, match=r"RDT_ADVERTISE_HOST='head.example'"):
+        _net.address("RDT_TCP_HOST")
     monkeypatch.setenv("RDT_TCP_HOST", "10.1.2.3")
     assert _net.address("RDT_TCP_HOST") == _net.Address("10.1.2.3", "10.1.2.3", "RDT_TCP_HOST")  # the transport's own wins
     monkeypatch.delenv("RDT_TCP_HOST")
@@ -392,6 +403,13 @@ def _fetch(transport, meta, obj_id: str = "crafted") -> list[torch.Tensor]:
         (tcp.TcpMeta("localhost", 1, bytes(16)), "host 'localhost' is not an IP address"),
         (tcp.TcpMeta("../../etc/passwd", 1, bytes(16)), "host '../../etc/passwd' is not an IP address"),
         (tcp.TcpMeta(2130706433, 1, bytes(16)), "host 2130706433 is not an IP address"),  # an int is an address to ipaddress
+        # Where no producer listens (a consumer connecting to 0.0.0.0 or :: reaches its own host):
+        (tcp.TcpMeta("0.0.0.0", 1, bytes(16)), "host '0.0.0.0' is the unspecified address, where no producer listens"),
+        (tcp.TcpMeta("::", 1, bytes(16)), "host '::' is the unspecified address, where no producer listens"),
+        (tcp.TcpMeta("::ffff:0.0.0.0", 1, bytes(16)), "host '::ffff:0.0.0.0' is the unspecified address, where no producer listens"),
+        (tcp.TcpMeta("224.0.0.1", 1, bytes(16)), "host '224.0.0.1' is a multicast address, where no producer listens"),
+        (tcp.TcpMeta("ff02::1", 1, bytes(16)), "host 'ff02::1' is a multicast address, where no producer listens"),
+        (tcp.TcpMeta("255.255.255.255", 1, bytes(16)), "host '255.255.255.255' is the broadcast address, where no producer listens"),
         (tcp.TcpMeta("127.0.0.1", 0, bytes(16)), "port 0 is not in 1..65535"),
         (tcp.TcpMeta("127.0.0.1", 70000, bytes(16)), "port 70000 is not in 1..65535"),
         (tcp.TcpMeta("127.0.0.1", "80", bytes(16)), "port '80' is not in 1..65535"),
@@ -418,6 +436,7 @@ def test_crafted_tcp_metadata_is_refused_before_anything_connects(meta, why):
         (("localhost", 13337), "host 'localhost' is not an IPv4 address"),
         (("fd00::1", 13337), "host 'fd00::1' is not an IPv4 address"),  # UCXX listens on IPv4 only
         (("127.0.0.1", 0), "port 0 is not in 1..65535"),
+        (("0.0.0.0", 13337), "host '0.0.0.0' is the unspecified address, where no producer listens"),
         (("127.0.0.1", 65536), "port 65536 is not in 1..65535"),
         (("127.0.0.1", 1.5), "port 1.5 is not in 1..65535"),
     ],

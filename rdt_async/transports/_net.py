@@ -57,13 +57,37 @@ def set_node_ip(ip: str | None, node_ips: Callable[[], list[str]] = list) -> Non
 
 
 def ip_literal(host: str, what: str) -> str:
-    """Return `host` as a canonical IP literal; no name is ever resolved.
+    """Return `host` (spaces around it dropped) as a canonical IP literal that a peer can
+    connect to; no name is ever resolved.
 
     Raises: ValueError naming `what` (the setting or field it came from).
     """
-    if not is_ip(host):
+    raw = host.strip()
+    if not is_ip(raw):
         raise ValueError(f"{what}={host!r}: give an IP address (such as 10.0.0.5 or fd00::5), not a name")
-    return str(ipaddress.ip_address(host))
+    why = not_a_peer(raw)
+    if why is not None:
+        raise ValueError(
+            f"{what}={host!r}: that is {why}, which a peer on another node cannot connect to; give an address "
+            "of this host that the other nodes reach (such as 10.0.0.5 or fd00::5)"
+        )
+    return str(ipaddress.ip_address(raw))
+
+
+def not_a_peer(host: str) -> str | None:
+    """Why IP literal `host` names no listener a peer could connect to, or None: the
+    unspecified address (0.0.0.0, ::: every interface, or a peer's own host), a multicast
+    address, the broadcast address (an IPv4-mapped one alike)."""
+    ip = ipaddress.ip_address(host)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if ip.is_unspecified:
+        return "the unspecified address"
+    if ip.is_multicast:
+        return "a multicast address"
+    if ip == ipaddress.IPv4Address("255.255.255.255"):
+        return "the broadcast address"
+    return None
 
 
 def is_ip(host: object) -> bool:
@@ -105,11 +129,12 @@ class Address:
 def address(env: str) -> Address:
     """Where a listener of the transport whose own setting is `env` binds, and what it advertises.
 
-    Raises: ValueError naming the setting whose value is not an IP address.
+    Raises: ValueError naming the setting whose value is not an IP address a peer can
+    connect to.
     """
     for name in (env, ADVERTISE_ENV):
-        raw = os.environ.get(name)
-        if raw:
+        raw = os.environ.get(name, "")
+        if raw.strip():  # (spaces alone: unset, as for RDT_PORT_RANGE)
             host = ip_literal(raw, name)
             return Address(host, host, name)
     if _node_ip is not None:

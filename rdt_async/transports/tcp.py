@@ -103,7 +103,8 @@ class TcpMeta:
 
 def check_meta(meta: object, obj_id: str) -> TcpMeta:
     """Return `meta` if it is a TcpMeta a producer could have made: an IP literal (never a
-    name to resolve), a port in 1..65535, a token of the exact length.
+    name to resolve) a peer can connect to (`_net.not_a_peer`), a port in 1..65535, a
+    token of the exact length.
 
     Runs on: consumer, before it connects anywhere. Raises: TransferError saying what is wrong.
     """
@@ -112,6 +113,8 @@ def check_meta(meta: object, obj_id: str) -> TcpMeta:
         why = f"not tcp metadata: {type(meta).__name__}"
     elif not _net.is_ip(meta.host):
         why = f"host {meta.host!r} is not an IP address"
+    elif (no_peer := _net.not_a_peer(meta.host)) is not None:
+        why = f"host {meta.host!r} is {no_peer}, where no producer listens"
     elif type(meta.port) is not int or not 1 <= meta.port <= 65535:
         why = f"port {meta.port!r} is not in 1..65535"
     elif type(meta.token) is not bytes or len(meta.token) != TOKEN_BYTES:

@@ -127,7 +127,7 @@ class UcxxMeta:
 
 def check_meta(meta: object, obj_id: str) -> UcxxMeta:
     """Return `meta` if it is a UcxxMeta a producer could have made: an IPv4 literal (never
-    a name to resolve), a port in 1..65535.
+    a name to resolve) a peer can connect to, a port in 1..65535.
 
     Runs on: consumer, before it connects anywhere. Raises: TransferError saying what is wrong.
     """
@@ -136,6 +136,8 @@ def check_meta(meta: object, obj_id: str) -> UcxxMeta:
         why = f"not ucxx metadata: {type(meta).__name__}"
     elif not _net.is_ip(meta.host) or ":" in meta.host:
         why = f"host {meta.host!r} is not an IPv4 address"
+    elif (no_peer := _net.not_a_peer(meta.host)) is not None:
+        why = f"host {meta.host!r} is {no_peer}, where no producer listens"
     elif type(meta.port) is not int or not 1 <= meta.port <= 65535:
         why = f"port {meta.port!r} is not in 1..65535"
     if why is not None:
