@@ -7,6 +7,9 @@ to a small cache for the next receive of its size class instead of being unmappe
 a steady stream of receives touches warm pages. The cache holds at most `CACHE_BYTES`
 and unmaps what has been idle for `IDLE_S` seconds (checked every `IDLE_S`).
 
+A tensor from here has a storage of its own bytes, in memory torch did not allocate: it
+cannot grow (`resize_()` to more elements, an `out=` of a larger result, raise).
+
 Transparent huge pages are not asked for: with `defrag=madvise` the first touch of an
 advised 256 MiB mapping stalled 0.2-0.6 s in compaction here, slower than faulting.
 
@@ -49,9 +52,12 @@ def empty(shape: Sequence[int], dtype: torch.dtype, device: str | torch.device =
     mm = _take(size)
     if mm is None:
         mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    owner = np.frombuffer(mm, dtype=np.uint8)  # the tensor's storage keeps `owner` alive
+    # The tensor's storage is `owner`, its own bytes only: the rest of the class holds an
+    # earlier receive's (another object's, maybe), which `untyped_storage()`, `torch.save`
+    # or a pickle of the tensor would carry along. The storage keeps `owner` alive.
+    owner = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
     _io.finalize(owner, _give_back, size, mm)
-    return torch.from_numpy(owner)[:nbytes].view(dtype).view(tuple(shape))
+    return torch.from_numpy(owner).view(dtype).view(tuple(shape))
 
 
 def cached_bytes() -> int:

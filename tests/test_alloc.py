@@ -81,3 +81,24 @@ def test_idle_buffers_are_unmapped(monkeypatch):
     while _alloc.cached_bytes() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _alloc.cached_bytes() == 0
+
+
+def test_a_reused_buffer_holds_its_own_bytes_only_not_an_earlier_receives():
+    """A buffer is a whole size class (2 MiB steps); a tensor's storage is its own bytes, so
+    the rest (an earlier receive's, maybe another object's) leaks through no save or pickle."""
+    import io
+    import pickle
+
+    a = _alloc.empty((2 * MIB,), torch.uint8)
+    a.fill_(0x53)  # an earlier receive: another object's bytes
+    ptr = a.data_ptr()
+    del a
+    t = _alloc.empty((MIB + 64,), torch.uint8)  # the same class: the same memory
+    t.fill_(0x41)
+    assert t.data_ptr() == ptr and t.untyped_storage().nbytes() == MIB + 64
+    saved = io.BytesIO()
+    torch.save(t, saved)
+    assert len(saved.getvalue()) < MIB + 4096 and b"S" * 64 not in saved.getvalue()
+    assert len(pickle.dumps(t)) < MIB + 4096
+    with pytest.raises(RuntimeError, match="not resizable"):  # as documented: it cannot grow
+        t.resize_(2 * MIB)

@@ -847,6 +847,28 @@ def test_nixl_sets_ucx_cuda_settings_only_with_a_gpu_and_only_while_its_agent_is
     assert os.environ[key] == "auto"
 
 
+def test_nixl_tensors_fetched_into_one_block_carry_no_earlier_receives_bytes():
+    """Without into=, a fetch's CPU tensors are views of one block (one registration): each
+    view's storage is the block, which holds this fetch's bytes and zeros only (a reused
+    block held an earlier receive's bytes in its tail and in the gaps that align tensors)."""
+    from rdt_async import _alloc, _io
+    from rdt_async.transports.nixl import _plan
+
+    mib = 1 << 20
+    spec = TensorSpec((mib + 3,), torch.uint8, "cpu", mib + 3)  # 61 bytes short of 64-byte alignment
+    earlier = _alloc.empty((4 * mib,), torch.uint8)  # the class the block takes: reused next
+    earlier.fill_(0x53)
+    del earlier
+    _io.settle()
+    views = _plan._views_of_blocks([spec, spec])
+    for v in views:
+        v.fill_(0x41)
+    storage = views[0].untyped_storage()
+    assert storage.data_ptr() == views[1].untyped_storage().data_ptr() and storage.nbytes() == 2 * (mib + 64)
+    block = torch.empty(0, dtype=torch.uint8).set_(storage)
+    assert int((block == 0x53).sum()) == 0 and int((block == 0).sum()) == 2 * 61
+
+
 def test_nixl_stages_only_reads_across_devices_on_one_node_from_a_mebibyte(monkeypatch):
     # Where a READ lands first (`_plan._stage_device`); the GPU run checks the values.
     from types import SimpleNamespace

@@ -324,7 +324,13 @@ def _destinations(
 
 def _views_of_blocks(specs: Sequence[Any]) -> list[torch.Tensor]:
     """Allocate one byte block per device and return each spec's tensor as a view of it
-    (small CPU tensors: a tensor of its own, see `_owns`)."""
+    (small CPU tensors: a tensor of its own, see `_owns`).
+
+    Each view's storage is the whole block (one registration per fetch): the gaps that
+    align its tensors are zeroed, so the block holds this object's bytes and zeros only,
+    never an earlier receive's (a reused block's), which `untyped_storage()`, `torch.save`
+    or a pickle of one of the tensors would carry along.
+    """
     offsets: list[tuple[torch.device, int]] = []
     sizes: dict[torch.device, int] = {}
     for spec in specs:
@@ -339,6 +345,10 @@ def _views_of_blocks(specs: Sequence[Any]) -> list[torch.Tensor]:
     for spec, (device, off) in zip(specs, offsets):
         if spec.nbytes == 0 or off < 0:
             out.append(torch.empty(spec.shape, dtype=spec.dtype, device=device))
-        else:
-            out.append(blocks[device][off : off + spec.nbytes].view(spec.dtype).view(spec.shape))
+            continue
+        block, end = blocks[device], off + spec.nbytes
+        gap = -spec.nbytes % ALIGN
+        if gap:
+            block[end : end + gap].zero_()
+        out.append(block[off:end].view(spec.dtype).view(spec.shape))
     return out
