@@ -447,6 +447,7 @@ class _Memfds:
     def take(self, size: int, source: str = "") -> _Memfd:
         """A warm memfd for `size` bytes (else a new one), for an object of `source`."""
         cap = self.capacity(size)
+        _segments.idle_s()  # (a bad RDT_SHM_IDLE_S fails here, not when the memfd is given back)
         _io.settle()
         with self.lock:
             self.cadence.taken((cap, source))

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import _io
-from ._segments import IdleSweep, let_go_off_loop, oldest
+from ._segments import IdleSweep, idle_s, let_go_off_loop, oldest
 
 MAX_IDLE_BYTES = 4 << 30  # address space and page tables only: the pages are the files'
 
@@ -73,6 +73,7 @@ class MappingCache:
         Views made of it (`torch.frombuffer`) keep it alive; when the last goes, its
         mapping is kept for the next fetch of the file (past the idle time where `kept_tag(tag)`).
         """
+        idle_s()  # (a bad RDT_SHM_IDLE_S fails here, not when the last view goes)
         st = os.fstat(fd)
         key = (st.st_dev, st.st_ino, st.st_size)
         _io.settle()  # mappings whose views went just now are idle again

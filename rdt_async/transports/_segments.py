@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import itertools
+import math
 import mmap
 import os
 import re
@@ -59,10 +60,37 @@ MIN_BYTES = 1 << 20
 MAX_BYTES = 1 << 30  # the pool's idle segments, in all
 
 
+IDLE_S = 10.0  # RDT_SHM_IDLE_S's default
+_idle_read: tuple[str | None, float] = (None, IDLE_S)  # (RDT_SHM_IDLE_S as last read, its value)
+
+
 def idle_s() -> float:
     """Seconds idle warm shared memory is kept: segments here, consumers' mappings, relay
-    memfds (RDT_SHM_IDLE_S, default 10)."""
-    return float(os.environ.get("RDT_SHM_IDLE_S", "10"))
+    memfds (RDT_SHM_IDLE_S, default 10). Each value of the setting is parsed once.
+
+    The pools read it before they take or make anything (`SegmentPool.take`,
+    `MappingCache.open`, the relay's memfds), so that a bad value fails there, never
+    halfway through letting something go.
+    Raises: ValueError naming RDT_SHM_IDLE_S where it is not a number of seconds >= 0.
+    """
+    global _idle_read
+    raw, (seen, value) = os.environ.get("RDT_SHM_IDLE_S"), _idle_read
+    if raw == seen:
+        return value
+    if raw is None:
+        value = IDLE_S
+    else:
+        try:
+            value = float(raw)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(
+                f"RDT_SHM_IDLE_S={raw!r}: give the seconds idle warm shared memory is kept, a number >= 0 "
+                f"(default {IDLE_S:g})"
+            )
+    _idle_read = (raw, value)
+    return value
 
 
 KEEP_MAX_S = 120.0  # the longest a segment taken at a slow, steady cadence is kept idle
@@ -315,6 +343,7 @@ class SegmentPool:
         """A segment of at least `nbytes` named `name` (`name_for`): an idle one of the right
         capacity, renamed, else a new one."""
         capacity = _capacity(nbytes)
+        idle_s()  # (a bad RDT_SHM_IDLE_S fails here, not when the segment is let go)
         with self._lock:
             self._cadence.taken(capacity)
             seg = next((s for s in self._idle if s.capacity == capacity), None)
@@ -356,6 +385,7 @@ class SegmentPool:
 
     def recycle(self, name: str) -> None:
         """Its object went with its last ref (so every view): keep it warm for the next copy."""
+        idle = idle_s()  # (first: a bad setting raises before the segment leaves `_used`)
         with self._lock:
             seg = self._used.pop(name, None)
             if seg is None:
@@ -369,7 +399,7 @@ class SegmentPool:
                 evicted.append(self._idle.pop(0))  # the longest idle first
         for old in evicted:
             _drop(old)
-        self._sweeper.start(after=idle_s() + grace)
+        self._sweeper.start(after=idle + grace)
 
     def discard(self, name: str) -> None:
         """Its object was freed while views may remain: unlink it, never reuse it."""

@@ -1,0 +1,67 @@
+"""Warm shared memory: the producer's pool of segments and a consumer's kept mappings.
+
+Real tmpfs files and mappings; a /dev/shm with little room is a tmpfs of its own in a
+process with a private mount namespace (root and `unshare` only: skipped elsewhere).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from rdt_async.transports import _mappings, _segments
+
+MIB = 1 << 20
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _name(nbytes: int) -> str:
+    return _segments.name_for(os.urandom(12).hex(), _segments.new_key(), nbytes)
+
+
+def _wait_until(cond, timeout: float, what=lambda: "") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"not true in {timeout} s: {what()}"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def pool():
+    p = _segments.SegmentPool()
+    yield p
+    with p._lock:
+        left = p._idle + list(p._used.values())
+        p._idle, p._used = [], {}
+    for seg in left:
+        _segments._drop(seg)
+
+
+@pytest.mark.parametrize("bad", ["10s", "-1", "nan", "inf", ""])
+def test_a_bad_idle_setting_fails_the_take_naming_it_and_leaks_nothing(pool, monkeypatch, bad):
+    monkeypatch.setenv("RDT_SHM_IDLE_S", bad)
+    with pytest.raises(ValueError, match=r"RDT_SHM_IDLE_S='.*': give the seconds idle warm shared memory is kept, a number >= 0"):
+        pool.take(MIB, _name(MIB))
+    assert pool.stats() == {"idle": 0, "idle_bytes": 0, "used": 0, "created": 0}
+    # Set wrong while a segment is out: its recycling raises before it lets go of it.
+    monkeypatch.setenv("RDT_SHM_IDLE_S", "1")
+    seg = pool.take(MIB, _name(MIB))
+    monkeypatch.setenv("RDT_SHM_IDLE_S", bad)
+    with pytest.raises(ValueError, match="RDT_SHM_IDLE_S"):
+        pool.recycle(seg.name)
+    assert pool.stats()["used"] == 1  # still listed: discarded as any other
+    pool.discard(seg.name)
+    assert not os.path.exists(seg.path) and pool.stats()["used"] == 0
+    cache, fd = _mappings.MappingCache(), os.memfd_create("rdt-test-idle")  # a consumer's first fetch fails too
+    try:
+        os.ftruncate(fd, MIB)
+        with pytest.raises(ValueError, match="RDT_SHM_IDLE_S"):
+            cache.open(fd, None)
+    finally:
+        os.close(fd)
+    monkeypatch.setenv("RDT_SHM_IDLE_S", "2.5")
+    assert _segments.idle_s() == 2.5
+    monkeypatch.delenv("RDT_SHM_IDLE_S")
+    assert _segments.idle_s() == 10.0
