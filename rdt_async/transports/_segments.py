@@ -350,13 +350,13 @@ class SegmentPool:
             if seg is not None:
                 self._idle.remove(seg)
         if seg is not None:
-            old = seg.path
-            seg.name = name
             try:
-                os.rename(old, seg.path)  # same pages, same mapping: a name nobody holds
-            except FileNotFoundError:  # someone unlinked it (a hand, a tmp cleaner): make another
-                _drop(seg)
+                os.rename(seg.path, os.path.join(SHM_DIR, name))  # same pages, same mapping: a name nobody holds
+            except OSError:  # someone unlinked it (a hand, a tmp cleaner), or worse: let it go, make another
+                _drop(seg)  # (under its old name)
                 seg = None
+            else:
+                seg.name = name
         if seg is None:
             seg = self._create(capacity, name)
             self.created += 1

@@ -65,3 +65,20 @@ def test_a_bad_idle_setting_fails_the_take_naming_it_and_leaks_nothing(pool, mon
     assert _segments.idle_s() == 2.5
     monkeypatch.delenv("RDT_SHM_IDLE_S")
     assert _segments.idle_s() == 10.0
+
+
+def test_an_idle_segment_that_cannot_be_renamed_goes_under_its_old_name_and_another_is_made(pool, monkeypatch):
+    import errno
+
+    seg = pool.take(MIB, _name(MIB))
+    pool.recycle(seg.name)
+    old = seg.path
+
+    def refused(src, dst, **kw):
+        raise OSError(errno.EIO, "Input/output error", src)
+
+    monkeypatch.setattr(_segments.os, "rename", refused)
+    again = pool.take(MIB, _name(MIB))
+    monkeypatch.undo()
+    assert again is not seg and os.path.exists(again.path) and not os.path.exists(old)
+    assert seg.mm.closed and pool.stats() == {"idle": 0, "idle_bytes": 0, "used": 1, "created": 2}
