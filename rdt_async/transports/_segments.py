@@ -94,23 +94,35 @@ def idle_s() -> float:
 
 
 KEEP_MAX_S = 120.0  # the longest a segment taken at a slow, steady cadence is kept idle
+MAX_KINDS = 1024  # the kinds a `Cadence` remembers at most (the relay's: one per capacity and producer)
 
 
 class Cadence:
     """How often things of each kind are taken, so that one taken again and again stays
     warm between takes: `keep_s` is `idle_s()`, or where RDT_SHM_IDLE_S is not set, up to
     twice the time between the last two takes of its kind (KEEP_MAX_S at most). Not
-    thread-safe: its owner's lock guards it."""
+    thread-safe: its owner's lock guards it.
 
-    def __init__(self) -> None:
-        self._taken: dict[Any, float] = {}  # kind -> when one was last taken
+    Bounded: a kind not taken for KEEP_MAX_S is forgotten (the keep it would earn ends
+    before its next take), and past MAX_KINDS the least recently taken goes."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._taken: dict[Any, float] = {}  # kind -> when one was last taken, the least recent first
         self._gap: dict[Any, float] = {}  # kind -> the time between its last two takes
 
     def taken(self, kind: Any) -> None:
-        now = time.monotonic()
-        if kind in self._taken:
-            self._gap[kind] = now - self._taken[kind]
+        now = self._clock()
+        last = self._taken.pop(kind, None)
+        if last is not None:
+            self._gap[kind] = now - last
         self._taken[kind] = now
+        while True:  # (ends at `kind` at the latest: taken just now)
+            old = next(iter(self._taken))
+            if now - self._taken[old] <= KEEP_MAX_S and len(self._taken) <= MAX_KINDS:
+                break
+            del self._taken[old]
+            self._gap.pop(old, None)
 
     def keep_s(self, kind: Any) -> float:
         idle = idle_s()
@@ -121,7 +133,7 @@ class Cadence:
     def idle_from(self, kind: Any) -> float:
         """When one of `kind` going idle now counts as idle to an `IdleSweep` of `idle_s()`:
         later by the grace its cadence gives it."""
-        return time.monotonic() + self.keep_s(kind) - idle_s()
+        return self._clock() + self.keep_s(kind) - idle_s()
 
 
 class IdleSweep:
@@ -330,7 +342,7 @@ class SegmentPool:
         self._idle: list[Segment] = []
         self._used: dict[str, Segment] = {}
         self._sweeper = IdleSweep(self._sweep, lambda: idle_s())
-        self.created = 0  # segments made (not reused) so far
+        self.created = 0  # segments made (not reused) and handed out so far
         self._cadence = Cadence()  # of each capacity
 
     def keep_s(self, capacity: int) -> float:
@@ -357,9 +369,9 @@ class SegmentPool:
                 seg = None
             else:
                 seg.name = name
+        made = seg is None
         if seg is None:
             seg = self._create(capacity, name)
-            self.created += 1
         if seg.reserved < nbytes:
             try:
                 _reserve(seg, nbytes)
@@ -368,6 +380,7 @@ class SegmentPool:
                 raise
         with self._lock:
             self._used[seg.name] = seg
+            self.created += made
         return seg
 
     def _create(self, capacity: int, name: str) -> Segment:

@@ -82,3 +82,32 @@ def test_an_idle_segment_that_cannot_be_renamed_goes_under_its_old_name_and_anot
     monkeypatch.undo()
     assert again is not seg and os.path.exists(again.path) and not os.path.exists(old)
     assert seg.mm.closed and pool.stats() == {"idle": 0, "idle_bytes": 0, "used": 1, "created": 2}
+
+
+def test_cadences_forget_kinds_not_taken_for_a_while_and_keep_at_most_max_kinds():
+    """The relay notes a kind per capacity and producer: a long-lived consumer sees many."""
+    now = [0.0]
+    cadence = _segments.Cadence(clock=lambda: now[0])
+    for kind in range(3 * _segments.MAX_KINDS):
+        cadence.taken(kind)
+    assert len(cadence._taken) == _segments.MAX_KINDS and len(cadence._gap) == 0
+    now[0] = 1.0
+    cadence.taken("steady")
+    now[0] = 31.0
+    cadence.taken("steady")  # every 30 s: kept up to 60 s
+    assert cadence.keep_s("steady") == 60.0 and len(cadence._taken) == _segments.MAX_KINDS
+    now[0] = 31.0 + _segments.KEEP_MAX_S + 1
+    cadence.taken("late")
+    assert list(cadence._taken) == ["late"] and cadence._gap == {}
+
+
+def test_a_segment_made_but_not_handed_out_is_not_counted_as_created(pool, monkeypatch):
+    import errno
+
+    def full(seg, nbytes):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_segments, "_reserve", full)
+    with pytest.raises(OSError, match="No space left"):
+        pool.take(MIB, _name(MIB))
+    assert pool.stats() == {"idle": 0, "idle_bytes": 0, "used": 0, "created": 0}
