@@ -101,9 +101,10 @@ def _schedule_sweep() -> None:
 
 
 def _sweep() -> None:
-    """Unmap buffers idle for IDLE_S; run again while any are left (on the I/O loop)."""
+    """Unmap buffers idle for IDLE_S (in the pool: 10-90 ms per few hundred MiB, time the
+    loop owes the transfers under way); run again while any are left (on the I/O loop)."""
     global _cached, _sweep_due
-    stale: list[mmap.mmap] = []  # unmapped when the list goes
+    stale: list[mmap.mmap] = []
     now = time.monotonic()
     with _lock:
         for size, free in list(_free.items()):
@@ -115,6 +116,15 @@ def _sweep() -> None:
             if not free:
                 del _free[size]
         _sweep_due = bool(_free)
-    del stale
+    if stale:
+        _io.pool(_io.CALLS).submit(_unmap, stale)
     if _sweep_due:
         _schedule_sweep()
+
+
+def _unmap(stale: list[mmap.mmap]) -> None:
+    for mm in stale:
+        try:
+            mm.close()
+        except BufferError:  # (never: its array went before it was cached) it goes with its last reference
+            pass

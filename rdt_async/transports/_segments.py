@@ -410,8 +410,7 @@ class SegmentPool:
             bound = max(MAX_BYTES, 2 * seg.capacity)
             while sum(s.capacity for s in self._idle) > bound:
                 evicted.append(self._idle.pop(0))  # the longest idle first
-        for old in evicted:
-            _drop(old)
+        _retire(evicted)
         self._sweeper.start(after=idle + grace)
 
     def discard(self, name: str) -> None:
@@ -419,7 +418,7 @@ class SegmentPool:
         with self._lock:
             seg = self._used.pop(name, None)
         if seg is not None:
-            _drop(seg)
+            _retire([seg])
         else:
             _unlink(os.path.join(SHM_DIR, name))
 
@@ -428,8 +427,7 @@ class SegmentPool:
             old = [s for s in self._idle if s.idle_since <= cutoff]
             self._idle = [s for s in self._idle if s.idle_since > cutoff]
             left = oldest(self._idle)
-        for seg in old:
-            _drop(seg)
+        _retire(old)
         return left
 
     def stats(self) -> dict[str, int]:
@@ -450,11 +448,24 @@ def _reserve(seg: Segment, nbytes: int) -> None:
 
 
 def _drop(seg: Segment) -> None:
+    _unmap(seg)
+    _unlink(seg.path)
+
+
+def _retire(segs: list[Segment]) -> None:
+    """`_drop` `segs` where the I/O loop may be the caller: each file is unlinked now (it
+    must be gone before this process exits), the mappings are closed in the pool
+    (`let_go_off_loop`: 20 ms per 256 MiB here)."""
+    for seg in segs:
+        _unlink(seg.path)
+    let_go_off_loop(_unmap, segs)
+
+
+def _unmap(seg: Segment) -> None:
     try:
         seg.mm.close()
     except BufferError:  # a view of it is still alive here: the mapping goes with it
         pass
-    _unlink(seg.path)
 
 
 def _unlink(path: str) -> None:

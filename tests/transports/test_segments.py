@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from rdt_async import _io
 from rdt_async.transports import _mappings, _segments
 
 MIB = 1 << 20
@@ -111,3 +112,41 @@ def test_a_segment_made_but_not_handed_out_is_not_counted_as_created(pool, monke
     with pytest.raises(OSError, match="No space left"):
         pool.take(MIB, _name(MIB))
     assert pool.stats() == {"idle": 0, "idle_bytes": 0, "used": 0, "created": 0}
+
+
+def test_segments_let_go_on_the_io_loop_are_unlinked_there_and_unmapped_off_it(pool, monkeypatch):
+    """Unmapping takes its thread 20 ms per 256 MiB: the sweep, an eviction and a discard
+    (all on the I/O loop) unlink there and hand the unmapping to the pool."""
+    monkeypatch.setattr(_segments, "idle_s", lambda: 0.2)
+    monkeypatch.setattr(_segments, "MAX_BYTES", MIB)
+    unmapped: dict[str, bool] = {}
+    real = _segments._unmap
+    monkeypatch.setattr(_segments, "_unmap", lambda seg: (unmapped.update({seg.name: _io.on_io_thread()}), real(seg)))
+    swept = pool.take(MIB, _name(MIB))
+    _io.call_soon(pool.recycle, swept.name)
+    _wait_until(lambda: swept.name in unmapped, 10, pool.stats)
+    a, b, c, gone = (pool.take(MIB, _name(MIB)) for _ in range(4))
+    for seg in (a, b, c):
+        _io.call_soon(pool.recycle, seg.name)  # two of a size are kept: the third evicts the first
+    _io.call_soon(pool.discard, gone.name)
+    _wait_until(lambda: {a.name, gone.name} <= unmapped.keys(), 10, lambda: (unmapped, pool.stats()))
+    assert unmapped == {swept.name: False, a.name: False, gone.name: False}
+    assert not any(os.path.exists(s.path) for s in (swept, a, gone)) and swept.mm.closed and a.mm.closed
+
+
+def test_idle_receive_buffers_are_unmapped_off_the_io_loop(monkeypatch):
+    import torch
+
+    from rdt_async import _alloc
+
+    monkeypatch.setattr(_alloc, "_free", {})
+    monkeypatch.setattr(_alloc, "_cached", 0)
+    monkeypatch.setattr(_alloc, "IDLE_S", 0.2)
+    monkeypatch.setattr(_alloc, "_sweep_due", False)
+    unmapped: list[bool] = []
+    real = _alloc._unmap
+    monkeypatch.setattr(_alloc, "_unmap", lambda stale: (unmapped.append(_io.on_io_thread()), real(stale)))
+    t = _alloc.empty((2 * MIB,), torch.uint8)
+    del t
+    _wait_until(lambda: unmapped, 10, lambda: _alloc.cached_bytes())
+    assert unmapped == [False] and _alloc.cached_bytes() == 0
