@@ -389,7 +389,7 @@ class Publisher:
 
     async def _free_slot(self, entries: list[_Entry]) -> _Slot | None:
         """A slot nobody reads (made if fewer than `slots` exist), or None to skip."""
-        looked_again = False
+        looked_again = made_room = False
         while True:
             if self.closed:
                 raise RuntimeError(f"rdt.Publisher {self.name!r} was closed while this version waited for a slot")
@@ -404,6 +404,10 @@ class Publisher:
                 except RuntimeError as exc:
                     if not _no_room(exc):
                         raise
+                    if not made_room:  # this process's idle warm segments may hold the room: once, let them go
+                        made_room = True
+                        if await _io.to_thread(_segments.pool.make_room) is not None:
+                            continue
                     self._cap_slots(exc)  # (raises where fewer than two could be made)
                     continue
                 self._slots.append(slot)
@@ -432,8 +436,9 @@ class Publisher:
                     w.cancel()
 
     def _cap_slots(self, exc: RuntimeError) -> None:
-        """/dev/shm had no room for one more slot: publish with the slots there are (two at
-        least: the newest version, and one to write the next into), said once; else raise."""
+        """/dev/shm had no room for one more slot, even with this process's idle warm
+        segments let go of: publish with the slots there are from now on (two at least: the
+        newest version, and one to write the next into), said once; else raise."""
         said = (
             f"{_segments.SHM_DIR} has no room for slot {len(self._slots) + 1} of rdt.Publisher {self.name!r} "
             f"({self._size / (1 << 20):.1f} MiB; {_segments.room()})"

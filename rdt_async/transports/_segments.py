@@ -21,6 +21,8 @@ Capacities are powers of two from 1 MiB (tmpfs allocates only the pages written)
 
 from __future__ import annotations
 
+import concurrent.futures
+import errno
 import functools
 import hashlib
 import itertools
@@ -58,6 +60,7 @@ MORE_ROOM = "give it more (Docker: `docker run --shm-size=...`; Kubernetes: an e
 PREFIX = "rdt-"
 MIN_BYTES = 1 << 20
 MAX_BYTES = 1 << 30  # the pool's idle segments, in all
+ROOM_WAIT_S = 5.0  # the longest a take with no room waits for the unmapping of segments let go just before
 
 
 IDLE_S = 10.0  # RDT_SHM_IDLE_S's default
@@ -180,13 +183,15 @@ class IdleSweep:
         self._schedule(due - time.monotonic())
 
 
-def let_go_off_loop(close: Callable[[Any], None], items: list[Any]) -> None:
+def let_go_off_loop(close: Callable[[Any], None], items: list[Any]) -> concurrent.futures.Future[None] | None:
     """Call `close` on each of `items` in the pool, not on the I/O loop where sweeps run:
     unmapping hundreds of MiB takes its thread 10-90 ms here (the GIL released), time the
     loop owes the transfers under way. Only for what this process alone holds (a mapping,
-    a descriptor), never for a file that must be gone before the process exits."""
-    if items:
-        _io.pool(_io.CALLS).submit(_let_go, close, items)
+    a descriptor), never for a file that must be gone before the process exits. Returns
+    the work's future (None: no items)."""
+    if not items:
+        return None
+    return _io.pool(_io.CALLS).submit(_let_go, close, items)
 
 
 def _let_go(close: Callable[[Any], None], items: list[Any]) -> None:
@@ -344,6 +349,7 @@ class SegmentPool:
         self._sweeper = IdleSweep(self._sweep, lambda: idle_s())
         self.created = 0  # segments made (not reused) and handed out so far
         self._cadence = Cadence()  # of each capacity
+        self._unmapping: set[concurrent.futures.Future[None]] = set()  # segments let go, their mappings still to close
 
     def keep_s(self, capacity: int) -> float:
         """How long an idle segment of `capacity` is kept: `idle_s()`, or where RDT_SHM_IDLE_S
@@ -353,11 +359,49 @@ class SegmentPool:
 
     def take(self, nbytes: int, name: str) -> Segment:
         """A segment of at least `nbytes` named `name` (`name_for`): an idle one of the right
-        capacity, renamed, else a new one."""
+        capacity, renamed, else a new one.
+
+        Where /dev/shm has no room for it (the idle segments may hold it), lets go of every
+        idle segment and tries once more.
+        Raises: OSError (ENOSPC, ENOMEM: saying what was let go of first where it did).
+        """
         capacity = _capacity(nbytes)
         idle_s()  # (a bad RDT_SHM_IDLE_S fails here, not when the segment is let go)
         with self._lock:
             self._cadence.taken(capacity)
+        try:
+            return self._take(nbytes, capacity, name)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
+                raise
+            freed = self.make_room()
+            if freed is None:
+                raise
+        try:
+            return self._take(nbytes, capacity, name)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
+                raise
+            raise OSError(
+                exc.errno, f"{exc.strerror} (after letting go of {freed / (1 << 20):.1f} MiB of idle warm segments)"
+            ) from exc
+
+    def make_room(self) -> int | None:
+        """Let go of every idle segment now, and wait (ROOM_WAIT_S at most) until those let
+        go before are unmapped: their pages are free once no process maps them. Returns the
+        idle bytes let go of; None where none were idle or being unmapped."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+            unmapping = list(self._unmapping)
+        if not idle and not unmapping:
+            return None
+        for seg in idle:
+            _drop(seg)
+        concurrent.futures.wait(unmapping, timeout=ROOM_WAIT_S)
+        return sum(s.capacity for s in idle)
+
+    def _take(self, nbytes: int, capacity: int, name: str) -> Segment:
+        with self._lock:
             seg = next((s for s in self._idle if s.capacity == capacity), None)
             if seg is not None:
                 self._idle.remove(seg)
@@ -410,7 +454,7 @@ class SegmentPool:
             bound = max(MAX_BYTES, 2 * seg.capacity)
             while sum(s.capacity for s in self._idle) > bound:
                 evicted.append(self._idle.pop(0))  # the longest idle first
-        _retire(evicted)
+        self._retire(evicted)
         self._sweeper.start(after=idle + grace)
 
     def discard(self, name: str) -> None:
@@ -418,7 +462,7 @@ class SegmentPool:
         with self._lock:
             seg = self._used.pop(name, None)
         if seg is not None:
-            _retire([seg])
+            self._retire([seg])
         else:
             _unlink(os.path.join(SHM_DIR, name))
 
@@ -427,8 +471,24 @@ class SegmentPool:
             old = [s for s in self._idle if s.idle_since <= cutoff]
             self._idle = [s for s in self._idle if s.idle_since > cutoff]
             left = oldest(self._idle)
-        _retire(old)
+        self._retire(old)
         return left
+
+    def _retire(self, segs: list[Segment]) -> None:
+        """`_drop` `segs` where the I/O loop may be the caller: each file is unlinked now (it
+        must be gone before this process exits), the mappings are closed in the pool
+        (`let_go_off_loop`: 20 ms per 256 MiB here)."""
+        for seg in segs:
+            _unlink(seg.path)
+        work = let_go_off_loop(_unmap, segs)
+        if work is not None:
+            with self._lock:
+                self._unmapping.add(work)
+            work.add_done_callback(self._unmapped)
+
+    def _unmapped(self, work: concurrent.futures.Future[None]) -> None:
+        with self._lock:
+            self._unmapping.discard(work)
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -450,15 +510,6 @@ def _reserve(seg: Segment, nbytes: int) -> None:
 def _drop(seg: Segment) -> None:
     _unmap(seg)
     _unlink(seg.path)
-
-
-def _retire(segs: list[Segment]) -> None:
-    """`_drop` `segs` where the I/O loop may be the caller: each file is unlinked now (it
-    must be gone before this process exits), the mappings are closed in the pool
-    (`let_go_off_loop`: 20 ms per 256 MiB here)."""
-    for seg in segs:
-        _unlink(seg.path)
-    let_go_off_loop(_unmap, segs)
 
 
 def _unmap(seg: Segment) -> None:

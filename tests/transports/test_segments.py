@@ -6,7 +6,12 @@ process with a private mount namespace (root and `unshare` only: skipped elsewhe
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -27,6 +32,20 @@ def _wait_until(cond, timeout: float, what=lambda: "") -> None:
     while not cond():
         assert time.monotonic() < deadline, f"not true in {timeout} s: {what()}"
         time.sleep(0.02)
+
+
+def _in_small_shm(code: str, mib: int = 8) -> dict:
+    """Run `code` in a process whose /dev/shm is a tmpfs of `mib` MiB (a private mount
+    namespace, as a container's); it prints one JSON line last, returned here."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare to give a process a small /dev/shm")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RDT_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (REPO, os.environ.get("PYTHONPATH"))))
+    script = "import json, os\nMIB = 1 << 20\n" + textwrap.dedent(code)
+    shell = f"mount --make-rprivate / && mount -t tmpfs -o size={mib}m tmpfs /dev/shm && exec {sys.executable} -c \"$0\""
+    done = subprocess.run(["unshare", "-m", "sh", "-c", shell, script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture
@@ -150,3 +169,53 @@ def test_idle_receive_buffers_are_unmapped_off_the_io_loop(monkeypatch):
     del t
     _wait_until(lambda: unmapped, 10, lambda: _alloc.cached_bytes())
     assert unmapped == [False] and _alloc.cached_bytes() == 0
+
+
+def test_a_take_with_no_room_lets_go_of_idle_segments_and_tries_again():
+    """An idle 4 MiB segment of this producer made a take of 6 MiB fail on an 8 MiB
+    /dev/shm; failing still, the error says what was let go of."""
+    out = _in_small_shm("""
+        from rdt_async.transports import _segments as S
+
+        def name(n):
+            return S.name_for(os.urandom(12).hex(), S.new_key(), n)
+
+        a = S.pool.take(3 * MIB, name(3 * MIB))
+        a.mm[: 3 * MIB] = b"A" * (3 * MIB)
+        S.pool.recycle(a.name)  # idle and warm: 3 MiB of the 8 held
+        b = S.pool.take(6 * MIB, name(6 * MIB))
+        out = {"after": S.pool.stats(), "files": os.listdir("/dev/shm") == [b.name]}
+        c = S.pool.take(MIB, name(MIB))
+        S.pool.recycle(c.name)
+        try:
+            S.pool.take(3 * MIB, name(3 * MIB))  # 1 MiB free, 2 once `c` goes: not enough
+        except OSError as exc:
+            out["error"] = [exc.errno, exc.strerror]
+        out["end"] = S.pool.stats()
+        print(json.dumps(out))
+    """)
+    assert out["after"] == {"idle": 0, "idle_bytes": 0, "used": 1, "created": 2} and out["files"], out
+    assert out["error"] == [28, "No space left on device (after letting go of 1.0 MiB of idle warm segments)"], out
+    assert out["end"] == {"idle": 0, "idle_bytes": 0, "used": 1, "created": 3}, out
+
+
+def test_a_publisher_short_of_room_lets_go_of_idle_segments_before_it_keeps_fewer_slots():
+    """A publisher's slot (torch's shared memory) found no room where this process's idle
+    warm segments held it: with one slot made, the publisher failed outright."""
+    out = _in_small_shm("""
+        import asyncio
+        import torch
+        from rdt_async import _publish
+        from rdt_async.transports import _segments as S
+
+        seg = S.pool.take(3 * MIB, S.name_for("obj", S.new_key(), 3 * MIB))
+        S.pool.recycle(seg.name)  # idle, holding 3 MiB of the 8
+        _publish._check_place = lambda: None  # (a publisher lives in an actor: none here)
+        _publish._Slot.busy = lambda self: True  # every slot read: each call makes a new one
+        pub = _publish.Publisher("p", slots=3)
+        entries = pub._check({"w": torch.zeros(3 * MIB // 4)})
+        for _ in range(2):
+            asyncio.run(pub._free_slot(entries))
+        print(json.dumps({"slots": len(pub._slots), "asked": pub.slots, "pool": S.pool.stats()}))
+    """)
+    assert out == {"slots": 2, "asked": 3, "pool": {"idle": 0, "idle_bytes": 0, "used": 0, "created": 1}}, out
