@@ -15,7 +15,11 @@ through the other). Pages the producer wrote show, as through a new mapping.
 Bounded: MAX_IDLE_BYTES of idle mappings in all; one idle longer than RDT_SHM_IDLE_S
 (default 10 s) is unmapped, except the newest of each tag (`open`) that `kept_tag` says
 is wanted (the node relay's memfds of a producer a subscription here follows). Until then
-it keeps its file's pages (a storage the producer freed, a segment it unlinked). Where the kernel lacks PAGEMAP_SCAN (Linux < 6.7) or
+it keeps its file's pages (a storage the producer freed). A file opened by its name (a
+producer's segment) is mapped for its next fetch only while it has a name: one the
+producer unlinked (freed, or let go of to make room) can never be opened again, so its
+mapping goes once idle and it is found unlinked (checked every UNLINKED_CHECK_S), instead
+of pinning its pages in /dev/shm. Where the kernel lacks PAGEMAP_SCAN (Linux < 6.7) or
 RDT_SHM_KEEP_MAPS=0, nothing is kept: each fetch maps anew, as before.
 
 Runs on: consumer (shm's views).
@@ -36,6 +40,7 @@ from .. import _io
 from ._segments import IdleSweep, idle_s, let_go_off_loop, oldest
 
 MAX_IDLE_BYTES = 4 << 30  # address space and page tables only: the pages are the files'
+UNLINKED_CHECK_S = 1.0  # how often idle mappings of files opened by name are checked for a name left
 
 
 def _none_kept(tag: str) -> bool:
@@ -55,6 +60,16 @@ class _Mapped:
     addr: int
     idle_since: float = 0.0
     tag: str = ""  # whose file it is (`open`), for `kept_tag`
+    fd: int = -1  # of a file opened by name (`open`), to see whether it still has one
+
+    def unlinked(self) -> bool:
+        """Whether its file was opened by name and has none left now."""
+        if self.fd < 0:
+            return False
+        try:
+            return os.fstat(self.fd).st_nlink == 0
+        except OSError:
+            return True
 
 
 class MappingCache:
@@ -67,11 +82,12 @@ class MappingCache:
         self.reused = 0  # fetches served by a kept mapping
         self.restored_pages = 0  # pages a consumer had written, dropped before a reuse
 
-    def open(self, fd: int, hold: Any, tag: str = "") -> Any:
+    def open(self, fd: int, hold: Any, tag: str = "", *, named: bool = False) -> Any:
         """A writable buffer over all of `fd`'s file, mapped copy-on-write; it keeps `hold`.
 
         Views made of it (`torch.frombuffer`) keep it alive; when the last goes, its
-        mapping is kept for the next fetch of the file (past the idle time where `kept_tag(tag)`).
+        mapping is kept for the next fetch of the file (past the idle time where `kept_tag(tag)`;
+        `named`: `fd` was opened by the file's name, and the mapping goes once it has none).
         """
         idle_s()  # (a bad RDT_SHM_IDLE_S fails here, not when the last view goes)
         st = os.fstat(fd)
@@ -89,6 +105,8 @@ class MappingCache:
         if m is None:
             mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             m = _Mapped(key, mm, _address(mm))
+            if named and _keeps():
+                m.fd = os.dup(fd)
         m.tag = tag
         buf = (ctypes.c_char * st.st_size).from_buffer(m.mm)
         buf.hold = hold  # type: ignore[attr-defined]  # the object lives while a view does
@@ -99,6 +117,9 @@ class MappingCache:
         """The last view of a fetch went (through `_io.finalize`): keep it, or let it go."""
         if not _keeps():
             return  # the mapping goes with its last reference
+        if m.unlinked():  # freed by its producer: no fetch can open it again
+            let_go_off_loop(_close, [m])
+            return
         m.idle_since = time.monotonic()
         with self._lock:
             old = self._idle.pop(m.key, None)  # one per file is enough
@@ -108,7 +129,7 @@ class MappingCache:
                 evicted.append(self._idle.pop(next(iter(self._idle))))  # the longest idle first
         for x in evicted:
             _close(x)
-        self._sweeper.start()
+        self._sweeper.start(after=min(idle_s(), UNLINKED_CHECK_S) if m.fd >= 0 else None)
 
     def sweep_soon(self) -> None:
         """A tag is no longer kept (`kept_tag`): its mapping goes once idle as long as any other."""
@@ -125,10 +146,13 @@ class MappingCache:
     def _sweep(self, cutoff: float) -> float | None:  # on the I/O loop
         with self._lock:
             spared = self._spared()
-            old = [m for m in self._idle.values() if m.idle_since <= cutoff and m.key not in spared]
+            old = [m for m in self._idle.values() if (m.idle_since <= cutoff and m.key not in spared) or m.unlinked()]
             for m in old:
                 del self._idle[m.key]
             left = oldest(m for m in self._idle.values() if m.key not in spared)
+            if any(m.fd >= 0 for m in self._idle.values()):  # look again for unlinked ones soon
+                soon = time.monotonic() + UNLINKED_CHECK_S - idle_s()  # (as if one had gone idle then)
+                left = soon if left is None else min(left, soon)
         let_go_off_loop(_close, old)
         return left
 
@@ -164,6 +188,9 @@ def _close(m: _Mapped) -> None:
         m.mm.close()
     except BufferError:  # still exported somewhere: it is unmapped with its last reference
         pass
+    fd, m.fd = m.fd, -1
+    if fd >= 0:
+        os.close(fd)
 
 
 def _keeps() -> bool:

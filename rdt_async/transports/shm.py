@@ -487,7 +487,7 @@ def _map(info: TransferInfo[ShmMeta]) -> list[torch.Tensor]:
     if meta.segment is not None:
         fd = _open(info)
         try:
-            buf = _mappings.cache.open(fd, info.hold)  # a segment is reused once no view of it is left
+            buf = _mappings.cache.open(fd, info.hold, named=True)  # a segment is reused once no view of it is left
         finally:
             os.close(fd)
     storages: dict[tuple[Any, ...], Any] = {}  # one mapping per storage, whatever its views

@@ -219,3 +219,40 @@ def test_a_publisher_short_of_room_lets_go_of_idle_segments_before_it_keeps_fewe
         print(json.dumps({"slots": len(pub._slots), "asked": pub.slots, "pool": S.pool.stats()}))
     """)
     assert out == {"slots": 2, "asked": 3, "pool": {"idle": 0, "idle_bytes": 0, "used": 0, "created": 1}}, out
+
+
+def test_a_consumers_idle_mapping_of_a_segment_its_producer_unlinked_goes_at_once(monkeypatch):
+    """Such a mapping can serve no fetch (the name is gone) but pinned the segment's pages
+    in /dev/shm for RDT_SHM_IDLE_S (4 GiB of them at most). Files opened by no name (a
+    relay's memfd, a shared storage) keep the idle time."""
+    if not _mappings._keeps():
+        pytest.skip("this kernel has no PAGEMAP_SCAN: idle mappings are not kept")
+    monkeypatch.setenv("RDT_SHM_IDLE_S", "60")
+    _io.io_loop()  # (started, as by a consumer's fetches: sweeps run there)
+    cache = _mappings.MappingCache()
+    paths = [os.path.join(_segments.SHM_DIR, f"rdt-test-{os.getpid()}-{os.urandom(6).hex()}") for _ in range(2)]
+    mapped = []
+    try:
+        for path in paths:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            os.ftruncate(fd, MIB)
+            mapped.append(cache.open(fd, None, named=True))
+            os.close(fd)
+        memfd = os.memfd_create("rdt-test-unnamed")
+        os.ftruncate(memfd, MIB)
+        unnamed = cache.open(memfd, None)
+        os.close(memfd)
+        held = memoryview(mapped[1])  # a view alive while its file is unlinked
+        del mapped[0], unnamed
+        assert cache.stats()["idle"] == 2
+        for path in paths:
+            os.unlink(path)  # the producer frees them
+        _wait_until(lambda: cache.stats()["idle"] == 1, 5, cache.stats)  # idle and unlinked: gone
+        held.release()
+        del held, mapped
+        assert cache.stats()["idle"] == 1  # its last view went after the unlink: not kept at all
+    finally:
+        for path in paths:
+            if os.path.exists(path):
+                os.unlink(path)
+        cache.clear()
