@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -128,3 +129,17 @@ def _unmap(stale: list[mmap.mmap]) -> None:
             mm.close()
         except BufferError:  # (never: its array went before it was cached) it goes with its last reference
             pass
+
+
+def _forked() -> None:
+    """In a forked child: the cached buffers are copies of the parent's, the sweep it
+    scheduled runs not here, and `_lock` may be held by a thread that is not here. Let go
+    of the copies and start empty."""
+    global _lock, _free, _cached, _sweep_due
+    _lock = threading.Lock()
+    stale = [mm for free in _free.values() for _, mm in free]
+    _free, _cached, _sweep_due = {}, 0, False
+    _unmap(stale)
+
+
+os.register_at_fork(after_in_child=_forked)

@@ -427,3 +427,17 @@ def _shutdown() -> None:
     if loop is not None and _pid == os.getpid() and not loop.is_closed():
         loop.call_soon_threadsafe(loop.stop)
 
+
+def _forked() -> None:
+    """In a forked child: the parent's pools have no threads here (work given them would
+    never run), a lock may be held by a thread that is not here, and the finalizers queued
+    are the parent's to run. Start afresh; the I/O loop starts anew at first use."""
+    global _lock, _pools, _settling, _settle_due
+    _lock = threading.Lock()
+    _pools = {}
+    _settling = threading.RLock()
+    _settle_due = False
+    _finalized.clear()
+
+
+os.register_at_fork(after_in_child=_forked)

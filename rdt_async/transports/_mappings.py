@@ -163,6 +163,17 @@ class MappingCache:
         for m in old:
             _close(m)
 
+    def forked(self) -> None:
+        """In a forked child: the idle mappings are copies of the parent's (they would keep
+        the pages of files the parent's producers unlink), its sweeps run not here, and a
+        lock may be held by a thread that is not here. Close the copies; start empty."""
+        self._lock = threading.Lock()
+        self._sweeper = IdleSweep(self._sweep)
+        copies, self._idle = list(self._idle.values()), {}
+        self.reused = self.restored_pages = 0
+        for m in copies:
+            _close(m)
+
     def stats(self) -> dict[str, int]:
         _io.settle()
         with self._lock:
@@ -301,3 +312,13 @@ def _restore(addr: int, size: int) -> int:
 
 
 cache = MappingCache()
+
+
+def _forked() -> None:
+    """A forked child starts with no kept mappings (see `MappingCache.forked`)."""
+    global _kernel_lock
+    _kernel_lock = threading.Lock()
+    cache.forked()
+
+
+os.register_at_fork(after_in_child=_forked)

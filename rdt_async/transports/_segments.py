@@ -463,7 +463,7 @@ class SegmentPool:
             seg = self._used.pop(name, None)
         if seg is not None:
             self._retire([seg])
-        else:
+        elif owner(name) == (os.getpid(), pid_namespace()):  # (a forked child's copy of the parent's: not its own)
             _unlink(os.path.join(SHM_DIR, name))
 
     def _sweep(self, cutoff: float) -> float | None:  # on the I/O loop
@@ -489,6 +489,20 @@ class SegmentPool:
     def _unmapped(self, work: concurrent.futures.Future[None]) -> None:
         with self._lock:
             self._unmapping.discard(work)
+
+    def forked(self) -> None:
+        """In a forked child: the segments are the parent's (this process has copies of its
+        mappings, which would keep their pages after the parent unlinks them), its sweeps
+        run not here, and a lock may be held by a thread that is not here. Close the copies
+        (never unlink: the files are the parent's) and start empty."""
+        self._lock = threading.Lock()
+        self._sweeper = IdleSweep(self._sweep, lambda: idle_s())
+        copies = self._idle + list(self._used.values())
+        self._idle, self._used, self._unmapping = [], {}, set()
+        self._cadence = Cadence()
+        self.created = 0
+        for seg in copies:
+            _unmap(seg)
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -527,3 +541,13 @@ def _unlink(path: str) -> None:
 
 
 pool = SegmentPool()
+
+
+def _forked() -> None:
+    """A forked child starts with no segments of its own (see `SegmentPool.forked`)."""
+    global _dir_lock
+    _dir_lock = threading.Lock()
+    pool.forked()
+
+
+os.register_at_fork(after_in_child=_forked)

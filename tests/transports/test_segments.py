@@ -256,3 +256,123 @@ def test_a_consumers_idle_mapping_of_a_segment_its_producer_unlinked_goes_at_onc
             if os.path.exists(path):
                 os.unlink(path)
         cache.clear()
+
+
+_CHILD_CHECKS_S = 20
+
+
+def test_a_forked_child_has_working_pools_and_none_of_its_parents_warm_memory(monkeypatch, tmp_path):
+    """A child forked from a process with warm memory (a DataLoader worker) inherited the
+    pools' executors without their threads (`to_thread` hung), the parent's idle segments
+    and mappings (their pages pinned after the parent let go), sweep flags of sweeps that
+    run only in the parent, and locks held by the parent's other threads."""
+    import asyncio
+    import signal
+    import threading
+
+    import torch
+
+    from rdt_async import _alloc
+
+    monkeypatch.setenv("RDT_SHM_IDLE_S", "0.5")
+    _io.prestart()  # the pools have threads, in the parent
+    monkeypatch.setattr(_alloc, "_free", {})
+    monkeypatch.setattr(_alloc, "_cached", 0)
+    buf = _alloc.empty((2 * MIB,), torch.uint8)
+    del buf
+    assert _alloc.cached_bytes() == 2 * MIB
+    seg = _segments.pool.take(MIB, _name(MIB))
+    _segments.pool.recycle(seg.name)
+    path = str(tmp_path / "stand-in")  # a file opened by name, its mapping kept idle
+    kept = _mappings._keeps()
+    if kept:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        os.ftruncate(fd, MIB)
+        view = _mappings.cache.open(fd, None)
+        os.close(fd)
+        del view
+        assert _mappings.cache.stats()["idle"] >= 1
+    read, write = os.pipe()
+    held = threading.Event()
+    release = threading.Event()
+
+    def hold_locks() -> None:  # another thread of the parent holds the pools' locks at the fork
+        with _alloc._lock, _segments.pool._lock:
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold_locks)
+    holder.start()
+    held.wait(10)
+    pid = os.fork()
+    if pid == 0:  # the child: check, say each as it comes (a check that hangs says the rest), leave at once
+        try:
+            signal.alarm(_CHILD_CHECKS_S)
+            os.close(read)
+
+            def say(what: str, value) -> None:
+                os.write(write, (json.dumps([what, value]) + "\n").encode())
+
+            async def in_pool() -> int:
+                return await asyncio.wait_for(_io.to_thread(lambda: 42), 3)
+
+            try:
+                say("to_thread", asyncio.run(in_pool()))
+            except TimeoutError:
+                say("to_thread", "hung")
+            say("alloc cached", _alloc.cached_bytes())
+            say("parent's segment mapped here", not seg.mm.closed)
+            say("mappings idle", _mappings.cache.stats()["idle"])
+            say("alloc works", _alloc.empty((2 * MIB,), torch.uint8).numel() == 2 * MIB)  # (its lock was held)
+            say("segments", _segments.pool.stats())
+            mine = _segments.pool.take(MIB, _name(MIB))
+            _segments.pool.recycle(mine.name)
+            deadline = time.monotonic() + 5
+            while _segments.pool.stats()["idle"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            say("own idle segment swept", _segments.pool.stats()["idle"] == 0 and not os.path.exists(mine.path))
+        finally:
+            os._exit(0)
+    os.close(write)
+    release.set()
+    holder.join()
+    deadline = time.monotonic() + _CHILD_CHECKS_S + 5
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            break
+        time.sleep(0.05)
+    with os.fdopen(read, "rb") as f:
+        said = dict(json.loads(line) for line in f.read().decode().splitlines())
+    _segments.pool.make_room()  # (the parent's idle segment)
+    assert said == {
+        "to_thread": 42,
+        "alloc cached": 0,
+        "parent's segment mapped here": False,
+        "mappings idle": 0,
+        "alloc works": True,
+        "segments": {"idle": 0, "idle_bytes": 0, "used": 0, "created": 0},
+        "own idle segment swept": True,
+    }
+
+
+def test_a_discard_unlinks_no_file_of_another_process(pool):
+    """A forked child's copy of an object names its parent's segment: freeing it there must
+    leave the parent's file alone."""
+    parent = os.getppid()
+    name = _segments.name_for("obj", _segments.new_key(), MIB, pid=parent)
+    path = os.path.join(_segments.SHM_DIR, name)
+    with open(path, "wb"):
+        pass
+    try:
+        pool.discard(name)
+        assert os.path.exists(path)
+        mine = _name(MIB)
+        with open(os.path.join(_segments.SHM_DIR, mine), "wb"):
+            pass
+        pool.discard(mine)  # (one of ours not in the pool: a lazy export that lost a race)
+        assert not os.path.exists(os.path.join(_segments.SHM_DIR, mine))
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
