@@ -118,7 +118,10 @@ def _sweep() -> None:
                 del _free[size]
         _sweep_due = bool(_free)
     if stale:
-        _io.pool(_io.CALLS).submit(_unmap, stale)
+        try:
+            _io.pool(_io.CALLS).submit(_unmap, stale)
+        except RuntimeError:  # the interpreter is shutting down: no pool takes work now
+            _unmap(stale)
     if _sweep_due:
         _schedule_sweep()
 

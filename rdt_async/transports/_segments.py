@@ -191,7 +191,11 @@ def let_go_off_loop(close: Callable[[Any], None], items: list[Any]) -> concurren
     the work's future (None: no items)."""
     if not items:
         return None
-    return _io.pool(_io.CALLS).submit(_let_go, close, items)
+    try:
+        return _io.pool(_io.CALLS).submit(_let_go, close, items)
+    except RuntimeError:  # the interpreter is shutting down: no pool takes work now
+        _let_go(close, items)
+        return None
 
 
 def _let_go(close: Callable[[Any], None], items: list[Any]) -> None:

@@ -376,3 +376,31 @@ def test_a_discard_unlinks_no_file_of_another_process(pool):
     finally:
         if os.path.exists(path):
             os.unlink(path)
+
+
+def test_memory_let_go_as_the_interpreter_exits_is_unmapped_in_place(pool, monkeypatch):
+    """A sweep may run after the pools were shut down at exit (they take no work then):
+    it unmaps in place instead of raising out of the I/O loop."""
+    import concurrent.futures
+
+    import torch
+
+    from rdt_async import _alloc
+
+    shut = concurrent.futures.ThreadPoolExecutor(1)
+    shut.shutdown()
+    monkeypatch.setattr(_io, "pool", lambda purpose=_io.COPIES: shut)
+    monkeypatch.setattr(_alloc, "_free", {})
+    monkeypatch.setattr(_alloc, "_cached", 0)
+    monkeypatch.setattr(_alloc, "IDLE_S", 0.0)
+    monkeypatch.setattr(_alloc, "_sweep_due", True)  # (no sweep scheduled: this test runs it)
+    buf = _alloc.empty((2 * MIB,), torch.uint8)
+    del buf
+    _io.settle()
+    (mm,) = [mm for free in _alloc._free.values() for _, mm in free]
+    _alloc._sweep()
+    assert mm.closed and _alloc.cached_bytes() == 0
+    seg = pool.take(MIB, _name(MIB))
+    monkeypatch.setattr(pool._sweeper, "start", lambda after=None: None)
+    pool.recycle(seg.name)
+    assert pool._sweep(float("inf")) is None and seg.mm.closed and not os.path.exists(seg.path)
