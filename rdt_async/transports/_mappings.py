@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import _io
+from . import _segments
 from ._segments import IdleSweep, idle_s, let_go_off_loop, oldest
 
 MAX_IDLE_BYTES = 4 << 30  # address space and page tables only: the pages are the files'
@@ -155,6 +156,18 @@ class MappingCache:
                 left = soon if left is None else min(left, soon)
         let_go_off_loop(_close, old)
         return left
+
+    def let_go_unlinked(self) -> int:
+        """Unmap now the idle mappings of files unlinked since (a producer of this process
+        short of room in /dev/shm: `_segments.room_makers`); return their bytes."""
+        _io.settle()
+        with self._lock:
+            gone = [m for m in self._idle.values() if m.unlinked()]
+            for m in gone:
+                del self._idle[m.key]
+        for m in gone:
+            _close(m)
+        return sum(m.key[2] for m in gone)
 
     def clear(self) -> None:
         _io.settle()  # mappings whose last view went just now are idle: those go too
@@ -312,6 +325,7 @@ def _restore(addr: int, size: int) -> int:
 
 
 cache = MappingCache()
+_segments.room_makers.append(cache.let_go_unlinked)
 
 
 def _forked() -> None:

@@ -61,6 +61,9 @@ PREFIX = "rdt-"
 MIN_BYTES = 1 << 20
 MAX_BYTES = 1 << 30  # the pool's idle segments, in all
 ROOM_WAIT_S = 5.0  # the longest a take with no room waits for the unmapping of segments let go just before
+# What else of this process's may hold room in SHM_DIR and can go at once: each call lets
+# go of it and returns its bytes (the consumer's kept mappings of files unlinked since).
+room_makers: list[Callable[[], int]] = []
 
 
 IDLE_S = 10.0  # RDT_SHM_IDLE_S's default
@@ -387,22 +390,24 @@ class SegmentPool:
             if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
                 raise
             raise OSError(
-                exc.errno, f"{exc.strerror} (after letting go of {freed / (1 << 20):.1f} MiB of idle warm segments)"
+                exc.errno, f"{exc.strerror} (after letting go of {freed / (1 << 20):.1f} MiB of idle warm shared memory)"
             ) from exc
 
     def make_room(self) -> int | None:
-        """Let go of every idle segment now, and wait (ROOM_WAIT_S at most) until those let
-        go before are unmapped: their pages are free once no process maps them. Returns the
-        idle bytes let go of; None where none were idle or being unmapped."""
+        """Let go of every idle segment now (and what `room_makers` let go of), and wait
+        (ROOM_WAIT_S at most) until those let go before are unmapped: their pages are free
+        once no process maps them. Returns the idle bytes let go of; None where nothing
+        was idle or being unmapped."""
         with self._lock:
             idle, self._idle = self._idle, []
             unmapping = list(self._unmapping)
-        if not idle and not unmapping:
-            return None
         for seg in idle:
             _drop(seg)
+        freed = sum(s.capacity for s in idle) + sum(make() for make in room_makers)
+        if not freed and not unmapping:
+            return None
         concurrent.futures.wait(unmapping, timeout=ROOM_WAIT_S)
-        return sum(s.capacity for s in idle)
+        return freed
 
     def _take(self, nbytes: int, capacity: int, name: str) -> Segment:
         with self._lock:

@@ -195,8 +195,34 @@ def test_a_take_with_no_room_lets_go_of_idle_segments_and_tries_again():
         print(json.dumps(out))
     """)
     assert out["after"] == {"idle": 0, "idle_bytes": 0, "used": 1, "created": 2} and out["files"], out
-    assert out["error"] == [28, "No space left on device (after letting go of 1.0 MiB of idle warm segments)"], out
+    assert out["error"] == [28, "No space left on device (after letting go of 1.0 MiB of idle warm shared memory)"], out
     assert out["end"] == {"idle": 0, "idle_bytes": 0, "used": 1, "created": 3}, out
+
+
+def test_a_take_with_no_room_lets_go_of_this_processs_mappings_of_unlinked_segments():
+    """A process both consumes (it keeps mappings of other producers' segments) and
+    produces: the mapping of a segment unlinked since holds its pages until it goes."""
+    if not _mappings._keeps():
+        pytest.skip("this kernel has no PAGEMAP_SCAN: idle mappings are not kept")
+    out = _in_small_shm("""
+        import gc
+        import torch
+        from rdt_async.transports import _mappings as M, _segments as S
+
+        seg = S.pool.take(4 * MIB, S.name_for("a", S.new_key(), 4 * MIB))
+        seg.mm[:] = b"A" * (4 * MIB)
+        fd = S.open_own(seg.name, 4 * MIB, "test")  # as a consumer's fetch opens and maps it
+        view = torch.frombuffer(M.cache.open(fd, None, named=True), dtype=torch.uint8)
+        os.close(fd)
+        total = int(view.sum())
+        del view
+        gc.collect()
+        kept = M.cache.stats()["idle"]
+        S.pool.discard(seg.name)  # its producer frees it: unlinked
+        b = S.pool.take(5 * MIB, S.name_for("b", S.new_key(), 5 * MIB))  # at once: before any sweep
+        print(json.dumps({"read": total, "kept": kept, "taken": os.path.exists(b.path), "idle": M.cache.stats()["idle"]}))
+    """)
+    assert out == {"read": 65 * 4 * MIB, "kept": 1, "taken": True, "idle": 0}, out
 
 
 def test_a_publisher_short_of_room_lets_go_of_idle_segments_before_it_keeps_fewer_slots():
