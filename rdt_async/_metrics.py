@@ -11,10 +11,17 @@ names carry Ray's `ray_` prefix, and Ray tags each series with the worker and no
 | `rdt_fetch_bytes_total` | counter | transport | bytes those fetches moved |
 | `rdt_fetch_seconds` | histogram | transport | from the fetch's start to its tensors in hand |
 | `rdt_fetch_errors_total` | counter | transport, error | fetches that raised (or were cancelled), by type |
-| `rdt_subscription_version` | gauge | publication | the version a subscriber holds (`rdt.subscribe`) |
-| `rdt_subscription_lag` | gauge | publication | versions it was behind the newest when it last asked |
-| `rdt_subscription_skipped_total` | counter | publication | versions it was too slow for |
-| `rdt_subscription_apply_seconds` | histogram | publication | from the publisher's answer to the version in hand |
+| `rdt_subscription_version` | gauge | publisher, publication | the version a subscriber holds (`rdt.subscribe`) |
+| `rdt_subscription_lag` | gauge | publisher, publication | versions it was behind the newest when it last asked |
+| `rdt_subscription_skipped_total` | counter | publisher, publication | versions it was too slow for |
+| `rdt_subscription_apply_seconds` | histogram | publisher, publication | from the publisher's answer to the version in hand |
+
+`transport` is the transport's name where this process knows it (a built-in, or one it
+loaded), "local", "relay" or "none", else "other": a ref names its transport, and every
+value would be a series Ray keeps. `publisher` is the publishing actor's class name and
+`publication` the name it publishes under: keep names stable (not one per run or per
+version), for the same reason. Two subscriptions of one process to one name on two actors
+of one class share their series.
 
 The caller's thread queues each record (a deque append); the I/O loop hands them to Ray
 in batches, 0.1 s after the first of a batch (~12 us a record): `python -m rdt_async.bench
@@ -34,6 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import _io
+from .transports import _registry
 
 FETCH_SECONDS_BOUNDARIES = [
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0
@@ -54,7 +62,7 @@ class _Metrics:
                                        boundaries=FETCH_SECONDS_BOUNDARIES, tag_keys=("transport",))
         self.errors = Counter("rdt_fetch_errors_total", "rdt_async fetches that raised, by error type",
                               tag_keys=("transport", "error"))
-        tags = ("publication",)
+        tags = ("publisher", "publication")
         self.sub_version = Gauge("rdt_subscription_version", "the version an rdt_async subscriber holds", tag_keys=tags)
         self.sub_lag = Gauge("rdt_subscription_lag", "versions a subscriber was behind when it last asked", tag_keys=tags)
         self.sub_skipped = Counter("rdt_subscription_skipped_total", "versions a subscriber skipped", tag_keys=tags)
@@ -86,13 +94,24 @@ def _get() -> _Metrics | None:
 def fetched(transport: str, nbytes: int, seconds: float) -> None:
     """Count a fetch that returned tensors. Runs on: consumer (recorded on the I/O loop)."""
     if _wanted():
-        _hand_off(_fetched, transport, nbytes, seconds)
+        _hand_off(_fetched, _label(transport), nbytes, seconds)
 
 
 def failed(transport: str, exc: BaseException) -> None:
     """Count a fetch that raised `exc` (cancellation included). Runs on: consumer."""
     if _wanted():
-        _hand_off(_failed, transport, type(exc).__name__)
+        _hand_off(_failed, _label(transport), type(exc).__name__)
+
+
+# What a fetch records as its path besides a transport's name (`_fetch`): the producing
+# process's own tensors, the node's relay, an object of no tensors.
+_PATHS = frozenset({"local", "relay", "none"})
+
+
+def _label(transport: str) -> str:
+    """`transport` as a metric's tag: a name this process knows, else "other" (a name that
+    came in a ref from another process, unchecked: each value would be a new series)."""
+    return transport if transport in _PATHS or _registry.loaded(transport) else "other"
 
 
 def held(objects: int, nbytes: int) -> None:
@@ -101,10 +120,10 @@ def held(objects: int, nbytes: int) -> None:
         _hand_off(_held, objects, nbytes)
 
 
-def subscribed(publication: str, version: int, lag: int, skipped: int, seconds: float) -> None:
-    """Record a version a subscriber took. Runs on: consumer."""
+def subscribed(publisher: str, publication: str, version: int, lag: int, skipped: int, seconds: float) -> None:
+    """Record a version a subscriber took (`publisher`: the publishing actor's class name). Runs on: consumer."""
     if _wanted():
-        _hand_off(_subscribed, publication, version, lag, skipped, seconds)
+        _hand_off(_subscribed, publisher, publication, version, lag, skipped, seconds)
 
 
 def _wanted() -> bool:
@@ -114,8 +133,10 @@ def _wanted() -> bool:
 # Records wait here and the I/O loop takes them in batches, FLUSH_S after the first of a
 # batch: the caller's thread pays a deque append (and one wake-up of the I/O loop a batch),
 # never Ray's recording (or, once, the metrics' creation). Ray exports every few seconds.
+# At most MAX_RECORDS wait (a loop that cannot keep up loses the oldest, not memory).
 FLUSH_S = 0.1
-_records: collections.deque[tuple[Callable[..., None], tuple[Any, ...]]] = collections.deque()
+MAX_RECORDS = 10_000
+_records: collections.deque[tuple[Callable[..., None], tuple[Any, ...]]] = collections.deque(maxlen=MAX_RECORDS)
 _flush_due = False
 
 
@@ -125,6 +146,17 @@ def _hand_off(fn: Callable[..., None], *args: Any) -> None:
     if not _flush_due:
         _flush_due = True
         _io.call_soon(_flush_later)
+
+
+def _forked() -> None:
+    """In a forked child: the parent's records are the parent's, and the flush it had due
+    runs on the parent's loop; the child's first record schedules one on its own."""
+    global _flush_due
+    _records.clear()
+    _flush_due = False
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def _flush_later() -> None:  # on the I/O loop
@@ -165,10 +197,10 @@ def _held(objects: int, nbytes: int) -> None:
         m.bytes_held.set(nbytes)
 
 
-def _subscribed(publication: str, version: int, lag: int, skipped: int, seconds: float) -> None:
+def _subscribed(publisher: str, publication: str, version: int, lag: int, skipped: int, seconds: float) -> None:
     m = _get()
     if m is not None:
-        tags = {"publication": publication}
+        tags = {"publisher": publisher, "publication": publication}
         m.sub_version.set(version, tags=tags)
         m.sub_lag.set(lag, tags=tags)
         if skipped:

@@ -825,7 +825,7 @@ class Subscription:
         self.lag = 0 if waited or last is None else version - last
         self.skipped += skipped
         self.version, self._incarnation = version, incarnation
-        _metrics.subscribed(self.name, version, self.lag, skipped, self.apply_s)
+        _metrics.subscribed(_class_label(self.actor), self.name, version, self.lag, skipped, self.apply_s)
 
     def stats(self) -> dict[str, Any]:
         """This subscription: current version, versions skipped, lag, apply time."""
@@ -1075,6 +1075,15 @@ def _cancel(ref: Any) -> None:
 def _actor_label(actor: Any) -> str:
     try:
         return f"actor {actor._ray_actor_id.hex()[:8]}"
+    except AttributeError:
+        return "actor"
+
+
+def _class_label(actor: Any) -> str:
+    """The actor's class name: what tells publishers apart in the metrics, bounded by the code
+    (an actor's id would add series for every actor ever subscribed to)."""
+    try:
+        return str(actor._ray_actor_creation_function_descriptor.class_name)
     except AttributeError:
         return "actor"
 

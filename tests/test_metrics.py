@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import time
 import urllib.request
@@ -12,6 +13,7 @@ import torch
 from conftest import wait_until
 
 import rdt_async as rdt
+from rdt_async import _metrics
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -53,7 +55,7 @@ def _samples(body: str, name: str, worker_id: str) -> dict[str, float]:
     for m in re.finditer(rf"^{name}\{{([^}}]*)\}} (\S+)$", body, re.M):
         labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
         if labels.get("WorkerId") == worker_id:
-            key = ",".join(f"{k}={v}" for k, v in sorted(labels.items()) if k in ("transport", "error", "le"))
+            key = ",".join(f"{k}={v}" for k, v in sorted(labels.items()) if k in ("transport", "error", "le", "publication", "publisher"))
             out[key] = float(m.group(2))
     return out
 
@@ -122,3 +124,39 @@ def test_fetches_bytes_latency_errors_and_held_objects_show_in_rays_metrics_endp
     assert nbytes == {"": 3 * MIB}
     del refs  # the last refs go: the producer frees them, and the gauge says so
     _wait_for(lambda body: True if _samples(body, "ray_rdt_objects_held", producer_id).get("") == 0 else None)
+
+
+def test_a_transport_name_this_process_does_not_know_is_tagged_other(monkeypatch):
+    """A ref names its transport, unchecked (it came from another process): each value
+    would be a series Ray keeps for the process's life."""
+    records = []
+    monkeypatch.setattr(_metrics, "_hand_off", lambda fn, *args: records.append(args))
+    for name in ("shm", "relay", "local", "tenant-1-" + "x" * 20, "tenant-2"):
+        _metrics.failed(name, ValueError("x"))
+    _metrics.fetched("tenant-3", 1, 0.1)
+    # Before: every name as it came, a new series each.
+    assert [r[0] for r in records] == ["shm", "relay", "local", "other", "other", "other"]
+
+
+def test_a_forked_child_s_records_are_flushed_and_the_queue_is_bounded(monkeypatch):
+    """A forked child (a DataLoader worker that fetches) records on its own I/O loop."""
+    flushed = []
+    monkeypatch.setattr(_metrics, "_fetched", lambda *args: flushed.append(args))  # Ray's recording, stood in for
+    _metrics.fetched("shm", 1, 0.1)  # queued here: a flush due on this process's loop
+    pid = os.fork()
+    if pid == 0:  # the child
+        code = 1
+        try:
+            before = len(flushed)
+            for _ in range(3):
+                _metrics.fetched("shm", 1, 0.1)
+            deadline = time.monotonic() + 5
+            while _metrics._records and time.monotonic() < deadline:
+                time.sleep(0.01)
+            code = 0 if len(flushed) - before == 3 and not _metrics._records else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0  # before: 1, its records waiting for a flush due in its parent
+    wait_until(lambda: not _metrics._records, 5)
+    assert _metrics._records.maxlen == _metrics.MAX_RECORDS

@@ -162,6 +162,12 @@ def names() -> list[str]:
     return [AUTO, *BUILTIN, *local, *(n for n in _entry_points() if n not in local)]
 
 
+def loaded(name: object) -> bool:
+    """Whether `name` is `auto`, a built-in transport's or one this process has loaded
+    (registered, or looked up): looks nothing up."""
+    return isinstance(name, str) and (name == AUTO or name in BUILTIN or name in _classes)
+
+
 def generation() -> int:
     """A number that changes whenever the classes this process knows change (for caches)."""
     return _generation
