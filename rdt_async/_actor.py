@@ -394,7 +394,7 @@ class _PerCall:
             )
         if not isinstance(transport, str):
             raise TypeError(f"{name}.options(tensor_transport=...) takes a transport's name, not {type(transport).__name__}")
-        self._method, self._transport, self._opts = m, _registry.check_name(transport.lower()), opts
+        self._method, self._transport, self._opts = m, _registry.check_name(transport), opts
 
     def remote(self, *args: Any, **kwargs: Any) -> Any:
         """Call the method once, its tensors kept over the chosen transport."""

@@ -11,7 +11,7 @@ import functools
 import inspect
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -105,7 +105,8 @@ async def fetch(
 async def fetch_all(xs: Iterable[Any], /, *, device: str | torch.device | None = None) -> list[Any]:
     """Fetch many objects concurrently; results in order. One failure cancels the rest.
 
-    Raises: what `fetch` raises; TypeError for a single ref (use `fetch`) or a `timeout=`.
+    Raises: what `fetch` raises; TypeError for a single ref (use `fetch`), a dict (pass its
+    values) or a `timeout=`.
     """
     _check_many(xs, "fetch_all")
     xs = list(xs)  # (an iterable that raises midway leaves no fetch started behind)
@@ -122,6 +123,12 @@ def _check_many(xs: Any, verb: str) -> None:
         raise TypeError(
             f"rdt.{verb}() takes an iterable of ObjectRefs or RDTObjects, not {type(xs).__name__}; "
             f"for one, `await rdt.fetch(ref)`"
+        )
+    if isinstance(xs, Mapping):
+        raise TypeError(
+            f"rdt.{verb}() takes an iterable of ObjectRefs or RDTObjects, not a dict (that would fetch its "
+            "keys): pass d.values(), whose i-th is the value of list(d)[i], as in "
+            "dict(zip(d, await rdt.fetch_all(d.values())))"
         )
 
 
@@ -209,7 +216,8 @@ async def as_completed(
     closed: at once with `async with contextlib.aclosing(rdt.as_completed(xs)) as it`, or
     when it is collected (a loop over `rdt.as_completed(xs)` itself: the next loop turn;
     one kept in a variable: not before the variable goes).
-    Raises: what `fetch` raises; TypeError for a single ref (use `fetch`) or a `timeout=`.
+    Raises: what `fetch` raises; TypeError for a single ref (use `fetch`), a dict (pass its
+    values) or a `timeout=`.
     """
     _check_many(xs, "as_completed")
     xs = list(xs)  # as in fetch_all

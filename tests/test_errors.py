@@ -123,6 +123,11 @@ def test_unknown_transport_fails_at_decoration_naming_the_available_ones():
 
     with pytest.raises(ValueError, match="unknown tensor_transport"):
         rdt.put(torch.ones(1), tensor_transport="nope")
+    # Names are case-sensitive everywhere (a registered "MyNet" is not "mynet"); a near
+    # miss says which one was meant. Before: the per-call option lowercased, nothing else did.
+    for refuse in (lambda: rdt.method(tensor_transport="NIXL"), lambda: rdt.put(torch.ones(1), tensor_transport="Shm")):
+        with pytest.raises(ValueError, match=r"unknown tensor_transport '(NIXL|Shm)' \(did you mean '(nixl|shm)'\?\); available"):
+            refuse()
 
 
 def test_remote_refuses_functions_and_the_reserved_group():
@@ -350,6 +355,10 @@ def test_fetch_all_and_as_completed_refuse_a_single_ref_naming_fetch():
         with pytest.raises(TypeError, match=r"rdt\.as_completed\(\) takes an iterable .*, not str"):
             async for _ in rdt.as_completed("refs"):
                 pass
+        # Before: "rdt.fetch() takes an ObjectRef or an RDTObject, not str" (it fetched the keys).
+        with pytest.raises(TypeError, match=r"rdt\.fetch_all\(\) takes .*, not a dict \(that would fetch its keys\): "
+                                            r"pass d\.values\(\)"):
+            await rdt.fetch_all({"w": ref})
         return await rdt.fetch_all([ref, ref])
 
     assert asyncio.run(main()) == [1, 1]

@@ -217,6 +217,9 @@ def test_a_per_call_transport_that_rdt_async_cannot_honour_is_refused_at_the_cal
         s.plain.options(tensor_transport="nixl")
     with pytest.raises(ValueError, match=r"unknown tensor_transport 'carrier-pigeon'; available: .*nixl"):
         s.weights.options(tensor_transport="carrier-pigeon")
+    # Case-sensitive, as @rdt.method, fetch and put are (before: lowercased here only).
+    with pytest.raises(ValueError, match=r"unknown tensor_transport 'SHM' \(did you mean 'shm'\?\)"):
+        s.weights.options(tensor_transport="SHM")
 
 
 def test_what_would_hand_transfers_to_ray_s_own_rdt_is_refused_at_decoration():

@@ -237,9 +237,10 @@ def check_name(name: str) -> str:
     """
     if isinstance(name, str) and (name == AUTO or name in BUILTIN or _lookup(name) is not None):
         return name
+    near = [n for n in names() if isinstance(name, str) and n.lower() == name.lower()]  # names are case-sensitive
     raise ValueError(
-        f"unknown tensor_transport {name!r}; available: {', '.join(names())} "
-        "(add your own with rdt.register_transport)"
+        f"unknown tensor_transport {name!r}" + (f" (did you mean {near[0]!r}?)" if near else "")
+        + f"; available: {', '.join(names())} (add your own with rdt.register_transport)"
     )
 
 
