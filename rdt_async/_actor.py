@@ -13,6 +13,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import functools
 import gc
 import inspect
@@ -44,6 +46,10 @@ def method(fn: F | None = None, /, *, tensor_transport: str = "auto", **ray_meth
     Use as ``@rdt.method`` or ``@rdt.method(tensor_transport="shm", concurrency_group=...)``;
     other options go to `ray.method`. Its ObjectRef resolves to an RDTObject. One call
     picks another transport with ``actor.name.options(tensor_transport=...).remote()``.
+    Decorators above it apply to each call. Called by the actor's own code
+    (``self.name()``, ``super().name()``, in a method's thread or task), it runs as written
+    and returns its value, as under Ray: only a call through a handle keeps the tensors and
+    returns an RDTObject.
     Raises: ValueError at decoration for an unknown transport, naming the available ones.
     """
     if isinstance(fn, str):
@@ -77,11 +83,15 @@ def method(fn: F | None = None, /, *, tensor_transport: str = "auto", **ray_meth
 
 
 def _guard(f: F) -> F:
-    """What `@rdt.method` leaves in the class: `@rdt.remote` swaps in `f`, wrapped.
+    """What `@rdt.method` leaves in the class: `@rdt.remote` wraps it (with the decorators
+    above it) into the producer Ray calls.
 
-    Called itself, the class was decorated with `@ray.remote`, which knows nothing of
-    producers: the tensors would silently go through Ray's object store. Same kind
-    (async or not) as `f`, so that Ray still tells an async actor from a sync one.
+    Called on an instance of an `@rdt.remote` class it runs `f`: the producer's own call
+    (through those decorators), or the actor's code calling the method as written
+    (`super().weights()`, `Base.weights(self)`). Called on anything else, the class was
+    decorated with `@ray.remote`, which knows nothing of producers: the tensors would
+    silently go through Ray's object store. Same kind (async or not) as `f`, so that Ray
+    still tells an async actor from a sync one.
     """
     def refuse(self: Any) -> TypeError:
         return TypeError(
@@ -94,16 +104,24 @@ def _guard(f: F) -> F:
 
         @functools.wraps(f)
         async def guard(self: Any, *args: Any, **kwargs: Any) -> Any:
-            raise refuse(self)
+            if not _in_rdt_actor(self):
+                raise refuse(self)
+            return await f(self, *args, **kwargs)
 
     else:
 
         @functools.wraps(f)
         def guard(self: Any, *args: Any, **kwargs: Any) -> Any:
-            raise refuse(self)
+            if not _in_rdt_actor(self):
+                raise refuse(self)
+            return f(self, *args, **kwargs)
 
     guard.__rdt_method__ = f  # type: ignore[attr-defined]
     return guard  # type: ignore[return-value]
+
+
+def _in_rdt_actor(obj: Any) -> bool:
+    return getattr(type(obj), "__rdt_wrapped__", None) is not None
 
 
 def remote(cls: type | None = None, /, **options: Any) -> Any:
@@ -131,7 +149,6 @@ def remote(cls: type | None = None, /, **options: Any) -> Any:
                 f"the concurrency group {own!r} is rdt_async's own (it serves transfers); "
                 "rename yours"
             )
-    groups[RDT_GROUP] = RDT_GROUP_CONCURRENCY
     if options.get("enable_tensor_transport"):
         raise TypeError(
             f"@rdt.remote(enable_tensor_transport=True) on {cls.__name__} would hand its transfers to Ray's own "
@@ -139,28 +156,37 @@ def remote(cls: type | None = None, /, **options: Any) -> Any:
             "producers @rdt.method(tensor_transport=...); one call picks another with "
             "actor.method.options(tensor_transport=...)"
         )
-    for name, f in _user_methods(cls).items():
-        ray_transport = getattr(f, "__ray_tensor_transport__", None)
-        if ray_transport is not None:
-            raise TypeError(
-                f"{cls.__name__}.{name} has @ray.method(tensor_transport={ray_transport.lower()!r}), which would hand "
-                f"its return to Ray's own RDT, bypassing rdt_async: use @rdt.method(tensor_transport="
-                f"{ray_transport.lower()!r}) instead"
-            )
-    _check_clashes(cls)
+    methods = _user_methods(cls)
+    for name, attr in methods.items():
+        _check_method(f"{cls.__name__}.{name}", attr)
+    _check_clashes(cls, methods)
     _install_per_call()
-    if any(_is_async(f) for f in _user_methods(cls).values()):
-        groups[PUBLISH_GROUP] = PUBLISH_GROUP_CONCURRENCY
     for name in CONTROL_METHODS:
         if hasattr(cls, name):
             raise ValueError(f"{cls.__name__}.{name} clashes with rdt_async's control method; rename it")
+    wrapped = _wrap_class(cls)
+    groups[RDT_GROUP] = RDT_GROUP_CONCURRENCY
+    if "rdt__publication" in vars(wrapped):  # an async actor
+        groups[PUBLISH_GROUP] = PUBLISH_GROUP_CONCURRENCY
     make: Any = ray.remote  # its typed overloads name no **options
-    return make(concurrency_groups=groups, **options)(_wrap_class(cls))
+    return make(concurrency_groups=groups, **options)(wrapped)
 
 
-def _check_clashes(cls: type) -> None:
+def _check_method(where: str, attr: Callable[..., Any]) -> None:
+    """Refuse, at decoration, a method whose `ray.method` options would bypass rdt_async."""
+    opts = _ray_options(attr)
+    ray_transport = opts.get("__ray_tensor_transport__")
+    if ray_transport is not None:
+        raise TypeError(
+            f"{where} has @ray.method(tensor_transport={ray_transport.lower()!r}), which would hand "
+            f"its return to Ray's own RDT, bypassing rdt_async: use @rdt.method(tensor_transport="
+            f"{ray_transport.lower()!r}) instead"
+        )
+
+
+def _check_clashes(cls: type, methods: dict[str, Callable[..., Any]]) -> None:
     """Refuse a class whose methods return over two transports that cannot load in one process."""
-    named = {getattr(f, "__rdt_transport__", None): name for name, f in _user_methods(cls).items()}
+    named = {getattr(_producer_body(f), "__rdt_transport__", None): name for name, f in methods.items()}
     for transport, method in named.items():
         known = _registry.known_class(transport) if transport is not None else None
         for other in sorted(known.clashes_with & named.keys()) if known is not None else ():
@@ -173,23 +199,31 @@ def _check_clashes(cls: type) -> None:
 
 def _wrap_class(cls: type) -> type:
     methods = _user_methods(cls)
-    is_async = any(_is_async(f) for f in methods.values())
-    namespace: dict[str, Any] = {name: _wrap_method(f) for name, f in methods.items()}
-    namespace.update(_control_methods(is_async))
-    transports = [t for f in methods.values() if (t := getattr(f, "__rdt_transport__", None)) is not None]
-    namespace["__init__"] = _warming_init(namespace.get("__init__"), transports)
+    namespace: dict[str, Any] = {}
+    for name, attr in methods.items():
+        namespace[name] = _wrap_method(name, attr)
+    transports = [
+        t for attr in methods.values() if (t := getattr(_producer_body(attr), "__rdt_transport__", None)) is not None
+    ]
+    namespace["__init__"] = _warming_init(cls, namespace.get("__init__"), transports)
     namespace["__module__"] = cls.__module__
     namespace["__qualname__"] = cls.__qualname__
     namespace["__doc__"] = cls.__doc__
     namespace["__rdt_wrapped__"] = cls
-    return type(cls.__name__, (cls,), namespace)
+    out = type(cls.__name__, (cls,), namespace)
+    # Async as Ray decides it (any member, inherited, static or dunder, an `async def`):
+    # the control methods are of that kind, and add nothing to the answer.
+    for name, control in _control_methods(bool(inspect.getmembers(out, _is_async))).items():
+        setattr(out, name, control)
+    return out
 
 
-def _warming_init(init: Callable[..., Any] | None, transports: list[str]) -> Callable[..., Any]:
-    """`init` (the class's own, or object's), after loading the transports the actor's
-    methods produce over, and the one `auto` is likely to need (see `_produce.at_creation`),
-    and with the I/O loop and pool threads started (`_io.prestart`); then the objects made
-    so far are frozen out of the garbage collector's scans."""
+def _warming_init(cls: type, init: Callable[..., Any] | None, transports: list[str]) -> Callable[..., Any]:
+    """`init` (the class's own, wrapped; else what `cls.__init__` is: a C type's, object's),
+    after loading the transports the actor's methods produce over, and the one `auto` is
+    likely to need (see `_produce.at_creation`), and with the I/O loop and pool threads
+    started (`_io.prestart`); then the objects made so far are frozen out of the garbage
+    collector's scans."""
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         _install_per_call()  # this actor's own calls with .options(tensor_transport=...)
@@ -199,7 +233,7 @@ def _warming_init(init: Callable[..., Any] | None, transports: list[str]) -> Cal
         if init is not None:
             init(self, *args, **kwargs)
         else:
-            object.__init__(self, *args, **kwargs)
+            cls.__init__(self, *args, **kwargs)  # type: ignore[misc]
         _freeze_gc()
 
     return functools.wraps(init)(__init__) if init is not None else __init__
@@ -220,31 +254,91 @@ def _freeze_gc() -> None:
 
 
 def _user_methods(cls: type) -> dict[str, Callable[..., Any]]:
-    out = {}
-    for klass in reversed(cls.__mro__[:-1]):
+    """The methods of `cls` that rdt_async wraps, by name: the attribute each name has in
+    `cls` (the most derived class's, as Python looks it up), where that is a function.
+    Anything else (a staticmethod, a property, a `functools.partialmethod`, None) stays as
+    the class has it.
+    """
+    out: dict[str, Callable[..., Any]] = {}
+    seen: set[str] = set()
+    for klass in cls.__mro__[:-1]:  # (not object's)
         for name, attr in vars(klass).items():
+            if name in seen:
+                continue
+            seen.add(name)
             if not inspect.isfunction(attr):
-                continue  # staticmethod, classmethod, properties, attributes
+                continue
             if name.startswith("__") and name not in ("__init__", "__call__"):
                 continue
-            inner = getattr(attr, "__rdt_method__", None)  # under an @rdt.method guard
-            if inner is not None:
-                # Options of a @ray.method above @rdt.method are on the guard: Ray reads
-                # them from the function under the wrappers, so they go there.
-                for key, value in vars(attr).items():
-                    if key.startswith("__ray_"):
-                        setattr(inner, key, value)
-            out[name] = inner if inner is not None else attr
+            out[name] = attr
     return out
 
 
-def _is_async(f: Callable[..., Any]) -> bool:
+def _producer_body(attr: Any) -> Callable[..., Any] | None:
+    """The method under `attr`'s @rdt.method (decorators above it copy the mark), or None."""
+    return getattr(attr, "__rdt_method__", None)
+
+
+def _ray_options(attr: Callable[..., Any]) -> dict[str, Any]:
+    """A method's `ray.method` options, from each decorator's layer of it (the outermost's
+    win): one above @rdt.method (or another decorator) set them on its own layer."""
+    layers = [attr]
+    while hasattr(layers[-1], "__wrapped__") and len(layers) < 100:
+        layers.append(layers[-1].__wrapped__)
+    out: dict[str, Any] = {}
+    for layer in reversed(layers):
+        out.update((k, v) for k, v in getattr(layer, "__dict__", {}).items() if k.startswith("__ray_"))
+    return out
+
+
+def _is_async(f: Any) -> bool:
     return inspect.iscoroutinefunction(f) or inspect.isasyncgenfunction(f)
 
 
-def _wrap_method(f: Callable[..., Any]) -> Callable[..., Any]:
+# Set while the actor's own code runs (a method's body, in its thread or task and the
+# tasks that start from it): a method it calls (`self.weights()`) runs as written, as
+# under Ray. Unset where Ray calls a method for a call through a handle.
+_own_code: contextvars.ContextVar[bool] = contextvars.ContextVar("rdt_own_code", default=False)
+
+
+def _in_own_code() -> bool:  # (the wrappers, pickled with the class, call this: a ContextVar does not pickle)
+    return _own_code.get()
+
+
+def _as_own(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` as the actor's own code."""
+    token = _own_code.set(True)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _own_code.reset(token)
+
+
+async def _as_own_async(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """`await fn(*args, **kwargs)` as the actor's own code (a sync decorator over an
+    `async def` returns its coroutine: awaited too)."""
+    token = _own_code.set(True)
+    try:
+        value = fn(*args, **kwargs)
+        return await value if inspect.isawaitable(value) else value
+    finally:
+        _own_code.reset(token)
+
+
+def _wrap_method(name: str, attr: Callable[..., Any]) -> Callable[..., Any]:
+    """What Ray calls for the method `attr` (as the class has it, decorators and all): its
+    top-level RDT arguments fetched first; a producer's value kept here, an RDTObject
+    returned. Called by the actor's own code, it runs `attr` as written."""
+    body = _producer_body(attr)
+    f = attr if body is None else body  # as written: its kind, its transport
+    # Ray reads a method's options and signature from the function under every wrapper
+    # (`inspect.unwrap`): those set above it go there, and a producer's per-call transport.
+    inner = inspect.unwrap(attr)
+    for key, value in _ray_options(attr).items():
+        setattr(inner, key, value)
+    site = inner if inspect.isfunction(inner) else attr  # a warning names its line
     default: str | None = getattr(f, "__rdt_transport__", None)
-    returns = getattr(f, "__ray_num_returns__", None)
+    returns = getattr(inner, "__ray_num_returns__", None)
     split = isinstance(returns, int) and returns > 1  # one RDTObject per return
     wrapped: Callable[..., Any]
 
@@ -268,48 +362,68 @@ def _wrap_method(f: Callable[..., Any]) -> Callable[..., Any]:
                 return tuple([await _produce.produce_async(v, transport) for v in parts(value)])
         return await _produce.produce_async(value, transport)
 
-    if inspect.iscoroutinefunction(f):
+    if inspect.iscoroutinefunction(f) or inspect.iscoroutinefunction(attr):
 
         async def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if _in_own_code():
+                return await _as_own_async(attr, self, *args, **kwargs)
             transport = _chosen(kwargs, default, self, f)
-            args, kwargs = await _fetch_args(args, kwargs, f)
-            value = await f(self, *args, **kwargs)
+            args, kwargs = await _fetch_args(args, kwargs, site)
+            value = await _as_own_async(attr, self, *args, **kwargs)
             return value if transport is None else await produce_async(value, transport)
 
-    elif inspect.isasyncgenfunction(f):
+    elif inspect.isasyncgenfunction(attr):
 
         async def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
-            args, kwargs = await _fetch_args(args, kwargs, f)
-            async for value in f(self, *args, **kwargs):
-                yield value  # never a producer (see `method`)
+            if not _in_own_code():
+                args, kwargs = await _fetch_args(args, kwargs, site)
+            steps = attr(self, *args, **kwargs)
+            try:
+                while True:
+                    try:
+                        value = await _as_own_async(steps.__anext__)
+                    except StopAsyncIteration:
+                        return
+                    yield value  # never a producer (see `method`)
+            finally:
+                await steps.aclose()
 
-    elif inspect.isgeneratorfunction(f):
+    elif inspect.isgeneratorfunction(attr):
 
         def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
-            args, kwargs = _fetch_args_blocking(args, kwargs, f)
-            yield from f(self, *args, **kwargs)  # never a producer (see `method`)
+            if not _in_own_code():
+                args, kwargs = _fetch_args_blocking(args, kwargs, site)
+            with contextlib.closing(attr(self, *args, **kwargs)) as steps:
+                while True:
+                    try:
+                        value = _as_own(next, steps)
+                    except StopIteration:
+                        return
+                    yield value  # never a producer (see `method`)
 
-    elif f.__name__ == "__init__":
+    elif name == "__init__":
 
         def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
             # An async actor runs __init__ on its loop, which serves nothing until it
             # returns: blocking it for the arguments stalls no other call.
-            args, kwargs = _fetch_args_blocking(args, kwargs, f, on_loop_ok=True)
-            return f(self, *args, **kwargs)
+            args, kwargs = _fetch_args_blocking(args, kwargs, site, on_loop_ok=True)
+            return _as_own(attr, self, *args, **kwargs)
 
     else:
 
         def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if _in_own_code():
+                return _as_own(attr, self, *args, **kwargs)
             transport = _chosen(kwargs, default, self, f)
-            args, kwargs = _fetch_args_blocking(args, kwargs, f)
-            value = f(self, *args, **kwargs)
+            args, kwargs = _fetch_args_blocking(args, kwargs, site)
+            value = _as_own(attr, self, *args, **kwargs)
             return value if transport is None else produce(value, transport)
 
-    if default is not None and not (inspect.isasyncgenfunction(f) or inspect.isgeneratorfunction(f)):
-        # On `f` itself: Ray reads a method's signature from the function under the
-        # wrappers (as it adds its own `_ray_trace_ctx` there), and checks calls against it.
-        f.__signature__ = _with_per_call(f, default)  # type: ignore[attr-defined]
-    return functools.wraps(f)(wrapped)  # with `f`'s attributes: its Ray method options, its signature
+    if default is not None:
+        # On `inner`: Ray reads a method's signature from the function under the wrappers
+        # (as it adds its own `_ray_trace_ctx` there), and checks calls against it.
+        inner.__signature__ = _with_per_call(inner, default)
+    return functools.wraps(attr)(wrapped)  # with `attr`'s attributes and `__wrapped__`
 
 
 # A producer's per-call transport travels to it as this keyword argument, which its

@@ -96,6 +96,17 @@ class Sender:
     def bodies_run(self) -> int:
         return self.bodies
 
+    @torch.no_grad()
+    @rdt.method(tensor_transport="shm")
+    def inference(self):  # a decorator above @rdt.method: it runs on each call
+        return {"grad": torch.tensor(torch.is_grad_enabled())}
+
+    def own_weights(self, n: int):
+        """The actor calling its own producer, as under Ray: the method's value, nothing kept."""
+        before = rdt.store_stats()["objects"]
+        w = self.weights(n, scale=2.0)
+        return type(w).__name__, w.sum().item(), rdt.store_stats()["objects"] - before
+
     def total(self, t: torch.Tensor) -> float:  # a ref this actor made, passed back to it
         return t.sum().item()
 
@@ -220,6 +231,14 @@ def test_a_per_call_transport_that_rdt_async_cannot_honour_is_refused_at_the_cal
     # Case-sensitive, as @rdt.method, fetch and put are (before: lowercased here only).
     with pytest.raises(ValueError, match=r"unknown tensor_transport 'SHM' \(did you mean 'shm'\?\)"):
         s.weights.options(tensor_transport="SHM")
+
+
+def test_a_producer_called_by_its_own_actor_returns_its_value_and_decorators_above_it_run(pair):
+    s, _ = pair
+    # As under Ray: the tensor itself, nothing kept (before: an RDTObject, one object kept per call).
+    assert ray.get(s.own_weights.remote(4)) == ("Tensor", 8.0, 0)
+    # @torch.no_grad() above @rdt.method (before: dropped, the body saw grad enabled).
+    assert rdt.get(s.inference.remote())["grad"].item() is False
 
 
 def test_what_would_hand_transfers_to_ray_s_own_rdt_is_refused_at_decoration():
