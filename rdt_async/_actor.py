@@ -221,32 +221,33 @@ def _wrap_class(cls: type) -> type:
 def _warming_init(cls: type, init: Callable[..., Any] | None, transports: list[str]) -> Callable[..., Any]:
     """`init` (the class's own, wrapped; else what `cls.__init__` is: a C type's, object's),
     after loading the transports the actor's methods produce over, and the one `auto` is
-    likely to need (see `_produce.at_creation`), and with the I/O loop and pool threads
-    started (`_io.prestart`); then the objects made so far are frozen out of the garbage
-    collector's scans."""
+    likely to need (see `_produce.at_creation`), with the I/O loop and pool threads started
+    (`_io.prestart`), and what the process holds by then frozen out of the garbage
+    collector's scans (`_freeze_gc`)."""
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         _install_per_call()  # this actor's own calls with .options(tensor_transport=...)
         _ray.warm_serialization()
         _produce.warm_up(_produce.at_creation(transports))
         _io.prestart()  # a first transfer starts no thread on the actor's loop
+        _freeze_gc()  # before the class's own __init__: what that makes is collected as usual
         if init is not None:
             init(self, *args, **kwargs)
         else:
             cls.__init__(self, *args, **kwargs)  # type: ignore[misc]
-        _freeze_gc()
 
     return functools.wraps(init)(__init__) if init is not None else __init__
 
 
 def _freeze_gc() -> None:
-    """Leave what the process holds after the actor's creation out of later full collections.
+    """Leave what the process holds before the actor's own `__init__` out of later full collections.
 
     A process with torch and Ray loaded tracks ~10^6 objects: a full collection of them
     holds the GIL ~0.1 s, whatever thread it falls on, and the actor's loop stalls that
     long. Frozen (`gc.freeze`), they are skipped (still freed when their last reference
-    goes; only a cycle among them would never be collected). `RDT_GC_FREEZE=0` keeps
-    Python's default.
+    goes; only a cycle among them would never be collected). What `__init__` makes (a
+    model, a module hooking its own method: cycles a later reload lets go of) is not
+    frozen. `RDT_GC_FREEZE=0` keeps Python's default.
     """
     if os.environ.get("RDT_GC_FREEZE", "1") != "0":
         gc.collect()

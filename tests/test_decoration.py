@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import gc
 import inspect
+import weakref
 
 import pytest
 import torch
@@ -145,6 +146,37 @@ def test_a_class_with_a_c_level_init_is_made_with_it():
     finally:
         gc.unfreeze()
     assert t == {"a": 1, "b": 2} and t.keys_() == ["a", "b"]
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+        self.buf = torch.empty(1000)
+
+
+def test_what_init_makes_is_not_frozen_out_of_collections(monkeypatch):
+    """The freeze keeps a full collection from walking torch's and Ray's objects; what the
+    actor's own __init__ makes (a module hooking its own method: a cycle) is collected when
+    let go of."""
+
+    class Holder:
+        def __init__(self) -> None:
+            self.cache = _Cycle()
+
+        def reload(self) -> None:
+            self.cache = _Cycle()
+
+    monkeypatch.setenv("RDT_GC_FREEZE", "1")
+    w = _actor._wrap_class(Holder)
+    try:
+        h = w()
+        assert gc.get_freeze_count() > 0
+        old = weakref.ref(h.cache.buf)
+        h.reload()
+        gc.collect()
+        assert old() is None  # before: frozen with the cycle, never collected
+    finally:
+        gc.unfreeze()
 
 
 class _StaticAsync:
