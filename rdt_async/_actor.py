@@ -19,7 +19,7 @@ import functools
 import gc
 import inspect
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import ray
@@ -35,6 +35,7 @@ RDT_GROUP_CONCURRENCY = 8  # transfers served at once; also bounds group operati
 # Async actors: subscribers' waits for a new version (_publish.py), each a coroutine that
 # mostly sleeps; their own group, so that they never hold up the transfers of `rdt`.
 PUBLISH_GROUP, PUBLISH_GROUP_CONCURRENCY = "rdt_publish", 1024
+OWN_GROUPS = (RDT_GROUP, PUBLISH_GROUP)  # no method of the user's runs in them
 CONTROL_METHODS = ("rdt__send", "rdt__free", "rdt__group", "rdt__anchors", "rdt__ping", "rdt__publication")
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -50,15 +51,27 @@ def method(fn: F | None = None, /, *, tensor_transport: str = "auto", **ray_meth
     (``self.name()``, ``super().name()``, in a method's thread or task), it runs as written
     and returns its value, as under Ray: only a call through a handle keeps the tensors and
     returns an RDTObject.
-    Raises: ValueError at decoration for an unknown transport, naming the available ones.
+    Raises: ValueError at decoration for an unknown transport, naming the available ones,
+    for num_returns=0, and for rdt_async's own concurrency groups ("rdt", "rdt_publish").
     """
     if isinstance(fn, str):
         raise TypeError(f"@rdt.method({fn!r}): name the transport, @rdt.method(tensor_transport={fn!r})")
     _registry.check_name(tensor_transport)
     if "tensor_transport" in ray_method_opts:
         raise TypeError("pass tensor_transport once")
+    _refuse_own_group(ray_method_opts.get("concurrency_group"), "@rdt.method")
+    if ray_method_opts.get("num_returns") == 0:
+        raise ValueError(
+            "@rdt.method(num_returns=0): nothing the method returns would reach a consumer; drop "
+            "num_returns=0, or the @rdt.method if it returns no tensors"
+        )
 
     def mark(f: F) -> F:
+        if isinstance(f, type):
+            raise TypeError(
+                f"@rdt.method marks methods, not the class {f.__name__}: decorate the class with @rdt.remote "
+                "and its methods that return tensors with @rdt.method"
+            )
         if isinstance(f, (staticmethod, classmethod)):
             raise TypeError(
                 f"@rdt.method marks methods of an actor's instance, not a {type(f).__name__}: "
@@ -129,21 +142,36 @@ def remote(cls: type | None = None, /, **options: Any) -> Any:
 
     Use as ``@rdt.remote`` or ``@rdt.remote(num_cpus=1, max_concurrency=4, ...)``; every
     option goes to `ray.remote`. Works for sync, threaded and async actors.
-    Raises: TypeError for a function (use ray.remote for tasks), and for what would hand
-    transfers to Ray's own RDT (enable_tensor_transport=True, a method with
+    Raises: TypeError for a function (use ray.remote for tasks), a class already under
+    @ray.remote, a staticmethod, classmethod or property over an @rdt.method, and for what
+    would hand transfers to Ray's own RDT (enable_tensor_transport=True, a method with
     @ray.method(tensor_transport=...)); ValueError if the options already define a
-    concurrency group named "rdt", or if its methods return over two transports that
-    cannot load in one process (`Transport.clashes_with`: nixl and ucxx).
+    concurrency group named "rdt" or "rdt_publish", if a method asks for one of those or
+    for a group the class does not declare, for an @rdt.method with num_returns=0, or if
+    its methods return over two transports that cannot load in one process
+    (`Transport.clashes_with`: nixl and ucxx).
     """
     if cls is None:
         return lambda c: remote(c, **options)
+    if isinstance(cls, ray.actor.ActorClass):
+        name = cls.__ray_metadata__.class_name  # type: ignore[attr-defined]
+        raise TypeError(
+            f"@rdt.remote over @ray.remote on {name}: drop the @ray.remote (@rdt.remote makes the "
+            "Ray actor class itself, and takes ray.remote's options)"
+        )
     if not isinstance(cls, type):
         raise TypeError(
             f"@rdt.remote decorates actor classes, not {type(cls).__name__}; "
             "tasks cannot keep tensors, use ray.remote for them"
         )
-    groups = dict(options.pop("concurrency_groups", None) or {})
-    for own in (RDT_GROUP, PUBLISH_GROUP):
+    declared = options.pop("concurrency_groups", None)
+    if declared is not None and not isinstance(declared, Mapping):
+        raise TypeError(
+            f"concurrency_groups takes a dict of group names and their max concurrency, such as "
+            f"concurrency_groups={{'io': 2}}, not a {type(declared).__name__}"
+        )
+    groups = dict(declared or {})
+    for own in OWN_GROUPS:
         if own in groups:
             raise ValueError(
                 f"the concurrency group {own!r} is rdt_async's own (it serves transfers); "
@@ -158,7 +186,7 @@ def remote(cls: type | None = None, /, **options: Any) -> Any:
         )
     methods = _user_methods(cls)
     for name, attr in methods.items():
-        _check_method(f"{cls.__name__}.{name}", attr)
+        _check_method(f"{cls.__name__}.{name}", attr, groups)
     _check_clashes(cls, methods)
     _install_per_call()
     for name in CONTROL_METHODS:
@@ -172,8 +200,8 @@ def remote(cls: type | None = None, /, **options: Any) -> Any:
     return make(concurrency_groups=groups, **options)(wrapped)
 
 
-def _check_method(where: str, attr: Callable[..., Any]) -> None:
-    """Refuse, at decoration, a method whose `ray.method` options would bypass rdt_async."""
+def _check_method(where: str, attr: Callable[..., Any], groups: Mapping[str, int]) -> None:
+    """Refuse, at decoration, a method whose `ray.method` options would fail (or mislead) later."""
     opts = _ray_options(attr)
     ray_transport = opts.get("__ray_tensor_transport__")
     if ray_transport is not None:
@@ -181,6 +209,28 @@ def _check_method(where: str, attr: Callable[..., Any]) -> None:
             f"{where} has @ray.method(tensor_transport={ray_transport.lower()!r}), which would hand "
             f"its return to Ray's own RDT, bypassing rdt_async: use @rdt.method(tensor_transport="
             f"{ray_transport.lower()!r}) instead"
+        )
+    group = opts.get("__ray_concurrency_group__")
+    _refuse_own_group(group, where)
+    if group is not None and group not in groups:
+        declared = ", ".join(map(repr, groups)) or "none"
+        raise ValueError(
+            f"{where} runs in the concurrency group {group!r}, which its class does not declare "
+            f"(it declares {declared}): add it, @rdt.remote(concurrency_groups={{{group!r}: 1}})"
+        )
+    if _producer_body(attr) is not None and opts.get("__ray_num_returns__") == 0:
+        raise ValueError(
+            f"{where} is an @rdt.method with num_returns=0, so nothing it returns would reach a consumer: "
+            "drop num_returns=0, or the @rdt.method if it returns no tensors"
+        )
+
+
+def _refuse_own_group(group: Any, where: str) -> None:
+    if group in OWN_GROUPS:
+        raise ValueError(
+            f"{where}: the concurrency group {group!r} is rdt_async's own (it serves transfers, which a method "
+            "of yours there would hold up): declare one of yours, @rdt.remote(concurrency_groups={'io': 2}), "
+            "and name that"
         )
 
 
@@ -259,6 +309,9 @@ def _user_methods(cls: type) -> dict[str, Callable[..., Any]]:
     `cls` (the most derived class's, as Python looks it up), where that is a function.
     Anything else (a staticmethod, a property, a `functools.partialmethod`, None) stays as
     the class has it.
+
+    Raises: TypeError for a staticmethod, classmethod or property (or other wrapper that is
+    no function) over an @rdt.method: Ray could not call it as a producer.
     """
     out: dict[str, Callable[..., Any]] = {}
     seen: set[str] = set()
@@ -268,11 +321,25 @@ def _user_methods(cls: type) -> dict[str, Callable[..., Any]]:
                 continue
             seen.add(name)
             if not inspect.isfunction(attr):
+                _refuse_hidden_producer(cls, name, attr)
                 continue
             if name.startswith("__") and name not in ("__init__", "__call__"):
                 continue
             out[name] = attr
     return out
+
+
+def _refuse_hidden_producer(cls: type, name: str, attr: Any) -> None:
+    under = (attr, getattr(attr, "__func__", None), getattr(attr, "fget", None), getattr(attr, "func", None))
+    if not any("__rdt_method__" in getattr(u, "__dict__", {}) for u in under if u is not None):
+        return
+    kind = type(attr).__name__
+    fix = (
+        f"drop the @{kind} (an actor's producers are methods of its instance)"
+        if isinstance(attr, (staticmethod, classmethod, property))
+        else "put @rdt.method outermost"
+    )
+    raise TypeError(f"{cls.__name__}.{name} is a {kind} over an @rdt.method, which Ray cannot call as a producer: {fix}")
 
 
 def _producer_body(attr: Any) -> Callable[..., Any] | None:
@@ -474,7 +541,8 @@ def _install_per_call() -> None:
 
     Ray's `ActorMethod.options` hands a tensor_transport to Ray's own RDT (and refuses it
     for actors without enable_tensor_transport): for the methods of `rdt.remote` actors,
-    the option goes to rdt_async instead. Every other call is Ray's, untouched.
+    the option goes to rdt_async instead, and rdt_async's own concurrency groups are
+    refused. Every other call is Ray's, untouched.
     """
     from ray.actor import ActorMethod
 
@@ -484,8 +552,11 @@ def _install_per_call() -> None:
 
     @functools.wraps(ray_options)
     def options(self: Any, **opts: Any) -> Any:
-        if "tensor_transport" in opts and _of_rdt_actor(self):
-            return _PerCall(self, opts.pop("tensor_transport"), opts)
+        if _of_rdt_actor(self):
+            if self._method_name not in CONTROL_METHODS:
+                _refuse_own_group(opts.get("concurrency_group"), f"{self._method_name}.options(...)")
+            if "tensor_transport" in opts:
+                return _PerCall(self, opts.pop("tensor_transport"), opts)
         return ray_options(self, **opts)
 
     options.__rdt_per_call__ = True  # type: ignore[attr-defined]

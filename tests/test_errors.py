@@ -302,6 +302,46 @@ def test_method_misuses_are_refused_at_decoration_naming_the_fix():
                 return torch.ones(1)
 
 
+def test_decoration_refuses_what_would_fail_or_mislead_later_naming_the_fix():
+    """Each of these was accepted at decoration before, then failed at the call (or never)."""
+
+    def remote_of(body: dict, **options):
+        return rdt.remote(**options)(type("Producer", (), body))
+
+    # rdt_async's own groups: a method there would hold up transfers (before: accepted).
+    for own in ("rdt", "rdt_publish"):
+        with pytest.raises(ValueError, match=rf"@rdt.method: the concurrency group '{own}' is rdt_async's own .*declare one of yours"):
+            rdt.method(concurrency_group=own)
+    with pytest.raises(ValueError, match=r"Producer.train: the concurrency group 'rdt' is rdt_async's own"):
+        remote_of({"train": ray.method(concurrency_group="rdt")(lambda self: None)})
+    # A group the class does not declare (before: a bare AssertionError at .remote()).
+    with pytest.raises(ValueError, match=re.escape(
+        "Producer.weights runs in the concurrency group 'io', which its class does not declare (it declares 'side'): "
+        "add it, @rdt.remote(concurrency_groups={'io': 1})"
+    )):
+        remote_of({"weights": rdt.method(concurrency_group="io")(lambda self: {})}, concurrency_groups={"side": 1})
+    with pytest.raises(TypeError, match=r"concurrency_groups takes a dict of group names and their max concurrency, "
+                                        r"such as concurrency_groups=\{'io': 2\}, not a list"):
+        remote_of({}, concurrency_groups=["io"])  # before: "dictionary update sequence element #0 ..."
+    # num_returns=0 on a producer, here or from a @ray.method above (before: accepted).
+    with pytest.raises(ValueError, match=r"@rdt.method\(num_returns=0\): nothing the method returns would reach a consumer"):
+        rdt.method(num_returns=0)
+    with pytest.raises(ValueError, match=r"Producer.f is an @rdt.method with num_returns=0"):
+        remote_of({"f": ray.method(num_returns=0)(rdt.method(lambda self: {}))})
+    # What Ray would call without an instance, over a producer (before: accepted, then a
+    # TypeError about a missing `self` at each call).
+    for kind in (staticmethod, classmethod, property):
+        with pytest.raises(TypeError, match=rf"Producer.f is a {kind.__name__} over an @rdt.method, which Ray cannot call "
+                                            rf"as a producer: drop the @{kind.__name__}"):
+            remote_of({"f": kind(rdt.method(lambda self: {}))})
+    # The class under both decorators, and @rdt.method on a class (before: a misleading
+    # "decorates actor classes, not ActorClass(A)", and a function handed back).
+    with pytest.raises(TypeError, match=r"@rdt.remote over @ray.remote on Producer: drop the @ray.remote"):
+        rdt.remote(ray.remote(type("Producer", (), {})))
+    with pytest.raises(TypeError, match=r"@rdt.method marks methods, not the class Producer: decorate the class with @rdt.remote"):
+        rdt.method(type("Producer", (), {}))
+
+
 def test_ray_method_options_above_rdt_method_are_kept(sync_tools):
     """`@ray.method(num_returns=2)` over `@rdt.method` works as under it (SyncTools.pair)."""
     a, b = sync_tools.pair.remote()

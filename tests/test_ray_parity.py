@@ -231,6 +231,9 @@ def test_a_per_call_transport_that_rdt_async_cannot_honour_is_refused_at_the_cal
     # Case-sensitive, as @rdt.method, fetch and put are (before: lowercased here only).
     with pytest.raises(ValueError, match=r"unknown tensor_transport 'SHM' \(did you mean 'shm'\?\)"):
         s.weights.options(tensor_transport="SHM")
+    # rdt_async's own group, for one call (before: the call ran there, beside the transfers).
+    with pytest.raises(ValueError, match=r"weights.options\(...\): the concurrency group 'rdt' is rdt_async's own"):
+        s.weights.options(concurrency_group="rdt")
 
 
 def test_a_producer_called_by_its_own_actor_returns_its_value_and_decorators_above_it_run(pair):
