@@ -104,8 +104,9 @@ def test_an_idle_segment_that_cannot_be_renamed_goes_under_its_old_name_and_anot
     assert seg.mm.closed and pool.stats() == {"idle": 0, "idle_bytes": 0, "used": 1, "created": 2}
 
 
-def test_cadences_forget_kinds_not_taken_for_a_while_and_keep_at_most_max_kinds():
+def test_cadences_forget_kinds_not_taken_for_a_while_and_keep_at_most_max_kinds(monkeypatch):
     """The relay notes a kind per capacity and producer: a long-lived consumer sees many."""
+    monkeypatch.delenv("RDT_SHM_IDLE_S", raising=False)  # (a cluster fixture sets it: the keep is the cadence's)
     now = [0.0]
     cadence = _segments.Cadence(clock=lambda: now[0])
     for kind in range(3 * _segments.MAX_KINDS):
