@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import itertools
 import json
 import os
 import struct
@@ -329,3 +330,162 @@ def test_a_publish_size_this_machine_cannot_hold_is_refused_with_the_size_that_f
     assert 512 < fits < 1024 and too_big(fits << 20, 8, available=24 << 30) is None
     assert too_big(256 << 20, 8, available=24 << 30) is None
     assert too_big(1 << 30, 8, available=64 << 30) is None
+
+
+E2E_PATHS = ("rdt auto", "rdt auto into=", "rdt shm", "rdt tcp", "rdt nixl", "rdt ucxx", "rdt object_store", "rdt gloo",
+             "ray object store", "ray object store zero-copy", "ray rdt gloo", "physical limit")
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 11, 12])
+def test_paths_take_turns_in_a_balanced_order(n):
+    """Over a cycle of rounds each path runs first equally often and right after every
+    other path equally often: no path always inherits the same one's leftovers (before,
+    a rotation put `rdt auto` right after `physical limit`, and Ray's zero-copy store
+    right after Ray's plain store, in every round)."""
+    from collections import Counter
+
+    from rdt_async.bench._turns import in_turns, williams
+
+    paths = E2E_PATHS[:n]
+    cycle = len(williams(n))
+    assert cycle == (n if n % 2 == 0 else 2 * n)
+    rounds = [in_turns(paths, r) for r in range(cycle)]
+    assert all(sorted(r) == sorted(paths) for r in rounds)
+    after = Counter(pair for r in rounds for pair in itertools.pairwise(r))
+    assert len(after) == n * (n - 1) and len(set(after.values())) == 1, after
+    assert len(set(Counter(r[0] for r in rounds).values())) == 1
+    assert in_turns(paths, cycle + 1) == rounds[1]  # the cycle repeats
+
+
+def test_a_path_that_breaks_keeps_its_passes_and_leaves_the_later_rounds():
+    """One pass that raises ends its path, not the run: the passes before stand, the
+    others go on, and each pass (the failed one too) is followed by a settle."""
+    from rdt_async.bench._turns import take_turns
+
+    calls: list[tuple[str, int]] = []
+    paused: list[float] = []
+    ended: list[str] = []
+
+    def pass_of(name: str):
+        def one() -> tuple[float, None]:
+            calls.append((name, len([c for c in calls if c[0] == name])))
+            if name == "b" and len([c for c in calls if c[0] == "b"]) == 3:  # its third pass: round 2
+                raise RuntimeError("actor died")
+            return float(len(calls)), None
+        return one
+
+    turns = take_turns({n: pass_of(n) for n in "abc"}, 4, pause=paused.append, broke=ended.append)
+    assert ended == ["b"] and turns.why("b") == "round 2: RuntimeError: actor died" and turns.why("a") is None
+    assert len(turns.warm["a"]) == len(turns.warm["c"]) == 4 and len(turns.warm["b"]) == 1  # round 1 only
+    assert set(turns.cold) == {"a", "b", "c"}
+    assert [len(t) for t in (turns.turns["a"], turns.turns["b"], turns.turns["c"])] == [5, 2, 5]
+    assert len(paused) == len(calls) == 5 + 3 + 5  # the failed pass is followed by its settle too
+    assert sorted(turns.turns["a"][:2] + turns.turns["b"] + turns.turns["c"][:2]) == [0, 0, 1, 1, 2, 2]
+
+
+def test_e2e_rows_of_a_path_that_broke_say_so_with_the_passes_it_finished():
+    from rdt_async.bench._e2e import turn_rows
+    from rdt_async.bench._turns import Turns
+
+    turns = Turns(cold={"rdt auto": (0.5, 1.0), "rdt tcp": (0.4, 1.0)},
+                  warm={"rdt auto": [(0.1, 2.0), (0.3, 4.0), (0.2, 3.0)], "rdt tcp": [(0.25, 1.0)], "rdt nixl": []},
+                  turns={"rdt auto": [0, 1, 2, 0], "rdt tcp": [1, 0], "rdt nixl": []},
+                  broke={"rdt tcp": (2, RuntimeError("killed")), "rdt nixl": (0, ValueError("no agent"))})
+    auto, tcp, nixl = turn_rows(turns, ["rdt auto", "rdt tcp", "rdt nixl"], {"shape": "plain", "size": MIB, "consumers": 1, "hosts": 1})
+    assert auto == {"bench": "e2e", "case": "rdt auto", "shape": "plain", "size": MIB, "consumers": 1, "hosts": 1,
+                    "cold_s": 0.5, "seconds": 0.2, "loop_stall_ms": 4000.0, "passes": 3, "passes_s": [0.1, 0.3, 0.2],
+                    "turns": [0, 1, 2, 0]}
+    assert tcp["seconds"] == 0.25 and tcp["broke"] == "round 2: RuntimeError: killed" and tcp["passes"] == 1
+    assert "seconds" not in nixl and nixl["error"] == "round 0: ValueError: no agent" and nixl["shape"] == "plain"
+    rows = [_row("rdt auto", "kept", MIB, 0.01, 0.5), _row("rdt auto", "plain", MIB, 0.02, 0.5), tcp, nixl]
+    lines = markdown({"rows": rows}).splitlines()
+    kept, plain = (lines.index(h) for h in ("| path | kept 1 MiB |", "| path | plain 1 MiB |"))
+    broke = lines.index("| rdt tcp | broke at plain 1 MiB after 1 warm pass, left out from then on: round 2: RuntimeError: killed |")
+    failed = lines.index("| rdt nixl | failed at plain 1 MiB: round 0: ValueError: no agent |")
+    assert kept < plain < broke and plain < failed  # under the table of the shape they broke at
+    assert "| rdt tcp | 250 ms, cold 400 |" in lines  # its passes stand
+
+
+def test_a_killed_paths_processes_are_waited_for(monkeypatch):
+    """Killing a path's actors returns once their processes have ended, not as soon as
+    Ray is told: their teardown does not land in the next path's passes."""
+    import threading
+
+    import ray
+
+    from rdt_async.bench import _turns
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    killed = []
+
+    def kill(actor) -> None:  # as Ray does: the process ends a while after the call returns
+        killed.append(actor)
+        threading.Timer(0.3, proc.kill).start()
+
+    monkeypatch.setattr(ray, "kill", kill)
+    try:
+        started = time.monotonic()
+        _turns.end_actors(["producer"], [proc.pid], timeout=10)
+        assert killed == ["producer"] and _turns.exited(proc.pid) and 0.25 < time.monotonic() - started < 5
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+class _Call:
+    """An actor method whose `.remote()` runs at once, here (`ray.get` of its result: itself)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        return self.fn(*args)
+
+
+def test_publish_releases_warm_memory_in_the_pause_and_times_the_hand_written_pattern_from_its_call(monkeypatch):
+    """The hand-written pattern's warm-memory release runs in the pause, untimed (it ran
+    inside the timed `take`), and its clock starts at the driver's call of the producing
+    method, as the other paths' at their producing call (it started in the method's body)."""
+    import ray
+
+    from rdt_async.bench import _publish
+
+    log: list[tuple] = []
+    monkeypatch.setattr(ray, "get", lambda x, timeout=None: x)
+    monkeypatch.setattr(time, "sleep", lambda s: log.append(("sleep", s)))
+
+    def step(path, value):
+        log.append(("step", path))
+        refs = ["put"] if path == _publish.RAY_ZERO_COPY else []
+        return (None if path == _publish.HAND_WRITTEN else time.time()), 0.001, refs, 0.01
+
+    def weights():
+        log.append(("weights",))
+        late = time.perf_counter() + 0.05  # Ray's call, until the method's body runs
+        while time.perf_counter() < late:
+            pass
+        return "ref"
+
+    def take(path, size, value, refs):
+        log.append(("take", path))
+        now = time.time()
+        return {"loaded": now, "done": now, "stall_s": 0.001, "held_s": 0.001, "wrong": None,
+                "used": {"shm": 1}, "apply_s": 0.0 if path in _publish.PUBLISHED else None}
+
+    trainer = type("Trainer", (), {})()
+    trainer.setup = _Call(lambda size, name: {"state_bytes": size, "one_copy_s": 0.01})
+    trainer.step, trainer.weights = _Call(step), _Call(weights)
+    trainer.memory, trainer.close = _Call(lambda: {"slots": 2, "slot_bytes": MIB}), _Call(lambda: None)
+    sub = type("Subscriber", (), {})()
+    sub.prepare, sub.take = _Call(lambda size, t, name: None), _Call(take)
+    sub.let_go_warm = _Call(lambda: log.append(("let go",)))
+
+    rows = {r["case"]: r for r in _publish._size(trainer, [sub], MIB, repeat=1, pause=_publish.IDLE_S + 0.5)}
+    assert all("seconds" in r for r in rows.values()), rows
+    assert rows[_publish.HAND_WRITTEN]["seconds"] >= 0.05 > rows[_publish.RDT_PUBLISH]["seconds"]
+    hand = [i for i, e in enumerate(log) if e == ("step", _publish.HAND_WRITTEN)]
+    assert len(hand) == 2 * _publish.STEPS  # a cold pass and a warm one
+    for i in hand:  # before each of its versions: the release, then the pause, then the step
+        assert log[i - 2] == ("let go",) and log[i - 1][0] == "sleep", log[i - 3:i + 1]
+    assert log.count(("let go",)) == len(hand)  # no other path's
+    assert [r["turns"] for r in rows.values()] and all(len(r["turns"]) == 2 for r in rows.values())

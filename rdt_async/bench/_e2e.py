@@ -10,7 +10,8 @@ do (`plain`: a snapshot must be copied at each return); and a fresh tensor each 
 (`fresh`). `rdt auto into=` is `auto` with a consumer that lands each value in a
 tensor of its own (`rdt.fetch(ref, into=...)`). The first pass of each (path, shape, size) is
 reported apart (cold: first touch of fresh memory, first use of a transport); the rest
-give the warm median. Every row carries its ratio to the best Ray path of the same run,
+give the warm median, each kept in the row (`passes_s`, in round order) with the path's
+place in each round (`turns`: the paths take turns, see `run`). Every row carries its ratio to the best Ray path of the same run,
 and `loop_stall_ms`: the longest the consumer's event loop was held while the value
 arrived (Ray resolving the argument, or rdt fetching it), worst of the warm passes, as
 an async actor's other calls feel it; None for Ray's RDT paths, whose consumer is a
@@ -19,7 +20,9 @@ sync actor (no loop: its other calls wait until the value is in).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -32,6 +35,7 @@ import rdt_async as rdt
 
 from ._loop import LoopStall
 from ._progress import Progress
+from ._turns import Turns, end_actors, take_turns
 from ._units import human
 
 ZERO_COPY_ENV = {"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}}
@@ -68,8 +72,8 @@ def _rdt_producer(transport: str) -> Any:
         def make(self, n: int, shape: str) -> torch.Tensor:
             return _value(self.kept, n, shape)
 
-        def ready(self) -> bool:
-            return True
+        def pid(self) -> int:
+            return os.getpid()
 
     return Producer
 
@@ -99,8 +103,9 @@ class _Reader:
         stalled = stall.stop() if stall is not None else None
         return float(value.sum()), stalled
 
-    def ready(self) -> bool:
-        return True
+    def pid(self) -> int:
+        """This actor's process (a path's close waits for it to end)."""
+        return os.getpid()
 
 
 @rdt.remote
@@ -149,8 +154,8 @@ class RayProducer:
     def make(self, n: int, shape: str) -> torch.Tensor:
         return _value(self.kept, n, shape)
 
-    def ready(self) -> bool:
-        return True
+    def pid(self) -> int:
+        return os.getpid()
 
 
 @ray.remote
@@ -215,8 +220,8 @@ class LimitProducer:
         self.filled.add(n)
         return n
 
-    def ready(self) -> bool:
-        return True
+    def pid(self) -> int:
+        return os.getpid()
 
 
 @ray.remote
@@ -244,11 +249,14 @@ def _ray_rdt_classes(transport: str) -> tuple[Any, Any]:
         def make(self, n: int, shape: str) -> torch.Tensor:
             return _value(self.kept, n, shape)
 
-        def ready(self) -> bool:
-            return True
+        def pid(self) -> int:
+            return os.getpid()
 
     @ray.remote(enable_tensor_transport=True)
     class RdtConsumer:  # sync: on Ray 2.60 an async actor cannot await an RDT ref
+        def watch(self) -> None:
+            """No loop to watch: the same untimed call before a pass as every other path's."""
+
         def read(self, value: torch.Tensor) -> tuple[float, None]:
             return float(value.sum()), None  # no loop to stall: the actor waits out the arrival
 
@@ -256,8 +264,8 @@ def _ray_rdt_classes(transport: str) -> tuple[Any, Any]:
             t0 = time.perf_counter()
             return _read_parts(t0, ray.get(refs[0]))
 
-        def ready(self) -> bool:
-            return True
+        def pid(self) -> int:
+            return os.getpid()
 
     return RdtProducer, RdtConsumer
 
@@ -265,22 +273,24 @@ def _ray_rdt_classes(transport: str) -> tuple[Any, Any]:
 class _Path:
     """A producer and `fanout` consumers of one kind, and how to tear them down.
 
-    `loop`: the consumers are async actors, whose loop each pass watches (`_Reader`);
-    `nested`: they take the ref in a list, and the element count (`IntoConsumer`).
+    `nested`: the consumers take the ref in a list, and the element count (`IntoConsumer`).
     """
 
     def __init__(self, name: str, producer: Any, consumers: list[Any], close: Callable[[], None] = lambda: None,
-                 *, loop: bool = True, nested: bool = False):
-        self.name, self.producer, self.consumers, self._close, self.loop = name, producer, consumers, close, loop
+                 *, nested: bool = False):
+        self.name, self.producer, self.consumers, self._close = name, producer, consumers, close
         self.nested = nested
-        ray.get([producer.ready.remote(), *(c.ready.remote() for c in consumers)], timeout=120)
+        self.pids: list[int] = ray.get([producer.pid.remote(), *(c.pid.remote() for c in consumers)], timeout=120)
 
     def one_pass(self, n: int, shape: str, k: int = 1) -> tuple[float, float | None]:
         """(seconds from the producing call until `k` consumers have read it all, the worst
-        stall of their loops while it arrived: None for sync consumers)."""
+        stall of their loops while it arrived: None for sync consumers).
+
+        Before the clock starts, one untimed call to each consumer (`watch`: an async one
+        starts timing its loop there; a sync one has none to time), the same for every path.
+        """
         consumers = self.consumers[:k]
-        if self.loop:
-            ray.get([c.watch.remote() for c in consumers], timeout=60)
+        ray.get([c.watch.remote() for c in consumers], timeout=60)
         t0 = time.perf_counter()
         ref = self.producer.make.remote(n, shape)
         args = ([ref], n) if self.nested else (ref,)
@@ -307,9 +317,11 @@ class _Path:
         return {"calls_s": max(0.0, took - fetch - read), "fetch_s": fetch, "read_s": read}
 
     def close(self) -> None:
-        self._close()
-        for a in (self.producer, *self.consumers):
-            ray.kill(a)
+        """Tear the path down, and wait until its actors' processes have ended."""
+        try:
+            self._close()
+        finally:
+            end_actors([self.producer, *self.consumers], self.pids)
 
 
 REMOTE = {"num_cpus": 0, "resources": {"remote": 1}}  # the second host of `--hosts 2`
@@ -355,8 +367,8 @@ def _make_path(name: str, fanout: int, hosts: int = 1) -> _Path:
         from ray.experimental.collective import create_collective_group, destroy_collective_group
 
         communicator = create_collective_group([producer, *consumers], backend="torch_gloo")
-        return _Path(name, producer, consumers, lambda: destroy_collective_group(communicator), loop=False)
-    return _Path(name, producer, consumers, loop=False)
+        return _Path(name, producer, consumers, lambda: destroy_collective_group(communicator))
+    return _Path(name, producer, consumers)
 
 
 def _limit_path(fanout: int) -> _Path:
@@ -378,6 +390,12 @@ def _ours() -> list[str]:
     return ["rdt auto", INTO, "rdt shm", "rdt tcp", "rdt nixl", "rdt ucxx", "rdt object_store", "rdt gloo"]
 
 
+# The fan-out's paths that take turns with every consumer alive at once (what most readers
+# compare: auto, the usual denominator, the floor); the others run one path at a time
+# (8 consumers of every path at once would not fit 2 cores).
+FANOUT_TOGETHER = ("rdt auto", "ray object store zero-copy", LIMIT)
+
+
 def run(
     sizes: list[int],
     repeat: int,
@@ -391,10 +409,13 @@ def run(
     then fan-out of the largest (kept, shared).
 
     The one-consumer passes take the paths in turns (every path's actors alive at once,
-    each round in another order), so that each ratio compares passes of the same moment,
-    not a path run early against one run late on a machine that has changed meanwhile;
-    the paths in ALONE, whose idle actors burn CPU, run by themselves afterwards.
-    Fan-out runs path by path (8 consumers of every path at once would not fit 2 cores).
+    each round in another order: `_turns.in_turns`, a settle after each pass), so that
+    each ratio compares passes of the same moment, not a path run early against one run
+    late on a machine that has changed meanwhile; the paths in ALONE, whose idle actors
+    burn CPU, run by themselves afterwards. Fan-out takes FANOUT_TOGETHER's paths in turns
+    the same way, then each other path alone; a path's actors have ended before the next
+    path's start. A path whose pass raises keeps the passes it finished (its row says
+    what `broke`, or is an `error` row if no warm pass ran) and is left out from then on.
     `hosts=2`: the consumers run on the second host (see bench/_hosts.py: ray_cluster). Each row's
     `loop_stall_ms` is the worst stall of the consumers' loops while the warm passes'
     values arrived (None where the consumer is a sync actor: Ray's RDT paths).
@@ -404,15 +425,15 @@ def run(
     names = paths or _ours() + list(RAY_PATHS) + [LIMIT]
     together = [n for n in names if n not in ALONE]
     groups = ([together] if together else []) + [[n] for n in names if n in ALONE]
-    progress.add(len(shapes) * len(sizes) * len(groups) + len(fanouts) * len(names))
+    fanning = [n for n in names if not n.endswith("gloo")] if fanouts else []  # (a gloo path moves to its group)
+    fan_together = [n for n in fanning if n in FANOUT_TOGETHER]
+    fan_groups = ([fan_together] if fan_together else []) + [[n] for n in fanning if n not in FANOUT_TOGETHER]
+    progress.add(len(shapes) * len(sizes) * len(groups) + len(fanouts) * len(fan_groups))
     for group in groups:
         rows += _in_turns(group, sizes, repeat, hosts, progress, shapes)
-    failed = {r["case"] for r in rows if "error" in r or "skipped" in r}  # reported once, not set up again
-    for name in names:
-        if name in failed:
-            progress.skip(len(fanouts))
-            continue
-        rows += _fanout(name, max(sizes), fanouts, repeat, hosts, progress)
+    failed = {r["case"] for r in rows if "error" in r or "skipped" in r or "broke" in r}  # not set up again
+    for group in fan_groups:
+        rows += _fanout([n for n in group if n not in failed], max(sizes), fanouts, repeat, hosts, progress)
     _ratios(rows)
     return rows
 
@@ -431,6 +452,30 @@ def _setup(name: str, fanout: int, hosts: int, progress: Progress) -> tuple[_Pat
         return None, {"bench": "e2e", "case": name, "hosts": hosts, "error": f"{type(e).__name__}: {str(e)[:500]}"}
 
 
+def _set_up(names: list[str], fanout: int, hosts: int, progress: Progress) -> tuple[dict[str, _Path], list[dict[str, Any]]]:
+    """Every path of `names` that can run here (closed again if a later one's setup is
+    interrupted), and the rows that say why the others cannot."""
+    live: dict[str, _Path] = {}
+    rows: list[dict[str, Any]] = []
+    try:
+        for name in names:
+            path, failed = _setup(name, fanout, hosts, progress)
+            if failed is not None:
+                rows.append(failed)
+            if path is not None:
+                live[name] = path
+    except BaseException:
+        _close_all(live)
+        raise
+    return live, rows
+
+
+def _close_all(live: dict[str, _Path]) -> None:
+    for p in live.values():
+        p.close()
+    live.clear()
+
+
 # Passes of 1 MiB and less take milliseconds, and their medians move by as much from run
 # to run (a Ray call's jitter): they get this many times the rounds.
 SMALL_BYTES, SMALL_ROUNDS = 1 << 20, 10
@@ -441,20 +486,50 @@ def _rounds(repeat: int, size: int) -> int:
     return repeat * SMALL_ROUNDS if size <= SMALL_BYTES else repeat
 
 
+Pass = tuple[float, float | None]  # a pass's seconds, and the worst loop stall meanwhile
+
+
+def _take_turns(live: dict[str, _Path], n: int, shape: str, rounds: int, k: int = 1) -> Turns[Pass]:
+    """A cold pass of each path of `live`, then `rounds` rounds of warm ones, to `k`
+    consumers each; a path that breaks is closed and leaves `live`."""
+
+    def broke(name: str) -> None:
+        live.pop(name).close()
+
+    passes = {name: functools.partial(p.one_pass, n, shape, k) for name, p in live.items()}
+    return take_turns(passes, rounds, broke=broke)
+
+
+def turn_rows(turns: Turns[Pass], names: list[str], base: dict[str, Any], *, cold: bool = True) -> list[dict[str, Any]]:
+    """One row per path of `names` ({"bench": "e2e", "case": name, **base, ...}): the
+    warm passes' median (`seconds`), their worst loop stall, the cold pass (`cold`), each
+    warm pass's seconds in round order (`passes_s`) and the path's place in each round
+    (`turns`, 0: first; the cold round's first). A path that broke after warm passes says
+    what (`broke`); one that broke before any is an `error` row."""
+    rows = []
+    for name in names:
+        row: dict[str, Any] = {"bench": "e2e", "case": name, **base}
+        warm, why = turns.warm[name], turns.why(name)
+        if not warm:
+            rows.append({**row, "error": why or "no warm pass ran"})
+            continue
+        if cold and name in turns.cold:
+            row["cold_s"] = turns.cold[name][0]
+        row.update(seconds=statistics.median(t for t, _ in warm), loop_stall_ms=_worst_ms(warm), passes=len(warm),
+                   passes_s=[round(t, 6) for t, _ in warm], turns=turns.turns[name])
+        if why is not None:
+            row["broke"] = why
+        rows.append(row)
+    return rows
+
+
 def _in_turns(names: list[str], sizes: list[int], repeat: int, hosts: int, progress: Progress,
               shapes: tuple[str, ...] = SHAPES) -> list[dict[str, Any]]:
     """One consumer per path: for each (shape, size), a cold pass of each path, then
-    `repeat` rounds (`_rounds`: more for small sizes) of one warm pass of each, the order
-    rotating from round to round."""
-    rows: list[dict[str, Any]] = []
-    live: dict[str, _Path] = {}
+    `repeat` rounds (`_rounds`: more for small sizes) of one warm pass of each, in turns
+    (`_turns.take_turns`); then one pass of each, split (`breakdown`)."""
+    live, rows = _set_up(names, 1, hosts, progress)
     try:
-        for name in names:
-            path, failed = _setup(name, 1, hosts, progress)
-            if failed is not None:
-                rows.append(failed)
-            if path is not None:
-                live[name] = path
         if not live:  # every path of the group is missing here: its rows say why
             progress.skip(len(shapes) * len(sizes))
             return rows
@@ -462,50 +537,44 @@ def _in_turns(names: list[str], sizes: list[int], repeat: int, hosts: int, progr
             for size in sizes:
                 n = max(1, size // 4)  # float32 elements
                 with progress.step(f"e2e {shape} {human(size)}, {len(live)} paths in turns"):
-                    cold = {name: p.one_pass(n, shape)[0] for name, p in live.items()}
-                    warm: dict[str, list[tuple[float, float | None]]] = {name: [] for name in live}
-                    order = list(live)
-                    rounds = _rounds(repeat, size)
-                    for r in range(rounds):
-                        for name in order[r % len(order):] + order[: r % len(order)]:
-                            warm[name].append(live[name].one_pass(n, shape))
-                    for name, p in live.items():
-                        rows.append({"bench": "e2e", "case": name, "shape": shape, "size": size, "consumers": 1,
-                                     "hosts": hosts, "cold_s": cold[name],
-                                     "seconds": statistics.median(t for t, _ in warm[name]),
-                                     "loop_stall_ms": _worst_ms(warm[name]), "passes": rounds,
-                                     "breakdown": p.parts(n, shape)})
+                    ran = list(live)
+                    turns = _take_turns(live, n, shape, _rounds(repeat, size))
+                    for row in turn_rows(turns, ran, {"shape": shape, "size": size, "consumers": 1, "hosts": hosts}):
+                        if row["case"] in live:
+                            row["breakdown"] = _breakdown(live[row["case"]], n, shape)
+                        rows.append(row)
     finally:
-        for p in live.values():
-            p.close()
+        _close_all(live)
     return rows
 
 
-def _fanout(name: str, size: int, fanouts: tuple[int, ...], repeat: int, hosts: int,
-            progress: Progress) -> list[dict[str, Any]]:
-    """One object of `size` bytes to each of `fanouts` consumers of one path at once."""
-    if not fanouts or name.endswith("gloo"):  # a gloo path moves to one consumer (its group)
-        progress.skip(len(fanouts))
-        return []
-    path, failed = _setup(name, max(fanouts), hosts, progress)
-    if path is None:
-        progress.skip(len(fanouts))
-        return [failed] if failed is not None else []
-    rows = []
+def _breakdown(path: _Path, n: int, shape: str) -> dict[str, Any] | None:
     try:
+        return path.parts(n, shape)
+    except Exception as e:  # (a wrong sum: the row's passes stand, the breakdown says what went wrong)
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
+
+
+def _fanout(names: list[str], size: int, fanouts: tuple[int, ...], repeat: int, hosts: int,
+            progress: Progress) -> list[dict[str, Any]]:
+    """One object of `size` bytes to each of `fanouts` consumers of each path of `names`
+    at once, the paths in turns (a warm-up pass of each, then `repeat` rounds)."""
+    live, rows = _set_up(names, max(fanouts), hosts, progress)
+    try:
+        if not live:
+            progress.skip(len(fanouts))
+            return rows
         for k in fanouts:
-            with progress.step(f"e2e {name} kept {human(size)} to {k}"):
-                path.one_pass(size // 4, "kept", k)
-                warm = [path.one_pass(size // 4, "kept", k) for _ in range(repeat)]
-                rows.append({"bench": "e2e", "case": name, "shape": "kept", "size": size, "consumers": k,
-                             "hosts": hosts, "seconds": statistics.median(t for t, _ in warm),
-                             "loop_stall_ms": _worst_ms(warm)})
+            with progress.step(f"e2e kept {human(size)} to {k}, {', '.join(live)} in turns"):
+                ran = list(live)
+                turns = _take_turns(live, size // 4, "kept", repeat, k)
+                rows += turn_rows(turns, ran, {"shape": "kept", "size": size, "consumers": k, "hosts": hosts}, cold=False)
     finally:
-        path.close()
+        _close_all(live)
     return rows
 
 
-def _worst_ms(passes: list[tuple[float, float | None]]) -> float | None:
+def _worst_ms(passes: list[Pass]) -> float | None:
     stalls = [st for _, st in passes if st is not None]
     return round(max(stalls) * 1e3, 3) if stalls else None
 

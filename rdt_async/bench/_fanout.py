@@ -2,10 +2,13 @@
 
 `python -m rdt_async.bench --hosts three --only fanout`: the producer on the head host, 8
 async consumers (4 on each of the two other hosts) receive one object of each size, by
-paths in turns (the order rotating each round): `rdt auto` (each fetches the ref it is
+paths in turns: `rdt auto` (each fetches the ref it is
 given), `rdt auto, into=` (each fetches into its own warm buffers, as a model loads its
 weights) and Ray's zero-copy object store (each gets the ref as its argument; Ray pulls
-the object to a node once). The clock runs from the producing call until every consumer
+the object to a node once), the order of each round from `_turns.in_turns` (a settle
+after each pass; each row keeps its warm passes' seconds, `passes_s`, and its place in
+each round, `turns`; a path that breaks keeps the passes it finished and says what
+`broke`). The clock runs from the producing call until every consumer
 has read every byte. Each row carries the consumers' worst event-loop stall while the
 object arrived (`loop_stall_ms`; `loop_held_ms`: the same less the loop thread's waits for
 a core, as 8 consumers copying on a 2-core machine wait) and what the node relay did: how many fetches of the
@@ -16,6 +19,8 @@ object crossed the link (`link_transfers`, the rest mapped a neighbour's copy:
 from __future__ import annotations
 
 import asyncio
+import functools
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -30,6 +35,7 @@ from .. import _relay
 from ..transports import _mappings
 from ._loop import LoopStall
 from ._progress import Progress
+from ._turns import end_actors, take_turns
 from ._units import human
 
 HOSTS = ("remote", "remote2")  # the resources of the two consumer hosts of `--hosts three`
@@ -48,11 +54,6 @@ def _weights(size: int) -> dict[str, torch.Tensor]:
 def placements() -> list[dict[str, Any]]:
     """Actor options for the consumers: `PER_HOST` on each of the two consumer hosts."""
     return [{"num_cpus": 0, "resources": {h: 1}} for h in HOSTS for _ in range(PER_HOST)]
-
-
-def in_turns(paths: tuple[str, ...], r: int) -> tuple[str, ...]:
-    """The paths in round `r`'s order: each round starts one further along."""
-    return paths[r % len(paths):] + paths[: r % len(paths)]
 
 
 def vs_ray_zero_copy(rows: list[dict[str, Any]]) -> None:
@@ -91,8 +92,8 @@ class Trainer:
     def drop(self) -> None:
         self.kept.clear()
 
-    def ready(self) -> bool:
-        return True
+    def pid(self) -> int:
+        return os.getpid()
 
 
 class _Loader:
@@ -108,8 +109,9 @@ class _Loader:
             self.models = {size: {k: torch.zeros_like(v) for k, v in self.weights(size).items()}}
         return self.models[size]
 
-    def ready(self) -> bool:
-        return True
+    def pid(self) -> int:
+        """This actor's process (the bench waits for it to end once the actor is killed)."""
+        return os.getpid()
 
     def drop(self) -> None:
         """Let go of this size's model and of the warm memory kept for it (the relay's idle
@@ -168,8 +170,9 @@ def each_size(bench: str, paths: tuple[str, ...], sizes: list[int], hosts: int, 
               setup: Callable[[], tuple[list[Any], Sized]], what: str) -> list[dict[str, Any]]:
     """The rows of `bench` at every size (or rows that say why it cannot run on this cluster).
 
-    `setup()` makes the actors (each has a `ready` method) and returns them with what runs
-    one size; they are killed at the end. `what`: the progress bar's step, `{size}` in it.
+    `setup()` makes the actors (each has a `pid` method) and returns them with what runs
+    one size; they are killed at the end, and their processes waited for. `what`: the
+    progress bar's step, `{size}` in it.
     """
     progress = progress or Progress(False)
     why = unavailable(hosts)
@@ -179,14 +182,14 @@ def each_size(bench: str, paths: tuple[str, ...], sizes: list[int], hosts: int, 
     progress.add(len(sizes))
     actors, one_size = setup()
     rows: list[dict[str, Any]] = []
+    pids: list[int] = []
     try:
-        ray.get([a.ready.remote() for a in actors], timeout=180)
+        pids = ray.get([a.pid.remote() for a in actors], timeout=180)
         for size in sizes:
             with progress.step(what.format(size=human(size))):
                 rows += one_size(size)
     finally:
-        for a in actors:
-            ray.kill(a)
+        end_actors(actors, pids)
     return rows
 
 
@@ -213,23 +216,28 @@ def run(sizes: list[int], repeat: int, hosts: int, progress: Progress | None = N
 
 def _size(trainer: Any, loaders: dict[str, list[Any]], size: int, repeat: int) -> list[dict[str, Any]]:
     want = float(max(1, size // 4 // PARTS) * PARTS)
-    passes: dict[str, list[dict[str, Any]]] = {p: [] for p in PATHS}
-    for r in range(repeat + 1):  # the first round is cold
-        for path in in_turns(PATHS, r):
-            passes[path].append(_one_pass(path, trainer, loaders, size, want))
+    turns = take_turns({p: functools.partial(_one_pass, p, trainer, loaders, size, want) for p in PATHS}, repeat)
     rows = []
     for path in PATHS:
-        cold, warm = passes[path][0], passes[path][1:]
-        row: dict[str, Any] = {
-            "bench": "fanout", "case": path, "size": size, "consumers": len(loaders["rdt"]), "hosts": 3,
-            "cold_s": cold["seconds"], "seconds": statistics.median(p["seconds"] for p in warm),
+        row: dict[str, Any] = {"bench": "fanout", "case": path, "size": size, "consumers": len(loaders["rdt"]), "hosts": 3}
+        warm, why = turns.warm[path], turns.why(path)
+        if not warm:
+            rows.append({**row, "error": why or "no warm pass ran"})
+            continue
+        if path in turns.cold:
+            row["cold_s"] = turns.cold[path]["seconds"]
+        row.update({
+            "seconds": statistics.median(p["seconds"] for p in warm),
             "loop_stall_ms": round(max(p["stall_s"] for p in warm) * 1e3, 3),
             "loop_held_ms": round(max(p["held_s"] for p in warm) * 1e3, 3),
-        }
+        })
         if path != RAY_ZERO_COPY:
             row["link_transfers"] = statistics.median(p["link"] for p in warm)
             row["relayed"] = statistics.median(p["relayed"] for p in warm)
             row["paths"] = sorted({u for p in warm for u in p["used"]})
+        row.update(passes_s=[round(p["seconds"], 6) for p in warm], turns=turns.turns[path])
+        if why is not None:
+            row["broke"] = why
         rows.append(row)
     vs_ray_zero_copy(rows)
     return rows

@@ -7,7 +7,7 @@ own model's tensors. A pass publishes `STEPS` versions, the trainer writing the 
 number into every tensor first (its training step, not timed) after a pause (`pause`,
 PAUSE_S by default: longer than the actors keep idle warm memory, as a trainer's step of
 tens of seconds is longer than the 10 s they keep it by default), by one path; the paths
-take turns, the order rotating each round:
+take turns (`_turns.in_turns`: each follows every other equally often over the rounds):
 
 - `rdt publish`: an `rdt.Publisher` in the trainer; each subscriber waits in `await
   sub.next(into=its model)`.
@@ -27,8 +27,10 @@ take turns, the order rotating each round:
 Each subscriber checks the version it got (one element of every 4 KiB page of every
 tensor must hold the step's number: a wrong version or a mix of two is an error row, not
 a timing). `seconds`: the median over the warm steps (every round but the first) of
-the time from the trainer starting to publish (the `publish` call, `ray.put`, the
-producing method's body) until all 8 hold that version and have checked it;
+the time from the producing call (the trainer's `publish` or `ray.put`; for the
+hand-written pattern the driver's call of the producing method) until all 8 hold that
+version and have checked it (`passes_s`: every warm step's, by round; `turns`: the path's
+place in each round);
 `trainer_stall_s`: how long publishing blocked the trainer (`hand-written`: its wait
 before writing in place), against one warm copy of the state dict into memory of its own
 made by the trainer just before, in the same steps (`one_copy_s`; `quiet_copy_s`: the
@@ -46,6 +48,8 @@ a plain ref in them).
 from __future__ import annotations
 
 import asyncio
+import functools
+import os
 import statistics
 import time
 from collections.abc import Mapping
@@ -63,12 +67,12 @@ from ._fanout import (
     _Loader,
     each_size,
     fetches_since,
-    in_turns,
     placements,
     vs_ray_zero_copy,
 )
 from ._loop import LoopStall
 from ._progress import Progress
+from ._turns import take_turns
 from ._units import human
 
 TENSORS = 200  # the state dict's: half of them large (a layer's weight), half 4 KiB (its norm)
@@ -177,9 +181,10 @@ class Trainer:
         return at, stall + (waited if path == RDT_LENT else 0.0), refs, one_copy  # lent: the wait is its own
 
     @rdt.method(tensor_transport="auto")
-    def weights(self) -> dict[str, Any]:
-        """The hand-written path's publish: the kept weights themselves, and when it began."""
-        return {"at": time.time(), "weights": self.state}
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The hand-written path's publish: the kept weights themselves (its clock starts
+        at the driver's call of this method, `_one_step`)."""
+        return self.state
 
     def memory(self) -> dict[str, Any]:
         assert self.publisher is not None
@@ -190,8 +195,8 @@ class Trainer:
             self.publisher.close()
         self.publisher, self.state, self.copy_into = None, {}, {}
 
-    def ready(self) -> bool:
-        return True
+    def pid(self) -> int:
+        return os.getpid()
 
 
 @rdt.remote
@@ -209,20 +214,22 @@ class Subscriber(_Loader):
         await asyncio.to_thread(self.model, size)
         self.sub = rdt.subscribe(trainer, name)
 
-    async def take(self, path: str, size: int, value: float, refs: list[Any], idle_gone: bool = False) -> dict[str, Any]:
+    def let_go_warm(self) -> None:
+        """Before a hand-written version after a pause longer than idle warm memory is kept
+        (untimed, in the pause): that pattern has no subscription, so nothing keeps the
+        relay's memory warm between its versions (this actor's subscription does for the
+        other paths, and takes it up again at its next version); let go of what the idle
+        sweep would have closed meanwhile."""
+        assert self.sub is not None  # (made by prepare)
+        self.sub._let_go_warm()
+        self.forget_warm()
+
+    async def take(self, path: str, size: int, value: float, refs: list[Any]) -> dict[str, Any]:
         """Load the next version by `path`, then check it: when it was checked, the loop's
-        worst stall meanwhile, when publishing began (hand-written), what went wrong.
-        `idle_gone`: the pause before the version was longer than idle warm memory is kept."""
+        worst stall meanwhile, what went wrong."""
         model, sub = self.model(size), self.sub
         assert sub is not None  # (made by prepare)
-        if path == HAND_WRITTEN and idle_gone:
-            # That pattern has no subscription: nothing keeps the relay's memory warm
-            # between its versions (this actor's subscription does for the other paths,
-            # and takes it up again at its next version).
-            sub._let_go_warm()
-            self.forget_warm()  # (what the pause's sweep closed, as the idle time ran out)
         before = dict(rdt.store_stats()["fetches"])
-        at = None
         stall = LoopStall()
         try:
             if path in (RDT_PUBLISH, RDT_LENT):
@@ -230,8 +237,7 @@ class Subscriber(_Loader):
             elif path == RDT_STREAM:
                 got = {n: t async for n, t in sub.stream(into=model)}
             elif path == HAND_WRITTEN:
-                value_ = await rdt.fetch(refs[0], into={"at": None, "weights": model})
-                at, got = value_["at"], value_["weights"]
+                got = await rdt.fetch(refs[0], into=model)
             else:
                 state = await refs[0]  # views of the node's copy in Ray's store
                 await asyncio.to_thread(_copy_into, model, state)
@@ -240,7 +246,7 @@ class Subscriber(_Loader):
             stalled = stall.stop()
         loaded = time.time()
         wrong = await asyncio.to_thread(_wrong, model, got, value)
-        return {"loaded": loaded, "done": time.time(), "stall_s": stalled, "held_s": stall.held, "at": at, "wrong": wrong,
+        return {"loaded": loaded, "done": time.time(), "stall_s": stalled, "held_s": stall.held, "wrong": wrong,
                 "used": fetches_since(before), "apply_s": sub.apply_s if path in PUBLISHED else None}
 
 
@@ -309,36 +315,40 @@ def _size(trainer: Any, subs: list[Any], size: int, repeat: int, pause: float = 
     name = f"weights-{size}"
     setup = ray.get(trainer.setup.remote(size, name), timeout=600)
     ray.get([s.prepare.remote(size, trainer, name) for s in subs], timeout=600)
-    passes: dict[str, list[list[dict[str, Any]]]] = {p: [] for p in PATHS}
-    wrong: dict[str, str] = {}  # a wrong version: the row is an error, not a timing
-    broke: dict[str, str] = {}  # the path (or an actor) broke: the passes before still count
     memory: dict[str, Any] = {}
     value = 0.0  # each step's number: every version differs from every other
-    for r in range(repeat + 1):  # the first round is cold
-        for path in in_turns(PATHS, r):
-            if path in wrong or path in broke:
-                continue
-            steps = []
-            try:
-                for _ in range(STEPS):
-                    value += 1
-                    time.sleep(pause)  # (the trainer's step: not timed)
-                    steps.append(_one_step(path, trainer, subs, size, value, pause > IDLE_S))
-                if path in PUBLISHED:
-                    memory = ray.get(trainer.memory.remote())
-            except AssertionError as e:
-                wrong[path] = f"{type(e).__name__}: {e}"[:400]
-            except Exception as e:
-                broke[path] = f"round {r}: {type(e).__name__}: {e}"[:400]
-            else:
-                passes[path].append(steps)
-            time.sleep(IDLE_S + 2)
+
+    def one_pass(path: str) -> list[dict[str, Any]]:
+        nonlocal value, memory
+        steps = []
+        for _ in range(STEPS):
+            value += 1
+            started = time.perf_counter()
+            if path == HAND_WRITTEN and pause > IDLE_S:  # (see `Subscriber.let_go_warm`; not timed)
+                ray.get([s.let_go_warm.remote() for s in subs], timeout=60)
+            time.sleep(max(0.0, pause - (time.perf_counter() - started)))  # (the trainer's step: not timed)
+            steps.append(_one_step(path, trainer, subs, size, value))
+        if path in PUBLISHED:
+            memory = ray.get(trainer.memory.remote())
+        return steps
+
+    # A wrong version (an AssertionError) makes the row an error, not a timing; a path
+    # (or an actor) that broke otherwise keeps the passes it finished.
+    turns = take_turns({p: functools.partial(one_pass, p) for p in PATHS}, repeat,
+                       pause=lambda took: time.sleep(IDLE_S + 2))
+    passes = {p: ([turns.cold[p]] if p in turns.cold else []) + turns.warm[p] for p in PATHS}
+    wrong = {p: f"{type(e).__name__}: {e}"[:400] for p, (_, e) in turns.broke.items() if isinstance(e, AssertionError)}
+    broke = {p: turns.why(p) or "" for p in turns.broke if p not in wrong}
     try:
         ray.get(trainer.close.remote())
     except ray.exceptions.RayError:  # (it died: the rows say what broke)
         pass
     rows = [{**_row(p, passes[p], wrong.get(p), broke.get(p), setup, memory, size, len(subs)), "pause_s": pause}
             for p in PATHS]
+    for row in rows:
+        if "seconds" in row:  # (the raw steps, in round order, and the path's place in each round)
+            row.update(passes_s=[[round(s["seconds"], 6) for s in steps] for steps in passes[row["case"]][1:]],
+                       turns=turns.turns[row["case"]])
     _with_ratios(rows)
     return rows
 
@@ -352,19 +362,25 @@ def _with_ratios(rows: list[dict[str, Any]]) -> None:
             row["vs_hand_written"] = round(row["seconds"] / hand, 3)
 
 
-def _one_step(path: str, trainer: Any, subs: list[Any], size: int, value: float, idle_gone: bool = False) -> dict[str, Any]:
-    """Publish one version by `path` and wait until every subscriber has checked it (`idle_gone`: see `take`)."""
-    takes = [s.take.remote(path, size, value, [], idle_gone) for s in subs] if path in PUBLISHED else []
+def _one_step(path: str, trainer: Any, subs: list[Any], size: int, value: float) -> dict[str, Any]:
+    """Publish one version by `path` and wait until every subscriber has checked it.
+
+    The clock starts where the path's producing call is made: the trainer's `publish` or
+    `ray.put` (in `Trainer.step`), and for the hand-written pattern the driver's call of
+    `trainer.weights` (the Ray call, the method and its export all count).
+    """
+    takes = [s.take.remote(path, size, value, []) for s in subs] if path in PUBLISHED else []
     at, stall, refs, one_copy = ray.get(trainer.step.remote(path, value), timeout=600)
     if path == HAND_WRITTEN:
+        at = time.time()  # (every host is on this machine: one clock)
         refs = [trainer.weights.remote()]
-    takes = takes or [s.take.remote(path, size, value, refs, idle_gone) for s in subs]
+    takes = takes or [s.take.remote(path, size, value, refs) for s in subs]
     del refs  # (each take holds its own)
     out = ray.get(takes, timeout=600)
     wrong = next((o["wrong"] for o in out if o["wrong"]), None)
     if wrong is not None:
         raise AssertionError(f"{path}, version {value:g}: {wrong}")
-    at = out[0]["at"] if at is None else at
+    assert at is not None  # (the trainer's, or the driver's call)
     used = [(k, n) for o in out for k, n in o["used"].items()]
     return {"seconds": max(o["done"] for o in out) - at, "trainer_stall_s": stall, "one_copy_s": one_copy,
             "stall_s": max(o["stall_s"] for o in out), "held_s": max(o["held_s"] for o in out), "link": sum(n for k, n in used if k != "relay"),

@@ -56,13 +56,14 @@ def markdown(result: dict[str, Any]) -> str:
 
 def _by_shape(rows: list[dict[str, Any]], cell: Callable[[dict[str, Any]], str]) -> list[str]:
     """Markdown lines: an e2e table per producer shape (as run: kept, plain, fresh), each after a blank line;
-    the paths that did not run are said under the first only."""
+    a path that failed at a shape is said under that shape's table, one that did not run
+    (or failed at a shape no path ran) under the first only."""
     shapes = list(dict.fromkeys(r["shape"] for r in rows if "seconds" in r))
     if not shapes:  # no path ran: the rows that say why
         return ["", e2e_table(rows, cell)]
     out = []
     for i, shape in enumerate(shapes):
-        mine = [r for r in rows if r.get("shape") == shape or (i == 0 and "seconds" not in r)]
+        mine = [r for r in rows if r.get("shape") == shape or (i == 0 and r.get("shape") not in shapes)]
         out += ["", e2e_table(mine, cell)]
     return out
 
@@ -79,10 +80,16 @@ def e2e_table(rows: list[dict[str, Any]], cell: Callable[[dict[str, Any]], str])
         cells = [cell(by[(case, *c)]) if (case, *c) in by else "" for c in cols]
         out.append(f"| {case} | " + " | ".join(cells) + " |")
     for r in rows:
+        where = f" at {r['shape']} {human(r['size'])}" + (f" to {r['consumers']}" if r.get("consumers", 1) > 1 else "") \
+            if "shape" in r and "size" in r else ""
         if "error" in r:
-            out.append(f"| {r['case']} | failed: {r['error'].splitlines()[0][:160]} |")
+            out.append(f"| {r['case']} | failed{where}: {r['error'].splitlines()[0][:160]} |")
         elif "skipped" in r:
             out.append(f"| {r['case']} | not run: {r['skipped']} |")
+        elif "broke" in r:
+            n = r.get("passes", 0)
+            out.append(f"| {r['case']} | broke{where} after {n} warm pass{'' if n == 1 else 'es'}, left out from then "
+                       f"on: {r['broke'].splitlines()[0][:160]} |")
     return "\n".join(out)
 
 
@@ -100,9 +107,12 @@ def _stall_cell(r: dict[str, Any]) -> str:
     return "—" if stall is None else f"{stall:.3g}"
 
 
+RAW = ("passes_s", "turns")  # every pass's time and the path's place in each round: the JSON's, not the tables'
+
+
 def rows_table(rows: list[dict[str, Any]]) -> str:
-    """Rows of one bench as a Markdown table: case, size, then every other field."""
-    keys = [k for k in dict.fromkeys(k for r in rows for k in r) if k not in ("bench", "case", "size")]
+    """Rows of one bench as a Markdown table: case, size, then every other field (but RAW's)."""
+    keys = [k for k in dict.fromkeys(k for r in rows for k in r) if k not in ("bench", "case", "size", *RAW)]
     out = ["| case | size | " + " | ".join(keys) + " |", "| --- | --- |" + " --- |" * len(keys)]
     for r in rows:
         cells = [_value(r.get(k)) for k in keys]
