@@ -489,3 +489,44 @@ def test_publish_releases_warm_memory_in_the_pause_and_times_the_hand_written_pa
         assert log[i - 2] == ("let go",) and log[i - 1][0] == "sleep", log[i - 3:i + 1]
     assert log.count(("let go",)) == len(hand)  # no other path's
     assert [r["turns"] for r in rows.values()] and all(len(r["turns"]) == 2 for r in rows.values())
+
+
+def test_a_fetch_bench_read_reads_every_byte():
+    """The consumer's read sums every byte (it read one byte per 4 KiB page, which a
+    zero-copy path's mapped pages pay almost nothing for), and checks them."""
+    import torch
+
+    from rdt_async.bench._core import read_all
+
+    t = torch.full((3 * 4096 + 5,), 7, dtype=torch.uint8)
+    assert read_all(t, 7) == 7 * t.numel() and read_all(t[:0], 7) == 0
+    t[4096 + 100] = 6  # a byte no page-stride read looks at
+    with pytest.raises(AssertionError, match="not every byte is 7"):
+        read_all(t, 7)
+
+
+async def test_every_fetch_bench_mode_times_the_refs_resolution(monkeypatch):
+    """`into=`'s buffer is had by the size before the clock starts, so its clock takes in
+    the ref's resolution as the other modes' do (it awaited the ref first, untimed)."""
+    import torch
+
+    import rdt_async as rdt
+    from rdt_async.bench import _core
+
+    consumer = _core.Consumer.__ray_metadata__.modified_class.__rdt_wrapped__()  # the class itself, no actor
+    n = 1 << 16
+
+    class Ref:  # resolves as a Ray ref does: a while after it is awaited
+        def __await__(self):
+            yield from asyncio.sleep(0.05).__await__()
+            return torch.full((n,), 7, dtype=torch.uint8)
+
+    async def fetch(ref, *, into=None):
+        value = await ref
+        return value if into is None else into.copy_(value)
+
+    monkeypatch.setattr(rdt, "fetch", fetch)
+    for mode in ("rdt", "into", "ray"):
+        took = await consumer.fetch([Ref()], mode, n)
+        assert took["fetch"] >= 0.045 and took["fetch_read"] >= took["fetch"], (mode, took)
+    assert list(consumer.buffers) == [n]  # into='s buffer, made once by the size

@@ -1,12 +1,13 @@
 """Core benchmarks: shm and object_store fetches against Ray's object store and memcpy.
 
 Every figure is a median over `repeat` runs; each baseline runs in the same process
-tree, in the same run, on the same sizes.
+tree, in the same run, on the same sizes, the cases in turns (`_turns.take_turns`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import statistics
 import time
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 import rdt_async as rdt
 
 from ._loop import LoopStall
+from ._turns import take_turns
 
 ZERO_COPY_ENV = {"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}}
 
@@ -47,15 +49,19 @@ class Consumer:
     def __init__(self) -> None:
         self.buffers: dict[int, torch.Tensor] = {}
 
-    async def fetch(self, refs: list[Any], mode: str) -> dict[str, float]:
+    async def fetch(self, refs: list[Any], mode: str, nbytes: int) -> dict[str, float]:
+        """Time one fetch of `refs[0]` (`nbytes` of uint8) and a read of every byte.
+
+        Every mode's clock starts at the ref as it arrived (an ObjectRef) and takes in
+        its resolution: `into=`'s buffer (warm, one per size) is had before the clock,
+        by the size, not by resolving the ref first.
+        """
         ref = refs[0]
         into = None
         if mode == "into":
-            obj = await ref
-            n = obj.specs[0].shape[0]
-            into = self.buffers.get(n)
+            into = self.buffers.get(nbytes)
             if into is None:
-                into = self.buffers[n] = torch.empty(n, dtype=torch.uint8)
+                into = self.buffers[nbytes] = torch.empty(nbytes, dtype=torch.uint8)
                 into.fill_(1)  # fault the pages in: warm
         lag = LoopStall()
         t0 = time.perf_counter()
@@ -65,11 +71,13 @@ class Consumer:
             value = await rdt.fetch(ref, into=into)
         fetched = time.perf_counter() - t0
         await asyncio.sleep(0)
-        await asyncio.to_thread(_touch, value)  # read every byte once
+        await asyncio.to_thread(read_all, value, FILL)  # read every byte once
         total = time.perf_counter() - t0
         return {"fetch": fetched, "fetch_read": total, "max_lag": lag.stop()}
 
     async def take(self, value: Any) -> int:
+        """Read every byte of `value` (a pass's consumer); its count."""
+        read_all(value, FILL)
         return int(value.numel())
 
     def record_fetch_us(self, n: int = 20_000) -> dict[str, float]:
@@ -97,12 +105,22 @@ class Consumer:
         return self.probe.stop()
 
 
+FILL = 7  # every byte of every tensor the producer makes
+
+
 def _tensor(nbytes: int) -> torch.Tensor:
-    return torch.full((nbytes,), 7, dtype=torch.uint8)
+    return torch.full((nbytes,), FILL, dtype=torch.uint8)
 
 
-def _touch(value: Any) -> int:
-    return int(value[:: 4096].sum()) if value.numel() else 0
+def read_all(value: torch.Tensor, fill: int) -> int:
+    """Read every byte of `value` (a uint8 tensor, each byte `fill`) once: their sum.
+
+    Raises: AssertionError if a byte is not `fill` (the read went wrong, or the bytes).
+    """
+    total = int(value.sum()) if value.numel() else 0
+    if total != fill * value.numel():
+        raise AssertionError(f"read {total}, expected {fill * value.numel()}: not every byte is {fill}")
+    return total
 
 
 def memcpy_gib_s(nbytes: int, repeat: int) -> float:
@@ -123,84 +141,103 @@ def memcpy_gib_s(nbytes: int, repeat: int) -> float:
 
 
 def fetch_rows(sizes: list[int], repeat: int) -> list[dict[str, Any]]:
-    """Actor -> async actor fetch latency and bandwidth, ours and Ray's, cold and warm."""
+    """Actor -> async actor fetch latency and bandwidth, ours and Ray's, cold and warm:
+    the clock starts at a ref in hand (the producer's call returned) and stops when the
+    consumer has read every byte (`fetch_read_s`; `fetch_s`: until the fetch returned)."""
     prod, cons = Producer.remote(), Consumer.remote()
     zprod = Producer.options(runtime_env=ZERO_COPY_ENV).remote()
     zcons = Consumer.options(runtime_env=ZERO_COPY_ENV).remote()
     ray.get([a.ready.remote() for a in (prod, zprod)] + [cons.ping.remote(), zcons.ping.remote()])
-    cases = [
-        ("rdt auto (shm)", prod, "rdt_auto", cons, "rdt"),
-        ("rdt auto, into=", prod, "rdt_auto", cons, "into"),
-        ("rdt object_store", prod, "rdt_object_store", cons, "rdt"),
-        ("ray object store", prod, "plain", cons, "ray"),
-        ("ray object store, zero-copy torch", zprod, "plain", zcons, "ray"),
-    ]
+    cases = {
+        "rdt auto (shm)": (prod, "rdt_auto", cons, "rdt"),
+        "rdt auto, into=": (prod, "rdt_auto", cons, "into"),
+        "rdt object_store": (prod, "rdt_object_store", cons, "rdt"),
+        "ray object store": (prod, "plain", cons, "ray"),
+        "ray object store, zero-copy torch": (zprod, "plain", zcons, "ray"),
+    }
+
+    def one(case: str, size: int) -> dict[str, float]:
+        producer, method, consumer, mode = cases[case]
+        ref = getattr(producer, method).remote(size)
+        ray.wait([ref])
+        return ray.get(consumer.fetch.remote([ref], mode, size))  # type: ignore[no-any-return]
+
     rows = []
-    for size in sizes:
-        for name, producer, method, consumer, mode in cases:
-            samples = []
-            for i in range(repeat + 1):  # the first run warms the actors' buffers and code
-                ref = getattr(producer, method).remote(size)
-                ray.wait([ref])
-                samples.append((i, ray.get(consumer.fetch.remote([ref], mode))))
-                del ref
-            warm = [s for i, s in samples if i > 0]
-            med = {k: statistics.median(s[k] for s in warm) for k in warm[0]}
-            rows.append(
-                {
+    try:
+        for size in sizes:  # (the cold round warms the actors' buffers and code)
+            turns = take_turns({c: functools.partial(one, c, size) for c in cases}, repeat)
+            for name in cases:
+                warm = turns.warm[name]
+                if not warm:
+                    rows.append({"bench": "fetch", "case": name, "size": size, "error": turns.why(name) or "no warm run"})
+                    continue
+                med = {k: statistics.median(s[k] for s in warm) for k in warm[0]}
+                row = {
                     "bench": "fetch",
                     "case": name,
                     "size": size,
-                    "cold_fetch_s": samples[0][1]["fetch"],
+                    "cold_fetch_s": turns.cold[name]["fetch"],
                     "fetch_s": med["fetch"],
                     "fetch_read_s": med["fetch_read"],
                     "gib_s": size / med["fetch_read"] / 2**30,
                     "max_loop_lag_ms": max(s["max_lag"] for s in warm) * 1000,
+                    "passes_s": [round(s["fetch_read"], 6) for s in warm],
+                    "turns": turns.turns[name],
                 }
-            )
-    for a in (prod, zprod, cons, zcons):
-        ray.kill(a)
+                if name in turns.broke:
+                    row["broke"] = turns.why(name)
+                rows.append(row)
+    finally:
+        for a in (prod, zprod, cons, zcons):
+            ray.kill(a)
     return rows
 
 
 def pass_rows(size: int, repeat: int) -> list[dict[str, Any]]:
-    """Driver-submitted actor -> actor pass of one object, end to end (4 KB: overheads)."""
+    """Driver-submitted actor -> actor pass of one object, end to end (4 KB: overheads), the paths in turns."""
     prod, cons = Producer.remote(), Consumer.remote()
     ray.get([prod.ready.remote(), cons.ping.remote()])
-    rows = [
-        {"bench": "pass", "case": name, "size": size, "seconds": _pass_s(prod, cons, method, size, repeat)}
-        for name, method in (("rdt auto", "rdt_auto"), ("ray object store", "plain"))
-    ]
-    ray.kill(prod)
-    ray.kill(cons)
-    return rows
+    try:
+        cases = {name: (prod, cons, method) for name, method in (("rdt auto", "rdt_auto"), ("ray object store", "plain"))}
+        return [{"bench": "pass", "case": name, "size": size, "seconds": s} for name, s in _passes_s(cases, size, repeat).items()]
+    finally:
+        ray.kill(prod)
+        ray.kill(cons)
 
 
-def _pass_s(prod: Any, cons: Any, method: str, size: int, repeat: int) -> float:
-    """Median seconds of a pass: `prod.method(size)` handed to `cons`, which touches its bytes."""
-    ray.get(cons.take.remote(getattr(prod, method).remote(size)))
-    times = []
-    for _ in range(max(repeat * 10, 20)):
+def _passes_s(cases: dict[str, tuple[Any, Any, str]], size: int, repeat: int) -> dict[str, float]:
+    """Median seconds of a pass for each case (producer, consumer, method), the cases in
+    turns: `producer.method(size)` handed to the consumer, which reads every byte of it."""
+
+    def one(producer: Any, consumer: Any, method: str) -> float:
         t0 = time.perf_counter()
-        ray.get(cons.take.remote(getattr(prod, method).remote(size)))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        ray.get(consumer.take.remote(getattr(producer, method).remote(size)))
+        return time.perf_counter() - t0
+
+    turns = take_turns({name: functools.partial(one, *c) for name, c in cases.items()}, max(repeat * 10, 20))
+    if turns.broke:
+        name, (_, e) = next(iter(turns.broke.items()))
+        raise RuntimeError(f"{name}: {turns.why(name)}") from e
+    return {name: statistics.median(turns.warm[name]) for name in cases}
 
 
 def metrics_rows(repeat: int, size: int = 4 << 10) -> list[dict[str, Any]]:
-    """What Ray metrics cost: a 4 KiB pass with them on and off, and one fetch's recording alone."""
-    rows = []
-    for case, env in (("rdt auto, metrics on", {}), ("rdt auto, RDT_METRICS=0", {"RDT_METRICS": "0"})):
-        opts = {"runtime_env": {"env_vars": env}} if env else {}
-        prod, cons = Producer.options(**opts).remote(), Consumer.options(**opts).remote()
-        ray.get([prod.ready.remote(), cons.ping.remote()])
-        row = {"bench": "metrics", "case": case, "size": size, "seconds": _pass_s(prod, cons, "rdt_auto", size, repeat)}
-        if not env:
-            row.update({f"record_fetch_{k}": v for k, v in ray.get(cons.record_fetch_us.remote()).items()})
-        rows.append(row)
-        ray.kill(prod)
-        ray.kill(cons)
-    return rows
+    """What Ray metrics cost: a 4 KiB pass with them on and off (in turns), and one fetch's recording alone."""
+    cases: dict[str, tuple[Any, Any, str]] = {}
+    try:
+        for case, env in (("rdt auto, metrics on", {}), ("rdt auto, RDT_METRICS=0", {"RDT_METRICS": "0"})):
+            opts = {"runtime_env": {"env_vars": env}} if env else {}
+            cases[case] = (Producer.options(**opts).remote(), Consumer.options(**opts).remote(), "rdt_auto")
+            ray.get([cases[case][0].ready.remote(), cases[case][1].ping.remote()])
+        rows: list[dict[str, Any]] = [{"bench": "metrics", "case": case, "size": size, "seconds": s}
+                                      for case, s in _passes_s(cases, size, repeat).items()]
+        on = cases["rdt auto, metrics on"][1]
+        rows[0].update({f"record_fetch_{k}": v for k, v in ray.get(on.record_fetch_us.remote()).items()})
+        return rows
+    finally:
+        for prod, cons, _ in cases.values():
+            ray.kill(prod)
+            ray.kill(cons)
 
 
 def responsiveness_rows(size: int) -> list[dict[str, Any]]:

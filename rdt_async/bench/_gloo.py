@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import multiprocessing as mp
 import statistics
@@ -14,6 +15,9 @@ import ray
 import torch
 
 import rdt_async as rdt
+
+from ._core import read_all
+from ._turns import take_turns
 
 
 def _raw_peer(rank: int, port: int, sizes: list[int], repeat: int, out: Any) -> None:
@@ -101,7 +105,8 @@ class OurConsumer:
         self.buf: dict[int, torch.Tensor] = {}
 
     async def take(self, value: Any) -> int:
-        return int(value.numel())
+        """Read every byte of what arrived (the producer's ones)."""
+        return read_all(value, 1)
 
     async def timed(self, refs: list[Any], together: bool) -> float:
         objs = [await r for r in refs]
@@ -146,17 +151,24 @@ class RayProducer:
 @ray.remote(enable_tensor_transport=True)
 class RayConsumer:
     def take(self, value: Any) -> int:
-        return int(value.numel())
+        """Read every byte of what arrived (the producer's ones)."""
+        return read_all(value, 1)
 
 
-def _pass_time(producer: Any, consumer: Any, size: int, repeat: int) -> float:
+def _pass_time(producer: Any, consumer: Any, size: int) -> float:
+    """Seconds of one pass: the producing call until the consumer has read every byte."""
+    t0 = time.perf_counter()
     ray.get(consumer.take.remote(producer.make.remote(size)))
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        ray.get(consumer.take.remote(producer.make.remote(size)))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return time.perf_counter() - t0
+
+
+def _medians(passes: dict[str, Any], repeat: int) -> dict[str, float]:
+    """The warm median of each of `passes` (callables returning seconds), in turns after a
+    cold round. Raises what broke a pass."""
+    turns = take_turns(passes, repeat)
+    for name, (_, e) in turns.broke.items():
+        raise RuntimeError(f"gloo {name}: {turns.why(name)}") from e
+    return {name: statistics.median(turns.warm[name]) for name in passes}
 
 
 def run(sizes: list[int], repeat: int) -> list[dict[str, Any]]:
@@ -171,26 +183,28 @@ def run(sizes: list[int], repeat: int) -> list[dict[str, Any]]:
     ray_group = create_collective_group([ray_p, ray_c], backend="torch_gloo")
     try:
         tags = itertools.count()
+
+        def raw_in_actors(size: int) -> float:  # raw send/recv on the group's own process group
+            i = next(tags)
+            took: float = ray.get([ours_p.raw_send.remote(group.name, size, i), ours_c.raw_recv.remote(group.name, size, i)])[1]
+            return took
+
         for size in sizes:
-            # Interleaved in the same two actors: raw send/recv on the group's own process
-            # group, then an rdt fetch into a warm buffer; the first of each is a warm-up.
-            inside, fetch = [], []
-            for _ in range(repeat + 1):
-                i = next(tags)
-                _, t = ray.get([ours_p.raw_send.remote(group.name, size, i), ours_c.raw_recv.remote(group.name, size, i)])
-                inside.append(t)
-                fetch.append(ray.get(ours_c.fetch_into.remote([ours_p.make.remote(size)])))
+            # In the same two actors, in turns: raw send/recv on the group's own process
+            # group, an rdt fetch into a warm buffer; each after a cold one.
+            med = _medians({"raw": functools.partial(raw_in_actors, size),
+                            "fetch": lambda size=size: ray.get(ours_c.fetch_into.remote([ours_p.make.remote(size)]))},
+                           repeat)
             rows.append({"bench": "gloo", "case": "raw ProcessGroupGloo send/recv", "size": size,
                          "seconds": raw[size], "gib_s": size / raw[size] / 2**30})
-            base = statistics.median(inside[1:])
             rows.append({"bench": "gloo", "case": "raw send/recv on the group's pg, same actors", "size": size,
-                         "seconds": base, "gib_s": size / base / 2**30})
-            med = statistics.median(fetch[1:])
+                         "seconds": med["raw"], "gib_s": size / med["raw"] / 2**30})
             rows.append({"bench": "gloo", "case": "rdt gloo fetch, into=", "size": size,
-                         "seconds": med, "gib_s": size / med / 2**30, "vs_raw": raw[size] / med,
-                         "vs_raw_same_actors": base / med})
-            ours = _pass_time(ours_p, ours_c, size, repeat)
-            theirs = _pass_time(ray_p, ray_c, size, repeat)
+                         "seconds": med["fetch"], "gib_s": size / med["fetch"] / 2**30, "vs_raw": raw[size] / med["fetch"],
+                         "vs_raw_same_actors": med["raw"] / med["fetch"]})
+            passes = _medians({"ours": functools.partial(_pass_time, ours_p, ours_c, size),
+                               "theirs": functools.partial(_pass_time, ray_p, ray_c, size)}, repeat)
+            ours, theirs = passes["ours"], passes["theirs"]
             rows.append({"bench": "gloo", "case": "rdt gloo actor->actor pass", "size": size, "seconds": ours})
             rows.append({"bench": "gloo", "case": "ray 2.60 gloo RDT pass", "size": size, "seconds": theirs,
                          "ours_speedup": theirs / ours})

@@ -10,6 +10,7 @@ process with a UCX worker burns.
 from __future__ import annotations
 
 import asyncio
+import functools
 import multiprocessing as mp
 import statistics
 import time
@@ -19,6 +20,8 @@ import ray
 import torch
 
 import rdt_async as rdt
+
+from ._turns import take_turns
 
 
 def _raw_server(q: Any, sizes: list[int]) -> None:
@@ -120,6 +123,11 @@ class Consumer:
         return _idle_cpu(seconds)
 
 
+def _fetch_s(producer: Any, consumer: Any, n: int, into: bool) -> float:
+    took: float = ray.get(consumer.timed.remote([producer.make.remote(n)], into))
+    return took
+
+
 def _idle_cpu(seconds: float) -> float:
     t0 = time.process_time()
     time.sleep(seconds)
@@ -133,12 +141,13 @@ def run(sizes: list[int], repeat: int) -> list[dict[str, Any]]:
     p, c = Producer.remote(), Consumer.remote()
     try:
         for n in [4096, *big]:
-            for into in (True, False):
-                if n == 4096 and into:
-                    continue
-                times = [ray.get(c.timed.remote([p.make.remote(n)], into)) for _ in range(repeat + 1)][1:]
-                med = statistics.median(times)
-                case = "rdt ucxx fetch, into=" if into else "rdt ucxx fetch"
+            # into= buffers and fresh ones in turns, each after a cold fetch (4 KiB: fresh only)
+            cases = {"rdt ucxx fetch, into=": True, "rdt ucxx fetch": False} if n > 4096 else {"rdt ucxx fetch": False}
+            turns = take_turns({case: functools.partial(_fetch_s, p, c, n, into) for case, into in cases.items()}, repeat)
+            for case in cases:
+                if case in turns.broke:
+                    raise RuntimeError(f"{case}: {turns.why(case)}") from turns.broke[case][1]
+                med = statistics.median(turns.warm[case])
                 rows.append({"bench": "ucxx", "case": case, "size": n, "seconds": med,
                              "gib_s": n / med / 2**30, "vs_raw": raw[n] / med})  # fmt: skip
             rows.append({"bench": "ucxx", "case": "raw ucxx ep.send/ep.recv", "size": n, "seconds": raw[n],
