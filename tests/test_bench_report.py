@@ -530,3 +530,16 @@ async def test_every_fetch_bench_mode_times_the_refs_resolution(monkeypatch):
         took = await consumer.fetch([Ref()], mode, n)
         assert took["fetch"] >= 0.045 and took["fetch_read"] >= took["fetch"], (mode, took)
     assert list(consumer.buffers) == [n]  # into='s buffer, made once by the size
+
+
+def test_quick_fills_in_only_what_the_command_line_does_not_give():
+    """`--quick --e2e-sizes 256M --repeat 9` runs 256 MiB, 9 rounds (it ran 4K,1M,64M, 3)."""
+    from rdt_async.bench.__main__ import parse_args
+
+    mine = parse_args(["--quick", "--e2e-sizes", "256M", "--repeat", "9", "--e2e-fanouts", "8", "--e2e-paths", "rdt auto"])
+    assert (mine.e2e_sizes, mine.repeat, mine.e2e_fanouts, mine.e2e_paths, mine.only) == ("256M", 9, "8", "rdt auto", "e2e")
+    quick = parse_args(["--quick", "--e2e-fanouts", ""])  # '' given: no fan-out
+    assert (quick.e2e_sizes, quick.repeat, quick.e2e_fanouts, quick.only) == ("4K,1M,64M", 3, "", "e2e")
+    assert "physical limit" in quick.e2e_paths
+    full = parse_args([])
+    assert (full.e2e_sizes, full.repeat, full.e2e_fanouts, full.e2e_paths, full.only) == ("4K,1M,64M,256M", 3, "4,8", "", "")

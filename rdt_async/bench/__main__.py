@@ -26,22 +26,29 @@ from ._progress import Progress
 from ._report import markdown, write_json, write_out
 from ._units import human, parse_size
 
+# What a run takes where the command line does not say; `--quick` first fills in its own.
+DEFAULTS = {"only": "", "repeat": 3, "e2e_sizes": "4K,1M,64M,256M", "e2e_fanouts": "4,8", "e2e_paths": ""}
+QUICK = {"only": "e2e", "repeat": 3, "e2e_sizes": "4K,1M,64M", "e2e_fanouts": "4",
+         "e2e_paths": "rdt auto,rdt nixl,ray object store,ray object store zero-copy,ray rdt nixl,physical limit"}
 
-def main(argv: list[str] | None = None) -> int:
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; `--quick` fills in only what it does not give (QUICK), then DEFAULTS the rest."""
     ap = argparse.ArgumentParser(prog="python -m rdt_async.bench", description=__doc__)
     ap.add_argument("--sizes", default="4K,1M,64M,256M,512M")
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=None, help=f"warm rounds (default {DEFAULTS['repeat']})")
     ap.add_argument("--json", default="",
                     help="file for the JSON results ('-': stdout, the default without --out)")
     ap.add_argument(
-        "--only", default="", help="comma-separated: e2e,fanout,publish," + ",".join(OTHERS)
+        "--only", default=None, help="comma-separated: e2e,fanout,publish," + ",".join(OTHERS) + " (default: all)"
     )
-    ap.add_argument("--e2e-sizes", default="4K,1M,64M,256M", help="sizes of the end-to-end passes")
-    ap.add_argument("--e2e-paths", default="", help="comma-separated, e.g. 'rdt auto,ray object store zero-copy'")
+    ap.add_argument("--e2e-sizes", default=None, help=f"sizes of the end-to-end passes (default {DEFAULTS['e2e_sizes']})")
+    ap.add_argument("--e2e-paths", default=None, help="comma-separated, e.g. 'rdt auto,ray object store zero-copy'")
     ap.add_argument("--e2e-shapes", default="",
                     help="comma-separated producer shapes: kept (share_memory_() once), plain (kept, never "
                          "shared), fresh (a new tensor each call); default: all")
-    ap.add_argument("--e2e-fanouts", default="4,8", help="consumers of one object in the fan-out passes ('': none)")
+    ap.add_argument("--e2e-fanouts", default=None,
+                    help=f"consumers of one object in the fan-out passes ('': none; default {DEFAULTS['e2e_fanouts']})")
     ap.add_argument("--hosts", choices=HOSTS, default="1",
                     help="1: one host; flat or split (2 is flat): e2e consumers on a second host, joined by a "
                          "veth link that is its default route (flat) or on a data network that is nobody's "
@@ -58,19 +65,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--write-costs", default="", metavar="FILE",
                     help="fit auto's cost model to the e2e passes and merge it into FILE (for RDT_AUTO_COSTS)")
     ap.add_argument("--quick", action="store_true",
-                    help="the end-to-end headline only, fewer sizes and paths: a few minutes on 2 cores")
+                    help="the end-to-end headline only, fewer sizes and paths: a few minutes on 2 cores (--only "
+                         f"{QUICK['only']} --repeat {QUICK['repeat']} --e2e-sizes {QUICK['e2e_sizes']} --e2e-fanouts "
+                         f"{QUICK['e2e_fanouts']} and a subset of the paths, each where the command line gives none)")
     ap.add_argument("--out", default="", metavar="DIR",
                     help="write DIR/results.json, DIR/results.md and plots of the end-to-end passes (PNG)")
     ap.add_argument("--no-progress", action="store_true",
                     help="no progress bar (there is none anyway where stderr is not a terminal)")
     args = ap.parse_args(argv)
-    if args.quick:
-        args.only = args.only or "e2e"
-        args.repeat = min(args.repeat, 3)  # the first pass is reported apart (cold): 3 warm ones
-        args.e2e_sizes = "4K,1M,64M"
-        args.e2e_fanouts = "4"
-        args.e2e_paths = args.e2e_paths or ("rdt auto,rdt nixl,ray object store,ray object store zero-copy,"
-                                             "ray rdt nixl,physical limit")
+    for key, value in [*(QUICK.items() if args.quick else ()), *DEFAULTS.items()]:
+        if getattr(args, key) is None:  # not on the command line (an explicit '' stays: none)
+            setattr(args, key, value)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     only = set(filter(None, args.only.split(",")))
 
