@@ -543,3 +543,22 @@ def test_quick_fills_in_only_what_the_command_line_does_not_give():
     assert "physical limit" in quick.e2e_paths
     full = parse_args([])
     assert (full.e2e_sizes, full.repeat, full.e2e_fanouts, full.e2e_paths, full.only) == ("4K,1M,64M,256M", 3, "4,8", "", "")
+
+
+def test_auto_is_compared_with_the_paths_it_could_take_only():
+    """Auto prepares a CPU object on one node for shm (nixl only where its costs say so,
+    ucxx never), across hosts for tcp; the object store is every object's fallback. A
+    faster ucxx or nixl row is no path auto could have taken (it counted both)."""
+    from rdt_async.bench.__main__ import auto_could_take, checks
+
+    assert auto_could_take(64 * MIB, 1) == ({"rdt shm"}, "rdt object_store")
+    assert auto_could_take(64 * MIB, 2) == ({"rdt tcp"}, "rdt object_store")
+    assert auto_could_take(4096, 1)[0] == {"rdt inline"}  # the bytes ride in the ref
+    rows = [_row(case, "kept", size, seconds, 0.5) for size in (4096, 64 * MIB) for case, seconds in (
+        ("rdt auto", 0.010), ("rdt shm", 0.012), ("rdt nixl", 0.008), ("rdt ucxx", 0.007), ("rdt object_store", 0.05))]
+    got = checks(rows)
+    assert got["e2e_auto_kept_64MiB_x1_vs_fastest_auto_could_take"] == 0.833
+    assert "e2e_auto_kept_4KiB_x1_vs_fastest_auto_could_take" not in got  # inline's path runs under no other name
+    far = [{**r, "hosts": 2} for r in rows if r["case"] != "rdt shm"] + [
+        {**_row("rdt tcp", "kept", 64 * MIB, 0.02, 0.5), "hosts": 2}]
+    assert checks(far)["e2e_auto_kept_64MiB_x1_hosts2_vs_fastest_auto_could_take"] == 0.5
