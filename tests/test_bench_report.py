@@ -562,3 +562,24 @@ def test_auto_is_compared_with_the_paths_it_could_take_only():
     far = [{**r, "hosts": 2} for r in rows if r["case"] != "rdt shm"] + [
         {**_row("rdt tcp", "kept", 64 * MIB, 0.02, 0.5), "hosts": 2}]
     assert checks(far)["e2e_auto_kept_64MiB_x1_hosts2_vs_fastest_auto_could_take"] == 0.5
+
+
+def test_costs_are_fitted_to_one_shape_for_every_transport(tmp_path):
+    """Each transport's line comes from its plain passes alone: fitted over every shape,
+    each size's point was whichever shape's pass sat in the middle, another shape's for
+    one transport than for the next."""
+    from rdt_async.bench._e2e import check_costs_shapes, write_costs
+
+    rows = []
+    for case, (latency, gib_s) in (("rdt shm", (0.004, 2.0)), ("rdt tcp", (0.005, 1.5))):
+        for size in (4096, MIB, 64 * MIB, 256 * MIB):
+            plain = latency + size / (gib_s * 2**30)
+            rows += [_row(case, "plain", size, plain, 0.5), _row(case, "kept", size, plain * 2, 0.5),
+                     _row(case, "fresh", size, plain * 3, 0.5), _row(case, "plain", size, plain * 9, 0.5, consumers=4)]
+    fitted = write_costs(rows, str(tmp_path / "costs.json"))
+    assert fitted == {"shm/node": [0.004, 2.0], "tcp/node": [0.005, 1.5]}
+    assert json.loads((tmp_path / "costs.json").read_text()) == {"cpu": fitted}
+    with pytest.raises(SystemExit, match="--write-costs fits auto's costs to the plain shape's passes, which "
+                                         "--e2e-shapes kept,fresh leaves out: add plain to it"):
+        check_costs_shapes(("kept", "fresh"))
+    check_costs_shapes(("plain",))

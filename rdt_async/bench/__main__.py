@@ -63,7 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="seconds between the versions the trainer publishes (its training step; default longer "
                          "than the actors keep idle warm memory, as a step of tens of seconds is; 0: back to back)")
     ap.add_argument("--write-costs", default="", metavar="FILE",
-                    help="fit auto's cost model to the e2e passes and merge it into FILE (for RDT_AUTO_COSTS)")
+                    help="fit auto's cost model to the e2e passes of the plain shape (a kept tensor never shared, "
+                         "as most users return) and merge it into FILE (for RDT_AUTO_COSTS)")
     ap.add_argument("--quick", action="store_true",
                     help="the end-to-end headline only, fewer sizes and paths: a few minutes on 2 cores (--only "
                          f"{QUICK['only']} --repeat {QUICK['repeat']} --e2e-sizes {QUICK['e2e_sizes']} --e2e-fanouts "
@@ -87,12 +88,13 @@ def main(argv: list[str] | None = None) -> int:
     def want(name: str) -> bool:
         return not only or name in only
 
-    from ._e2e import check_costs_file, check_paths, check_shapes
+    from ._e2e import COSTS_SHAPE, check_costs_file, check_costs_shapes, check_paths, check_shapes
 
     paths = check_paths(args.e2e_paths)  # a wrong name says so now, not as a failed row after minutes
     shapes = check_shapes(args.e2e_shapes)
     if args.write_costs:
         check_costs_file(args.write_costs)  # now, not after the run
+        check_costs_shapes(shapes)
     from ..transports import _auto
 
     try:
@@ -114,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
                              shapes=shapes, fanouts=tuple(int(k) for k in args.e2e_fanouts.split(",") if k.strip()))
             if args.write_costs:
                 fitted = _e2e.write_costs(rows, args.write_costs)
-                progress.note(f"auto's costs ({len(fitted)} paths) merged into {args.write_costs}")
+                progress.note(f"auto's costs ({len(fitted)} paths, fitted to the {COSTS_SHAPE} shape's passes) "
+                              f"merged into {args.write_costs}")
         if want("fanout") and (hosts == 3 or "fanout" in only):
             from . import _fanout
 

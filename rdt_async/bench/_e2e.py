@@ -634,8 +634,22 @@ def check_costs_file(path: str) -> None:
             raise SystemExit(f"--write-costs {path}: {e}: remove it, or name another file") from e
 
 
+# The shape auto's costs are fitted to: a tensor the producer keeps and never shared, as
+# most users return one (shm copies a snapshot of it into a segment at each return, tcp
+# and nixl serve it as it is); every transport's cost comes from the same shape.
+COSTS_SHAPE = "plain"
+
+
+def check_costs_shapes(shapes: tuple[str, ...]) -> None:
+    """Before a run with --write-costs: its shapes must include COSTS_SHAPE. Raises SystemExit naming the fix."""
+    if COSTS_SHAPE not in shapes:
+        raise SystemExit(f"--write-costs fits auto's costs to the {COSTS_SHAPE} shape's passes, which --e2e-shapes "
+                         f"{','.join(shapes)} leaves out: add {COSTS_SHAPE} to it, or give no --e2e-shapes")
+
+
 def write_costs(rows: list[dict[str, Any]], path: str) -> dict[str, list[float]]:
-    """Fit `latency + bytes / bandwidth` per rdt transport to the passes; merge into `path` (JSON).
+    """Fit `latency + bytes / bandwidth` per rdt transport to its one-consumer passes of the
+    COSTS_SHAPE shape (each size's warm median); merge into `path` (JSON).
 
     The file is what RDT_AUTO_COSTS names for `auto` (transports/_auto.py). Passes on one
     host give "<transport>/node", on two hosts "<transport>/hosts".
@@ -646,13 +660,14 @@ def write_costs(rows: list[dict[str, Any]], path: str) -> dict[str, list[float]]
     from ..transports._auto import fit
 
     fitted: dict[str, list[float]] = {}
-    for case in {r["case"] for r in rows if r["bench"] == "e2e" and r["case"].startswith("rdt ")}:
+    mine = [r for r in rows if r["bench"] == "e2e" and "seconds" in r and r.get("shape") == COSTS_SHAPE
+            and r["consumers"] == 1]
+    for case in {r["case"] for r in mine if r["case"].startswith("rdt ")}:
         transport = case[4:]
         if transport == "auto" or case == INTO:
             continue
-        for hosts in {r.get("hosts", 1) for r in rows}:
-            points = [(r["size"], r["seconds"]) for r in rows
-                      if r["bench"] == "e2e" and "seconds" in r and r["case"] == case and r["consumers"] == 1 and r.get("hosts", 1) == hosts]
+        for hosts in {r.get("hosts", 1) for r in mine}:
+            points = [(r["size"], r["seconds"]) for r in mine if r["case"] == case and r.get("hosts", 1) == hosts]
             cost = fit(points)
             if cost is not None:
                 fitted[f"{transport}/{'node' if hosts == 1 else 'hosts'}"] = [round(cost.latency_s, 6), round(cost.gib_s, 4)]

@@ -10,7 +10,8 @@ transport classes to prepare an object for (`plan`).
 
 The cost of a path is `latency + bytes / bandwidth`, fitted to end-to-end passes (clock
 from the producing call until the consumer has read every byte) by
-`python -m rdt_async.bench --only e2e [--hosts 2] --write-costs FILE`. The built-ins'
+`python -m rdt_async.bench --only e2e [--hosts 2] --write-costs FILE` (its `plain` shape's
+passes). The built-ins'
 declared costs were measured so on a 2-core VM (CPU tensors, 2026-11-23; "hosts" over a
 veth link between network namespaces) and one H200 (GPU tensors on one node,
 2026-11-27); `RDT_AUTO_COSTS=FILE` makes every process use the costs measured on your
