@@ -583,3 +583,62 @@ def test_costs_are_fitted_to_one_shape_for_every_transport(tmp_path):
                                          "--e2e-shapes kept,fresh leaves out: add plain to it"):
         check_costs_shapes(("kept", "fresh"))
     check_costs_shapes(("plain",))
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread, as in a Ray worker; set back after."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_the_physical_limit_copies_the_fastest_way_with_a_ray_workers_threads(tmp_path, one_thread):
+    """The limit's copy ran on every core (torch set to all of them in its actor) while each
+    path's producer has a Ray worker's threads, and a faster copy than its `copy_` (libc's
+    memmove) put `auto` under it. Its allocation keeps the worker's threads; its copy is the
+    fastest of the ways it knows at each size, picked before the size's passes."""
+    import torch
+
+    from rdt_async.bench import _e2e
+
+    limit = _e2e.LimitProducer.__ray_metadata__.modified_class(str(tmp_path / "limit"))  # the class itself, no actor
+    assert torch.get_num_threads() == 1  # a Ray worker's, as every producer's
+    assert "memmove, split" in limit.ways and "copy_, 1 thread" in limit.ways
+    n = 1 << 16
+    for name, way in _e2e.copies().items():  # each way lands every byte
+        mm, dst = limit.file.mapped(n)
+        dst.zero_()
+        way(mm, dst, torch.full((n,), 2.0))
+        assert float(dst.sum()) == 2.0 * n, name
+    assert torch.get_num_threads() == 1
+
+    def slow(mm, dst, src):
+        time.sleep(0.01)
+        dst.copy_(src)
+
+    limit.ways = {"slow": slow, "fast": lambda mm, dst, src: dst.copy_(src)}
+    assert limit.prepare(n, "kept") is None and limit.prepare(n, "plain") == "fast"
+    used = []
+    limit.ways["fast"] = lambda mm, dst, src: used.append("fast") or dst.copy_(src)
+    assert limit.make(n, "fresh") == n and used == ["fast"] and float(limit.file.get(n).sum()) == n
+
+
+def test_a_path_under_the_physical_limit_is_flagged():
+    from rdt_async.bench.__main__ import checks
+    from rdt_async.bench._e2e import LIMIT, _ratios
+
+    rows = [_row("rdt auto", "plain", 64 * MIB, 0.0092, 0.5), _row(LIMIT, "plain", 64 * MIB, 0.010, 0.2),
+            _row("ray object store zero-copy", "plain", 64 * MIB, 0.011, 0.2), _row("rdt auto", "kept", 64 * MIB, 0.02, 0.5),
+            _row(LIMIT, "kept", 64 * MIB, 0.010, 0.2)]
+    _ratios(rows)
+    assert checks(rows)["e2e_under_physical_limit"] == {"rdt auto plain 64 MiB": 0.92}
+    lines = markdown({"rows": rows}).splitlines()
+    assert any(line.startswith("**Under the physical limit** (suspicious") and line.endswith("rdt auto plain 64 MiB (0.92x).")
+               for line in lines), lines
+    rows[0]["seconds"] = 0.011
+    _ratios(rows)
+    assert "e2e_under_physical_limit" not in checks(rows) and "Under the physical limit" not in markdown({"rows": rows})

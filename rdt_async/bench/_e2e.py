@@ -172,21 +172,53 @@ class _SharedFile:
 
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
-        self.maps: dict[int, torch.Tensor] = {}
+        self.maps: dict[int, tuple[Any, torch.Tensor]] = {}  # n -> (the mapping, a tensor over it)
 
     def get(self, n: int) -> torch.Tensor:
+        return self.mapped(n)[1]
+
+    def mapped(self, n: int) -> tuple[Any, torch.Tensor]:
         if n not in self.maps:
             import mmap
-            import os
 
             fd = os.open(f"{self.prefix}-{n}", os.O_RDWR | os.O_CREAT, 0o600)
             try:
                 if os.fstat(fd).st_size < n * 4:
                     os.ftruncate(fd, n * 4)
-                self.maps[n] = torch.frombuffer(mmap.mmap(fd, n * 4), dtype=torch.float32)
+                mm = mmap.mmap(fd, n * 4)
+                self.maps[n] = (mm, torch.frombuffer(mm, dtype=torch.float32))
             finally:
                 os.close(fd)
         return self.maps[n]
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def copies() -> dict[str, Callable[[Any, torch.Tensor, torch.Tensor], None]]:
+    """The ways the physical limit knows to copy a private tensor into shared memory, by
+    name: each `copy(mapping, tensor over it, source)`. torch's `copy_` with the threads a
+    Ray worker's torch has (as every producer's own work runs), with every core's, and
+    rdt_async's split copy (libc's memmove in parts on several threads, as its shm export)."""
+    from rdt_async import _local
+
+    def on_threads(n: int) -> Callable[[Any, torch.Tensor, torch.Tensor], None]:
+        def copy(mm: Any, dst: torch.Tensor, src: torch.Tensor) -> None:
+            before = torch.get_num_threads()
+            torch.set_num_threads(n)
+            try:
+                dst.copy_(src)
+            finally:
+                torch.set_num_threads(before)
+        return copy
+
+    own, cores = torch.get_num_threads(), _cores()
+    ways = {f"copy_, {own} thread{'s' if own > 1 else ''}": on_threads(own)}
+    if cores != own:
+        ways[f"copy_, {cores} threads"] = on_threads(cores)
+    ways["memmove, split"] = lambda mm, dst, src: _local.copy_to(mm, [src], [0])
+    return ways
 
 
 @ray.remote
@@ -196,27 +228,50 @@ class LimitProducer:
     Kept: nothing (the bytes already sit in memory the consumer maps: zero-copy sharing).
     Plain: one warm copy of the kept private tensor into memory the consumer maps (a
     snapshot: the producer may write its tensor once the call has returned).
-    Fresh: the user's own `torch.full` into fresh pages, and one warm copy into memory the
-    consumer maps (a tensor born in private memory must be copied once to be shared).
-    Its copies run on every core the actor may use (torch's threads; Ray sets one).
-    It returns only the size; the consumer reads every byte of the shared file.
+    Fresh: the user's own `torch.full` into fresh pages, with the threads a Ray worker's
+    torch has (as every path's producer), and one warm copy into memory the consumer maps
+    (a tensor born in private memory must be copied once to be shared).
+    The copy is the fastest way of `copies()` at that size, picked by `prepare` before
+    the size's passes (untimed), so that the limit is no slower than the copy any path's
+    export makes. It returns only the size; the consumer reads every byte of the shared file.
     """
 
     def __init__(self, prefix: str) -> None:
-        import os
-
-        torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
         self.file = _SharedFile(prefix)
         self.filled: set[int] = set()
         self.plain: dict[int, torch.Tensor] = {}
+        self.ways = copies()
+        self.fastest: dict[int, str] = {}
+
+    def prepare(self, n: int, shape: str) -> str | None:
+        """Time each way to copy `n` elements into the shared file (warm, best of 3) and
+        keep the fastest for this size; its name (None for the kept shape: no copy)."""
+        if shape != "kept" and n not in self.fastest:
+            mm, dst = self.file.mapped(n)
+            src = torch.full((n,), 1.0)
+            took = {}
+            for name, copy in self.ways.items():
+                copy(mm, dst, src)  # (warm)
+                times = []
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    copy(mm, dst, src)
+                    times.append(time.perf_counter() - t0)
+                took[name] = min(times)
+            self.fastest[n] = min(took, key=lambda k: took[k])
+        return self.fastest.get(n) if shape != "kept" else None
+
+    def _copy(self, n: int, src: torch.Tensor) -> None:
+        mm, dst = self.file.mapped(n)
+        self.ways[self.fastest.get(n, next(iter(self.ways)))](mm, dst, src)
 
     def make(self, n: int, shape: str) -> int:
         if shape == "plain":
             if n not in self.plain:
                 self.plain[n] = torch.full((n,), 1.0)
-            self.file.get(n).copy_(self.plain[n])
+            self._copy(n, self.plain[n])
         elif shape == "fresh" or n not in self.filled:
-            self.file.get(n).copy_(torch.full((n,), 1.0))
+            self._copy(n, torch.full((n,), 1.0))
         self.filled.add(n)
         return n
 
@@ -277,9 +332,9 @@ class _Path:
     """
 
     def __init__(self, name: str, producer: Any, consumers: list[Any], close: Callable[[], None] = lambda: None,
-                 *, nested: bool = False):
+                 *, nested: bool = False, prepare: Callable[[int, str], dict[str, Any]] = lambda n, shape: {}):
         self.name, self.producer, self.consumers, self._close = name, producer, consumers, close
-        self.nested = nested
+        self.nested, self.prepare = nested, prepare
         self.pids: list[int] = ray.get([producer.pid.remote(), *(c.pid.remote() for c in consumers)], timeout=120)
 
     def one_pass(self, n: int, shape: str, k: int = 1) -> tuple[float, float | None]:
@@ -382,8 +437,12 @@ def _limit_path(fanout: int) -> _Path:
         for f in glob.glob(prefix + "-*"):
             os.unlink(f)
 
+    def prepare(n: int, shape: str) -> dict[str, Any]:  # (untimed: the copy it will use at this size)
+        copy = ray.get(producer.prepare.remote(n, shape), timeout=600)
+        return {} if copy is None else {"limit_copy": copy}
+
     producer = LimitProducer.remote(prefix)
-    return _Path(LIMIT, producer, [LimitConsumer.remote(prefix) for _ in range(fanout)], unlink)
+    return _Path(LIMIT, producer, [LimitConsumer.remote(prefix) for _ in range(fanout)], unlink, prepare=prepare)
 
 
 def _ours() -> list[str]:
@@ -537,15 +596,31 @@ def _in_turns(names: list[str], sizes: list[int], repeat: int, hosts: int, progr
             for size in sizes:
                 n = max(1, size // 4)  # float32 elements
                 with progress.step(f"e2e {shape} {human(size)}, {len(live)} paths in turns"):
+                    base = {"shape": shape, "size": size, "consumers": 1, "hosts": hosts}
+                    extra, failed = _prepare(live, n, shape, base)
+                    rows += failed
                     ran = list(live)
                     turns = _take_turns(live, n, shape, _rounds(repeat, size))
-                    for row in turn_rows(turns, ran, {"shape": shape, "size": size, "consumers": 1, "hosts": hosts}):
+                    for row in turn_rows(turns, ran, base):
                         if row["case"] in live:
                             row["breakdown"] = _breakdown(live[row["case"]], n, shape)
-                        rows.append(row)
+                        rows.append({**row, **extra.get(row["case"], {})})
     finally:
         _close_all(live)
     return rows
+
+
+def _prepare(live: dict[str, _Path], n: int, shape: str, base: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """Each path's untimed preparation for (n, shape) (the limit picks its copy): what it
+    adds to the path's row, and error rows for paths whose preparation failed (closed, out of `live`)."""
+    extra, failed = {}, []
+    for name in list(live):
+        try:
+            extra[name] = live[name].prepare(n, shape)
+        except Exception as e:
+            failed.append({"bench": "e2e", "case": name, **base, "error": f"preparing: {type(e).__name__}: {e}"[:500]})
+            live.pop(name).close()
+    return extra, failed
 
 
 def _breakdown(path: _Path, n: int, shape: str) -> dict[str, Any] | None:

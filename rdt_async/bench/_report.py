@@ -36,12 +36,16 @@ def markdown(result: dict[str, Any]) -> str:
                 "From the producing call until the consumer has read every element: warm median "
                 f"(ratio to the best Ray path of this run), then the first pass (cold).{across} "
                 "`physical limit` (one node): the same calls, the producer's own work (a kept "
-                "shared tensor: none; a kept plain one: one warm copy into shared memory on every "
-                "core; a fresh one: its allocation and that copy) and one read of every byte, "
-                "nothing else. Shapes: `kept` (the producer called `share_memory_()` once), "
-                "`plain` (it keeps a tensor it never shared), `fresh` (a new tensor each call). "
-                "One table per producer shape: a page shows every column.",
+                "shared tensor: none; a kept plain one: one warm copy into shared memory, by the "
+                "fastest copy it knows at that size, `limit_copy` in the JSON; a fresh one: its "
+                "allocation and that copy) and one read of every byte, nothing else. "
+                f"Shapes: {SHAPES_SAID} One table per producer shape: a page shows every column.",
                 *_by_shape(e2e, _time_cell)]
+        under = under_the_limit(e2e)
+        if under:
+            out += ["", "**Under the physical limit** (suspicious: the limit is meant to be the least a pass "
+                    "can cost here, so either it missed a faster way or these passes skipped work; check "
+                    "before trusting either): " + ", ".join(f"{k} ({v:.2f}x)" for k, v in under.items()) + "."]
         if any(r.get("loop_stall_ms") is not None for r in e2e):
             out += ["", "The consumer's event-loop stall while the value arrived, worst warm pass, ms "
                     "(—: a sync actor, Ray 2.60's RDT consumer: no loop; its other calls wait until the value is in):",
@@ -52,6 +56,18 @@ def markdown(result: dict[str, Any]) -> str:
         out += ["", "## Checks", "", "| check | value |", "| --- | --- |"]
         out += [f"| {k} | {v} |" for k, v in result["checks"].items()]
     return "\n".join(out) + "\n"
+
+
+# (as the e2e docstring says; this module imports neither Ray nor torch)
+SHAPES_SAID = ("`kept` (the producer called `share_memory_()` once), `plain` (it keeps a tensor it never "
+               "shared), `fresh` (a new tensor each call).")
+
+
+def under_the_limit(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """The e2e rows faster than the physical limit of their column (`vs_limit` < 1), by
+    "case shape size[ to k]": the limit is meant to be a floor, so each is suspect."""
+    return {f"{r['case']} {r['shape']} {human(r['size'])}" + (f" to {r['consumers']}" if r["consumers"] > 1 else ""):
+            round(r["vs_limit"], 3) for r in rows if r.get("bench") == "e2e" and r.get("vs_limit", 1.0) < 1.0}
 
 
 def _by_shape(rows: list[dict[str, Any]], cell: Callable[[dict[str, Any]], str]) -> list[str]:
