@@ -642,3 +642,30 @@ def test_a_path_under_the_physical_limit_is_flagged():
     rows[0]["seconds"] = 0.011
     _ratios(rows)
     assert "e2e_under_physical_limit" not in checks(rows) and "Under the physical limit" not in markdown({"rows": rows})
+
+
+def test_every_ratio_is_our_time_over_theirs():
+    """One convention: below 1, rdt_async is faster. `into=` against memcpy was a bandwidth
+    ratio (`into_256M_vs_memcpy`, above 1 faster), NIXL's and the GPU's checks too."""
+    from rdt_async.bench import gpu
+    from rdt_async.bench.__main__ import checks
+
+    size = 256 * MIB
+    rows = [{"bench": "fetch", "case": "rdt auto, into=", "size": size, "fetch_s": 0.1, "fetch_read_s": 0.15,
+             "gib_s": size / 0.15 / 2**30},
+            {"bench": "memcpy", "case": "torch copy_, 1 thread, warm", "size": size, "gib_s": 5.0}]  # 50 ms a copy
+    got = checks(rows)
+    assert got["into_256M_fetch_vs_memcpy"] == 2.0 and "into_256M_vs_memcpy" not in got
+    gib = 1 << 30
+    gpu_rows = [{"case": "rdt cuda_ipc fetch cuda -> cuda, into= (reused)", "size": gib, "gb_s": 100.0},
+                {"case": "raw CUDA IPC: mapped once, copy_", "size": gib, "gb_s": 150.0}]
+    assert gpu.checks(gpu_rows) == {
+        "rdt cuda_ipc fetch cuda -> cuda, into= (reused) / raw CUDA IPC: mapped once, copy_ (>= 64 MiB)": {"1 GiB": 1.5}}
+    nixl = pytest.importorskip("rdt_async.bench._nixl")
+    summary = nixl._summary([
+        {"case": "raw NIXL READ (2 processes, no Ray)", "size": size, "seconds": 0.04, "gib_s": 6.25},
+        {"case": "rdt nixl transport, into= (2 processes)", "size": size, "seconds": 0.05, "gib_s": 5.0},
+        {"case": "rdt.get nixl, into= (actor -> driver)", "size": size, "seconds": 0.05, "gib_s": 5.0},
+        {"case": "ray RDT nixl (actor -> actor arg)", "size": size, "seconds": 0.25, "gib_s": 1.0}])
+    assert [(r["case"], r["ratio"]) for r in summary] == [
+        ("check: 256M transport time / raw (target <= 1.25)", 1.25), ("check: 256M rdt.get time / ray RDT (target <= 0.333)", 0.2)]

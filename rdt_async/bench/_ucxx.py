@@ -4,7 +4,7 @@ Baseline: two plain processes using `ucxx.create_listener` / `create_endpoint` a
 `await ep.send` / `ep.recv` into a warm buffer, as a user would write it (UCXX's
 default progress thread). Ours: `rdt.fetch` between two actors over `tensor_transport=
 "ucxx"`, warm `into=` buffers and fresh ones, a 4 KiB fetch, and the CPU an idle
-process with a UCX worker burns.
+process with a UCX worker burns. `vs_raw`: our time over UCXX's own (below 1: ours faster).
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def run(sizes: list[int], repeat: int) -> list[dict[str, Any]]:
                     raise RuntimeError(f"{case}: {turns.why(case)}") from turns.broke[case][1]
                 med = statistics.median(turns.warm[case])
                 rows.append({"bench": "ucxx", "case": case, "size": n, "seconds": med,
-                             "gib_s": n / med / 2**30, "vs_raw": raw[n] / med})  # fmt: skip
+                             "gib_s": n / med / 2**30, "vs_raw": med / raw[n]})  # fmt: skip
             rows.append({"bench": "ucxx", "case": "raw ucxx ep.send/ep.recv", "size": n, "seconds": raw[n],
                          "gib_s": n / raw[n] / 2**30})  # fmt: skip
         idle = ray.get([p.idle_cpu.remote(3.0), c.idle_cpu.remote(3.0)])
