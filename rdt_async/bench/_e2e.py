@@ -6,8 +6,9 @@ the producer's export, the transfer, the consumer's read and Ray's calls all cou
 Three producer shapes (SHAPES), the same code for every path: a tensor it keeps and
 returns each step (a trainer publishing its weights), put in shared memory once with
 `share_memory_()` as the docs recommend (`kept`), or left as it was made, as most users
-do (`plain`: a snapshot must be copied at each return); and a fresh tensor each call
-(`fresh`). `rdt auto into=` is `auto` with a consumer that lands each value in a
+do (`plain`: rdt's shm and Ray's object store copy a snapshot of it at each return; tcp,
+nixl, ucxx and gloo serve the live tensor at the fetch, rdt's object_store copies it
+then); and a fresh tensor each call (`fresh`). `rdt auto into=` is `auto` with a consumer that lands each value in a
 tensor of its own (`rdt.fetch(ref, into=...)`). The first pass of each (path, shape, size) is
 reported apart (cold: first touch of fresh memory, first use of a transport); the rest
 give the warm median, each kept in the row (`passes_s`, in round order) with the path's
@@ -226,8 +227,9 @@ class LimitProducer:
     """The physical limit of a pass on one node: the producer does what no path can skip.
 
     Kept: nothing (the bytes already sit in memory the consumer maps: zero-copy sharing).
-    Plain: one warm copy of the kept private tensor into memory the consumer maps (a
-    snapshot: the producer may write its tensor once the call has returned).
+    Plain: one warm copy of the kept private tensor into memory the consumer maps (another
+    process cannot see private memory: one copy, a snapshot as shm's or a live read as
+    tcp's, is the least any path makes).
     Fresh: the user's own `torch.full` into fresh pages, with the threads a Ray worker's
     torch has (as every path's producer), and one warm copy into memory the consumer maps
     (a tensor born in private memory must be copied once to be shared).

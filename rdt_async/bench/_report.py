@@ -60,7 +60,9 @@ def markdown(result: dict[str, Any]) -> str:
 
 # (as the e2e docstring says; this module imports neither Ray nor torch)
 SHAPES_SAID = ("`kept` (the producer called `share_memory_()` once), `plain` (it keeps a tensor it never "
-               "shared), `fresh` (a new tensor each call).")
+               "shared: rdt's shm and Ray's object store copy a snapshot of it at each return; tcp, nixl, "
+               "ucxx and gloo serve the live tensor at the fetch, rdt's object_store copies it then), "
+               "`fresh` (a new tensor each call).")
 
 
 def under_the_limit(rows: list[dict[str, Any]]) -> dict[str, float]:
