@@ -106,6 +106,9 @@ class Trainer:
     def held(self) -> int:
         return rdt.store_stats()["objects"]
 
+    def pid(self) -> int:
+        return os.getpid()
+
 
 @rdt.remote
 class Server:
@@ -126,8 +129,11 @@ def main() -> None:
     started = not ray.is_initialized()
     if started:
         ray.init(address="local")  # a fresh local instance, even if a cluster runs here
+    actors, trainer_pid = [], None
     try:
         trainer, server = Trainer.remote(), Server.remote()
+        actors = [trainer, server]
+        trainer_pid = ray.get(trainer.pid.remote())
         ref = trainer.weights.remote(step=2)
         print("server loaded (sum of w, step, sum of layer 0):", ray.get(server.load.remote(ref)))
         print("server fetched w[1]:", ray.get(server.load_later.remote([ref])))
@@ -139,9 +145,13 @@ def main() -> None:
                 break
             asyncio.run(asyncio.sleep(0.05))
         print("objects the trainer still holds:", ray.get(trainer.held.remote()))
-        for actor in (trainer, server):
+    finally:  # (also when a call above failed, or the wait ran out with the object held)
+        for actor in actors:
             ray.kill(actor)
-    finally:
+        if trainer_pid is not None:  # what the killed trainer left in the spool
+            for left in glob.glob(os.path.join(SpoolTransport.root, f"{trainer_pid}-*.pt")):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(left)
         if started:
             ray.shutdown()
 

@@ -794,3 +794,35 @@ async def test_a_ray_manager_fetch_that_fails_before_its_transfer_gives_the_lent
             break
         await asyncio.sleep(0.02)
     assert Lending.collected == ["o1", "o2"] and not producer._lent and not producer._given_up
+
+
+def test_the_examples_main_ends_its_actors_and_its_spool_files_when_a_call_fails(monkeypatch):
+    """examples/custom_transport.py killed its actors only once every call had succeeded:
+    a failing call (or the wait for the trainer to let go running out) left them, and a
+    trainer's spool file, behind. Its `finally` ends both."""
+    made = []
+
+    class Recorded:  # one of the example's actor classes, each handle it makes kept here
+        def __init__(self, cls):
+            self.cls = cls
+
+        def remote(self, *args, **kwargs):
+            made.append(self.cls.remote(*args, **kwargs))
+            return made[-1]
+
+    @rdt.remote
+    class DownServer:
+        async def load(self, weights):
+            raise RuntimeError("the server is down")
+
+    spool = Path(example.SpoolTransport.root)
+    before = set(spool.glob("*.pt")) if spool.is_dir() else set()
+    monkeypatch.setattr(example, "Trainer", Recorded(example.Trainer))
+    monkeypatch.setattr(example, "Server", Recorded(DownServer))
+    with pytest.raises(ray.exceptions.RayTaskError, match="the server is down"):
+        example.main()
+    assert len(made) == 2
+    for actor in made:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(actor.__ray_ready__.remote(), timeout=30)
+    assert (set(spool.glob("*.pt")) if spool.is_dir() else set()) <= before
