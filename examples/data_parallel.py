@@ -36,7 +36,9 @@ class Worker:
 
     async def apply(self, grads, lr: float = 0.1):
         # A top-level RDT argument arrives fetched; this one is held here, so it is the
-        # stored average itself (no copy), and the warning says so.
+        # stored average itself (no copy). Worker 0's average was also fetched by the
+        # driver (rdt.get below), so worker 0 warns that it shares those tensors; the
+        # warning goes to its log (log_to_driver=False keeps it off this output).
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 p -= lr * grads[name]
@@ -49,6 +51,11 @@ class Worker:
 
     def checksum(self) -> float:
         return round(sum(float(p.double().sum()) for p in self.model.parameters()), 6)
+
+
+def grad_norm(grads: dict) -> float:
+    """The norm of the whole gradient: of every parameter's tensor as one vector."""
+    return float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()])))
 
 
 def main() -> None:
@@ -68,8 +75,7 @@ def main() -> None:
             same = all(torch.allclose(ours[k], by_hand[k], atol=1e-6) for k in ours)
 
             checksums = ray.get([w.apply.remote(a) for w, a in zip(workers, avg)])
-            norm = sum(float(g.norm()) for g in ours.values())
-            print(f"step {step}: |avg grad| = {norm:.4f}, same as by hand: {same}, model checksums {checksums}")
+            print(f"step {step}: |avg grad| = {grad_norm(ours):.4f}, same as by hand: {same}, model checksums {checksums}")
             assert same and len(set(checksums)) == 1  # every replica took the same step
 
         rdt.destroy_collective_group(group)

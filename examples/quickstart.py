@@ -25,9 +25,11 @@ class Server:
         return weights["step"], float(weights["w"].sum())
 
     async def load_many(self, refs):  # refs nested in containers: fetch them yourself
+        before = dict(rdt.store_stats()["fetches"])  # this process's fetches so far, by transport
         async with asyncio.timeout(30):
             values = await rdt.fetch_all(refs)
-        return [v["step"] for v in values], rdt.store_stats()["fetches"]
+        after = rdt.store_stats()["fetches"]
+        return [v["step"] for v in values], {t: n - before.get(t, 0) for t, n in after.items() if n > before.get(t, 0)}
 
 
 if __name__ == "__main__":
