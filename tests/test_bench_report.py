@@ -669,3 +669,38 @@ def test_every_ratio_is_our_time_over_theirs():
         {"case": "ray RDT nixl (actor -> actor arg)", "size": size, "seconds": 0.25, "gib_s": 1.0}])
     assert [(r["case"], r["ratio"]) for r in summary] == [
         ("check: 256M transport time / raw (target <= 1.25)", 1.25), ("check: 256M rdt.get time / ray RDT (target <= 0.333)", 0.2)]
+
+
+def test_the_fanout_across_hosts_keeps_a_broken_paths_passes_and_the_others_run_on(monkeypatch):
+    """A pass that raises (an actor killed) ended the whole fan-out across hosts with no
+    row; now that path says what broke after the passes it finished, the others run on."""
+    import ray
+
+    from rdt_async.bench import _fanout
+
+    monkeypatch.setattr(ray, "get", lambda x, timeout=None: x)
+    monkeypatch.setattr(time, "sleep", lambda s: None)
+    into_passes = []
+
+    def loader(side):
+        def load(refs, size, into):
+            if into:
+                into_passes.append(size)
+                if len(into_passes) > 12:  # into='s fourth pass (round 3), 4 loaders each
+                    raise RuntimeError("a loader died")
+            return float(max(1, size // 4 // _fanout.PARTS) * _fanout.PARTS), 0.001, 0.0005, "relay" if into else "tcp"
+        actor = type("Loader", (), {})()
+        actor.load = _Call(load)
+        return actor
+
+    trainer = type("Trainer", (), {})()
+    trainer.publish, trainer.publish_plain = _Call(lambda size: "ref"), _Call(lambda size: "ref")
+    loaders = {"rdt": [loader("rdt") for _ in range(4)], "ray": [loader("ray") for _ in range(4)]}
+    rows = {r["case"]: r for r in _fanout._size(trainer, loaders, MIB, repeat=3)}
+    assert set(rows) == set(_fanout.PATHS)
+    into = rows["rdt auto, into="]
+    assert into["broke"] == "round 3: RuntimeError: a loader died" and len(into["passes_s"]) == 2
+    assert into["relayed"] == 4 and into["link_transfers"] == 0
+    for case in ("rdt auto", _fanout.RAY_ZERO_COPY):
+        assert "broke" not in rows[case] and len(rows[case]["passes_s"]) == 3 and len(rows[case]["turns"]) == 4
+    assert rows["rdt auto"]["link_transfers"] == 4 and "vs_ray_zero_copy" in into
