@@ -397,10 +397,18 @@ class SegmentPool:
         """Let go of every idle segment now (and what `room_makers` let go of), and wait
         (ROOM_WAIT_S at most) until those let go before are unmapped: their pages are free
         once no process maps them. Returns the idle bytes let go of; None where nothing
-        was idle or being unmapped."""
+        was idle or being unmapped, or where the caller is an event loop (which never
+        waits: the segments are let go in the pool, for the next take)."""
         with self._lock:
             idle, self._idle = self._idle, []
             unmapping = list(self._unmapping)
+        if _io.running_loop() is not None:
+            # On an event loop (an async producer prepares small objects inline) nothing
+            # waits: the idle segments go in the pool, and this take fails as it would
+            # have (its caller falls back); the next finds the room (`room_makers`, which
+            # unmap in the caller's thread, are left to their own sweeps).
+            self._retire(idle)
+            return None
         for seg in idle:
             _drop(seg)
         freed = sum(s.capacity for s in idle) + sum(make() for make in room_makers)

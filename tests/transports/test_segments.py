@@ -200,6 +200,40 @@ def test_a_take_with_no_room_lets_go_of_idle_segments_and_tries_again():
     assert out["end"] == {"idle": 0, "idle_bytes": 0, "used": 1, "created": 3}, out
 
 
+def test_a_take_with_no_room_on_an_event_loop_waits_for_nothing_and_the_next_finds_the_room():
+    """An async producer prepares a small object inline, on its own loop: the retry must
+    not hold that loop (it unmapped every idle segment there, then waited up to
+    ROOM_WAIT_S for the pool's unmaps)."""
+    out = _in_small_shm("""
+        import asyncio, time
+        from rdt_async.transports import _segments as S
+
+        def name(n):
+            return S.name_for(os.urandom(12).hex(), S.new_key(), n)
+
+        a = S.pool.take(4 * MIB, name(4 * MIB))
+        S.pool.recycle(a.name)  # idle: 4 MiB of the 8 held
+        S.ROOM_WAIT_S = 30.0
+
+        async def on_loop():
+            t0 = time.perf_counter()
+            try:
+                S.pool.take(6 * MIB, name(6 * MIB))
+                return ["taken", time.perf_counter() - t0]
+            except OSError as exc:
+                return [exc.errno, time.perf_counter() - t0]
+
+        first = asyncio.run(on_loop())
+        deadline = time.monotonic() + 10
+        while S.pool.stats()["idle"] or S.pool._unmapping:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        b = S.pool.take(6 * MIB, name(6 * MIB))  # off the loop: the room is there
+        print(json.dumps({"first": first[0], "held_s": first[1], "then": os.path.exists(b.path)}))
+    """)
+    assert out["first"] == 28 and out["held_s"] < 0.5 and out["then"], out
+
+
 def test_a_take_with_no_room_lets_go_of_this_processs_mappings_of_unlinked_segments():
     """A process both consumes (it keeps mappings of other producers' segments) and
     produces: the mapping of a segment unlinked since holds its pages until it goes."""
