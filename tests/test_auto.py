@@ -334,10 +334,11 @@ class _Producer:
         self.node_id = node
 
 
-def test_a_path_that_could_not_reach_an_address_is_left_out_for_that_address_only(avoided):
-    """auto leaves tcp out for a node's objects at the listener it could not reach (host and
-    port): a producer of that node with its own address (its own RDT_TCP_HOST) or port, or
-    a crafted ref naming a bogus one, takes the path away from no other object of the node."""
+def test_a_path_that_could_not_reach_a_host_is_left_out_for_that_host_only(avoided):
+    """auto leaves tcp out for a node's objects at the host it could not reach (a connect
+    with no answer costs every producer there CONNECT_S): a producer of that node with its
+    own address (its own RDT_TCP_HOST), or a crafted ref naming a bogus one, takes the path
+    away from no other object of the node; a refused connect leaves nothing out."""
     import torch
 
     from rdt_async import _choose
@@ -353,18 +354,22 @@ def test_a_path_that_could_not_reach_an_address_is_left_out_for_that_address_onl
         return RDTObject("ab" * 12, Process(node, "1:00"), "auto", specs, None, meta, {}, None)
 
     bogus, honest, closed = obj("10.9.9.9"), obj("10.0.0.2"), obj("10.0.0.2", 40001)
-    assert TcpTransport.address(closed.meta["tcp"]) == "10.0.0.2:40001"
-    assert TcpTransport.address(TcpMeta("::ffff:10.0.0.2", 40001, bytes(16))) == "10.0.0.2:40001"  # one spelling
-    assert TcpTransport.address(TcpMeta("FD00::5", 7, bytes(16))) == "[fd00::5]:7"
-    avoided.note(bogus.producer, "tcp", _unreachable(), "no route", "10.9.9.9:40000")
-    avoided.note(closed.producer, "tcp", _unreachable(), "refused", TcpTransport.address(closed.meta["tcp"]))
-    assert _choose._left_out(bogus) == _choose._left_out(closed) == {"tcp"}
-    assert _choose._left_out(honest) == frozenset()  # its host, another port: its listener's own
+    assert TcpTransport.address(closed.meta["tcp"]) == "10.0.0.2"
+    assert TcpTransport.address(TcpMeta("::ffff:10.0.0.2", 40001, bytes(16))) == "10.0.0.2"  # one spelling
+    assert TcpTransport.address(TcpMeta("FD00::5", 7, bytes(16))) == "fd00::5"
+    avoided.note(closed.producer, "tcp", _unreachable("refused", lasting=False), "refused", TcpTransport.address(closed.meta["tcp"]))
+    assert _choose._left_out(closed) == _choose._left_out(honest) == frozenset()  # the host answered
+    avoided.note(bogus.producer, "tcp", _unreachable(), "no route", "10.9.9.9")
+    assert _choose._left_out(bogus) == {"tcp"}
+    assert _choose._left_out(honest) == frozenset()  # another host of the node: its listener's own
     assert _choose.choose_transport(honest, "b" * 56)[0] == "tcp"
     assert _choose.choose_transport(bogus, "b" * 56)[0] == "object_store"
+    avoided.note(closed.producer, "tcp", _unreachable(), "no answer", TcpTransport.address(closed.meta["tcp"]))
+    assert _choose._left_out(honest) == {"tcp"}  # no answer from its host: every port of it
     # A path with no address (the node's): every object of that node.
+    avoided.clear()
     avoided.note(honest.producer, "tcp", _unreachable(), "no route")
-    assert _choose._left_out(honest) == {"tcp"}
+    assert _choose._left_out(bogus) == {"tcp"}
 
     class Failing:
         @classmethod

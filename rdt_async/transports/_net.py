@@ -101,16 +101,15 @@ def is_ip(host: object) -> bool:
     return True
 
 
-def endpoint(host: object, port: object) -> str | None:
-    """`host:port` (`[host]:port` for IPv6) with `host` canonical, an IPv4-mapped IPv6
-    address as its IPv4 one: each listener has one spelling. None where `host` is no IP
-    address or `port` no int (a ref's fields: never raises)."""
-    if not is_ip(host) or type(port) is not int:
+def host_key(host: object) -> str | None:
+    """`host` canonical, an IPv4-mapped IPv6 address as its IPv4 one: each host has one
+    spelling. None where it is no IP address (a ref's field: never raises)."""
+    if not is_ip(host):
         return None
     ip = ipaddress.ip_address(host)  # type: ignore[arg-type]
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
-    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+    return str(ip)
 
 
 @dataclass(frozen=True)

@@ -318,7 +318,8 @@ def _connect(meta: TcpMeta, reuse: bool = True, fetch: _Fetch | None = None) -> 
             why = f"no answer in {CONNECT_S:g} s" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
             raise Unreachable(
                 f"cannot reach the producer's tcp listener at {_hostport(meta)} ({why}); where the producer runs, "
-                f"{_net.settings_hint(HOST_ENV)}, or open that port (RDT_PORT_RANGE confines it)"
+                f"{_net.settings_hint(HOST_ENV)}, or open that port (RDT_PORT_RANGE confines it)",
+                lasting=not isinstance(exc, ConnectionRefusedError),  # (refused: the host answered)
             ) from exc
         sock.settimeout(CONNECT_S)
         _greeted(sock, meta)
@@ -568,9 +569,12 @@ class TcpTransport(Transport[TcpMeta]):
 
     @classmethod
     def address(cls, meta: Any) -> str | None:
-        """The listener's host and port: a ref naming another port of the host (a closed
-        one) takes tcp away from no producer listening on another."""
-        return _net.endpoint(meta.host, meta.port) if isinstance(meta, TcpMeta) else None
+        """The listener's host: a connect there that got no answer (a firewall, no route)
+        would cost every producer of that host its CONNECT_S, so `auto` leaves tcp out
+        for all of them a while. A refused connect (the host answered: nothing listens on
+        that port) or a listener of another token leaves nothing out (`Unreachable.lasting`):
+        a stale or crafted ref naming a closed port takes tcp away from no live producer."""
+        return _net.host_key(meta.host) if isinstance(meta, TcpMeta) else None
 
     @classmethod
     def native_error(cls, exc: BaseException) -> type[RDTError] | None:

@@ -487,7 +487,7 @@ class UcxxTransport(Transport[UcxxMeta]):
 
     @classmethod
     def address(cls, meta: Any) -> str | None:
-        return _net.endpoint(meta.host, meta.port) if isinstance(meta, UcxxMeta) else None
+        return _net.host_key(meta.host) if isinstance(meta, UcxxMeta) else None  # (as tcp's)
 
     @classmethod
     def native_error(cls, exc: BaseException) -> type[RDTError] | None:
