@@ -48,9 +48,11 @@ def method(fn: F | None = None, /, *, tensor_transport: str = "auto", **ray_meth
     other options go to `ray.method`. Its ObjectRef resolves to an RDTObject. One call
     picks another transport with ``actor.name.options(tensor_transport=...).remote()``.
     Decorators above it apply to each call. Called by the actor's own code
-    (``self.name()``, ``super().name()``, in a method's thread or task), it runs as written
-    and returns its value, as under Ray: only a call through a handle keeps the tensors and
-    returns an RDTObject.
+    (``self.name()``, ``super().name()``, in a method's body or a task it starts), it runs
+    as written and returns its value, as under Ray: only a call through a handle keeps the
+    tensors and returns an RDTObject. From another thread (``run_in_executor``, a pool, a
+    ``threading.Thread``; ``asyncio.to_thread`` carries the context and is inside) the
+    call counts as a handle's and returns an RDTObject.
     Raises: ValueError at decoration for an unknown transport, naming the available ones,
     for num_returns=0, and for rdt_async's own concurrency groups ("rdt", "rdt_publish").
     """
@@ -278,7 +280,7 @@ def _warming_init(cls: type, init: Callable[..., Any] | None, transports: list[s
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         _install_per_call()  # this actor's own calls with .options(tensor_transport=...)
         _ray.warm_serialization()
-        _produce.warm_up(_produce.at_creation(transports))
+        _produce.warm_up(_produce.at_creation(transports), named=transports)
         _io.prestart()  # a first transfer starts no thread on the actor's loop
         _freeze_gc()  # before the class's own __init__: what that makes is collected as usual
         if init is not None:
@@ -299,9 +301,14 @@ def _freeze_gc() -> None:
     model, a module hooking its own method: cycles a later reload lets go of) is not
     frozen. `RDT_GC_FREEZE=0` keeps Python's default.
     """
-    if os.environ.get("RDT_GC_FREEZE", "1") != "0":
+    global _frozen_in
+    if os.environ.get("RDT_GC_FREEZE", "1") != "0" and _frozen_in != os.getpid():
+        _frozen_in = os.getpid()  # once: an actor's own `self.__init__()` (a reset) freezes nothing it made
         gc.collect()
         gc.freeze()
+
+
+_frozen_in: int | None = None  # the process whose objects `_freeze_gc` froze
 
 
 def _user_methods(cls: type) -> dict[str, Callable[..., Any]]:

@@ -174,7 +174,7 @@ def _flatten(value: Any) -> tuple[Any, list[torch.Tensor]]:
     return skeleton, tensors
 
 
-def warm_up(names: Iterable[str]) -> None:
+def warm_up(names: Iterable[str], named: Iterable[str] | None = None) -> None:
     """Load now what producing over (or fetching with) the transports `names` would load
     on first use.
 
@@ -184,13 +184,23 @@ def warm_up(names: Iterable[str]) -> None:
     whatever thread does it, and creating its agent takes ~0.5 s, so a first object
     made or fetched later would wait that long (UCXX opens its UCX without the GIL,
     `transports/ucxx._open_ucx`). `auto` stands for nothing here: `at_creation` says
-    when it means nixl.
+    when it means nixl. `named`: the transports the caller named itself (all where None);
+    one loaded only because `auto` may take it that is unavailable here
+    (TransportUnavailableError: a setting of its, say) is logged and left to `auto`,
+    which takes another path.
     """
     _ray.hand_node_ip()  # UCX keeps its network to the interface of this address
+    asked = None if named is None else set(named)
     for name in dict.fromkeys(names):
         if name == _registry.AUTO or (os.getpid(), name) in _warm or not loads_here(name):
             continue  # what cannot load here says so where it is used
-        _registry.transport(name).warm_up()
+        try:
+            _registry.transport(name).warm_up()
+        except TransportUnavailableError as exc:
+            if asked is None or name in asked:
+                raise
+            log.warning("rdt_async: %s, which auto may take, is unavailable here: %s", name, exc)
+            continue
         _warm.add((os.getpid(), name))
 
 

@@ -257,13 +257,32 @@ def test_nixls_ucx_keeps_to_rdt_port_range_whatever_the_address_says_and_a_bad_s
     monkeypatch.setenv("RDT_PORT_RANGE", "20000-20100")
     monkeypatch.setenv("RDT_ADVERTISE_HOST", "node-a.local")
     assert _ucx.settings(_net.ADVERTISE_ENV, devices=False) == {"UCX_TCP_PORT_RANGE": "20000-20100"}
-    with pytest.raises(ValueError, match=r"RDT_ADVERTISE_HOST='node-a.local': give an IP address"):
+    with pytest.raises(rdt.TransportUnavailableError, match=r"RDT_ADVERTISE_HOST='node-a.local': give an IP address"):
         _ucx.settings("RDT_UCXX_HOST")  # (ucxx's context keeps to that address's interface: it reads it)
     monkeypatch.delenv("RDT_ADVERTISE_HOST")
     monkeypatch.setenv("RDT_PORT_RANGE", "20000:20100")
     for devices in (False, True):
-        with pytest.raises(ValueError, match=r"RDT_PORT_RANGE='20000:20100': give LOW-HIGH"):
-            _ucx.settings(_net.ADVERTISE_ENV, devices=devices)
+        with pytest.raises(rdt.TransportUnavailableError, match=r"RDT_PORT_RANGE='20000:20100': give LOW-HIGH"):
+            _ucx.settings(_net.ADVERTISE_ENV, devices=devices)  # (auto takes another path; nixl named says why)
+
+
+def test_a_transport_auto_may_take_that_cannot_load_here_leaves_the_actor_to_start(monkeypatch, caplog):
+    """An actor loads at creation what auto may take (NIXL): a bad setting of that one
+    failed every rdt.remote actor's creation on the node, though none named it."""
+    from rdt_async import _produce
+    from rdt_async.transports import _registry
+
+    class Unloadable:
+        def warm_up(self):
+            raise rdt.TransportUnavailableError("UCX cannot be set up here: RDT_PORT_RANGE='1:2:3'")
+
+    monkeypatch.setattr(_produce, "loads_here", lambda name: True)
+    monkeypatch.setattr(_registry, "transport", lambda name: Unloadable())
+    monkeypatch.setattr(_produce._ray, "hand_node_ip", lambda: None)
+    _produce.warm_up(["nixl-like"], named=[])  # auto's: logged, the actor starts
+    assert "nixl-like, which auto may take, is unavailable here" in caplog.text and "RDT_PORT_RANGE" in caplog.text
+    with pytest.raises(rdt.TransportUnavailableError, match="RDT_PORT_RANGE"):
+        _produce.warm_up(["nixl-like"], named=["nixl-like"])  # named by its methods: the creation fails, saying why
 
 
 def test_ucx_settings_enable_a_bridge_that_holds_the_node_ip(monkeypatch):

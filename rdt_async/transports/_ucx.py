@@ -86,16 +86,20 @@ def settings(env: str, devices: bool = True) -> dict[str, str]:
 
     `devices=False`: the port range only (NIXL's agent: see `nixl/_agent.Agent`); the
     address is not read.
-    Raises: ValueError naming a setting that is not what it should be (RDT_PORT_RANGE;
-    with `devices`, the address's: `env` or RDT_ADVERTISE_HOST), as tcp's listener does.
+    Raises: TransportUnavailableError naming a setting that is not what it should be
+    (RDT_PORT_RANGE; with `devices`, the address's: `env` or RDT_ADVERTISE_HOST): `auto`
+    takes another path, a transport named explicitly fails saying which setting to mend.
     """
     out: dict[str, str] = {}
-    span = _net.port_range()
     found: list[str] = []
-    if devices and "UCX_NET_DEVICES" not in os.environ:
-        where = _net.address(env)
-        if where.source != _net.ROUTE_OUT:
-            found = _net.cluster_interfaces(where.host)
+    try:
+        span = _net.port_range()
+        if devices and "UCX_NET_DEVICES" not in os.environ:
+            where = _net.address(env)
+            if where.source != _net.ROUTE_OUT:
+                found = _net.cluster_interfaces(where.host)
+    except ValueError as exc:  # (a path `auto` may leave out: it takes another)
+        raise TransportUnavailableError(f"UCX cannot be set up here: {exc}") from exc
     if found:
         # Loopback too: UCX's control messages between processes of this host go over TCP
         # (NIXL asks for peer failure handling, which UCX's shared-memory transports lack),
