@@ -18,6 +18,7 @@ from ._errors import CollectiveGroupError
 
 TAG_LIMIT = 1 << 30  # Gloo tags are int32: a group's tags wrap here (bench's raw tags lie above)
 MAX_TIMEOUT_S = 1e9  # a group's timeout_s is under this (~31 years): Gloo counts it in int64 nanoseconds
+MIN_TIMEOUT_S = 1e-3  # and at least this: Gloo keeps it in whole milliseconds
 
 
 @dataclass
@@ -153,10 +154,10 @@ def check_timeout(timeout_s: Any) -> None:
     negative one in every member, and failed every operation of a group given 0.
     """
     ok = isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
-    if not ok or not 0 < timeout_s < MAX_TIMEOUT_S:
+    if not ok or not MIN_TIMEOUT_S <= timeout_s < MAX_TIMEOUT_S:
         raise CollectiveGroupError(
-            f"timeout_s bounds each operation of a collective group: a number of seconds over 0 and under "
-            f"{MAX_TIMEOUT_S:.0e}, not {timeout_s!r}"
+            f"timeout_s bounds each operation of a collective group: a number of seconds from {MIN_TIMEOUT_S:g} "
+            f"(Gloo counts whole milliseconds: less is 0, no time at all) and under {MAX_TIMEOUT_S:.0e}, not {timeout_s!r}"
         )
 
 

@@ -167,6 +167,7 @@ def test_what_init_makes_is_not_frozen_out_of_collections(monkeypatch):
             self.cache = _Cycle()
 
     monkeypatch.setenv("RDT_GC_FREEZE", "1")
+    monkeypatch.setattr(_actor, "_frozen_in", None)  # (a fresh actor process)
     w = _actor._wrap_class(Holder)
     try:
         h = w()
@@ -175,6 +176,11 @@ def test_what_init_makes_is_not_frozen_out_of_collections(monkeypatch):
         h.reload()
         gc.collect()
         assert old() is None  # before: frozen with the cycle, never collected
+        # The reset idiom: the actor's own `self.__init__()` froze what the first made.
+        old = weakref.ref(h.cache.buf)
+        h.__init__()
+        gc.collect()
+        assert old() is None
     finally:
         gc.unfreeze()
 

@@ -137,11 +137,11 @@ async def test_a_failed_join_names_the_member_and_frees_the_name(gcs):
     assert record(gcs) is None and gloo.groups.get("g") is None and not gcs  # rank 0's join ended too
 
 
-@pytest.mark.parametrize("timeout_s", [0, -1, 0.0, float("nan"), float("inf"), 1e12, "5", True, None])
+@pytest.mark.parametrize("timeout_s", [0, -1, 0.0, 0.0005, 1e-7, float("nan"), float("inf"), 1e12, "5", True, None])
 async def test_timeout_s_is_a_positive_number_of_seconds_checked_at_the_call(gcs, timeout_s):
     # -1 failed in every member (Gloo's "Invalid timeout"); 0 made every operation fail
     # at once while the rendezvous took it as no limit.
-    with pytest.raises(rdt.CollectiveGroupError, match=r"timeout_s bounds each operation .* over 0 and under 1e\+09, not"):
+    with pytest.raises(rdt.CollectiveGroupError, match=r"timeout_s bounds each operation .* from 0.001 .* and under 1e\+09, not"):
         await rdt.create_collective_group_async([A], name="g", timeout_s=timeout_s)
     with pytest.raises(rdt.CollectiveGroupError, match="timeout_s bounds each operation"):
         gloo.join("g", "gloo", 0, 1, kv=_records.GroupKV("g", "c"), host="127.0.0.1", attempt="c", timeout_s=timeout_s)
