@@ -383,6 +383,26 @@ def test_a_path_that_breaks_keeps_its_passes_and_leaves_the_later_rounds():
     assert sorted(turns.turns["a"][:2] + turns.turns["b"] + turns.turns["c"][:2]) == [0, 0, 1, 1, 2, 2]
 
 
+def test_a_path_whose_actors_fail_to_close_too_still_leaves_the_run_going():
+    """Closing a broken path's actors (a collective group's destroy) may raise as well: the
+    run, and every path's passes, were lost with it."""
+    from rdt_async.bench._turns import take_turns
+
+    def closing(name: str) -> None:
+        raise RuntimeError("destroy_collective_group: actor died")
+
+    def ok() -> float:
+        return 1.0
+
+    def dies() -> float:
+        raise RuntimeError("actor died")
+
+    turns = take_turns({"a": ok, "b": dies}, 2, pause=lambda s: None, broke=closing)
+    assert len(turns.warm["a"]) == 2 and turns.warm["b"] == []
+    assert turns.why("b") == "round 0: RuntimeError: actor died"
+    assert "closing its actors then failed too: RuntimeError: destroy_collective_group" in turns.broke["b"][1].__notes__[0]
+
+
 def test_e2e_rows_of_a_path_that_broke_say_so_with_the_passes_it_finished():
     from rdt_async.bench._e2e import turn_rows
     from rdt_async.bench._turns import Turns

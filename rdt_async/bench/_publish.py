@@ -7,7 +7,8 @@ own model's tensors. A pass publishes `STEPS` versions, the trainer writing the 
 number into every tensor first (its training step, not timed) after a pause (`pause`,
 PAUSE_S by default: longer than the actors keep idle warm memory, as a trainer's step of
 tens of seconds is longer than the 10 s they keep it by default), by one path; the paths
-take turns (`_turns.in_turns`: each follows every other equally often over the rounds):
+take turns (`_turns.in_turns`: within a round, each follows every other equally often over
+a cycle of rounds):
 
 - `rdt publish`: an `rdt.Publisher` in the trainer; each subscriber waits in `await
   sub.next(into=its model)`.

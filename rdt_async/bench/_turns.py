@@ -6,7 +6,10 @@ early against one run late on a machine that has changed meanwhile. A fixed rota
 is not enough: each path would always run right after the same other one, and inherit
 its leftovers (an object store's frees, a dying process, warm or cold caches) every
 round. The rounds follow a Williams design instead (`in_turns`): over one cycle of
-rounds each path runs first, and right after every other path, equally often.
+rounds each path runs first, and right after every other path within a round, equally
+often. The seams between rounds are not balanced (the last path of a round and the
+first of the next), and fewer rounds than a cycle balance less: the settle after each
+pass is what keeps one path's leftovers out of the next there.
 """
 
 from __future__ import annotations
@@ -101,7 +104,10 @@ def take_turns(
                 got = passes[name]()
             except Exception as e:
                 out.broke[name] = (r, e)
-                broke(name)
+                try:
+                    broke(name)
+                except Exception as closing:  # (its passes are kept all the same, and the others run on)
+                    e.add_note(f"closing its actors then failed too: {type(closing).__name__}: {closing}")
             else:
                 if cold and r == 0:
                     out.cold[name] = got
