@@ -116,8 +116,11 @@ class MappingCache:
 
     def _idle_again(self, m: _Mapped) -> None:
         """The last view of a fetch went (through `_io.finalize`): keep it, or let it go."""
-        if not _keeps():
-            return  # the mapping goes with its last reference
+        if not _keeps():  # the mapping goes with its last reference; its name's fd now
+            fd, m.fd = m.fd, -1
+            if fd >= 0:
+                os.close(fd)
+            return
         if m.unlinked():  # freed by its producer: no fetch can open it again
             let_go_off_loop(_close, [m])
             return

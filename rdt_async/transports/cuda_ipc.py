@@ -77,7 +77,8 @@ TABLE_CACHE = 64  # liveness tables a consumer keeps mapped (one per producer, m
 # (CUDA's cuIpcOpenMemHandle). The idle keep is short so that the hold is: a burst of
 # fetches of one segment still maps it once.
 MAP_IDLE_S = 0.1
-LINGER_S, LINGER_BYTES_PER_S = MAP_IDLE_S + 0.15, 10e9
+# (The margin covers the sweep's turn on the I/O loop and the close's wait in the pool.)
+LINGER_S, LINGER_BYTES_PER_S = MAP_IDLE_S + 0.4, 10e9
 # A device copy's pace until one has been timed here (H100: ~1.5 TB/s, H200: ~2.1): the
 # loop sleeps for most of a copy's expected time first. Copies from PACE_BYTES on are timed
 # by the device, and the fastest pace seen rules after (a sleep past the copy's end is lost:
@@ -420,8 +421,11 @@ class CudaIpcTransport(Transport[CudaIpcMeta]):
                 "run both with the host's IPC namespace, e.g. docker --ipc=host); or use tensor_transport='nixl'",
                 obj_id=obj_id,
             ) from None
-        if not ours and table.unlinked():
-            raise PeerDiedError(f"{died} (its liveness table is gone)", obj_id=obj_id)
+        if not ours:
+            with self._lock:  # (another fetch may evict and close the table: `_table`)
+                gone = table.unlinked() if table._fd >= 0 else False
+            if gone:
+                raise PeerDiedError(f"{died} (its liveness table is gone)", obj_id=obj_id)
         return table
 
     def _table(self, name: str) -> _Table:
