@@ -73,7 +73,10 @@ class Consumer:
         await asyncio.sleep(0)
         await asyncio.to_thread(read_all, value, FILL)  # read every byte once
         total = time.perf_counter() - t0
-        return {"fetch": fetched, "fetch_read": total, "max_lag": lag.stop()}
+        lag_s = lag.stop()
+        if into is not None:  # (untimed) the next pass's read then fails unless that fetch wrote every byte
+            await asyncio.to_thread(into.fill_, 1)
+        return {"fetch": fetched, "fetch_read": total, "max_lag": lag_s}
 
     async def take(self, value: Any) -> int:
         """Read every byte of `value` (a pass's consumer); its count."""
