@@ -454,12 +454,23 @@ def _wrap_method(name: str, attr: Callable[..., Any]) -> Callable[..., Any]:
                 args, kwargs = await _fetch_args(args, kwargs, site)
             steps = attr(self, *args, **kwargs)
             try:
-                while True:
+                sent: Any = None
+                thrown: BaseException | None = None
+                while True:  # (`async for` as the caller drives it: asend and athrow reach `steps`)
                     try:
-                        value = await _as_own_async(steps.__anext__)
+                        if thrown is not None:
+                            exc, thrown = thrown, None
+                            value = await _as_own_async(steps.athrow, exc)
+                        else:
+                            value = await _as_own_async(steps.asend, sent)
                     except StopAsyncIteration:
                         return
-                    yield value  # never a producer (see `method`)
+                    try:
+                        sent = yield value  # never a producer (see `method`)
+                    except GeneratorExit:
+                        raise
+                    except BaseException as e:  # (handed to `steps`, as `yield from` would)
+                        thrown = e
             finally:
                 await steps.aclose()
 
@@ -469,12 +480,23 @@ def _wrap_method(name: str, attr: Callable[..., Any]) -> Callable[..., Any]:
             if not _in_own_code():
                 args, kwargs = _fetch_args_blocking(args, kwargs, site)
             with contextlib.closing(attr(self, *args, **kwargs)) as steps:
-                while True:
+                sent: Any = None
+                thrown: BaseException | None = None
+                while True:  # (`yield from`, each step as the actor's own code: send, throw, the return value)
                     try:
-                        value = _as_own(next, steps)
-                    except StopIteration:
-                        return
-                    yield value  # never a producer (see `method`)
+                        if thrown is not None:
+                            exc, thrown = thrown, None
+                            value = _as_own(steps.throw, exc)
+                        else:
+                            value = _as_own(steps.send, sent)
+                    except StopIteration as stop:
+                        return stop.value
+                    try:
+                        sent = yield value  # never a producer (see `method`)
+                    except GeneratorExit:
+                        raise
+                    except BaseException as e:  # (handed to `steps`, as `yield from` would)
+                        thrown = e
 
     elif name == "__init__":
 
