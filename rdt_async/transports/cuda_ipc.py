@@ -47,6 +47,7 @@ import secrets
 import socket
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -166,6 +167,9 @@ class _Table:
             os.close(fd)
             fd = -1
         self._fd = fd  # (a consumer's: kept, to tell that the producer's guardian unlinked it)
+        # (A table evicted from a consumer's cache goes when no fetch holds it any more:
+        # its mapping with it, its fd by this.)
+        self._fd_closer = weakref.finalize(self, os.close, fd) if fd >= 0 else None
         self.words = memoryview(self._mm).cast("q")
 
     def token(self, slot: int) -> int:
@@ -182,9 +186,9 @@ class _Table:
     def close(self) -> None:
         self.words.release()
         self._mm.close()
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self._fd = -1
+        if self._fd_closer is not None:
+            self._fd_closer()  # (once)
 
 
 class CudaIpcTransport(Transport[CudaIpcMeta]):
@@ -442,7 +446,7 @@ class CudaIpcTransport(Transport[CudaIpcMeta]):
                 return known
             self._mapped[name] = table
             while len(self._mapped) > TABLE_CACHE:
-                self._mapped.popitem(last=False)[1].close()
+                self._mapped.popitem(last=False)  # not closed: a fetch may read it still (it goes with them)
         return table
 
 

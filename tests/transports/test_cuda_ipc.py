@@ -204,6 +204,36 @@ def test_a_ref_freed_while_it_is_checked_is_freed_not_altered(slot, monkeypatch)
         consumer._check_live(info)
 
 
+def test_a_table_evicted_from_the_cache_while_a_fetch_reads_it_stays_readable(slot, monkeypatch):
+    """A consumer keeps TABLE_CACHE producers' tables: the next evicted the oldest and closed
+    it, while another fetch of that producer could be reading it (a released memoryview)."""
+    from rdt_async.transports import cuda_ipc
+
+    producer, consumer, info = slot
+    monkeypatch.setattr(cuda_ipc, "TABLE_CACHE", 1)
+    held = consumer._table(info.meta.table)  # a fetch reading it
+    other, n, _ = producer._take_slot(_kit.digest("obj-B", info.meta.tensors))
+    assert other == info.meta.table  # (one table holds many slots: name another by hand)
+    created = cuda_ipc._Table("rdt-1-1-ipc-" + "0" * 16, create=True)
+    try:
+        consumer._table(created.name)  # evicts `held`'s entry
+        assert info.meta.table not in consumer._mapped
+        assert held.token(info.meta.slot) == info.meta.token  # still readable: not closed under the fetch
+        fd = held._fd
+        del held
+        import gc
+
+        gc.collect()
+        try:
+            target: str | None = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            target = None
+        assert target is None or info.meta.table not in target  # the fd went with the last holder
+    finally:
+        created.close()
+        os.unlink(os.path.join(shm.SHM_DIR, created.name))
+
+
 # A producer in a PID namespace of its own (a container sharing the host's /dev/shm but
 # not its PIDs): it holds obj-A's slot, prints its pid there, its table, slot and token,
 # and ends when its stdin closes (its guardian then unlinks the table).
