@@ -209,11 +209,9 @@ def test_a_table_evicted_from_the_cache_while_a_fetch_reads_it_stays_readable(sl
     it, while another fetch of that producer could be reading it (a released memoryview)."""
     from rdt_async.transports import cuda_ipc
 
-    producer, consumer, info = slot
+    _, consumer, info = slot
     monkeypatch.setattr(cuda_ipc, "TABLE_CACHE", 1)
     held = consumer._table(info.meta.table)  # a fetch reading it
-    other, n, _ = producer._take_slot(_kit.digest("obj-B", info.meta.tensors))
-    assert other == info.meta.table  # (one table holds many slots: name another by hand)
     created = cuda_ipc._Table("rdt-1-1-ipc-" + "0" * 16, create=True)
     try:
         consumer._table(created.name)  # evicts `held`'s entry
