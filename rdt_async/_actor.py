@@ -454,23 +454,18 @@ def _wrap_method(name: str, attr: Callable[..., Any]) -> Callable[..., Any]:
                 args, kwargs = await _fetch_args(args, kwargs, site)
             steps = attr(self, *args, **kwargs)
             try:
-                sent: Any = None
-                thrown: BaseException | None = None
+                step: tuple[Callable[[Any], Any], Any] = (steps.asend, None)
                 while True:  # (`async for` as the caller drives it: asend and athrow reach `steps`)
                     try:
-                        if thrown is not None:
-                            exc, thrown = thrown, None
-                            value = await _as_own_async(steps.athrow, exc)
-                        else:
-                            value = await _as_own_async(steps.asend, sent)
+                        value = await _as_own_async(*step)
                     except StopAsyncIteration:
                         return
                     try:
-                        sent = yield value  # never a producer (see `method`)
+                        step = (steps.asend, (yield value))  # never a producer (see `method`)
                     except GeneratorExit:
                         raise
                     except BaseException as e:  # (handed to `steps`, as `yield from` would)
-                        thrown = e
+                        step = (steps.athrow, e)
             finally:
                 await steps.aclose()
 
@@ -480,23 +475,18 @@ def _wrap_method(name: str, attr: Callable[..., Any]) -> Callable[..., Any]:
             if not _in_own_code():
                 args, kwargs = _fetch_args_blocking(args, kwargs, site)
             with contextlib.closing(attr(self, *args, **kwargs)) as steps:
-                sent: Any = None
-                thrown: BaseException | None = None
+                step: tuple[Callable[[Any], Any], Any] = (steps.send, None)
                 while True:  # (`yield from`, each step as the actor's own code: send, throw, the return value)
                     try:
-                        if thrown is not None:
-                            exc, thrown = thrown, None
-                            value = _as_own(steps.throw, exc)
-                        else:
-                            value = _as_own(steps.send, sent)
+                        value = _as_own(*step)
                     except StopIteration as stop:
                         return stop.value
                     try:
-                        sent = yield value  # never a producer (see `method`)
+                        step = (steps.send, (yield value))  # never a producer (see `method`)
                     except GeneratorExit:
                         raise
                     except BaseException as e:  # (handed to `steps`, as `yield from` would)
-                        thrown = e
+                        step = (steps.throw, e)
 
     elif name == "__init__":
 
