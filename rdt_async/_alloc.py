@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from . import _io
+from .transports._segments import let_go_off_loop
 
 MIN_BYTES = 1 << 20  # smaller receives use torch.empty: faults are cheap there
 CLASS_BYTES = 2 << 20  # sizes round up to this, so near sizes share buffers
@@ -117,21 +118,16 @@ def _sweep() -> None:
             if not free:
                 del _free[size]
         _sweep_due = bool(_free)
-    if stale:
-        try:
-            _io.pool(_io.CALLS).submit(_unmap, stale)
-        except RuntimeError:  # the interpreter is shutting down: no pool takes work now
-            _unmap(stale)
+    let_go_off_loop(_unmap, stale)
     if _sweep_due:
         _schedule_sweep()
 
 
-def _unmap(stale: list[mmap.mmap]) -> None:
-    for mm in stale:
-        try:
-            mm.close()
-        except BufferError:  # (never: its array went before it was cached) it goes with its last reference
-            pass
+def _unmap(mm: mmap.mmap) -> None:
+    try:
+        mm.close()
+    except BufferError:  # (never: its array went before it was cached) it goes with its last reference
+        pass
 
 
 def _forked() -> None:
@@ -142,7 +138,8 @@ def _forked() -> None:
     _lock = threading.Lock()
     stale = [mm for free in _free.values() for _, mm in free]
     _free, _cached, _sweep_due = {}, 0, False
-    _unmap(stale)
+    for mm in stale:
+        _unmap(mm)
 
 
 os.register_at_fork(after_in_child=_forked)

@@ -77,6 +77,9 @@ class MappingCache:
     """Idle private mappings by file; `open` hands out a buffer over one. Thread-safe."""
 
     def __init__(self) -> None:
+        self._start_empty()
+
+    def _start_empty(self) -> None:
         self._lock = threading.Lock()
         self._idle: dict[tuple[int, int, int], _Mapped] = {}
         self._sweeper = IdleSweep(self._sweep)
@@ -117,9 +120,7 @@ class MappingCache:
     def _idle_again(self, m: _Mapped) -> None:
         """The last view of a fetch went (through `_io.finalize`): keep it, or let it go."""
         if not _keeps():  # the mapping goes with its last reference; its name's fd now
-            fd, m.fd = m.fd, -1
-            if fd >= 0:
-                os.close(fd)
+            _close_fd(m)
             return
         if m.unlinked():  # freed by its producer: no fetch can open it again
             let_go_off_loop(_close, [m])
@@ -183,10 +184,8 @@ class MappingCache:
         """In a forked child: the idle mappings are copies of the parent's (they would keep
         the pages of files the parent's producers unlink), its sweeps run not here, and a
         lock may be held by a thread that is not here. Close the copies; start empty."""
-        self._lock = threading.Lock()
-        self._sweeper = IdleSweep(self._sweep)
-        copies, self._idle = list(self._idle.values()), {}
-        self.reused = self.restored_pages = 0
+        copies = list(self._idle.values())
+        self._start_empty()
         for m in copies:
             _close(m)
 
@@ -215,6 +214,10 @@ def _close(m: _Mapped) -> None:
         m.mm.close()
     except BufferError:  # still exported somewhere: it is unmapped with its last reference
         pass
+    _close_fd(m)
+
+
+def _close_fd(m: _Mapped) -> None:
     fd, m.fd = m.fd, -1
     if fd >= 0:
         os.close(fd)

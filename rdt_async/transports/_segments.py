@@ -60,6 +60,7 @@ MORE_ROOM = "give it more (Docker: `docker run --shm-size=...`; Kubernetes: an e
 PREFIX = "rdt-"
 MIN_BYTES = 1 << 20
 MAX_BYTES = 1 << 30  # the pool's idle segments, in all
+NO_ROOM = (errno.ENOSPC, errno.ENOMEM)  # what making or growing a segment raises where SHM_DIR is full
 ROOM_WAIT_S = 5.0  # the longest a take with no room waits for the unmapping of segments let go just before
 # What else of this process's may hold room in SHM_DIR and can go at once: each call lets
 # go of it and returns its bytes (the consumer's kept mappings of files unlinked since).
@@ -350,6 +351,9 @@ class SegmentPool:
     """Segments in use (by name) and idle ones, by capacity. Thread-safe."""
 
     def __init__(self) -> None:
+        self._start_empty()
+
+    def _start_empty(self) -> None:
         self._lock = threading.Lock()
         self._idle: list[Segment] = []
         self._used: dict[str, Segment] = {}
@@ -379,7 +383,7 @@ class SegmentPool:
         try:
             return self._take(nbytes, capacity, name)
         except OSError as exc:
-            if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
+            if exc.errno not in NO_ROOM:
                 raise
             freed = self.make_room()
             if freed is None:
@@ -387,7 +391,7 @@ class SegmentPool:
         try:
             return self._take(nbytes, capacity, name)
         except OSError as exc:
-            if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
+            if exc.errno not in NO_ROOM:
                 raise
             raise OSError(
                 exc.errno, f"{exc.strerror} (after letting go of {freed / (1 << 20):.1f} MiB of idle warm shared memory)"
@@ -512,12 +516,8 @@ class SegmentPool:
         mappings, which would keep their pages after the parent unlinks them), its sweeps
         run not here, and a lock may be held by a thread that is not here. Close the copies
         (never unlink: the files are the parent's) and start empty."""
-        self._lock = threading.Lock()
-        self._sweeper = IdleSweep(self._sweep, lambda: idle_s())
         copies = self._idle + list(self._used.values())
-        self._idle, self._used, self._unmapping = [], {}, set()
-        self._cadence = Cadence()
-        self.created = 0
+        self._start_empty()
         for seg in copies:
             _unmap(seg)
 

@@ -165,7 +165,7 @@ def test_idle_receive_buffers_are_unmapped_off_the_io_loop(monkeypatch):
     monkeypatch.setattr(_alloc, "_sweep_due", False)
     unmapped: list[bool] = []
     real = _alloc._unmap
-    monkeypatch.setattr(_alloc, "_unmap", lambda stale: (unmapped.append(_io.on_io_thread()), real(stale)))
+    monkeypatch.setattr(_alloc, "_unmap", lambda mm: (unmapped.append(_io.on_io_thread()), real(mm)))
     t = _alloc.empty((2 * MIB,), torch.uint8)
     del t
     _wait_until(lambda: unmapped, 10, lambda: _alloc.cached_bytes())
