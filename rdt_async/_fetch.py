@@ -182,25 +182,21 @@ async def _fetch_over(
             tensors = await _transfer(obj, transport, info, buffers)
         except (TransportUnavailableError, TransferError) as exc:
             why = unusable(exc) if chosen == _registry.AUTO else None
-            if why is None or transport.name == _registry.FALLBACK:
-                told = _after(exc, transport.name, fell_back)
-                if told is not exc:
-                    raise told from exc
-                raise
-            avoided.note(obj.producer, transport.name, exc, why, address_of(type(transport), info.meta))
-            without = frozenset(t for t, _ in fell_back) | {transport.name}
-            auto = obj if obj.transport == _registry.AUTO else dataclasses.replace(obj, transport=_registry.AUTO)
-            name, meta = choose_transport(auto, _ray.node_id(), without=without, fell_back=(*fell_back, (transport.name, why)))
-            if name in without:
-                told = _after(exc, transport.name, fell_back)
-                if told is not exc:
-                    raise told from exc
-                raise
-            fell_back.append((transport.name, why))
-            transport = _registry.transport(name)
-            info = _info(obj, meta)
-            del exc
-            continue
+            if why is not None and transport.name != _registry.FALLBACK:
+                avoided.note(obj.producer, transport.name, exc, why, address_of(type(transport), info.meta))
+                without = frozenset(t for t, _ in fell_back) | {transport.name}
+                auto = obj if obj.transport == _registry.AUTO else dataclasses.replace(obj, transport=_registry.AUTO)
+                name, meta = choose_transport(auto, _ray.node_id(), without=without, fell_back=(*fell_back, (transport.name, why)))
+                if name not in without:
+                    fell_back.append((transport.name, why))
+                    transport = _registry.transport(name)
+                    info = _info(obj, meta)
+                    del exc
+                    continue
+            told = _after(exc, transport.name, fell_back)  # (no next path: this error, with why the others failed)
+            if told is not exc:
+                raise told from exc
+            raise
         if used is not None:
             used[0] = transport.name
         return tensors, transport.name

@@ -78,9 +78,7 @@ def not_a_peer(host: str) -> str | None:
     """Why IP literal `host` names no listener a peer could connect to, or None: the
     unspecified address (0.0.0.0, ::: every interface, or a peer's own host), a multicast
     address, the broadcast address (an IPv4-mapped one alike)."""
-    ip = ipaddress.ip_address(host)
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+    ip = ipaddress.ip_address(host_key(host) or host)
     if ip.is_unspecified:
         return "the unspecified address"
     if ip.is_multicast:
