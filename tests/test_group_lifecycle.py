@@ -257,6 +257,50 @@ def test_a_join_given_up_while_stuck_never_holds_up_the_next_creation():
     assert outcome == ["group 'g' was torn down while this member joined it"], outcome
 
 
+def test_joins_given_up_while_stuck_run_on_in_at_most_a_few_threads():
+    # Each creation given up while a member connected to one that died left a thread
+    # connecting for ~5x timeout_s; retries piled them up until the member's group calls
+    # (its Leaves and collectives too) had no thread left.
+    release = threading.Event()
+
+    class Stuck(_DictKV):  # a member that said where it listens, then died
+        def get(self, key):
+            release.wait(10)  # (past its store's close: as Gloo's connect is)
+            return None
+
+    def stuck_join(name: str) -> threading.Thread:
+        def join() -> None:
+            with pytest.raises(rdt.CollectiveGroupError, match="torn down while this member joined it"):
+                gloo.join(name, "gloo", 0, 2, kv=Stuck(), host="127.0.0.1", attempt=f"{name}-given-up", timeout_s=TS)
+
+        t = threading.Thread(target=join)
+        t.start()
+        return t
+
+    baseline = threading.active_count()
+    stuck = []
+    try:
+        for i in range(gloo.GIVEN_UP_JOINS):
+            stuck.append(stuck_join(f"g{i}"))
+            time.sleep(0.1)
+            gloo.leave(f"g{i}", f"g{i}-given-up")  # the caller gave the creation up
+            if i == 0:  # a retry is not refused
+                gloo.join("g0", "gloo", 0, 1, kv=_DictKV(), host="127.0.0.1", attempt="g0-again", timeout_s=TS)
+                assert gloo.leave("g0", "g0-again") is True
+        with pytest.raises(rdt.CollectiveGroupError, match=(
+            rf"cannot join group 'g' now: {gloo.GIVEN_UP_JOINS} joins of creations that were given up still connect "
+            r"to members that died \(Gloo ends each within about 5x its timeout_s.*create the group again once")):  # fmt: skip
+            gloo.join("g", "gloo", 0, 1, kv=_DictKV(), host="127.0.0.1", attempt="c", timeout_s=TS)
+        assert threading.active_count() == baseline + gloo.GIVEN_UP_JOINS
+    finally:
+        release.set()
+        for t in stuck:
+            t.join(10)
+    assert threading.active_count() == baseline
+    gloo.join("g", "gloo", 0, 1, kv=_DictKV(), host="127.0.0.1", attempt="c", timeout_s=TS)
+    assert gloo.leave("g", "c") is True
+
+
 class _DictKV:
     def __init__(self) -> None:
         self.d: dict[str, bytes] = {}

@@ -60,13 +60,15 @@ PACK_MAX_BYTES = 64 << 20  # ... up to this many in all (its copies on both ends
 PACK_ALIGN = 64
 REPLY_AFTER_FAILURE_S = 10.0  # how long a failed receive waits for Ray's word on the producer
 DRAIN_S = 30.0  # how long a cancelled fetch waits for receives that write caller buffers
+GIVEN_UP_JOINS = 4  # joins given up but still connecting that run on at once (half a member's group threads)
 
 # Joins under way: (group name, attempt) -> its rendezvous store, which `leave` closes;
 # and attempts left before their join began here, which that join then refuses (so that
 # nothing writes a key after the caller deleted them). Keyed by attempt too: a join given
 # up but still connecting (to a member that died after saying where it listens: Gloo's
 # connect retries run to about 5x timeout_s, and closing the store cannot end them) never
-# holds up the next creation of the name.
+# holds up the next creation of the name. Such a join runs on in a thread of the member's
+# group calls: while GIVEN_UP_JOINS of them do, a join is refused (not left to take the rest).
 _joining: dict[tuple[str, str], KVStore] = {}
 _abandoned: collections.deque[str] = collections.deque(maxlen=1024)
 _joining_lock = threading.Lock()
@@ -93,10 +95,11 @@ def join(
     attempt is left meanwhile (`leave`) ends at once while it waits for the others'
     keys; one already connecting to them ends when Gloo's connect does (about 5x
     `timeout_s` where a member died meanwhile), and its process group is then dropped,
-    never recorded; a new attempt under the name need not wait for it.
+    never recorded; a new attempt under the name need not wait for it. While
+    GIVEN_UP_JOINS such joins run on in this process, it joins no group.
     Raises: CollectiveGroupError (already in a group of that name, a bad backend or
-    timeout, no GPU, or the attempt was left meanwhile); the backend's error if the
-    rendezvous fails.
+    timeout, no GPU, the attempt was left meanwhile, or too many given-up joins run on);
+    the backend's error if the rendezvous fails.
     """
     if groups.get(name) is not None:
         raise CollectiveGroupError(f"this process is already in a group named {name!r}")
@@ -120,6 +123,13 @@ def join(
             raise CollectiveGroupError(f"the creation of group {name!r} was given up before this member joined")
         if key in _joining:
             raise CollectiveGroupError(f"this process is already joining this creation of group {name!r}")
+        running_on = sum(s.closed for s in _joining.values())
+        if running_on >= GIVEN_UP_JOINS:
+            raise CollectiveGroupError(
+                f"this member cannot join group {name!r} now: {running_on} joins of creations that were given up "
+                "still connect to members that died (Gloo ends each within about 5x its timeout_s, and each holds "
+                "one of this member's threads); create the group again once they have ended"
+            )
         _joining[key] = store
     try:
         if backend == "gloo":
