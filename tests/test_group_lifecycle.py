@@ -194,6 +194,30 @@ def test_an_actor_ray_no_longer_knows_is_dead_to_destroy_by_name(gcs, monkeypatc
     assert record(gcs) is None
 
 
+@pytest.mark.parametrize(
+    ("verb", "dtype", "op", "refused"),
+    [
+        ("allreduce", torch.int16, "sum", r"tensor 0 is int16\[4\]@cuda:0, and NCCL reduces no int16 tensors; convert them"),
+        ("reduce_scatter", torch.uint64, "max", "NCCL reduces no uint64 tensors"),
+        ("allreduce", torch.float8_e4m3fnuz, "sum", "NCCL reduces no float8_e4m3fnuz tensors"),
+        ("allreduce", torch.complex64, "max", r"allreduce\(op='max'\): .*NCCL reduces complex64 tensors only in allreduce by 'sum' or 'avg'"),
+        ("reduce_scatter", torch.complex64, "sum", r"only in allreduce .* return torch.view_as_real\(t\)"),
+        ("allreduce", torch.complex64, "avg", None),
+        ("allreduce", torch.bfloat16, "prod", None),
+        ("reduce_scatter", torch.bool, "min", None),
+    ],
+)
+def test_what_nccl_cannot_reduce_is_refused_before_anything_is_sent(verb, dtype, op, refused):
+    # NCCL's dtype and op table went unchecked: torch raised it inside the collective, in
+    # every member, which broke the group (the check is the caller's: no GPU needed).
+    value = types.SimpleNamespace(specs=(TensorSpec((4,), dtype, "cuda:0", 4 * dtype.itemsize),))
+    if refused is None:
+        _checks.check_reducible(verb, value, "nccl", op)
+    else:
+        with pytest.raises(ValueError, match=refused):
+            _checks.check_reducible(verb, value, "nccl", op)
+
+
 def test_a_ref_made_before_the_group_was_made_anew_finds_its_producer_by_actor(monkeypatch):
     # An object names its producer's rank when it was made; the group made anew in
     # another order put that actor elsewhere, and the fetch failed as an altered ref.

@@ -231,9 +231,20 @@ GLOO_NEVER = frozenset({
 })
 
 
+# What NCCL reduces (torch's ProcessGroupNCCL: its table of NCCL's dtypes; float8 where
+# torch was built with NCCL's, else NCCL refuses them). Complex tensors: in allreduce
+# alone, as pairs of reals, so by sum and avg. torch raised the others in every member,
+# inside the collective, which broke the group.
+NCCL_REDUCES = frozenset({
+    torch.bool, torch.int8, torch.uint8, torch.int32, torch.int64,
+    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
+})
+
+
 def check_reducible(verb: str, obj: RDTObject, backend: str, op: str) -> None:
-    """Dtypes and ops the group's backend reduces (Gloo's; NCCL's are its own business)."""
-    if backend != "gloo":
+    """Dtypes and ops the group's backend reduces (Gloo's, NCCL's)."""
+    if backend == "nccl":
+        _check_nccl_reduces(verb, obj, op)
         return
     for j, s in enumerate(obj.specs):
         if s.dtype in GLOO_NEVER:
@@ -245,6 +256,22 @@ def check_reducible(verb: str, obj: RDTObject, backend: str, op: str) -> None:
             raise ValueError(
                 f"rdt.{verb}(op={op!r}): tensor {j} is {s}, and Gloo has no {op} of "
                 f"{str(s.dtype).removeprefix('torch.')} tensors; use op='sum' (or 'avg' of complex64)"
+            )
+
+
+def _check_nccl_reduces(verb: str, obj: RDTObject, op: str) -> None:
+    for j, s in enumerate(obj.specs):
+        name = str(s.dtype).removeprefix("torch.")
+        if s.dtype.is_complex:
+            if verb != "allreduce" or op not in ("sum", "avg"):
+                raise ValueError(
+                    f"rdt.{verb}(op={op!r}): tensor {j} is {s}, and NCCL reduces {name} tensors only in "
+                    "allreduce by 'sum' or 'avg'; use those, or return torch.view_as_real(t) to reduce its parts"
+                )
+        elif s.dtype not in NCCL_REDUCES:
+            raise ValueError(
+                f"rdt.{verb}: tensor {j} is {s}, and NCCL reduces no {name} tensors; convert them "
+                "(e.g. to int32, bfloat16 or float32) before returning them"
             )
 
 
