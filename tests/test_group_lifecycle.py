@@ -25,6 +25,7 @@ from rdt_async.collective import _checks, _groups, _member, _records
 from rdt_async.collective._messages import Allreduce, Break, Join, Leave
 from rdt_async.transports import gloo
 from rdt_async.transports._base import TensorSpec, TransferInfo
+from rdt_async.transports._kvstore import KVStore
 
 TS = 2.0  # each group's timeout_s
 
@@ -323,6 +324,55 @@ def test_joins_given_up_while_stuck_run_on_in_at_most_a_few_threads():
     assert threading.active_count() == baseline
     gloo.join("g", "gloo", 0, 1, kv=_DictKV(), host="127.0.0.1", attempt="c", timeout_s=TS)
     assert gloo.leave("g", "c") is True
+
+
+def test_a_transfer_over_the_pair_hands_the_backend_only_what_nccl_carries():
+    # NCCL's point-to-point carries only the dtypes in its table: a tensor sent alone
+    # (64 KiB or more) of int16 or complex64 failed inside the transfer, which broke the
+    # group. Here: a real Gloo pair in this process, behind NCCL's table.
+    carries = {torch.bool, torch.uint8, torch.int8, torch.int32, torch.int64, torch.float16, torch.bfloat16,
+               torch.float32, torch.float64}  # fmt: skip
+
+    class NcclTable:
+        def __init__(self, pg):
+            self.pg = pg
+
+        def _checked(self, tensors):
+            for t in tensors:
+                if t.dtype not in carries:
+                    raise TypeError(f"Unconvertible NCCL type {t.dtype}")
+            return tensors
+
+        def send(self, tensors, dst, tag):
+            return self.pg.send(self._checked(tensors), dst, tag)
+
+        def recv(self, tensors, src, tag):
+            return self.pg.recv(self._checked(tensors), src, tag)
+
+    kv = _DictKV()
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    other = []  # rank 1, not in this process's registry: the producer
+    joined = threading.Thread(target=lambda: other.append(dist.ProcessGroupGloo(KVStore(kv, TS, "rank 1"), 1, 2, opts)))
+    joined.start()
+    gloo.join("g", "gloo", 0, 2, kv=kv, host="127.0.0.1", attempt="c", timeout_s=TS)
+    joined.join(10)
+    try:
+        gloo.groups.get("g").pg = NcclTable(gloo.groups.get("g").pg)
+        producer = gloo.Group("g", "gloo", 1, 2, NcclTable(other[0]), creation="c")
+        value = [torch.arange(40_000, dtype=torch.int16), torch.full((10_000,), 1 + 2j), torch.ones(3, dtype=torch.uint16)]
+        t = gloo.GlooTransport()
+
+        class Serves:
+            async def request_send(self, request):  # (rank 1's side of send_multiple_tensors)
+                await t._send(producer, request["dst"], request["tag"], value, gloo.HELD)
+
+        info = TransferInfo("0" * 24, tuple(TensorSpec.of(x) for x in value), gloo.GlooMeta("g", 1))
+        got = _io.start(t.receive(info, None, Serves())).result(timeout=20)
+        assert [(x.dtype, x.tolist()) for x in got] == [(x.dtype, x.tolist()) for x in value]
+    finally:
+        gloo.leave("g")
+        other[0].shutdown()
 
 
 class _DictKV:

@@ -286,7 +286,7 @@ class GlooTransport(Transport[GlooMeta]):
             if pack is not None:
                 works.append(group.pg.recv([pack], src, base + 1))
             alone = _alone(dsts, packed)
-            works += [group.pg.recv([dsts[i]], src, base + 2 + i) for i in alone]
+            works += [group.pg.recv([_bytes(dsts[i])], src, base + 2 + i) for i in alone]  # (see _send)
             reply = asyncio.ensure_future(channel.request_send(request))
             waiting = asyncio.ensure_future(self.wait_works(works))
             await asyncio.wait([reply, waiting], return_when=asyncio.FIRST_COMPLETED)
@@ -364,7 +364,9 @@ class GlooTransport(Transport[GlooMeta]):
             sources = [_bytes(srcs[i]) for i in packed]
             torch._foreach_copy_([pack[off : off + b.numel()] for off, b in zip(offsets, sources)], sources)
             works.append(group.pg.send([pack], dst, base + 1))
-        works += [group.pg.send([srcs[i]], dst, base + 2 + i) for i in _alone(srcs, packed)]
+        # As bytes: NCCL's point-to-point carries only the dtypes it reduces (no int16,
+        # uint16/32/64, complex...), and refused the others inside the transfer.
+        works += [group.pg.send([_bytes(srcs[i])], dst, base + 2 + i) for i in _alone(srcs, packed)]
         await self.wait_works(works)
 
     async def wait_works(self, works: Sequence[Any]) -> None:
