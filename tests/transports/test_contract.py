@@ -890,3 +890,20 @@ def test_nixl_stages_only_reads_across_devices_on_one_node_from_a_mebibyte(monke
     assert _plan._stage_device(dst("cpu", big), (0, big, 0, "DRAM"), True) is None  # same kind: CMA
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert _plan._stage_device(dst("cpu", big), (0, big, 0, "VRAM"), True) is None  # no GPU here to stage on
+
+
+
+@pytest.mark.skipif("nixl" not in TRANSPORTS, reason="nixl not selected")
+async def test_nixl_a_region_that_comes_again_with_other_metadata_is_read_over_a_fresh_connection():
+    # NIXL 1.5.1 refuses a region it holds that comes again with other backend metadata
+    # (the producer registered that memory anew: over RDMA, another key; here one byte of
+    # its blob changed), then forgets the producer but for its UCX connection, which it
+    # never makes again: every later read from that live producer failed.
+    with own_producer("nixl") as p:
+        for no, sizes in ((8, (1000,)), (9, (8 << 20,))):  # read on the caller's thread, then from the I/O loop
+            info = p.make(no, sizes)
+            assert_same(await fetch(p, info), expect(no, sizes))  # its region loaded
+            blob = info.meta.regs[0]
+            resent = dataclasses.replace(info.meta, regs=(blob[:-3] + bytes([blob[-3] ^ 0xFF]) + blob[-2:],))
+            assert_same(await fetch(p, dataclasses.replace(info, meta=resent)), expect(no, sizes))
+            assert_same(await fetch(p, info), expect(no, sizes))  # each time over a fresh connection

@@ -2,7 +2,11 @@
 
 A producer's connection metadata is loaded once (cached per agent), each storage's
 partial metadata once (a storage registered once on the producer gives the same blob
-for every object over it).
+for every object over it). A region NIXL holds that comes again with other metadata
+(the producer registered that memory anew: over RDMA, another key) is not loaded over
+the connection: NIXL 1.5.1 refuses it and then forgets the producer's regions and
+connection details, though not its UCX connection, so that none can be made to it again
+from this process. The connection is dropped and made anew first.
 
 Bounded: a consumer outliving many producers (actors that come and go) holds no entry
 for each one it ever read from. A connection to a producer of this host whose process is
@@ -24,10 +28,11 @@ import threading
 import time
 from collections.abc import Callable
 
-from ..._errors import PeerDiedError
+from ..._errors import PeerDiedError, TransferAbortedError
 from .._kit import int_setting
 from .._segments import IdleSweep
 from ._agent import Agent
+from ._check import Region, parse_blob
 from ._meta import NixlMeta
 
 MD_CACHE = 4096  # partial metadata blobs remembered per producer (loaded once each)
@@ -55,6 +60,9 @@ class Peers:
         self._epochs: dict[str, int] = {}  # producer agent -> which connection `_remotes` holds
         self._lock = threading.Lock()
         self._loaded: dict[str, collections.OrderedDict[bytes, None]] = {}
+        # producer -> each region NIXL holds of it, and the blob that declared it (it goes
+        # with the connection, as NIXL's own copy does)
+        self._regions: dict[str, dict[Region, bytes]] = {}
         self._busy: collections.Counter[str] = collections.Counter()  # producer -> reads using it now
         self._idle: dict[str, float] = {}  # producer -> when its last read ended (not while one runs)
         self._removing: dict[str, asyncio.Task[None]] = {}  # producer -> its remote agent's removal
@@ -122,6 +130,8 @@ class Peers:
         Runs on: consumer (I/O loop). Raises: PeerDiedError if the producer is unreachable.
         """
         agent = self._agent
+        if self._unloaded(meta) is None:  # a region NIXL holds, with other metadata: anew
+            await self.forget(meta.agent, None)
         remote = self._remotes.get(meta.agent)
         if remote is None:
             removing = self._removing.get(meta.agent)
@@ -147,16 +157,24 @@ class Peers:
                     self._idle[meta.agent] = time.monotonic()
                 self._sweeper.start()
             self._shed(over=MAX_PEERS)
-        for md in self._unloaded(meta):
+        unloaded = self._unloaded(meta)
+        if unloaded is None:  # (another read loaded the other metadata meanwhile, or the ref has both)
+            raise TransferAbortedError(
+                f"nixl: the producer {meta.agent} registered a region anew while it was read; read it again"
+            )
+        for md in unloaded:
             await agent.call(agent.nixl.add_remote_agent, md)
             self._mark_loaded(meta.agent, md)
         return remote
 
-    def load_now(self, meta: NixlMeta) -> None:
-        """Load the object's regions not loaded yet, on this thread (the caller holds the agent)."""
-        for md in self._unloaded(meta):
+    def load_now(self, meta: NixlMeta) -> bool:
+        """Load the object's regions not loaded yet, on this thread (the caller holds the
+        agent); False where one comes with other metadata (`connect` connects anew)."""
+        unloaded = self._unloaded(meta)
+        for md in unloaded or ():
             self._agent.nixl.add_remote_agent(md)
             self._mark_loaded(meta.agent, md)
+        return unloaded is not None
 
     async def forget(self, producer: str, epoch: int | None) -> None:
         """Drop the producer's connection `epoch` (None: whichever) and its metadata.
@@ -180,6 +198,7 @@ class Peers:
         self._doomed.discard(producer)
         with self._lock:
             self._loaded.pop(producer, None)
+            self._regions.pop(producer, None)
             self._idle.pop(producer, None)
         remote = self._remotes.pop(producer, None)
         if remote is not None and producer not in self._removing:
@@ -215,22 +234,27 @@ class Peers:
         for producer in idle[: max(0, len(self._remotes) - over)]:
             self._drop(producer)
 
-    def _unloaded(self, meta: NixlMeta) -> list[bytes]:
-        """Return the object's partial metadata blobs this agent has not loaded yet."""
+    def _unloaded(self, meta: NixlMeta) -> list[bytes] | None:
+        """Return the object's partial metadata blobs this agent has not loaded yet; None
+        where one declares a region NIXL holds, or another of them does, with other metadata."""
         with self._lock:
             known = self._loaded.get(meta.agent)
-            if known is None:
-                return list(meta.regs)
+            held = self._regions.get(meta.agent, {})
+            declared: dict[Region, bytes] = {}
             out = []
             for md in meta.regs:
-                if md in known:
+                if known is not None and md in known:
                     known.move_to_end(md)
-                else:
-                    out.append(md)
+                    continue
+                for region in parse_blob(md).regions:
+                    if held.get(region, md) != md or declared.setdefault(region, md) != md:
+                        return None
+                out.append(md)
             return out
 
     def _mark_loaded(self, producer: str, md: bytes) -> None:
         with self._lock:
+            self._regions.setdefault(producer, {}).update(dict.fromkeys(parse_blob(md).regions, md))
             known = self._loaded.setdefault(producer, collections.OrderedDict())
             known[md] = None
             while len(known) > MD_CACHE:

@@ -369,7 +369,8 @@ class NixlTransport(Transport[NixlMeta]):
         handed_off = False  # then the I/O loop releases the plan
         try:
             here.peers.touch(meta.agent)
-            here.peers.load_now(meta)
+            if not here.peers.load_now(meta):
+                return None  # (the usual path connects anew)
             handed_off = not plan.read_now(agent, remote)
             if handed_off:
                 return None
