@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -907,3 +908,42 @@ async def test_nixl_a_region_that_comes_again_with_other_metadata_is_read_over_a
             resent = dataclasses.replace(info.meta, regs=(blob[:-3] + bytes([blob[-3] ^ 0xFF]) + blob[-2:],))
             assert_same(await fetch(p, dataclasses.replace(info, meta=resent)), expect(no, sizes))
             assert_same(await fetch(p, info), expect(no, sizes))  # each time over a fresh connection
+
+
+@pytest.mark.skipif("nixl" not in TRANSPORTS, reason="nixl not selected")
+def test_nixl_metadata_parsed_from_refs_is_remembered_up_to_a_bound_in_bytes():
+    # A ref's nixl blobs may be of any size: the check remembered its last 4096 parses,
+    # and 1024 indexes of regions, each holding its blobs (1 MiB each here: GiBs).
+    import gc
+    import tracemalloc
+
+    from rdt_async.transports.nixl import _check
+    from rdt_async.transports.nixl._meta import NixlMeta
+
+    def field(tag: bytes, data: bytes) -> bytes:
+        return tag + struct.pack("<Q", len(data)) + data + b"|"
+
+    host, pid, slot = "h", os.getpid(), 1 << 20
+    agent = f"rdt-{host}-{pid}-0badcafe".encode()
+    region = field(b"", struct.pack("<QQQ", slot, 64, 0))
+    regs = b"nixlSerDes|" + field(b"Agent", agent) + field(b"Conns", struct.pack("<Q", 0)) + field(b"", b"MemSection") + (
+        field(b"nixlSecElms", struct.pack("<Q", 1)) + field(b"bknd", b"UCX") + field(b"nixlDList", b"nixlSDList")
+        + field(b"t", struct.pack("<I", 0)) + field(b"n", struct.pack("<Q", 1)) + region
+    )
+    check = _check.check  # (its lru_caches' first use allocates nothing later freed)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(48):
+            conn = b"nixlSerDes|" + field(b"Agent", agent) + field(b"Conns", struct.pack("<Q", 1)) + (
+                field(b"t", b"UCX") + field(b"c", i.to_bytes(8, "little") * (1 << 17)) + field(b"", b"MemSection")
+                + field(b"nixlSecElms", struct.pack("<Q", 0))
+            )
+            meta = NixlMeta(agent.decode(), conn, (regs,), (), slot, 1, pid, host)
+            check(TransferInfo(f"obj{i}", (), meta), pid)  # (a valid ref: no tensor)
+            del conn, meta
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held < 20 << 20, f"{held >> 20} MiB held after 48 MiB of refs"  # (PARSED_BYTES, and some)

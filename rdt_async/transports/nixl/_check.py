@@ -20,17 +20,20 @@ A failure is a TransferError naming the field; nothing was loaded, registered or
 What these checks cannot see (a descriptor moved within a region the producer did
 register: the blobs are the ref's own) the liveness slot's digest catches after the
 READ (`_liveness`).
-Blobs are parsed once each (cached); a check costs microseconds per tensor.
+Blobs are parsed once each (remembered up to PARSED_BYTES of them, as a ref may carry
+blobs of any size); a check costs microseconds per tensor.
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
 import functools
 import re
 import struct
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+import threading
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import torch
 
@@ -44,6 +47,39 @@ _DESC = struct.Struct("<QQQ")  # nixlBasicDesc: address, length, device id
 _MEM = {0: "DRAM", 1: "VRAM"}  # nixl_mem_t values this transport registers
 _NAME = re.compile(r"rdt-(?P<host>.+)-(?P<pid>[0-9]+)-[0-9a-f]{8}")
 _MAX_ADDR = 1 << 64
+# Bytes of metadata whose parse (and whose index of regions) is remembered, each: blobs
+# come from other processes' refs, of any size. An object of 16,000 storages has ~2 MB.
+PARSED_BYTES = 16 << 20
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+class _Remembered(Generic[K, V]):
+    """`fn`'s results by argument, the least recently used forgotten past `limit` bytes of
+    arguments (`size`); an argument over a quarter of that is not remembered."""
+
+    def __init__(self, fn: Callable[[K], V], size: Callable[[K], int], limit: int) -> None:
+        self._fn, self._size, self._limit = fn, size, limit
+        self._done: collections.OrderedDict[K, tuple[V, int]] = collections.OrderedDict()
+        self.nbytes = 0
+        self._lock = threading.Lock()  # (checks run on callers' threads and the I/O loop)
+
+    def __call__(self, arg: K) -> V:
+        with self._lock:
+            hit = self._done.get(arg)
+            if hit is not None:
+                self._done.move_to_end(arg)
+                return hit[0]
+        value = self._fn(arg)
+        n = self._size(arg)
+        with self._lock:
+            if n <= self._limit // 4 and arg not in self._done:
+                self._done[arg] = (value, n)
+                self.nbytes += n
+                while self.nbytes > self._limit:
+                    self.nbytes -= self._done.popitem(last=False)[1][1]
+        return value
 
 
 class Region(NamedTuple):
@@ -95,8 +131,7 @@ class _Reader:
         return self._at == len(self._data)
 
 
-@functools.lru_cache(maxsize=4096)
-def parse_blob(data: bytes) -> Blob:
+def _parse_blob(data: bytes) -> Blob:
     """Read the agent name and the declared regions out of NIXL metadata (full or partial).
 
     Raises: ValueError where the blob is not what `get_partial_agent_metadata` makes.
@@ -136,6 +171,9 @@ def parse_blob(data: bytes) -> Blob:
     if not r.done:
         raise ValueError("trailing bytes")
     return Blob(agent, tuple(regions))
+
+
+parse_blob = _Remembered(_parse_blob, len, PARSED_BYTES)
 
 
 def check(info: TransferInfo[NixlMeta], producer_pid: int | None) -> None:
@@ -215,8 +253,7 @@ def _check_desc(i: int, desc: Any, spec: TensorSpec, regions: _Index) -> None:
 _Index = dict[tuple[str, int], tuple[list[int], list[int]]]
 
 
-@functools.lru_cache(maxsize=1024)
-def _index(blobs: tuple[bytes, ...]) -> _Index:
+def _make_index(blobs: tuple[bytes, ...]) -> _Index:
     """The regions the (already parsed) blobs declare, merged, for bisecting."""
     spans: dict[tuple[str, int], list[tuple[int, int]]] = {}
     for data in blobs:
@@ -234,6 +271,9 @@ def _index(blobs: tuple[bytes, ...]) -> _Index:
                 ends.append(end)
         out[key] = (starts, ends)
     return out
+
+
+_index = _Remembered(_make_index, lambda blobs: sum(map(len, blobs)), PARSED_BYTES)
 
 
 @functools.lru_cache(maxsize=64)
