@@ -566,5 +566,6 @@ class StillWriting(TransferAbortedError):
     and the transport cannot rule out that it writes them still (a read its library would
     not end: nixl's READs whose producer is unreachable). The core neither reads again nor
     falls back into those buffers: bytes landing late would change a value it had returned.
-    The message tells the caller to give the buffers up.
+    The message tells the caller to give the buffers up. (nixl also raises it for a later
+    fetch into buffers such a read of a cancelled fetch lands in.)
     """

@@ -947,3 +947,26 @@ def test_nixl_metadata_parsed_from_refs_is_remembered_up_to_a_bound_in_bytes():
     finally:
         tracemalloc.stop()
     assert held < 20 << 20, f"{held >> 20} MiB held after 48 MiB of refs"  # (PARSED_BYTES, and some)
+
+
+@pytest.mark.skipif("nixl" not in TRANSPORTS, reason="nixl not selected")
+async def test_nixl_buffers_a_cancelled_read_may_still_write_are_refused_to_later_fetches(monkeypatch):
+    # A cancelled fetch whose READ into the caller's buffers NIXL would not end leaves
+    # them to the caller, who may fetch into them again: that fetch returned them, and the
+    # first READ could land in them after (a value changing under its user).
+    from rdt_async.transports.nixl import _xfer
+
+    monkeypatch.setattr(_xfer, "ABORT_GRACE_S", 0.5)
+    with own_producer("nixl") as p:
+        assert_same(await fetch(p, p.make(8, (8 << 20,))), expect(8, (8 << 20,)))  # connected
+        info = p.make(9, (8 << 20,))
+        buffers = [torch.zeros(s.shape, dtype=s.dtype, device=DEVICE) for s in info.specs]
+        nx = _registry.transport("nixl").agent().nixl
+        with nixl_stalling(nx, until_removed=None) as (posted, removed):
+            assert await cancel_after(fetch(p, info, buffers), 0.3) == "cancelled"
+        assert len(posted) == 1 and removed.count(info.meta.agent) == 1, (posted, removed)  # kept, never ended
+        again = [buffers[0][1:]]  # (any view of them)
+        with pytest.raises(rdt.TransferAbortedError, match=r"into= tensor 0 takes a READ .*NIXL may still write it") as raised:
+            await fetch(p, p.make(10, ((8 << 20) - 1,)), again)
+        assert type(raised.value).__name__ == "StillWriting", raised.value
+        assert_same(await fetch(p, p.make(11, (8 << 20,))), expect(11, (8 << 20,)))  # into memory of its own: as before

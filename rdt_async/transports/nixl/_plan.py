@@ -38,6 +38,18 @@ Desc = tuple[int, int, int, str]  # a producer's tensor: address, nbytes, device
 _log = logging.getLogger("rdt_async")
 # What READs that outlived their cancel land in (ReadPlan._stuck): kept for the process's life.
 _kept_for_nixl: list[Any] = []
+# Of those, the bytes of callers' `into=` buffers: (device, first address, one past the last).
+_written_late: list[tuple[str, int, int]] = []
+
+
+def written_late(buffers: Sequence[torch.Tensor]) -> int | None:
+    """Return the index of a buffer that a READ NIXL would not end may still write, or None."""
+    for i, b in enumerate(buffers):
+        storage = b.untyped_storage()  # (any byte of it: conservative)
+        lo, hi = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+        if any(d == str(b.device) and lo < end and start < hi for d, start, end in _written_late):
+            return i
+    return None
 
 
 class ReadPlan:
@@ -151,6 +163,9 @@ class ReadPlan:
         into memory used again)."""
         self._held_by_nixl = True
         self.writes_caller = self._into and any(land is d for (d, _), land in zip(self._pairs, self._lands))
+        _written_late.extend(
+            (str(d.device), d.data_ptr(), d.data_ptr() + d.numel()) for (d, _), land in zip(self._pairs, self._lands) if land is d
+        )
         _kept_for_nixl.append((self._lands, self.out, self._lslot))  # their storages outlive every reference
         _log.warning(
             "rdt_async: a nixl READ of object %s, cancelled or stalled, could not be ended (its producer unreachable): "

@@ -42,7 +42,7 @@ from ._liveness import Slots
 from ._memory import Key, Registrations
 from ._meta import NixlMeta
 from ._peers import Peers
-from ._plan import ReadPlan
+from ._plan import ReadPlan, written_late
 from ._poller import Poller
 from ._producer import Exports
 from ._scratch import Scratch
@@ -229,6 +229,13 @@ class NixlTransport(Transport[NixlMeta]):
         self, info: TransferInfo[NixlMeta], buffers: list[torch.Tensor] | None, channel: Channel
     ) -> list[torch.Tensor]:
         check(info, info.producer_pid)  # before anything reaches NIXL
+        late = None if buffers is None else written_late(buffers)
+        if late is not None:
+            raise StillWriting(
+                f"nixl fetch of {info.obj_id}: into= tensor {late} takes a READ of an earlier fetch that NIXL could not "
+                "end (cancelled or stalled, its producer unreachable): NIXL may still write it, now or later. Give "
+                "those buffers up and fetch into new ones, or without into="
+            )
         meta = info.meta
         here = await self._get_async()
         here.peers.hold(meta.agent)  # not dropped as idle while this reads
@@ -357,7 +364,7 @@ class NixlTransport(Transport[NixlMeta]):
         if (
             here is None or remote is None or meta.host != self._host
             or any(d is not None and d[3] != "DRAM" for d in meta.descs)
-            or (buffers is not None and any(b.device.type != "cpu" for b in buffers))
+            or (buffers is not None and (any(b.device.type != "cpu" for b in buffers) or written_late(buffers) is not None))
             or not _alive(meta)  # the usual path says so
         ):
             return None
