@@ -44,6 +44,8 @@ _written_late: list[tuple[str, int, int]] = []
 
 def written_late(buffers: Sequence[torch.Tensor]) -> int | None:
     """Return the index of a buffer that a READ NIXL would not end may still write, or None."""
+    if not _written_late:  # (every fetch into buffers asks: almost always nothing to look at)
+        return None
     for i, b in enumerate(buffers):
         storage = b.untyped_storage()  # (any byte of it: conservative)
         lo, hi = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
