@@ -211,6 +211,23 @@ def test_settings_must_be_ip_addresses(monkeypatch):
     assert _net.address("RDT_UCXX_HOST").host == "fd00::7"
 
 
+def test_a_malformed_address_setting_says_what_is_wrong_and_a_scope_must_name_an_interface(monkeypatch):
+    # A malformed address was said to be "not a name"; a scope naming no interface was taken.
+    for host, why in (("010.0.0.5", r"as IPv4: Leading zeros are not permitted in '010'"),
+                      ("10.0.0.256", r"as IPv4: Octet 256 \(> 255\) not permitted"),
+                      ("fe80:::1", r"as IPv6: At most one '::' permitted")):
+        monkeypatch.setenv("RDT_TCP_HOST", host)
+        with pytest.raises(ValueError, match=rf"RDT_TCP_HOST='{_re(host)}': give an IP address .*, not a malformed one \({why}"):
+            _net.address("RDT_TCP_HOST")
+    monkeypatch.setenv("RDT_TCP_HOST", "fe80::1%no-such-if")
+    with pytest.raises(ValueError, match=r"RDT_TCP_HOST='fe80::1%no-such-if': its scope 'no-such-if' names no network interface of this host \(.+\); give the interface"):
+        _net.address("RDT_TCP_HOST")
+    index, name = socket.if_nameindex()[0]
+    for scoped in (f"fe80::1%{name}", f"fe80::1%{index}"):  # by name or by index
+        monkeypatch.setenv("RDT_TCP_HOST", scoped)
+        assert _net.address("RDT_TCP_HOST").host == scoped
+
+
 def test_ucx_settings_name_the_advertised_interface_and_the_port_range_and_yield_to_yours(monkeypatch):
     from rdt_async.transports import _ucx
 

@@ -15,7 +15,8 @@ The address a listener of transport X advertises, first found of:
 
 and it binds that address (every interface where it is the route out's, which is only
 a guess, or where the address is not one of this host's: behind NAT). Each must be an IP
-literal: metadata carries no names, so a consumer never resolves one. `RDT_PORT_RANGE`
+literal (an IPv6 scope, `%eth0`, naming an interface of this host): metadata carries no
+names, so a consumer never resolves one. `RDT_PORT_RANGE`
 (`LOW-HIGH`) confines every port rdt_async listens on to that range.
 """
 
@@ -26,6 +27,7 @@ import ipaddress
 import logging
 import os
 import random
+import re
 import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -64,7 +66,14 @@ def ip_literal(host: str, what: str) -> str:
     """
     raw = host.strip()
     if not is_ip(raw):
-        raise ValueError(f"{what}={host!r}: give an IP address (such as 10.0.0.5 or fd00::5), not a name")
+        raise ValueError(f"{what}={host!r}: give an IP address (such as 10.0.0.5 or fd00::5), {_not_ip(raw)}")
+    scope = getattr(ipaddress.ip_address(raw), "scope_id", None)
+    if scope is not None and not _is_interface(scope):
+        names = ", ".join(name for _, name in socket.if_nameindex())
+        raise ValueError(
+            f"{what}={host!r}: its scope {scope!r} names no network interface of this host ({names}); "
+            "give the interface the address is on (such as fe80::1%eth0), or an address without a scope"
+        )
     why = not_a_peer(raw)
     if why is not None:
         raise ValueError(
@@ -72,6 +81,23 @@ def ip_literal(host: str, what: str) -> str:
             "of this host that the other nodes reach (such as 10.0.0.5 or fd00::5)"
         )
     return str(ipaddress.ip_address(raw))
+
+
+def _not_ip(raw: str) -> str:
+    """What is wrong with `raw`, which is no IP address: the parser's reason where it is
+    written as one (digits and dots, or colons), else that it is a name."""
+    if ":" in raw or re.fullmatch(r"[0-9.]+", raw):
+        version, parse = (6, ipaddress.IPv6Address) if ":" in raw else (4, ipaddress.IPv4Address)
+        try:
+            parse(raw)
+        except ValueError as exc:
+            return f"not a malformed one (as IPv{version}: {exc})"
+    return "not a name"
+
+
+def _is_interface(scope: str) -> bool:
+    """Whether an IPv6 scope (`%eth0`, `%2`) names one of this host's network interfaces."""
+    return any(scope in (name, str(index)) for index, name in socket.if_nameindex())
 
 
 def not_a_peer(host: str) -> str | None:
