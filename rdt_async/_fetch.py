@@ -405,9 +405,9 @@ def _begin(
     name, meta = choose_transport(obj, _ray.node_id()) if asked is None else asked_transport(obj, asked, _ray.node_id())
     transport = _registry.transport(name)
     _check_devices(obj, transport)
-    if buffers is None and device is not None:
-        buffers = _device_buffers(obj, transport, torch.device(device))
     info = _info(obj, meta)
+    if buffers is None and device is not None:
+        buffers = _device_buffers(transport, info, torch.device(device))
     ready = _cuda.record(buffers or ())
     # Device buffers wait for the caller's streams first, and the caller's for another
     # fetch that writes them: never now.
@@ -468,13 +468,15 @@ def _check_device(device: torch.device) -> None:
         )
 
 
-def _device_buffers(obj: RDTObject, transport: Transport[Any], device: torch.device) -> list[torch.Tensor] | None:
+def _device_buffers(transport: Transport[Any], info: TransferInfo[Any], device: torch.device) -> list[torch.Tensor] | None:
     """Buffers on `device` for a transport that reads straight into them, else None (move after)."""
     if not transport.cross_device_buffers or device.type not in transport.devices:
         return None
-    if all(torch.device(s.device) == device for s in obj.specs):
+    if all(torch.device(s.device) == device for s in info.specs):
         return None  # already there: the transport's own landing is as good
-    return [torch.empty(s.shape, dtype=s.dtype, device=device) for s in obj.specs]
+    with translating(f"{transport.name} fetch of {info.obj_id}", info.obj_id, transport=transport):
+        transport.check_meta(info)  # first: a crafted ref reserves no device memory
+    return [torch.empty(s.shape, dtype=s.dtype, device=device) for s in info.specs]
 
 
 def _record(obj: RDTObject, transport: str, began: float) -> None:

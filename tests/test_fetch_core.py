@@ -113,6 +113,24 @@ class Grouped(Unreachable):
         return (group, rank)
 
 
+class DeviceReader(_Fills):
+    """Reads into buffers on any of its devices (a GPU's stand-in: none here), and refuses
+    metadata other than its `prepare`'s."""
+
+    devices = ("cpu", "cuda")
+    cross_device_buffers = True
+
+    def check_meta(self, info):
+        if info.meta != "prepared":
+            raise rdt.TransferError(f"the ref's metadata {info.meta!r} is not what prepare makes", obj_id=info.obj_id)
+
+    async def receive(self, info, buffers, channel):
+        self.check_meta(info)
+        return await super().receive(info, buffers, channel)
+
+
+rdt.register_transport("core-device", ["cpu", "cuda"], DeviceReader)
+
 for _cls, _name in [
     (Slow, "core-slow"), (Unreachable, "core-unreachable"), (Next, "core-next"), (OwnTensors, "core-own"), (Later, "core-later"),
     (Grouped, "core-group"),
@@ -313,6 +331,29 @@ def test_a_ref_whose_specs_name_a_device_its_transport_does_not_move_is_refused(
     store_ref = RDTObject(obj.obj_id, obj.producer, "object_store", (meta_spec,), obj.skeleton, {"object_store": None}, {}, None)
     with pytest.raises(rdt.TransferError, match="which transport 'object_store' does not move"):
         rdt.get(store_ref)
+
+
+def test_a_fetch_to_a_device_allocates_nothing_there_for_a_ref_whose_metadata_its_transport_refuses(monkeypatch):
+    # The buffers on the device were allocated (a crafted ref reserved GPU memory) before
+    # the transport looked at the metadata.
+    allocated, empty = [], torch.empty
+
+    def on_device(*shape, device=None, **kwargs):
+        if device is not None and torch.device(device).type == "cuda":
+            allocated.append((tuple(*shape), str(device)))
+            device = "meta"  # (no GPU here: a tensor without memory)
+        return empty(*shape, device=device, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch, "empty", on_device)
+    crafted = made([torch.zeros(1 << 20)], "core-device", meta={"core-device": "crafted"})
+    with pytest.raises(rdt.TransferError, match="the ref's metadata 'crafted' is not what prepare makes"):
+        rdt.get(crafted, device="cuda")
+    assert allocated == []
+    prepared = made([torch.zeros(1 << 20)], "core-device", meta={"core-device": "prepared"})
+    start = _fetch._start(prepared, None, "cuda")  # (what it transfers with: the buffers made)
+    assert allocated == [((1 << 20,), "cuda")] and start[2][0].shape == (1 << 20,)
+    _fetch.abandon(start)
 
 
 async def test_a_same_process_subscriber_of_a_small_version_gets_that_version(monkeypatch):

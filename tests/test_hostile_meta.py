@@ -26,6 +26,7 @@ from ray.experimental.rdt import CommunicatorMetadata, TensorTransportMetadata
 import rdt_async as rdt
 from rdt_async import TransferError
 from rdt_async.transports import _registry
+from rdt_async.transports._base import TransferInfo
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -210,6 +211,8 @@ def test_a_crafted_meta_of_the_wrong_type_is_refused(maker):
     bad = dataclasses.replace(obj, meta={**obj.meta, "nixl": {"agent": "x"}})
     with pytest.raises(TransferError, match="metadata of type dict, not NixlMeta"):
         rdt.get(bad)
+    with pytest.raises(TransferError, match="metadata of type dict, not NixlMeta"):  # (asked before buffers on device=)
+        _nixl().check_meta(TransferInfo(bad.obj_id, bad.specs, bad.meta["nixl"]))
     assert [checksum(t) for t in rdt.get(obj)] == [checksum(t) for t in rdt.get(obj)]
 
 

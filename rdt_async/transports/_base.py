@@ -261,6 +261,7 @@ class Transport(abc.ABC, Generic[M]):
         check_tensors(tensors)      at return
         prepare(obj_id, tensors) -> meta
               meta travels inside the RDTObject (through Ray)
+                                                   check_meta(info)   before buffers on `device=`
                                                    receive_nowait(info, buffers) -> tensors | None
                                                    receive(info, buffers, channel) -> tensors
                                                        (on the I/O loop; cancelled on abort)
@@ -438,6 +439,15 @@ class Transport(abc.ABC, Generic[M]):
         actor that serves requests: most consumers may never take this path. Default: `prepare`.
         """
         return self.prepare(obj_id, tensors)
+
+    def check_meta(self, info: TransferInfo[M]) -> None:
+        """Refuse metadata `prepare` would not have made for `info.specs` (it came from
+        another process), naming the field. `receive` still checks what it uses.
+
+        Runs on: consumer, on the caller's thread, before the core allocates anything a
+        ref sized (buffers on the fetch's `device`, for `cross_device_buffers`). Default: nothing.
+        Raises: TransferError.
+        """
 
     def receive_nowait(self, info: TransferInfo[M], buffers: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
         """Return the tensors at once if that cannot block (tiny local copies), else None.

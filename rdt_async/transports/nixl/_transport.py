@@ -345,6 +345,9 @@ class NixlTransport(Transport[NixlMeta]):
             raise freed from cause
         return held
 
+    def check_meta(self, info: TransferInfo[NixlMeta]) -> None:
+        check(info, info.producer_pid)
+
     def receive_nowait(
         self, info: TransferInfo[NixlMeta], buffers: list[torch.Tensor] | None
     ) -> list[torch.Tensor] | None:
