@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from . import _io
 from ._errors import RDTError, TransferError, translating, unavailable
 from ._local import pid_alive
 from .transports import _net, _registry
@@ -154,6 +155,7 @@ class RayChannel:
                         f"{type(eager).__name__}, not an ObjectRef; pass refs as rdt_async hands them out",
                         obj_id=obj.obj_id,
                     )
+                await _check_reply(obj, eager, self._transport)
                 return await await_ref(eager)
             if not obj.producer.serves:
                 raise unavailable(
@@ -168,6 +170,43 @@ class RayChannel:
             actor = await obj.producer.handle()
             ref = actor.rdt__send.remote(obj.obj_id, self._transport, request)
             return await await_ref(ref)
+
+
+# What a reply put with an object holds beyond its tensors' bytes: Ray's and pickle's
+# framing (~250 bytes, and ~40 a tensor, on Ray 2.60), with room to spare.
+REPLY_SLACK, REPLY_SLACK_PER_TENSOR = 1 << 16, 1 << 10
+
+
+async def _check_reply(obj: RDTObject, reply: Any, transport: str) -> None:
+    """Refuse a ref's object-store reply that is not the one put with its tensors, before
+    anything is pulled: Ray's owner of it knows no size for it (a task's result, which may
+    never be made) or one larger than the ref's tensors need.
+
+    One whose owner cannot be asked now is awaited as it stands: Ray's error (its owner
+    died) or the caller's timeout ends the wait.
+    """
+    where = await _io.to_thread(_located, reply, purpose=_io.CALLS)
+    if where is None:
+        return
+    size = where.get("object_size")
+    most = obj.nbytes + REPLY_SLACK + REPLY_SLACK_PER_TENSOR * len(obj.specs)
+    if type(size) is not int or size > most:
+        said = "an object not made yet (a task's result)" if size is None else f"{size} bytes"
+        raise TransferError(
+            f"{transport} fetch of {obj.obj_id}: the ref's object-store reply is {said}, not the one put with "
+            f"its tensors ({obj.nbytes} bytes); nothing was pulled. Pass refs as rdt_async hands them out",
+            obj_id=obj.obj_id,
+        )
+
+
+def _located(ref: Any) -> dict[str, Any] | None:
+    """What the owner of `ref` says of it (its size), or None where it cannot be asked."""
+    from ray.experimental import get_object_locations
+
+    try:
+        return get_object_locations([ref], timeout_ms=int(PING_S * 1000)).get(ref)
+    except Exception:  # (its owner out of reach, or gone): the wait for the object says why
+        return None
 
 
 def is_ref(x: Any) -> bool:

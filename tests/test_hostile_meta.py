@@ -102,6 +102,11 @@ class Fetcher:
             return type(exc).__name__, str(exc)
 
 
+@ray.remote
+def _sleeps(s: float) -> None:
+    time.sleep(s)
+
+
 @pytest.fixture(scope="module")
 def maker():
     m = Maker.remote()
@@ -266,6 +271,18 @@ def test_crafted_object_store_replies_are_refused():
             bad = dataclasses.replace(real, eager=eager)
             got = ray.get(fetcher.fetch.remote([bad]))
             assert got[0] == kind and message in got[1], got
+        # Refused before anything is pulled: a task's result, which may never be made (the
+        # fetch waited for it), and an object larger than the ref's 832 bytes (pulled whole).
+        never, huge = _sleeps.remote(600), ray.put(torch.zeros(1 << 20, dtype=torch.uint8).numpy())
+        try:
+            for eager, message in ((huge, "is 1048"), (never, "is an object not made yet (a task's result)")):
+                began = time.monotonic()
+                got = ray.get(fetcher.fetch.remote([dataclasses.replace(real, eager={"object_store": eager})]), timeout=30)
+                assert got[0] == "TransferError" and message in got[1], got
+                assert "not the one put with its tensors (832 bytes); nothing was pulled" in got[1], got
+                assert time.monotonic() - began < 10
+        finally:
+            ray.cancel(never, force=True)
         specs = (real.specs[0], dataclasses.replace(real.specs[1], shape=(16,), nbytes=64))
         got = ray.get(fetcher.fetch.remote([dataclasses.replace(real, specs=specs)]))
         assert got == ("TransferError", got[1]) and "tensor 1 (float32[16]@cpu) is 64 bytes, but 32 came" in got[1]
