@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import concurrent.futures
 import dataclasses
 import itertools
 import threading
@@ -197,6 +198,15 @@ class Writes:
         """Let other fetches write the bytes (idempotent)."""
         if self._release is not None:
             self._release()
+
+    def release_after(self, settled: concurrent.futures.Future[Any]) -> None:
+        """Let other fetches write the bytes once `settled` is done, not before (a transfer
+        given up on that may write them yet); `release` meanwhile does nothing."""
+        held = self._release.detach() if self._release is not None else None
+        self._release = None
+        if held is not None:
+            _, drop, args, _ = held
+            settled.add_done_callback(lambda _: drop(*args))
 
 
 @dataclasses.dataclass

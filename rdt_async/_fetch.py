@@ -82,7 +82,7 @@ async def fetch_object(
                 # as soon as the read ends), else in its `into=` buffers or where its transport puts
                 # them; the others map the memfd, and those with `into=` copy from it.
                 used = [name]  # the path the read took, where auto fell back (`_fetch_over`)
-                transfer = functools.partial(_fetch_over, obj, transport, info, buffers, used, tensor_transport)
+                transfer = functools.partial(_fetch_over, obj, transport, info, buffers, used, tensor_transport, writes=writes)
                 direct = transport.fills_buffers
                 into = functools.partial(_fetch_over, obj, transport, info, used=used, asked=tensor_transport) if direct else None
                 tensors, relayed = await _relay.fetch(
@@ -91,7 +91,7 @@ async def fetch_object(
                 )
                 name = "relay" if relayed else used[0]
             else:
-                tensors, name = await _fetch_over(obj, transport, info, buffers, asked=tensor_transport)
+                tensors, name = await _fetch_over(obj, transport, info, buffers, asked=tensor_transport, writes=writes)
             if buffers is not None and in_buffers(tensors, buffers):
                 buffers = None  # written (a transport that handed back tensors of its own: copied below)
         if buffers:
@@ -161,11 +161,13 @@ async def _fetch_over(
     used: list[str] | None = None,
     asked: str | None = None,
     landed: Callable[[int, int, int], None] | None = None,
+    writes: _buffers.Writes | None = None,
 ) -> tuple[list[torch.Tensor], str]:
     """`_transfer`, and where `auto` chose a path that cannot be used with this producer,
     the next candidate, and at the last the object store. Return the tensors and the path.
     `landed`: told of each range of `buffers` as it lands, where the transport says so
-    (`Transport.reports_landed`; a fallback's transport may not).
+    (`Transport.reports_landed`; a fallback's transport may not). `writes`: the claim on
+    the caller's `buffers` (`_transfer`).
 
     The one fallback of a fetch: the reason goes into `store_stats()["auto"]`, is logged
     once per node and path, and `auto` leaves a path that could not reach a node out of
@@ -179,7 +181,7 @@ async def _fetch_over(
         info = dataclasses.replace(info, landed=landed)
     while True:
         try:
-            tensors = await _transfer(obj, transport, info, buffers)
+            tensors = await _transfer(obj, transport, info, buffers, writes)
         except (TransportUnavailableError, TransferError) as exc:
             why = unusable(exc) if chosen == _registry.AUTO else None
             if why is not None and transport.name != _registry.FALLBACK:
@@ -230,9 +232,14 @@ def _only(
 
 
 async def _transfer(
-    obj: RDTObject, transport: Transport[Any], info: TransferInfo[Any], buffers: list[torch.Tensor] | None
+    obj: RDTObject,
+    transport: Transport[Any],
+    info: TransferInfo[Any],
+    buffers: list[torch.Tensor] | None,
+    writes: _buffers.Writes | None = None,
 ) -> list[torch.Tensor]:
-    """Move the object's bytes over `transport` (into `buffers` when given)."""
+    """Move the object's bytes over `transport` (into `buffers` when given, whose claim
+    `writes` is kept until the transfer has let go of them)."""
     name = transport.name
     request = FetchRequest.start(transport, info, buffers=buffers, channel=_ray.RayChannel(obj, name))
     try:
@@ -241,6 +248,9 @@ async def _transfer(
     except (TransferError, ObjectFreedError) as exc:
         await _raise_if_producer_died(obj, name, exc)
         raise
+    finally:
+        if writes is not None and not request.settled.done():  # given up on (`_io.SETTLE_S`): it may write yet
+            writes.release_after(request.settled)
 
 
 async def _watched(fetching: Awaitable[list[torch.Tensor]], obj: RDTObject, name: str) -> list[torch.Tensor]:

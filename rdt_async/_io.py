@@ -179,7 +179,9 @@ async def poll_closely(done: Callable[[], bool], until: float) -> bool:
     return True
 
 
-SETTLE_S = 60.0  # the longest a cancelled coroutine's cleanup is waited for (a transport's abort)
+# The longest a cancelled coroutine's cleanup is waited for (a transport's abort). A fetch
+# given up on past it keeps its `into=` buffers claimed until the transfer lets go.
+SETTLE_S = 60.0
 
 
 class Started(Generic[T]):
@@ -247,7 +249,7 @@ class Started(Generic[T]):
 
     async def wait(self) -> T:
         """Await the result; cancelling this await cancels the work and returns once it
-        has let go. Any other failure cancels what is left of the work."""
+        has let go (at most `SETTLE_S`). Any other failure cancels what is left of the work."""
         try:
             if self._on_this_loop():
                 assert self.task is not None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import gc
 import os
 import secrets
@@ -444,6 +445,46 @@ async def test_fetch_all_over_an_iterable_that_raises_midway_starts_no_fetch():
     left = [t for t in asyncio.all_tasks() if t.get_coro().__qualname__.startswith("fetch")]
     await asyncio.sleep(0.1)
     assert left == [] and Counted.started == before  # none left running behind the error
+
+
+class Stubborn(Transport):
+    """Writes the caller's buffers for 0.5 s, through any cancel (a copy under way)."""
+
+    devices = ("cpu",)
+    done = False
+
+    async def receive(self, info, buffers, channel):
+        def work():
+            for k in range(50):
+                buffers[0].fill_(k + 1)
+                time.sleep(0.01)
+            Stubborn.done = True  # (not type(self): the registry may subclass it)
+            return buffers
+
+        return await _io.to_thread_finished(work)
+
+
+rdt.register_transport("core-stubborn", ["cpu"], Stubborn)
+
+
+async def test_a_fetch_given_up_on_before_its_transfer_let_go_keeps_into_claimed_until_it_does(monkeypatch):
+    # Past `_io.SETTLE_S` a cancelled fetch returns while its transfer still writes `into=`:
+    # its claim went with it, and the next fetch into those buffers wrote beside the first.
+    monkeypatch.setattr(_io.Started, "settle", functools.partialmethod(_io.Started.settle, 0.05))
+    buf = torch.zeros(4)
+    obj = made([buf], "core-stubborn")
+    fetch = asyncio.ensure_future(rdt.fetch(obj, into=[buf]))
+    while not buf[0]:  # (written from a thread once the transfer runs)
+        await asyncio.sleep(0.005)
+    fetch.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await fetch
+    assert not Stubborn.done  # (given up on: still writing)
+    after = _buffers.checked_writes(obj.specs, [buf])[1]
+    assert not after.claim_nowait()
+    await asyncio.wait_for(after.claim(), 5)
+    assert Stubborn.done and buf.eq(50).all()  # claimed once the transfer let go, not before
+    after.release()
 
 
 def test_an_interrupt_as_a_claim_is_taken_leaves_nothing_claimed(monkeypatch):
