@@ -360,3 +360,112 @@ def test_an_address_that_never_answers_fails_the_fetch_after_the_answer_time():
         r"TransferError: ucxx fetch of (ab){12}: no answer from the producer at 127\.0\.0\.1:\d+ in 2 s; "
         r"RDT_UCXX_ANSWER_S sets how long a fetch waits after [23] s", said
     ), out
+
+
+_DIED_MID_RECEIVE = r"""
+import asyncio, os, signal
+import numpy as np, torch
+from rdt_async import _io
+from rdt_async.transports import ucxx
+from rdt_async.transports._base import NoChannel
+from transports.contract import Producer
+
+posted = []  # (request, tag, address written) of every receive the fetches post
+real_post = ucxx._Worker.post
+def post(self, ep, op, array, tag=None):
+    request = real_post(self, ep, op, array, tag)
+    if op == "tag_recv":
+        posted.append((request, tag, array.ctypes.data))
+    return request
+ucxx._Worker.post = post
+
+async def fetch(info, bufs):
+    try:
+        await _io.start(ucxx.UcxxTransport().receive(info, bufs, NoChannel()))
+    except Exception as exc:
+        print(type(exc).__name__, "into" if bufs else "ours")
+
+async def late_message(tag, nbytes):
+    w = ucxx._workers[os.getpid()]
+    me = w.peer(w.listen())  # an endpoint to this worker's own listener
+    ones = np.full(nbytes, 0x3F, dtype=np.uint8)
+    w.wait(w.post(me.ep, "tag_send", ones, tag), ones)  # (a rendezvous: it ends once received)
+    w.progress()
+
+async def kept():
+    w = ucxx._workers[os.getpid()]
+    return len(w.pending), len(w.orphans)
+
+async def main():
+    p = Producer("ucxx")
+    ours, into = p.make(1, (1 << 17,)), p.make(2, (1 << 17,))
+    bufs = [torch.zeros(s.shape, dtype=s.dtype) for s in into.specs]
+    os.kill(p.proc.pid, signal.SIGSTOP)  # it takes the requests and never answers
+    fetches = asyncio.gather(fetch(ours, None), fetch(into, bufs))
+    await asyncio.sleep(0.5)
+    p.proc.kill()
+    p.proc.join()
+    await fetches
+    print("receives not ended", sum(not r.completed for r, _, _ in posted), "of", len(posted))
+    print("requests kept", *_io.start(kept()).result())
+    tag = next(tag for _, tag, at in posted if at == bufs[0].data_ptr())
+    _io.start(late_message(tag, bufs[0].numel() * 4)).result()
+    await asyncio.sleep(0.5)
+    print("nonzero after the fetch", int(bufs[0].count_nonzero()))
+
+asyncio.run(main())
+"""
+
+
+def test_a_producer_that_dies_mid_receive_leaves_no_receive_posted():
+    """UCXX only schedules the cancel of the receives posted on an endpoint that failed;
+    the transport runs it. The fetch raised PeerDiedError with all five receives still
+    posted, and a later message with the first tensor's tag wrote all 131072 floats of
+    the `into=` buffer the fetch had handed back."""
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "tests"), "UCX_LOG_LEVEL": "fatal"}
+    out = subprocess.run([sys.executable, "-c", _DIED_MID_RECEIVE], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert sorted(out.stdout.splitlines()[:2]) == ["PeerDiedError into", "PeerDiedError ours"], out.stdout + out.stderr[-3000:]
+    assert out.stdout.splitlines()[2:] == [
+        "receives not ended 0 of 10",
+        "requests kept 0 0",
+        "nonzero after the fetch 0",
+    ], out.stdout[-3000:] + out.stderr[-3000:]
+
+
+_CONSUMER_DIES = r"""
+import os, pickle, subprocess, sys, time, torch
+from rdt_async import _io
+from rdt_async.transports import ucxx
+from rdt_async.transports._base import TensorSpec, TransferInfo
+
+CONSUMER = '''
+import sys, pickle, time
+from rdt_async import _io
+from rdt_async.transports import ucxx
+from rdt_async.transports._base import NoChannel
+got = _io.start(ucxx.UcxxTransport().receive(pickle.loads(bytes.fromhex(sys.argv[1])), None, NoChannel())).result()
+print(int(got[0].sum()), flush=True)
+time.sleep(60)
+'''
+x = torch.arange(1000)
+info = TransferInfo("obj-a", (TensorSpec.of(x),), ucxx.UcxxTransport().prepare("obj-a", [x]))
+consumer = subprocess.Popen([sys.executable, "-c", CONSUMER, pickle.dumps(info).hex()], stdout=subprocess.PIPE, text=True)
+print("fetched", consumer.stdout.readline().strip())
+consumer.kill()
+consumer.wait()
+time.sleep(2)
+
+async def left():
+    w = ucxx._workers[os.getpid()]
+    return len(w.served), len(w.listening), w.timer is not None
+
+print("served, waiting, ticking", *_io.start(left()).result())
+"""
+
+
+def test_a_consumer_that_dies_leaves_its_producer_nothing_to_serve():
+    """The wait for the next request on a dead consumer's endpoint is cancelled too: it
+    was kept for good, with the endpoint, and woke the producer every second after."""
+    env = {**os.environ, "UCX_LOG_LEVEL": "fatal"}
+    out = subprocess.run([sys.executable, "-c", _CONSUMER_DIES], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert out.stdout.splitlines() == ["fetched 499500", "served, waiting, ticking 0 0 False"], out.stdout[-3000:] + out.stderr[-3000:]

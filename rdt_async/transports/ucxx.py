@@ -30,7 +30,9 @@ receives write the caller's `into=` buffers returns once the bytes already asked
 have landed; a producer that has not answered within `DRAIN_S` gets its endpoint
 closed, which cancels every receive posted on it (its other transfers fail too; the
 next fetch reconnects). Either way nothing writes the caller's buffers after the
-fetch returns. A transfer that fails on a live endpoint gives up the same way.
+fetch returns. A transfer that fails on a live endpoint gives up the same way. An
+endpoint that fails (its producer died) leaves UCXX's cancels of its receives to run:
+the I/O loop runs them, and every request keeps its memory until UCX has ended it.
 """
 
 from __future__ import annotations
@@ -151,7 +153,6 @@ class _Peer:
     def __init__(self, ep: Any) -> None:
         self.ep = ep
         self.closed = False
-        self.inflight: set[asyncio.Future[Any]] = set()  # this peer's transfers' requests
 
 
 class _Worker:
@@ -172,7 +173,7 @@ class _Worker:
         self.loop.add_reader(self.worker.epoll_file_descriptor, self.progress)
         self.pending: list[tuple[Any, asyncio.Future[Any], Any]] = []  # transfers: polled
         self.listening: list[tuple[Any, asyncio.Future[Any], Any]] = []  # request waits: not
-        self.orphans: list[tuple[Any, Any, _Peer]] = []  # given up, writing our memory: kept
+        self.orphans: list[tuple[Any, Any]] = []  # given up, writing our memory: kept
         self.timer: asyncio.TimerHandle | None = None
         self.listener: Any = None
         self.address: UcxxMeta | None = None
@@ -191,12 +192,17 @@ class _Worker:
         for _ in range(PROGRESS_STEPS):
             if not self.worker.progress_once():
                 break
+        # An endpoint that failed leaves the requests posted on it to be cancelled by a full
+        # `worker.progress()` (never called here): cancel them now (~1 us when there are
+        # none), so that UCX ends them. A receive no producer answers would end never.
+        self.worker.cancel_inflight_requests(0, 1)
         for pending in (self.pending, self.listening):
             if pending:
-                # A future already done was given up (its peer is gone): drop the request.
-                pending[:] = [item for item in pending if not (item[1].done() or (item[0].completed and _settle(*item)))]
-        if self.orphans:  # their memory is free once UCX has ended them, or their peer is gone
-            self.orphans[:] = [o for o in self.orphans if not (o[0].completed or o[2].closed)]
+                # A request leaves once UCX has ended it, never before: until then it may
+                # write what it keeps. (Its future may be done already: given up.)
+                pending[:] = [item for item in pending if not (item[0].completed and _settle(*item))]
+        if self.orphans:  # their memory is free once UCX has ended them
+            self.orphans[:] = [o for o in self.orphans if not o[0].completed]
         # Arm: the epoll descriptor then wakes us at the next event. Arming fails while
         # UCX has work left (events that came in meanwhile, a failed endpoint being torn
         # down): then poll again soon, never spin here. Transfers in flight (waits for
@@ -205,7 +211,7 @@ class _Worker:
         if self.timer is None:
             if self.pending or not armed:
                 self.timer = self.loop.call_later(POLL_S, self._tick)
-            elif self.peers or self.served:
+            elif self.peers or self.served or self.orphans:
                 self.timer = self.loop.call_later(SAFETY_S, self._tick)
 
     def _tick(self) -> None:
@@ -338,7 +344,7 @@ class _Worker:
             ep.set_close_callback(self._closed, cb_args=(key, peer))
         return peer
 
-    def orphan(self, futs: set[asyncio.Future[Any]], peer: _Peer) -> None:
+    def orphan(self, futs: set[asyncio.Future[Any]]) -> None:
         """Keep the requests of given-up waits, and the memory they write, until they end.
 
         For a transfer that gives up while its producer may still answer, and whose
@@ -347,7 +353,7 @@ class _Worker:
         """
         given_up = [item for item in self.pending if item[1] in futs and not item[0].completed]
         self.pending[:] = [item for item in self.pending if item[1] not in futs]
-        self.orphans += [(request, keep, peer) for request, _, keep in given_up]
+        self.orphans += [(request, keep) for request, _, keep in given_up]
 
     def abandon(self, peer: _Peer) -> None:
         """Close `peer`'s endpoint now, cancelling every receive posted on it.
@@ -359,16 +365,16 @@ class _Worker:
         """
         if not peer.closed:
             peer.ep.close_blocking()  # calls `_closed`
+            self.progress()  # the requests it cancelled settle their futures
 
     def _closed(self, key: tuple[str, int], peer: _Peer) -> None:  # inside progress() or abandon()
         peer.closed = True
         if self.peers.get(key) is peer:
             del self.peers[key]
         # Receives are matched by tag on the worker, not the endpoint: UCX never ends the
-        # ones a dead producer was to answer. Fail them here; nothing will send their tags.
-        for fut in peer.inflight:
-            if not fut.done():
-                fut.set_exception(self.u.UCXNotConnectedError("the producer's endpoint closed"))
+        # ones a dead producer was to answer. UCXX cancels those posted on this endpoint
+        # (see `progress`); their futures fail then, and not before: until UCX has ended
+        # a receive, it may write its buffer.
 
 
 def _context(libucxx: Any, flags: tuple[Any, ...]) -> tuple[Any, Any]:
@@ -570,7 +576,6 @@ async def _transfer(w: _Worker, info: TransferInfo[UcxxMeta], dsts: list[torch.T
                 waits.append(w.wait(w.post(peer.ep, "tag_recv", raw, base + 1 + i), (d, raw)))
             waits.append(w.wait(w.post(peer.ep, "am_send", request), request))
         finally:
-            peer.inflight.update(waits)
             w.progress()  # what was posted goes now, and is polled until it ends
         # A producer answers (the status) at once; an address that is no producer's (a
         # ref's fields are input: a listener that accepts and says nothing) must not hold
@@ -604,25 +609,32 @@ async def _transfer(w: _Worker, info: TransferInfo[UcxxMeta], dsts: list[torch.T
         raise
     except _Silent as exc:
         w.abandon(peer)  # no producer there (or none that answers): nothing it would send is awaited
-        for fut in waits:
-            fut.cancel()
+        await _given_up(waits, theirs)
         raise TransferError(str(exc), obj_id=info.obj_id) from None
     except BaseException as exc:  # an error, or cancelled
         unfinished = any(not fut.done() for fut in waits)
         live = not peer.closed and peer.ep.alive
-        if live and unfinished and not theirs:
-            w.orphan(set(waits), peer)  # the producer may still answer: into our memory
-        for fut in waits:
-            fut.cancel()  # given up: their requests leave the polled list
-        if not live:
-            if isinstance(exc, Exception):
-                raise PeerDiedError(
-                    f"ucxx fetch of {info.obj_id}: the producer at {meta.host}:{meta.port} died or closed "
-                    f"({type(exc).__name__}: {exc})",
-                    obj_id=info.obj_id,
-                ) from exc
-        elif unfinished and theirs:
-            w.abandon(peer)  # a live producer may still answer: cancel what would land
+        if live and unfinished:
+            if theirs:
+                w.abandon(peer)  # a live producer may still answer: cancel what would land
+            else:
+                w.orphan(set(waits))  # the producer may still answer: into our memory
+        await _given_up(waits, theirs)
+        if not live and isinstance(exc, Exception):
+            raise PeerDiedError(
+                f"ucxx fetch of {info.obj_id}: the producer at {meta.host}:{meta.port} died or closed "
+                f"({type(exc).__name__}: {exc})",
+                obj_id=info.obj_id,
+            ) from exc
         raise
-    finally:
-        peer.inflight.difference_update(waits)
+
+
+async def _given_up(waits: list[asyncio.Future[Any]], theirs: bool) -> None:
+    """Let a given-up transfer's requests go: UCX ends them (their endpoint closed or
+    failed, its receives are cancelled) and they keep their memory until then. Receives
+    into the caller's buffers (`theirs`) are waited for: none writes them once the fetch
+    has returned."""
+    if theirs and waits:
+        await _io.shielded(asyncio.wait(waits))  # (settled as UCX ends each: see `_Worker.progress`)
+    for fut in waits:
+        fut.cancel()
