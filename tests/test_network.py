@@ -475,6 +475,8 @@ def test_crafted_tcp_metadata_is_refused_before_anything_connects(meta, why):
         (("0.0.0.0", 13337), "host '0.0.0.0' is the unspecified address, where no producer listens"),
         (("127.0.0.1", 65536), "port 65536 is not in 1..65535"),
         (("127.0.0.1", 1.5), "port 1.5 is not in 1..65535"),
+        (("127.0.0.1", 13337, b"short"), "the token is not 16 bytes"),
+        (("127.0.0.1", 13337, "x" * 16), "the token is not 16 bytes"),
     ],
 )
 def test_crafted_ucxx_metadata_is_refused_before_ucx_loads(meta, why):
@@ -483,7 +485,7 @@ def test_crafted_ucxx_metadata_is_refused_before_ucx_loads(meta, why):
     from rdt_async.transports import ucxx
 
     with pytest.raises(rdt.TransferError, match=rf"ucxx fetch of crafted: the ref's ucxx metadata is malformed \({_re(why)}\)"):
-        _fetch(ucxx.UcxxTransport(), ucxx.UcxxMeta(*meta))
+        _fetch(ucxx.UcxxTransport(), ucxx.UcxxMeta(*meta) if len(meta) == 3 else ucxx.UcxxMeta(*meta, bytes(16)))
     assert "ucxx._lib.libucxx" not in sys.modules  # refused before UCXX (and its UCX) loaded here
 
 

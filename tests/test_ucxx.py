@@ -335,7 +335,7 @@ silent.bind(("127.0.0.1", 0))
 silent.listen(4)
 conns = []
 threading.Thread(target=lambda: [conns.append(silent.accept()[0]) for _ in range(4)], daemon=True).start()
-info = TransferInfo("ab" * 12, (TensorSpec((1 << 20,), torch.float32, "cpu", 4 << 20),), ucxx.UcxxMeta(*silent.getsockname()))
+info = TransferInfo("ab" * 12, (TensorSpec((1 << 20,), torch.float32, "cpu", 4 << 20),), ucxx.UcxxMeta(*silent.getsockname(), bytes(16)))
 
 async def main():
     t0 = time.monotonic()
@@ -372,7 +372,7 @@ from transports.contract import Producer
 
 posted = []  # (request, tag, address written) of every receive the fetches post
 real_post = ucxx._Worker.post
-def post(self, ep, op, array, tag=None):
+def post(self, ep, op, array=None, tag=None):
     request = real_post(self, ep, op, array, tag)
     if op == "tag_recv":
         posted.append((request, tag, array.ctypes.data))
@@ -398,8 +398,10 @@ async def kept():
 
 async def main():
     p = Producer("ucxx")
-    ours, into = p.make(1, (1 << 17,)), p.make(2, (1 << 17,))
+    first, ours, into = p.make(0), p.make(1, (1 << 17,)), p.make(2, (1 << 17,))
     bufs = [torch.zeros(s.shape, dtype=s.dtype) for s in into.specs]
+    await _io.start(ucxx.UcxxTransport().receive(first, None, NoChannel()))  # connected, greeted
+    posted.clear()
     os.kill(p.proc.pid, signal.SIGSTOP)  # it takes the requests and never answers
     fetches = asyncio.gather(fetch(ours, None), fetch(into, bufs))
     await asyncio.sleep(0.5)
@@ -469,3 +471,43 @@ def test_a_consumer_that_dies_leaves_its_producer_nothing_to_serve():
     env = {**os.environ, "UCX_LOG_LEVEL": "fatal"}
     out = subprocess.run([sys.executable, "-c", _CONSUMER_DIES], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert out.stdout.splitlines() == ["fetched 499500", "served, waiting, ticking 0 0 False"], out.stdout[-3000:] + out.stderr[-3000:]
+
+
+_ANOTHER_LISTENER = r"""
+import asyncio, torch
+from rdt_async import _io
+from rdt_async.transports import ucxx
+from rdt_async.transports._base import NoChannel, TensorSpec, TransferInfo
+
+heard = []
+
+async def main():
+    w = await ucxx._worker_async()
+    w._send = lambda ep, message: heard.append(message)  # what the listener is asked
+    there = w.listen()  # another producer's listener (this process's), of another token
+    info = TransferInfo("ab" * 12, (TensorSpec((4,), torch.float32, "cpu", 16),), ucxx.UcxxMeta(there.host, there.port, b"x" * 16))
+    try:
+        await ucxx.UcxxTransport().receive(info, None, NoChannel())
+    except Exception as exc:
+        print(f"{type(exc).__name__}: {exc}")
+    await asyncio.sleep(0.2)
+    print("requests heard", len(heard))
+
+_io.start(main()).result()
+"""
+
+
+def test_a_ref_naming_another_listener_sends_it_no_request():
+    """A ref's address and token are input: the consumer sent its request (the object id
+    and tags) to whatever UCX listener a crafted or stale ref named. It sends nothing until
+    the listener's greeting proves it knows the ref's token, as tcp's does."""
+    env = {**os.environ, "RDT_UCXX_ANSWER_S": "2", "UCX_LOG_LEVEL": "fatal"}
+    out = subprocess.run([sys.executable, "-c", _ANOTHER_LISTENER], capture_output=True, text=True, timeout=120, env=env)
+    lines = out.stdout.strip().splitlines()
+    assert re.fullmatch(
+        r"Unreachable: the listener at [\d.]+:\d+ is not the producer's ucxx listener \(its greeting is not the one "
+        r"the ref's token asks for\); nothing was sent to it: the producer is gone and another process listens "
+        r"there, or the ref was altered",
+        lines[0],
+    ), out.stdout + out.stderr[-3000:]
+    assert lines[1:] == ["requests heard 0"], out.stdout

@@ -1,7 +1,9 @@
 """`ucxx`: UCX tag transfers through UCXX, progressed by the I/O loop itself.
 
-Each process has one UCX worker and, once it produces, one listener whose address
-travels in the `RDTObject`. A consumer keeps one endpoint per producer. A transfer:
+Each process has one UCX worker and, once it produces, one listener whose address and
+a random 128-bit token travel in the `RDTObject`. A consumer keeps one endpoint per
+producer, and sends nothing over it before the listener's first message, its greeting,
+proves that it knows the ref's token (`_greeting`). A transfer:
 
     consumer (I/O loop)                           producer (I/O loop)
     -------------------                           -------------------
@@ -40,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hmac
 import importlib
 import importlib.util
 import os
@@ -64,7 +67,7 @@ from .._errors import (
     TransportUnavailableError,
 )
 from . import _net, _ucx
-from ._base import NO_STORE, Channel, Keeper, TransferInfo, Transport
+from ._base import NO_STORE, Channel, Keeper, TransferInfo, Transport, Unreachable
 from ._kit import delivered, int_setting, landing_buffers, sizes_digest
 
 INSTALL_HINT = "pip install 'rdt_async[ucxx]'"
@@ -77,6 +80,14 @@ class _Silent(TransferError):
     """No answer from the address a ref names within RDT_UCXX_ANSWER_S."""
 
 
+def _silent(info: TransferInfo[UcxxMeta]) -> _Silent:
+    return _Silent(
+        f"ucxx fetch of {info.obj_id}: no answer from the producer at {info.meta.host}:{info.meta.port} in "
+        f"{_answer_s()} s; RDT_UCXX_ANSWER_S sets how long a fetch waits",
+        obj_id=info.obj_id,
+    )
+
+
 def _answer_s() -> int:
     return int_setting("RDT_UCXX_ANSWER_S", 120, 1, "the seconds a fetch waits for the producer's answer (1 or more)")
 PROGRESS_STEPS = 64  # UCX progress calls per wake-up at most; more wait for the next poll
@@ -84,6 +95,9 @@ PACKED_BYTES = 64 << 10  # objects up to this size come with their status in one
 TAG_STRIDE = 1 << 20  # tags per transfer: status, then one per tensor
 HELD, FREED, ALTERED = 0, 1, 2  # ALTERED: the request's digest of the tensors' sizes is not the object's
 HOST_ENV = "RDT_UCXX_HOST"
+TOKEN_BYTES = 16
+GREETING = b"RDT-UCXX-GREETING"  # what the listener's first message proves, keyed with its token
+GREETING_BYTES = 16
 
 
 @functools.cache
@@ -121,15 +135,16 @@ def _load() -> Any:
 
 @dataclass(frozen=True)
 class UcxxMeta:
-    """Where the producer's listener is."""
+    """Where the producer's listener is, and the token its greeting proves it knows."""
 
     host: str
     port: int
+    token: bytes
 
 
 def check_meta(meta: object, obj_id: str) -> UcxxMeta:
     """Return `meta` if it is a UcxxMeta a producer could have made: an IPv4 literal (never
-    a name to resolve) a peer can connect to, a port in 1..65535.
+    a name to resolve) a peer can connect to, a port in 1..65535, a token of the exact length.
 
     Runs on: consumer, before it connects anywhere. Raises: TransferError saying what is wrong.
     """
@@ -142,6 +157,8 @@ def check_meta(meta: object, obj_id: str) -> UcxxMeta:
         why = f"host {meta.host!r} is {no_peer}, where no producer listens"
     elif type(meta.port) is not int or not 1 <= meta.port <= 65535:
         why = f"port {meta.port!r} is not in 1..65535"
+    elif type(meta.token) is not bytes or len(meta.token) != TOKEN_BYTES:
+        why = f"the token is not {TOKEN_BYTES} bytes"
     if why is not None:
         raise TransferError(f"ucxx fetch of {obj_id}: the ref's ucxx metadata is malformed ({why}); nothing was read", obj_id=obj_id)
     return meta  # type: ignore[return-value]
@@ -153,6 +170,7 @@ class _Peer:
     def __init__(self, ep: Any) -> None:
         self.ep = ep
         self.closed = False
+        self.greeting: asyncio.Future[bytes] | None = None  # the listener's first message
 
 
 class _Worker:
@@ -177,6 +195,7 @@ class _Worker:
         self.timer: asyncio.TimerHandle | None = None
         self.listener: Any = None
         self.address: UcxxMeta | None = None
+        self.token = secrets.token_bytes(TOKEN_BYTES)  # what this process's listener greets with
         self.peers: dict[tuple[str, int], _Peer] = {}
         self.served: set[Any] = set()  # endpoints accepted by the listener
         self.sending: set[asyncio.Future[Any]] = set()  # answers in flight (the loop keeps tasks weakly)
@@ -232,8 +251,8 @@ class _Worker:
             self.timer = None
         return fut
 
-    def post(self, ep: Any, op: str, array: np.ndarray, tag: int | None = None) -> Any:
-        """Post a send or receive on `ep`; refuse on an endpoint that failed.
+    def post(self, ep: Any, op: str, array: np.ndarray | None = None, tag: int | None = None) -> Any:
+        """Post a send or receive on `ep` (`am_recv`: no array); refuse on an endpoint that failed.
 
         UCXX blocks for good when a request is posted on an endpoint whose error
         callback has run (it waits for a close that needs this thread's progress).
@@ -241,7 +260,7 @@ class _Worker:
         """
         if not ep.alive:
             raise self.u.UCXNotConnectedError("Endpoint is not connected")
-        args = (self.Array(array),) if tag is None else (self.Array(array), self.u.UCXXTag(tag))
+        args = () if array is None else (self.Array(array),) if tag is None else (self.Array(array), self.u.UCXXTag(tag))
         return getattr(ep, op)(*args)
 
     # -- producer -------------------------------------------------------------
@@ -261,7 +280,7 @@ class _Worker:
                     f"IPv4 only (0.0.0.0); set {HOST_ENV} to an IPv4 address of this host, or use tcp"
                 )
             self.listener = _net.in_range(self._listener, lambda e: isinstance(e, self.u.UCXBusyError), "transport 'ucxx'")
-            self.address = UcxxMeta(where.host, int(self.listener.port))
+            self.address = UcxxMeta(where.host, int(self.listener.port), self.token)
         return self.address
 
     def _listener(self, port: int) -> Any:
@@ -280,6 +299,8 @@ class _Worker:
 
     async def _serve(self, ep: Any) -> None:
         try:
+            greeting = np.frombuffer(_greeting(self.token), dtype=np.uint8)  # first: a consumer sends nothing before it
+            self.wait(self.post(ep, "am_send", greeting), greeting).add_done_callback(_retrieved)
             while True:
                 if not ep.alive:
                     return
@@ -344,6 +365,37 @@ class _Worker:
             ep.set_close_callback(self._closed, cb_args=(key, peer))
         return peer
 
+    async def greeted(self, peer: _Peer, meta: UcxxMeta) -> bool:
+        """Wait for the greeting of the listener `peer` connects to: True once it is the
+        one `meta`'s token asks for, False if none came in the answer time.
+
+        Raises: Unreachable where another greeting came (not this ref's producer).
+        """
+        if peer.greeting is None:  # the first fetch over this endpoint asks; the others wait with it
+            peer.greeting = asyncio.ensure_future(self._first_message(peer.ep))
+            peer.greeting.add_done_callback(_retrieved)
+        try:
+            async with asyncio.timeout(_answer_s()):
+                said = await asyncio.shield(peer.greeting)
+        except TimeoutError:
+            return False
+        if not hmac.compare_digest(said, _greeting(meta.token)):
+            raise Unreachable(  # (not lasting: a ref with another token takes ucxx away from no live producer there)
+                f"the listener at {meta.host}:{meta.port} is not the producer's ucxx listener (its greeting is not "
+                "the one the ref's token asks for); nothing was sent to it: the producer is gone and another "
+                "process listens there, or the ref was altered",
+                lasting=False,
+            )
+        return True
+
+    async def _first_message(self, ep: Any) -> bytes:
+        """The first active message that comes over `ep` (its listener's greeting)."""
+        request = self.post(ep, "am_recv")
+        fut = self.wait(request)
+        self.progress()
+        await fut
+        return bytes(memoryview(request.recv_buffer))
+
     def orphan(self, futs: set[asyncio.Future[Any]]) -> None:
         """Keep the requests of given-up waits, and the memory they write, until they end.
 
@@ -393,6 +445,20 @@ def _context(libucxx: Any, flags: tuple[Any, ...]) -> tuple[Any, Any]:
     with _ucx.environment(added):
         context = libucxx.UCXContext({}, feature_flags=flags)
         return context, libucxx.UCXWorker(context)
+
+
+def _greeting(token: bytes) -> bytes:
+    """The listener's first message: proof that it knows `token`, which reveals nothing of it
+    (a ref's address and token are input: a consumer that sent its request to any listener
+    there would hand it to whatever a crafted ref names)."""
+    return hmac.digest(token, GREETING, "sha256")[:GREETING_BYTES]
+
+
+def _retrieved(fut: asyncio.Future[Any]) -> None:
+    """Done callback of a future nobody may await (a greeting sent, or one every fetch gave
+    up waiting for): its error (the peer went away) is moot."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _settle(request: Any, fut: asyncio.Future[Any], keep: Any) -> bool:
@@ -570,6 +636,8 @@ async def _transfer(w: _Worker, info: TransferInfo[UcxxMeta], dsts: list[torch.T
     request = _pack(base, [i for i, _, _ in posted], packed, sizes_digest(info.obj_id, [r.nbytes for r in raws]), info.obj_id)
     waits: list[asyncio.Future[Any]] = []
     try:
+        if not await w.greeted(peer, meta):  # nothing goes to a listener before it proves it is the producer's
+            raise _silent(info)
         try:
             waits.append(w.wait(w.post(peer.ep, "tag_recv", status, base), status))
             for i, raw, d in posted:
@@ -582,11 +650,7 @@ async def _transfer(w: _Worker, info: TransferInfo[UcxxMeta], dsts: list[torch.T
         # the fetch for good. Its bytes then take what they take (the watch ends a dead one).
         await asyncio.wait(waits, timeout=_answer_s(), return_when=asyncio.FIRST_EXCEPTION)
         if not waits[0].done() and not any(f.done() and not f.cancelled() and f.exception() for f in waits):
-            raise _Silent(
-                f"ucxx fetch of {info.obj_id}: no answer from the producer at {meta.host}:{meta.port} in "
-                f"{_answer_s()} s; RDT_UCXX_ANSWER_S sets how long a fetch waits",
-                obj_id=info.obj_id,
-            )
+            raise _silent(info)
         await asyncio.wait(waits, return_when=asyncio.FIRST_EXCEPTION)
         for error in [f.exception() for f in waits if f.done() and not f.cancelled()]:
             if error is not None:
