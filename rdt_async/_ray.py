@@ -175,6 +175,9 @@ class RayChannel:
 # What a reply put with an object holds beyond its tensors' bytes: Ray's and pickle's
 # framing (~250 bytes, and ~40 a tensor, on Ray 2.60), with room to spare.
 REPLY_SLACK, REPLY_SLACK_PER_TENSOR = 1 << 16, 1 << 10
+REPLY_ASK_S = 1.0  # how long the reply's owner is asked its size; past it, the reply is awaited as it stands
+_sized: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # replies' sizes their owners said
+SIZED = 1024  # ... remembered, the newest
 
 
 async def _check_reply(obj: RDTObject, reply: Any, transport: str) -> None:
@@ -182,13 +185,21 @@ async def _check_reply(obj: RDTObject, reply: Any, transport: str) -> None:
     anything is pulled: Ray's owner of it knows no size for it (a task's result, which may
     never be made) or one larger than the ref's tensors need.
 
-    One whose owner cannot be asked now is awaited as it stands: Ray's error (its owner
-    died) or the caller's timeout ends the wait.
+    A reply's size is asked once (remembered: every consumer of a node may fetch it). One
+    whose owner does not say within REPLY_ASK_S is awaited as it stands: Ray's error (its
+    owner died) or the caller's timeout ends the wait.
     """
-    where = await _io.to_thread(_located, reply, purpose=_io.CALLS)
-    if where is None:
-        return
-    size = where.get("object_size")
+    key = reply.binary()
+    size: Any = _sized.get(key)
+    if size is None:
+        where = await _io.to_thread(_located, reply, purpose=_io.CALLS)
+        if where is None:
+            return
+        size = where.get("object_size")
+        if type(size) is int:
+            _sized[key] = size
+            while len(_sized) > SIZED:
+                _sized.popitem(last=False)
     most = obj.nbytes + REPLY_SLACK + REPLY_SLACK_PER_TENSOR * len(obj.specs)
     if type(size) is not int or size > most:
         said = "an object not made yet (a task's result)" if size is None else f"{size} bytes"
@@ -204,7 +215,7 @@ def _located(ref: Any) -> dict[str, Any] | None:
     from ray.experimental import get_object_locations
 
     try:
-        return get_object_locations([ref], timeout_ms=int(PING_S * 1000)).get(ref)
+        return get_object_locations([ref], timeout_ms=int(REPLY_ASK_S * 1000)).get(ref)
     except Exception:  # (its owner out of reach, or gone): the wait for the object says why
         return None
 

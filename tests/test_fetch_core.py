@@ -13,6 +13,7 @@ import os
 import secrets
 import socket
 import time
+import types
 
 import pytest
 import torch
@@ -560,3 +561,23 @@ def test_a_second_ctrl_c_in_get_returns_only_once_nothing_writes_into():
     done = subprocess.run([sys.executable, "-c", _TWICE], capture_output=True, text=True, timeout=120)
     said = json.loads(done.stdout.strip().splitlines()[-1])
     assert not said["written_after"] and said["took"] > 0.25, (said, done.stderr[-2000:])
+
+
+def test_an_object_store_replys_size_is_asked_of_its_owner_once(monkeypatch):
+    # Every consumer of a node may fetch one reply: each asked its owner again, a round
+    # trip and a thread of the calls pool each (5 s each where the owner was out of reach).
+    asked = []
+
+    def located(ref):
+        asked.append(ref)
+        return {"object_size": 900 if ref.binary() == b"ok" else 1 << 30}
+
+    monkeypatch.setattr(_ray, "_located", located)
+    monkeypatch.setattr(_ray, "_sized", type(_ray._sized)())
+    obj = types.SimpleNamespace(nbytes=832, specs=[None, None], obj_id="o" * 32)
+    reply, huge = types.SimpleNamespace(binary=lambda: b"ok"), types.SimpleNamespace(binary=lambda: b"huge")
+    for _ in range(3):
+        _io.start(_ray._check_reply(obj, reply, "object_store")).result()
+        with pytest.raises(rdt.TransferError, match="the ref's object-store reply is 1073741824 bytes, not the one"):
+            _io.start(_ray._check_reply(obj, huge, "object_store")).result()
+    assert len(asked) == 2 and _ray.REPLY_ASK_S <= 1.0
