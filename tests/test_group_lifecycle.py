@@ -219,6 +219,18 @@ def test_what_nccl_cannot_reduce_is_refused_before_anything_is_sent(verb, dtype,
             _checks.check_reducible(verb, value, "nccl", op)
 
 
+@pytest.mark.parametrize("has_float8", [False, True])
+def test_nccl_float8_reductions_are_refused_where_torchs_nccl_has_none(monkeypatch, has_float8):
+    # torch refuses float8 reductions, inside the collective, where its NCCL is older than 2.24.
+    monkeypatch.setattr(_checks, "_nccl_has_float8", lambda: has_float8)
+    value = types.SimpleNamespace(specs=(TensorSpec((4,), torch.float8_e5m2, "cuda:0", 4),))
+    if has_float8:
+        _checks.check_reducible("allreduce", value, "nccl", "sum")
+    else:
+        with pytest.raises(ValueError, match=r"the NCCL torch loads here reduces no float8 tensors \(NCCL 2.24"):
+            _checks.check_reducible("allreduce", value, "nccl", "sum")
+
+
 def test_a_ref_made_before_the_group_was_made_anew_finds_its_producer_by_actor(monkeypatch):
     # An object names its producer's rank when it was made; the group made anew in
     # another order put that actor elsewhere, and the fetch failed as an altered ref.

@@ -7,6 +7,7 @@ metadata alone: no tensor moves. Runs on: the caller (its I/O loop).
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -231,14 +232,24 @@ GLOO_NEVER = frozenset({
 })
 
 
-# What NCCL reduces (torch's ProcessGroupNCCL: its table of NCCL's dtypes; float8 where
-# torch was built with NCCL's, else NCCL refuses them). Complex tensors: in allreduce
-# alone, as pairs of reals, so by sum and avg. torch raised the others in every member,
-# inside the collective, which broke the group.
+# What NCCL reduces (torch's ProcessGroupNCCL: its table of NCCL's dtypes). Complex
+# tensors: in allreduce alone, as pairs of reals, so by sum and avg. Float8: where torch's
+# NCCL has float8 reductions (2.24 on), else torch refuses them. torch raised the others
+# in every member, inside the collective, which broke the group.
 NCCL_REDUCES = frozenset({
     torch.bool, torch.int8, torch.uint8, torch.int32, torch.int64,
-    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.float16, torch.bfloat16, torch.float32, torch.float64,
 })
+NCCL_FLOAT8 = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
+
+
+@functools.cache
+def _nccl_has_float8() -> bool:
+    """Whether the NCCL torch loads here reduces float8 (2.24 on); False without NCCL."""
+    try:
+        return tuple(torch.cuda.nccl.version()) >= (2, 24)
+    except Exception:  # (a build without CUDA or NCCL)
+        return False
 
 
 def check_reducible(verb: str, obj: RDTObject, backend: str, op: str) -> None:
@@ -268,7 +279,12 @@ def _check_nccl_reduces(verb: str, obj: RDTObject, op: str) -> None:
                     f"rdt.{verb}(op={op!r}): tensor {j} is {s}, and NCCL reduces {name} tensors only in "
                     "allreduce by 'sum' or 'avg'; use those, or return torch.view_as_real(t) to reduce its parts"
                 )
-        elif s.dtype not in NCCL_REDUCES:
+        elif s.dtype in NCCL_FLOAT8 and not _nccl_has_float8():
+            raise ValueError(
+                f"rdt.{verb}: tensor {j} is {s}, and the NCCL torch loads here reduces no float8 tensors "
+                "(NCCL 2.24 and later do); convert them (e.g. to bfloat16) before returning them"
+            )
+        elif s.dtype not in NCCL_REDUCES | NCCL_FLOAT8:
             raise ValueError(
                 f"rdt.{verb}: tensor {j} is {s}, and NCCL reduces no {name} tensors; convert them "
                 "(e.g. to int32, bfloat16 or float32) before returning them"
