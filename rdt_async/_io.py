@@ -192,7 +192,8 @@ class Started(Generic[T]):
     wait until the coroutine has exited, cleanup and all. `wait()` and `result()` give up
     as a caller expects of a transfer into its memory: cancelled, timed out or interrupted,
     they abort the work and return only once it has let go, so nothing writes the caller's
-    buffers afterwards.
+    buffers afterwards (at most SETTLE_S: past it they return, and the fetch keeps its
+    claim on those buffers until the work lets go).
     """
 
     def __init__(self, coro: Coroutine[Any, Any, T]) -> None:

@@ -218,7 +218,8 @@ class FetchRequest(_io.Started[list[torch.Tensor]]):
     blocks that loop, and `result()` waits from plain threads. `wait()` (a loop) and
     `result()` (a thread) abort the transfer when the caller gives up (cancelled, timed
     out, interrupted) and return only once it has let go: a receive into the caller's
-    buffers that cannot be interrupted lands first, so nothing writes them afterwards.
+    buffers that cannot be interrupted lands first, so nothing writes them afterwards
+    (at most `_io.SETTLE_S`: then the fetch claims the buffers until the receive ends).
     Errors are the transport's own: the core translates them (`_errors.translating`).
     """
 
