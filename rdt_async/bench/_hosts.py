@@ -95,14 +95,24 @@ class Hosts:
         return link
 
     def add(self, name: str, gcs_address: str, resources: dict[str, float], env: dict[str, str] | None = None,
-            timeout: float = 60.0, start_args: Sequence[str] = ()) -> _Node:
+            timeout: float = 60.0, start_args: Sequence[str] = (),
+            admit: Sequence[tuple[int, int]] | None = None) -> _Node:
         """Start a Ray node (no CPUs, `resources`) on a new host and wait until it has joined.
 
-        `start_args`: more options for its `ray start`."""
+        `start_args`: more options for its `ray start`. `admit`: the host's firewall, set
+        before Ray starts (`_Link.admit_only`): inbound TCP connections only to these
+        port ranges (LOW, HIGH), the rest dropped."""
         import ray
 
         used = {n.link for n in self._nodes.values()}
         link = self._first if self._first not in used else self._link(max(int(k.name.rsplit("h", 1)[1]) for k in used) + 1)
+        if admit is not None:
+            try:
+                link.admit_only(admit)
+            except BaseException:
+                if link is not self._first:
+                    link.delete()
+                raise
         node = _Node(name, link, gcs_address, resources, env or {}, start_args)
         self._nodes[name] = node
         deadline = time.monotonic() + timeout
@@ -125,6 +135,8 @@ class Hosts:
         node.stop()
         if node.link is not self._first:
             node.link.delete()
+        else:
+            node.link.admit_only(None)  # (the first link stays, for the next node: without a firewall)
 
     def close(self) -> None:
         for name in list(self._nodes):
@@ -235,6 +247,30 @@ class _Link:
         if self.bridge is None:
             _sh(*ns, "ip", "route", "add", "default", "via", self.root_ip)
 
+    def admit_only(self, ranges: Sequence[tuple[int, int]] | None) -> None:
+        """A firewall on this host (None: none): a new inbound TCP connection (a SYN
+        arriving on the host's end of the link) is dropped, with no answer, unless its
+        port is in one of `ranges`; established connections, the host's own outbound ones
+        and their answers pass. Made of `tc` u32 filters on the link's ingress (no
+        iptables needed); a dropped SYN is redirected to a veth that is down (kernels
+        without tc's gact action have mirred). All of it goes with the namespace."""
+        ns = ("ip", "netns", "exec", self.name)
+        sink = "fwsink"
+        subprocess.run([*ns, "tc", "qdisc", "del", "dev", self.ns_dev, "ingress"], capture_output=True)
+        subprocess.run([*ns, "ip", "link", "del", sink], capture_output=True)
+        if ranges is None:
+            return
+        _sh(*ns, "ip", "link", "add", sink, "type", "veth", "peer", "name", f"{sink}p")  # left down: drops
+        _sh(*ns, "tc", "qdisc", "add", "dev", self.ns_dev, "ingress")
+        tcp = ("parent", "ffff:", "protocol", "ip", "u32", "match", "ip", "protocol", "6", "0xff")
+        for low, high in ranges:  # admitted: classified here, no later filter sees them
+            for value, mask in _port_blocks(low, high):  # (the port at offset 22: an IP header of 20 bytes)
+                _sh(*ns, "tc", "filter", "add", "dev", self.ns_dev, "prio", "1", *tcp,
+                    "match", "ip", "dport", str(value), hex(mask), "classid", "1:1")
+        # SYN set, ACK clear (the flags byte: offset 20 + 13): a new connection.
+        _sh(*ns, "tc", "filter", "add", "dev", self.ns_dev, "prio", "9", *tcp,
+            "match", "u8", "0x02", "0x12", "at", "33", "action", "mirred", "egress", "redirect", "dev", sink)
+
     def set_up(self, up: bool) -> None:
         """Take the link down (a partition) or bring it back."""
         _sh("ip", "link", "set", self.root_dev, "up" if up else "down")
@@ -269,6 +305,20 @@ echo {boot_id} > /dev/shm/.boot_id && mount --bind /dev/shm/.boot_id /proc/sys/k
 hostname {hostname}
 exec "$@"
 """
+
+
+def _port_blocks(low: int, high: int) -> list[tuple[int, int]]:
+    """Ports LOW..HIGH as aligned blocks (value, mask) a u32 match takes."""
+    if not 0 < low <= high < 65536:
+        raise ValueError(f"ports {low}-{high}: give 0 < LOW <= HIGH < 65536")
+    blocks = []
+    while low <= high:
+        size = low & -low
+        while low + size - 1 > high:
+            size >>= 1
+        blocks.append((low, 0xFFFF & ~(size - 1)))
+        low += size
+    return blocks
 
 
 def _signal(pids: list[int], sig: int) -> None:

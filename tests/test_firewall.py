@@ -1,0 +1,184 @@
+"""A producer's host behind a firewall, as users run them: inbound TCP only to Ray's ports
+and to the range opened for rdt_async (RDT_PORT_RANGE); a connection to any other port
+gets no answer (dropped, not refused: a connect waits out its timeout, the worst case).
+
+The firewall is tc filters on the host's end of its link (`_hosts._Link.admit_only`),
+set before its `ray start`, which is given every port Ray listens on there. Needs the
+split topology (network namespaces).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import importlib.util
+import logging
+import socket
+import time
+
+import pytest
+import ray
+import torch
+from probes import listening
+
+import rdt_async as rdt
+from rdt_async.transports import tcp
+
+RAY_PORTS = (21500, 21599)  # every port Ray listens on at the walled host
+OPENED = (21600, 21631)  # the range its user opens for rdt_async: RDT_PORT_RANGE
+N = 16 << 20  # 64 MiB of float32
+WALLED = {"num_cpus": 0, "resources": {"walled": 1}}
+IN_RANGE = {"runtime_env": {"env_vars": {"RDT_PORT_RANGE": f"{OPENED[0]}-{OPENED[1]}"}}}
+UCXX = importlib.util.find_spec("ucxx") is not None
+NIXL = importlib.util.find_spec("nixl") is not None
+
+
+def _values(n: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy()).hexdigest()
+
+
+@rdt.remote
+class Producer:
+    def __init__(self) -> None:
+        self.before = listening()  # Ray's own
+
+    @rdt.method(tensor_transport="auto")
+    def make(self, n: int, seed: int):
+        return {"w": _values(n, seed)}
+
+    @rdt.method(tensor_transport="tcp")
+    def make_tcp(self, n: int, seed: int):
+        return {"w": _values(n, seed)}
+
+    def tcp_address(self) -> tuple[str, int]:
+        meta = tcp._listening().meta
+        return meta.host, meta.port
+
+    def listening(self) -> list[tuple[str, int]]:
+        """What listens since it was made: rdt_async's (and UCX's) listeners."""
+        return sorted(listening() - self.before)
+
+
+class _Said(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@rdt.remote
+class Consumer:
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        import os
+
+        os.environ.update(env or {})
+        self.said = _Said()
+        logging.getLogger("rdt_async").addHandler(self.said)
+
+    async def read(self, refs, tensor_transport=None) -> dict:
+        """The value's digest, the path it took, auto's record of it, how long it took.
+        (`refs`: one ref in a list, which the call does not fetch for it.)"""
+        (ref,) = refs
+        before = collections.Counter(rdt.store_stats()["fetches"])
+        t0 = time.monotonic()
+        try:
+            got = await rdt.fetch(ref, tensor_transport=tensor_transport)
+        except rdt.RDTError as e:
+            return {"error": f"{type(e).__name__}: {e}", "s": time.monotonic() - t0}
+        s = time.monotonic() - t0
+        used = collections.Counter(rdt.store_stats()["fetches"]) - before
+        auto = rdt.store_stats()["auto"]
+        return {"digest": _digest(got["w"]), "used": dict(used), "auto": auto[-1] if auto else None,
+                "s": s, "said": list(self.said.lines)}
+
+
+def _split(cluster) -> None:
+    if cluster.hosts is None or cluster.hosts.topology != "split":
+        pytest.skip("needs the split topology (RDT_TEST_TOPOLOGY=split or three, network namespaces)")
+
+
+@pytest.fixture(scope="module")
+def walled(cluster):
+    """A host whose firewall admits inbound TCP to Ray's ports and to OPENED only."""
+    _split(cluster)
+    ports = [f"--node-manager-port={RAY_PORTS[0]}", f"--object-manager-port={RAY_PORTS[0] + 1}",
+             f"--runtime-env-agent-port={RAY_PORTS[0] + 2}", f"--dashboard-agent-grpc-port={RAY_PORTS[0] + 3}",
+             f"--dashboard-agent-listen-port={RAY_PORTS[0] + 4}", f"--metrics-export-port={RAY_PORTS[0] + 5}",
+             f"--min-worker-port={RAY_PORTS[0] + 10}", f"--max-worker-port={RAY_PORTS[1]}"]
+    hosts = cluster.hosts
+    node = hosts.add("walled", cluster.address, {"walled": 1000}, start_args=["--include-log-monitor=False", *ports],
+                     admit=[RAY_PORTS, OPENED])
+    try:
+        yield node
+    finally:
+        hosts.remove("walled")
+
+
+@pytest.fixture(scope="module")
+def actors(walled):
+    made = {
+        "opened": Producer.options(**WALLED, **IN_RANGE).remote(),  # its listeners in OPENED
+        "shut": Producer.options(**WALLED).remote(),  # its listeners on ephemeral ports: dropped
+        "reader": Consumer.remote(),
+    }
+    yield made
+    for actor in made.values():
+        ray.kill(actor)
+
+
+def test_a_firewalls_port_ranges_are_the_aligned_blocks_a_u32_match_takes():
+    from rdt_async.bench._hosts import _port_blocks
+
+    for low, high in ((21500, 21599), (21600, 21631), (1, 1), (65535, 65535), (1, 65535)):
+        blocks = _port_blocks(low, high)
+        admitted = {p for value, mask in blocks for p in range(low & ~0x3FF, min(high + 0x400, 65536)) if p & mask == value}
+        assert admitted == set(range(low, high + 1)) and all(v & ~m == 0 for v, m in blocks), (low, high, blocks)
+    assert _port_blocks(21600, 21631) == [(21600, 0xFFE0)]
+    with pytest.raises(ValueError, match="ports 0-10: give 0 < LOW <= HIGH < 65536"):
+        _port_blocks(0, 10)
+
+
+def test_the_firewall_admits_rays_ports_and_the_opened_range_and_drops_the_rest(ray_session, walled, actors):
+    host, port = ray.get(actors["opened"].tcp_address.remote())
+    assert host == walled.ip and OPENED[0] <= port <= OPENED[1]
+    socket.create_connection((host, port), timeout=5).close()
+    host, port = ray.get(actors["shut"].tcp_address.remote())  # (Ray's calls reach it: its ports are open)
+    assert not OPENED[0] <= port <= RAY_PORTS[1]
+    with pytest.raises(TimeoutError):
+        socket.create_connection((host, port), timeout=0.5)  # no answer, not refused
+
+
+def test_tcp_and_auto_read_64_mib_exactly_across_the_firewall_in_rdt_port_range(ray_session, actors):
+    opened, reader = actors["opened"], actors["reader"]
+    want = _digest(_values(N, 1))
+    for ref, transport in ((opened.make.remote(N, 1), None), (opened.make_tcp.remote(N, 1), None),
+                           (opened.make.remote(N, 1), "tcp")):
+        got = ray.get(reader.read.remote([ref], transport))
+        print(f"\nopened range, {transport or 'as produced'}: {got['s']:.2f} s")
+        assert got.get("digest") == want and got["used"] == {"tcp": 1}, got
+    listens = ray.get(opened.listening.remote())
+    assert listens and all(OPENED[0] <= p <= OPENED[1] for _, p in listens), listens
+
+
+@pytest.mark.parametrize("transport", [
+    pytest.param("ucxx", marks=pytest.mark.skipif(not UCXX, reason="ucxx is not installed")),
+    pytest.param("nixl", marks=pytest.mark.skipif(not NIXL, reason="nixl is not installed")),
+])
+def test_ucx_reads_across_the_firewall_on_ports_of_rdt_port_range(ray_session, walled, transport):
+    producer = Producer.options(**WALLED, **IN_RANGE).remote()  # fresh: what listens since it made UCX's context
+    reader = Consumer.remote()
+    try:
+        got = ray.get(reader.read.remote([producer.make.options(tensor_transport=transport).remote(1 << 20, 2)]), timeout=120)
+        print(f"\n{transport} in the opened range: {got['s']:.2f} s")
+        assert got.get("digest") == _digest(_values(1 << 20, 2)) and got["used"] == {transport: 1}, got
+        listens = ray.get(producer.listening.remote())
+        assert listens and all(OPENED[0] <= p <= OPENED[1] for _, p in listens), listens
+    finally:
+        ray.kill(producer)
+        ray.kill(reader)
