@@ -182,3 +182,37 @@ def test_ucx_reads_across_the_firewall_on_ports_of_rdt_port_range(ray_session, w
     finally:
         ray.kill(producer)
         ray.kill(reader)
+
+
+CONNECT_S = 2  # the consumer's RDT_TCP_CONNECT_S: how long a connect into the dropped port waits
+
+
+def test_auto_falls_back_past_a_firewall_that_drops_its_port_and_explicit_tcp_names_rdt_port_range(ray_session, walled, actors):
+    """The producer's listener on an ephemeral port, which the firewall drops: auto's tcp
+    gets no answer, the fetch takes the object store after RDT_TCP_CONNECT_S (it was 10 s,
+    with no setting), says why once, and leaves tcp out for that host's next objects; an
+    explicit tcp fetch fails naming the address and RDT_PORT_RANGE."""
+    shut = actors["shut"]
+    reader = Consumer.remote({"RDT_TCP_CONNECT_S": str(CONNECT_S)})  # fresh: its memory of the walled host is this test's
+    try:
+        want = [_digest(_values(N, seed)) for seed in (3, 4)]
+        first = ray.get(reader.read.remote([shut.make.remote(N, 3)]))
+        second = ray.get(reader.read.remote([shut.make.remote(N, 4)]))
+        print(f"\nport dropped, auto: first fetch {first['s']:.2f} s, second {second['s']:.2f} s")
+        assert [first.get("digest"), second.get("digest")] == want, (first, second)
+        assert first["used"] == second["used"] == {"object_store": 1}
+        assert CONNECT_S <= first["s"] < CONNECT_S + 3, first["s"]  # the connect's wait, then the object store
+        fell = first["auto"]["fell_back"]
+        assert [f["transport"] for f in fell] == ["tcp"] and f"{walled.ip}:" in fell[0]["why"], first["auto"]
+        assert f"no answer in {CONNECT_S} s (RDT_TCP_CONNECT_S): a firewall drops that port" in fell[0]["why"], fell
+        assert "RDT_PORT_RANGE" in fell[0]["why"], fell
+        assert "tcp left out: could not reach that node lately" in second["auto"]["why"], second["auto"]
+        assert second["s"] < CONNECT_S, second["s"]  # no connect timeout paid again
+        assert len([s for s in second["said"] if "auto could not use tcp" in s]) == 1, second["said"]
+        error = ray.get(reader.read.remote([shut.make_tcp.remote(10, 5)]))
+        print(f"explicit tcp: {error['s']:.2f} s: {error.get('error')}")
+        assert error.get("error", "").startswith("TransferError: tcp fetch of"), error
+        assert f"cannot reach the producer's tcp listener at {walled.ip}:" in error["error"]
+        assert "a firewall drops that port" in error["error"] and "RDT_PORT_RANGE" in error["error"]
+    finally:
+        ray.kill(reader)

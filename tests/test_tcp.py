@@ -244,13 +244,38 @@ def test_a_producer_that_does_not_answer_is_a_transfer_error_not_a_timeout(monke
             waiting += _fill_accept_queue(full)
             meta = tcp.TcpMeta(*full.getsockname(), bytes(16))
             t0 = time.monotonic()
-            with pytest.raises(rdt.TransferError, match=r"failed in tcp: Unreachable: cannot reach the producer's tcp listener at 127\.0\.0\.1:\d+ \(no answer in 0\.3 s\); where the producer runs, set RDT_TCP_HOST"):
+            with pytest.raises(rdt.TransferError, match=r"failed in tcp: Unreachable: cannot reach the producer's tcp listener at 127\.0\.0\.1:\d+ \(no answer in 0\.3 s \(RDT_TCP_CONNECT_S\): a firewall drops that port, or no host has that address\); where the producer runs, set RDT_TCP_HOST"):
                 with translating("tcp fetch of obj", "obj", transport=_registry.transport("tcp")):
                     tcp._connect(meta)
             assert time.monotonic() - t0 < 5
         finally:
             for s in waiting:
                 s.close()
+
+
+def test_rdt_tcp_connect_s_sets_how_long_a_connect_waits_for_an_answer(monkeypatch):
+    """Behind a firewall that drops the producer's port, `auto` falls back only once the
+    connect gives up: that was 10 s, with no setting (a user's first fetch of each
+    firewalled host paid it)."""
+    monkeypatch.setenv("RDT_TCP_CONNECT_S", "1")
+    with socket.socket() as full:
+        full.bind(("127.0.0.1", 0))
+        full.listen(0)
+        waiting = []
+        try:
+            waiting += _fill_accept_queue(full)
+            meta = tcp.TcpMeta(*full.getsockname(), bytes(16))
+            t0 = time.monotonic()
+            with pytest.raises(tcp.Unreachable, match=r"\(no answer in 1 s \(RDT_TCP_CONNECT_S\)"):
+                tcp._connect(meta)
+            assert 0.9 < time.monotonic() - t0 < 3
+        finally:
+            for s in waiting:
+                s.close()
+    for bad in ("0", "2s", "-1"):
+        monkeypatch.setenv("RDT_TCP_CONNECT_S", bad)
+        with pytest.raises(ValueError, match=rf"RDT_TCP_CONNECT_S='{bad}': give the seconds a connect to a producer may take \(1 or more\)"):
+            tcp._connect(tcp.TcpMeta("127.0.0.1", 9, bytes(16)))
 
 
 @pytest.mark.parametrize("says", ["greeting", "held"], ids=["no-answer", "answer-then-nothing"])

@@ -72,7 +72,7 @@ HELD, FREED, ALTERED = b"\x01", b"\x02", b"\x03"
 STREAM_MIN_BYTES = 4 << 20  # a stream for each this many bytes, up to `_streams()`
 LANDED_STEP = 8 << 20  # a stream tells `TransferInfo.landed` of its bytes in steps of this many
 PACKED_BYTES = 64 << 10  # answers up to this size leave in one send
-CONNECT_S = 10.0  # connecting and the token's arrival
+CONNECT_S = 10.0  # connecting and the token's arrival (a consumer's: RDT_TCP_CONNECT_S)
 CONNECT_STEP_S = 0.05  # how often a connect looks whether its fetch was cancelled
 IDLE_CONNECTIONS = 16  # kept per producer, for reuse
 IDLE_S = 60.0  # an idle connection is closed after this long unused
@@ -81,6 +81,16 @@ USER_TIMEOUT_S = 30.0  # bytes sent and unacknowledged this long: the peer is go
 
 def _stall_s() -> int:
     return int_setting("RDT_TCP_STALL_S", 120, 1, "the seconds a fetch waits for the producer's next byte (1 or more)")
+
+
+def _connect_s() -> float:
+    """How long a consumer's connect, and then the listener's greeting, may take: a
+    firewall that drops the port answers nothing, and `auto` falls back only after this."""
+    if not os.environ.get("RDT_TCP_CONNECT_S", "").strip():
+        return CONNECT_S
+    return int_setting("RDT_TCP_CONNECT_S", 10, 1, "the seconds a connect to a producer may take (1 or more)")
+
+
 HOST_ENV = "RDT_TCP_HOST"
 TOKEN_BYTES = 16
 MAX_PARTS = 1 << 20  # byte ranges one request may ask for (a consumer asks one per tensor and stream)
@@ -299,7 +309,7 @@ _sweeper = _segments.IdleSweep(_sweep, lambda: IDLE_S)
 def _connect(meta: TcpMeta, reuse: bool = True, fetch: _Fetch | None = None) -> tuple[socket.socket, bool]:
     """A connection to the producer, and whether it is a kept one (else new). `fetch`: the
     fetch it serves, which holds it from the start (`_Fetch.use`): a cancel ends the
-    connect and the wait for the greeting at once (they take CONNECT_S each at most)."""
+    connect and the wait for the greeting at once (they take `_connect_s()` each at most)."""
     if reuse:
         with _idle_lock:
             pool = _idle.get((meta.host, meta.port, meta.token))
@@ -308,21 +318,25 @@ def _connect(meta: TcpMeta, reuse: bool = True, fetch: _Fetch | None = None) -> 
                 if fetch is not None:
                     fetch.use(sock)
                 return sock, True
+    within = _connect_s()
     sock = socket.socket(socket.AF_INET6 if ":" in meta.host else socket.AF_INET, socket.SOCK_STREAM)
     if fetch is not None:
         fetch.use(sock)
     try:
         try:
-            _connect_within(sock, (meta.host, meta.port), fetch)
+            _connect_within(sock, (meta.host, meta.port), fetch, within)
         except OSError as exc:  # not the caller's deadline: a transfer error (the core asks Ray about the producer)
-            why = f"no answer in {CONNECT_S:g} s" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, TimeoutError):  # dropped, not refused: a firewall, most likely
+                why = f"no answer in {within:g} s (RDT_TCP_CONNECT_S): a firewall drops that port, or no host has that address"
+            else:
+                why = f"{type(exc).__name__}: {exc}"
             raise Unreachable(
                 f"cannot reach the producer's tcp listener at {_hostport(meta)} ({why}); where the producer runs, "
                 f"{_net.settings_hint(HOST_ENV)}, or open that port (RDT_PORT_RANGE confines it)",
                 lasting=not isinstance(exc, ConnectionRefusedError),  # (refused: the host answered)
             ) from exc
-        sock.settimeout(CONNECT_S)
-        _greeted(sock, meta)
+        sock.settimeout(within)
+        _greeted(sock, meta, within)
         sock.sendall(MAGIC + meta.token)
         # A live producer sends its answer at once and its bytes without pause (a dead or
         # cut-off one is found by keepalive in ~30 s); a listener that says nothing (a ref's
@@ -337,19 +351,19 @@ def _connect(meta: TcpMeta, reuse: bool = True, fetch: _Fetch | None = None) -> 
     return sock, False
 
 
-def _connect_within(sock: socket.socket, address: tuple[str, int], fetch: _Fetch | None) -> None:
-    """Connect within CONNECT_S, looking every CONNECT_STEP_S whether `fetch` was cancelled
+def _connect_within(sock: socket.socket, address: tuple[str, int], fetch: _Fetch | None, within: float) -> None:
+    """Connect within `within` s, looking every CONNECT_STEP_S whether `fetch` was cancelled
     (a blocking connect into a silent network cannot be cut short from another thread).
     Raises: TimeoutError, ConnectionAbortedError (cancelled), the connect's OSError."""
     sock.setblocking(False)
     err = sock.connect_ex(address)
-    deadline = time.monotonic() + CONNECT_S
+    deadline = time.monotonic() + within
     while err in (errno.EINPROGRESS, errno.EALREADY, errno.EWOULDBLOCK):
         if fetch is not None and fetch.cancelled:
             raise ConnectionAbortedError("the fetch was cancelled while it connected")
         left = deadline - time.monotonic()
         if left <= 0:
-            raise TimeoutError(f"no answer to a connect in {CONNECT_S:g} s")
+            raise TimeoutError(f"no answer to a connect in {within:g} s")
         _, writable, _ = select.select([], [sock], [], min(left, CONNECT_STEP_S))
         if writable:
             err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
@@ -359,13 +373,13 @@ def _connect_within(sock: socket.socket, address: tuple[str, int], fetch: _Fetch
     sock.setblocking(True)
 
 
-def _greeted(sock: socket.socket, meta: TcpMeta) -> None:
+def _greeted(sock: socket.socket, meta: TcpMeta, within: float) -> None:
     """Wait for the listener's greeting (`_greeting`); raise Unreachable where what listens
-    at the ref's address is not the producer's listener, or says nothing in CONNECT_S."""
+    at the ref's address is not the producer's listener, or says nothing in `within` s."""
     try:
         said = _recv_exact(sock, GREETING_BYTES)
     except (TimeoutError, ConnectionError) as exc:
-        why = f"no greeting in {CONNECT_S:g} s" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
+        why = f"no greeting in {within:g} s" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
         raise Unreachable(
             f"the listener at {_hostport(meta)} is not the producer's tcp listener ({why}); nothing was sent "
             f"to it. Where the producer runs, {_net.settings_hint(HOST_ENV)}"
@@ -570,7 +584,7 @@ class TcpTransport(Transport[TcpMeta]):
     @classmethod
     def address(cls, meta: Any) -> str | None:
         """The listener's host: a connect there that got no answer (a firewall, no route)
-        would cost every producer of that host its CONNECT_S, so `auto` leaves tcp out
+        would cost every producer of that host its connect timeout, so `auto` leaves tcp out
         for all of them a while. A refused connect (the host answered: nothing listens on
         that port) or a listener of another token leaves nothing out (`Unreachable.lasting`):
         a stale or crafted ref naming a closed port takes tcp away from no live producer."""
