@@ -216,3 +216,79 @@ def test_auto_falls_back_past_a_firewall_that_drops_its_port_and_explicit_tcp_na
         assert "a firewall drops that port" in error["error"] and "RDT_PORT_RANGE" in error["error"]
     finally:
         ray.kill(reader)
+
+
+def test_a_nixl_producer_that_cannot_be_connected_to_is_unreachable_not_dead():
+    """NIXL's connect into a port a firewall drops fails (after the kernel's SYN retries:
+    136 s here) as a connect to a dead producer does: that was PeerDiedError, "it died or
+    is unreachable", so a live producer behind a firewall was marked lost and `auto`
+    never fell back. Now a TransferError from `Unreachable` naming RDT_PORT_RANGE: the
+    core asks Ray whether the producer died, and `auto` takes another path if not."""
+    import asyncio
+
+    from rdt_async._avoid import unusable
+    from rdt_async.transports.nixl import _peers
+    from rdt_async.transports.nixl._meta import NixlMeta
+
+    class Nixl:
+        def add_remote_agent(self, conn: bytes) -> bytes:
+            raise RuntimeError("NIXL_ERR_BACKEND")  # (nixlBackendError: what NIXL 1.5 raised)
+
+    class Agent:
+        nixl = Nixl()
+
+        async def call(self, fn, *args, slow=False):
+            return fn(*args)
+
+    peers = _peers.Peers(Agent(), lambda meta: None)  # (another host's producer: not checkable here)
+    meta = NixlMeta("rdt-walled-7", b"conn", (), (), 0, 0, 7, "rdt-walled")
+    with pytest.raises(rdt.TransferError) as caught:
+        asyncio.run(peers.connect(meta))
+    assert not isinstance(caught.value, rdt.PeerDiedError)
+    assert str(caught.value).startswith("nixl: cannot connect to the producer's agent rdt-walled-7 (pid 7 on rdt-walled) "
+                                        "(RuntimeError: NIXL_ERR_BACKEND): it died, or a firewall drops UCX's connection")
+    assert "set RDT_PORT_RANGE to ports the firewall admits" in str(caught.value)
+    assert unusable(caught.value) is not None and len(peers) == 0  # auto's next path; no connection kept
+
+
+@pytest.fixture
+def quick_syn(ray_session):
+    """The kernel of node2's host gives a connect up after one SYN resent (~3 s), not six
+    (~127 s): UCX's connects (no timeout of their own) into a dropped port end soon."""
+    import subprocess
+
+    sysctl = ["ip", "netns", "exec", ray_session.hosts.node("node2").link.name, "sysctl", "-q", "-w"]
+    subprocess.run([*sysctl, "net.ipv4.tcp_syn_retries=1"], check=True)
+    try:
+        yield
+    finally:
+        subprocess.run([*sysctl, "net.ipv4.tcp_syn_retries=6"], check=True)
+
+
+@pytest.mark.parametrize(("transport", "says"), [
+    pytest.param("ucxx", "(UCXXUnreachableError: Endpoint 0x", marks=pytest.mark.skipif(not UCXX, reason="ucxx is not installed")),
+    pytest.param("nixl", "a firewall drops UCX's connection", marks=pytest.mark.skipif(not NIXL, reason="nixl is not installed")),
+])
+def test_ucx_across_a_firewall_that_drops_its_port_fails_as_unreachable_naming_rdt_port_range(ray_session, walled, quick_syn, transport, says):
+    """Without RDT_PORT_RANGE, UCX's (and ucxx's) listeners take ports the firewall drops:
+    both fetches ended in PeerDiedError ("died or closed", "died or is unreachable") from
+    a live producer, which the consumer then took for lost. Now a TransferError from
+    `Unreachable` naming the setting (the core asks Ray whether the producer died), once
+    the kernel gives the connect up (here ~3 s: `quick_syn`; by default ~127 s, and
+    ucxx's answer wait, RDT_UCXX_ANSWER_S, 120 s, ends it first, also naming it)."""
+    from conftest import ON_NODE2
+
+    producer = Producer.options(**WALLED).remote()
+    reader = Consumer.options(**ON_NODE2).remote()
+    try:
+        ref = producer.make.options(tensor_transport=transport).remote(1 << 20, 6)
+        got = ray.get(reader.read.remote([ref]), timeout=120)
+        print(f"\n{transport}, its port dropped: {got['s']:.2f} s: {got.get('error')}")
+        assert got.get("error", "").startswith(f"TransferError: {transport}"), got
+        assert says in got["error"] and "a firewall drops" in got["error"], got
+        assert "where the producer runs, set RDT_PORT_RANGE to ports the firewall admits" in got["error"], got
+        again = ray.get(reader.read.remote([producer.make.options(tensor_transport="object_store").remote(1 << 20, 6)]))
+        assert again.get("digest") == _digest(_values(1 << 20, 6)), again  # the producer is not taken for dead
+    finally:
+        ray.kill(producer)
+        ray.kill(reader)

@@ -358,7 +358,9 @@ def test_an_address_that_never_answers_fails_the_fetch_after_the_answer_time():
     said = out.strip().splitlines()[-1]
     assert re.fullmatch(
         r"TransferError: ucxx fetch of (ab){12}: no answer from the producer at 127\.0\.0\.1:\d+ in 2 s; "
-        r"RDT_UCXX_ANSWER_S sets how long a fetch waits after [23] s", said
+        r"RDT_UCXX_ANSWER_S sets how long a fetch waits \(a firewall that drops the producer's port answers "
+        r"nothing: where the producer runs, set RDT_PORT_RANGE to ports the firewall admits \(UCX listens there "
+        r"too\)\) after [23] s", said
     ), out
 
 

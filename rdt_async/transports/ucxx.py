@@ -76,6 +76,9 @@ SAFETY_S = 1.0  # progress at least this often while any endpoint is open
 DRAIN_S = 30.0  # the longest a cancelled fetch waits for its bytes in flight
 
 
+_OPEN = "where the producer runs, set RDT_PORT_RANGE to ports the firewall admits (UCX listens there too)"
+
+
 class _Silent(TransferError):
     """No answer from the address a ref names within RDT_UCXX_ANSWER_S."""
 
@@ -83,7 +86,8 @@ class _Silent(TransferError):
 def _silent(info: TransferInfo[UcxxMeta]) -> _Silent:
     return _Silent(
         f"ucxx fetch of {info.obj_id}: no answer from the producer at {info.meta.host}:{info.meta.port} in "
-        f"{_answer_s()} s; RDT_UCXX_ANSWER_S sets how long a fetch waits",
+        f"{_answer_s()} s; RDT_UCXX_ANSWER_S sets how long a fetch waits (a firewall that drops the "
+        f"producer's port answers nothing: {_OPEN})",
         obj_id=info.obj_id,
     )
 
@@ -461,6 +465,15 @@ def _retrieved(fut: asyncio.Future[Any]) -> None:
         fut.exception()
 
 
+def _endpoint_error(peer: _Peer) -> Exception | None:
+    """The error UCX closed `peer`'s endpoint with, or None."""
+    try:
+        peer.ep.raise_on_error()
+    except Exception as exc:
+        return exc
+    return None
+
+
 def _settle(request: Any, fut: asyncio.Future[Any], keep: Any) -> bool:
     """Complete `fut` from its finished request; return True (it leaves the pending list)."""
     if not fut.done():
@@ -685,6 +698,16 @@ async def _transfer(w: _Worker, info: TransferInfo[UcxxMeta], dsts: list[torch.T
                 w.orphan(set(waits))  # the producer may still answer: into our memory
         await _given_up(waits, theirs)
         if not live and isinstance(exc, Exception):
+            native = _endpoint_error(peer)
+            if isinstance(native, w.u.UCXUnreachableError):
+                # No answer to UCX's connect (a refused one, a dead producer, is "not
+                # connected"): a firewall that drops the port, or no route. The core asks
+                # Ray whether the producer died; `auto` takes another path if not.
+                why = (f"ucxx fetch of {info.obj_id}: cannot reach the producer at {meta.host}:{meta.port} "
+                       f"({type(native).__name__}: {native}): a firewall drops the port, or no route leads there; {_OPEN}")
+                unreachable = Unreachable(why)
+                unreachable.__cause__ = native
+                raise TransferError(why, obj_id=info.obj_id) from unreachable
             raise PeerDiedError(
                 f"ucxx fetch of {info.obj_id}: the producer at {meta.host}:{meta.port} died or closed "
                 f"({type(exc).__name__}: {exc})",

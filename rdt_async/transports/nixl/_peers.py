@@ -28,7 +28,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from ..._errors import PeerDiedError, TransferAbortedError
+from ..._errors import TransferAbortedError, TransferError
+from .._base import Unreachable
 from .._kit import int_setting
 from .._segments import IdleSweep
 from ._agent import Agent
@@ -127,7 +128,8 @@ class Peers:
         """Load the producer's metadata: its connection once, the object's regions each time
         (`node`: the producer's Ray node, as the core knows it, for `lost`).
 
-        Runs on: consumer (I/O loop). Raises: PeerDiedError if the producer is unreachable.
+        Runs on: consumer (I/O loop). Raises: TransferError (from `Unreachable`) if the
+        producer cannot be reached: it died, or a firewall drops the connection.
         """
         agent = self._agent
         if self._unloaded(meta) is None:  # a region NIXL holds, with other metadata: anew
@@ -142,10 +144,15 @@ class Peers:
             try:
                 name = await agent.call(agent.nixl.add_remote_agent, meta.conn, slow=True)
             except Exception as exc:
-                raise PeerDiedError(
-                    f"nixl: cannot connect to the producer's agent {meta.agent} (pid {meta.pid} on "
-                    f"{meta.host}): it died or is unreachable ({type(exc).__name__}: {exc})"
-                ) from exc
+                # Dead, or alive behind a firewall that drops UCX's connection (UCX's port
+                # outside what it admits): the core asks Ray which (PeerDiedError if dead),
+                # and `auto` takes another path for a live one (see `Unreachable`).
+                why = (f"nixl: cannot connect to the producer's agent {meta.agent} (pid {meta.pid} on {meta.host}) "
+                       f"({type(exc).__name__}: {exc}): it died, or a firewall drops UCX's connection to it; where "
+                       "the producer runs, set RDT_PORT_RANGE to ports the firewall admits (UCX listens there)")
+                unreachable = Unreachable(why)
+                unreachable.__cause__ = exc
+                raise TransferError(why) from unreachable
             remote = self._remotes[meta.agent] = name.decode() if isinstance(name, bytes) else name
             self._metas[meta.agent] = meta
             if node is not None:
