@@ -257,12 +257,13 @@ def quick_syn(ray_session):
     (~127 s): UCX's connects (no timeout of their own) into a dropped port end soon."""
     import subprocess
 
-    sysctl = ["ip", "netns", "exec", ray_session.hosts.node("node2").link.name, "sysctl", "-q", "-w"]
-    subprocess.run([*sysctl, "net.ipv4.tcp_syn_retries=1"], check=True)
+    sysctl = ["ip", "netns", "exec", ray_session.hosts.node("node2").link.name, "sysctl"]
+    was = subprocess.run([*sysctl, "-n", "net.ipv4.tcp_syn_retries"], check=True, capture_output=True, text=True).stdout.strip()
+    subprocess.run([*sysctl, "-q", "-w", "net.ipv4.tcp_syn_retries=1"], check=True)
     try:
         yield
     finally:
-        subprocess.run([*sysctl, "net.ipv4.tcp_syn_retries=6"], check=True)
+        subprocess.run([*sysctl, "-q", "-w", f"net.ipv4.tcp_syn_retries={was}"], check=True)
 
 
 @pytest.mark.parametrize(("transport", "says"), [
