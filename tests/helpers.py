@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 
@@ -141,3 +142,14 @@ def manager_base(backend: str, *, one_sided: bool = True, can_abort: bool = Fals
             return True
 
     return Manager
+
+
+class Said(logging.Handler):
+    """What rdt_async logged at WARNING and above, as messages (`lines`)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())

@@ -19,6 +19,7 @@ import time
 import pytest
 import ray
 import torch
+from helpers import Said
 from probes import listening
 
 import rdt_async as rdt
@@ -63,22 +64,13 @@ class Producer:
         return sorted(listening() - self.before)
 
 
-class _Said(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 @rdt.remote
 class Consumer:
     def __init__(self, env: dict[str, str] | None = None) -> None:
         import os
 
         os.environ.update(env or {})
-        self.said = _Said()
+        self.said = Said()
         logging.getLogger("rdt_async").addHandler(self.said)
 
     async def read(self, refs, tensor_transport=None) -> dict:

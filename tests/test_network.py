@@ -17,6 +17,7 @@ import pytest
 import ray
 import torch
 from conftest import ON_NODE2
+from helpers import Said
 from probes import listening
 
 import rdt_async as rdt
@@ -57,19 +58,10 @@ class Producer:
         return meta.host, meta.port
 
 
-class _Said(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 @rdt.remote
 class Consumer:
     def __init__(self) -> None:
-        self.said = _Said()
+        self.said = Said()
         logging.getLogger("rdt_async").addHandler(self.said)
 
     async def read(self, refs) -> tuple[list[float], dict, list[dict], list[str]]:
