@@ -10,7 +10,8 @@ host, and the session says so; RDT_TEST_ONE_HOST=1 asks for that.
 RDT_TEST_TOPOLOGY picks how the hosts are joined (rdt_async.bench._hosts): `split` (the
 default, the stricter: Ray's node IPs on a data network that is no host's default route,
 nothing else routable between the hosts), `flat` (every host routes everything through
-the head), or `three` (split, with a third host that takes actors asking for "node3").
+the head), `three` (split, with a third host that takes actors asking for "node3"), or
+`split6` (split over IPv6: Ray's node IPs are IPv6 ones, and no IPv4 joins the hosts).
 
 Ray is imported only when a test asks for the cluster: the transport contract suite
 (tests/transports) runs without it, as on the GPU machine, where Ray is not installed.
@@ -28,8 +29,8 @@ import pytest
 
 OBJECT_STORE_BYTES = 2 << 30  # each node's; memory is taken only as objects arrive
 TOPOLOGY = os.environ.get("RDT_TEST_TOPOLOGY", "split")
-if TOPOLOGY not in ("flat", "split", "three"):
-    raise pytest.UsageError(f"RDT_TEST_TOPOLOGY={TOPOLOGY!r}: give flat, split or three")
+if TOPOLOGY not in ("flat", "split", "three", "split6"):
+    raise pytest.UsageError(f"RDT_TEST_TOPOLOGY={TOPOLOGY!r}: give flat, split, three or split6")
 
 
 @pytest.fixture(scope="session")
@@ -45,7 +46,7 @@ def cluster():
 
     why = "RDT_TEST_ONE_HOST=1" if os.environ.get("RDT_TEST_ONE_HOST") == "1" else Hosts.unavailable()
     hosts = None if why else Hosts(TOPOLOGY if TOPOLOGY != "three" else "split")
-    if hosts is not None and hosts.topology == "split":
+    if hosts is not None and hosts.topology != "flat":
         # The split rig's data network is a Linux bridge, which UCX's TCP leaves out unless
         # told: rdt_async tells ucxx's (`transports/_ucx.settings`), not NIXL's, whose
         # devices it leaves alone. Set before any node starts, so every process has it.
@@ -193,6 +194,9 @@ def _wait_until(cond, timeout: float, what=lambda: "condition"):
         time.sleep(0.05)
 
 
+# RDT_TEST_TOPOLOGY=split6: Ray's node IPs are IPv6 ones, which ucxx refuses (its listener
+# binds IPv4 only): the modules that run ucxx on the cluster leave it out, saying this.
+UCXX_REFUSED = "ucxx refuses IPv6 node IPs (RDT_TEST_TOPOLOGY=split6; test_network checks how)" if TOPOLOGY == "split6" else None
 ON_NODE2 = {"num_cpus": 0, "resources": {"node2": 1}}
 ON_NODE3 = {"num_cpus": 0, "resources": {"node3": 1}}  # RDT_TEST_TOPOLOGY=three only
 wait_until = _wait_until
@@ -218,7 +222,7 @@ def pytest_configure(config):
 # last, and one worker ran them while the other idled.
 LONGEST_FIRST = (
     "test_without_optional.py", "test_partition.py", "test_gloo.py", "test_nixl.py", "test_ucxx.py",
-    "test_relay.py", "test_peer_death.py", "test_network.py", "test_churn.py", "test_publish.py",
+    "test_relay.py", "test_peer_death.py", "test_network.py", "test_ipv6.py", "test_churn.py", "test_publish.py",
     "test_concurrency.py", "test_contract.py", "test_load.py",
 )
 

@@ -21,7 +21,7 @@ import time
 import pytest
 import ray
 import torch
-from conftest import ON_NODE2, wait_until
+from conftest import ON_NODE2, UCXX_REFUSED, wait_until
 
 import rdt_async as rdt
 
@@ -32,13 +32,14 @@ N = 1 << 18  # 1 MiB of float32: over auto's inline limit
 # Each UCX build's transports: a process loads nixl's UCX or ucxx's, never both.
 BUILDS = {
     "nixl": ["auto", "shm", "object_store", "tcp", "gloo"] + (["nixl"] if importlib.util.find_spec("nixl") else []),
-    "ucxx": ["ucxx"] if importlib.util.find_spec("ucxx") else [],
+    "ucxx": ["ucxx"] if importlib.util.find_spec("ucxx") and not UCXX_REFUSED else [],
 }
 WHERE = ("same node", "other node")
 
 
 def _build(name: str):
-    return name if BUILDS[name] else pytest.param(name, marks=pytest.mark.skip(f"{name} not installed"))
+    why = UCXX_REFUSED if name == "ucxx" and UCXX_REFUSED else f"{name} not installed"
+    return name if BUILDS[name] else pytest.param(name, marks=pytest.mark.skip(why))
 
 
 @rdt.remote

@@ -385,13 +385,15 @@ def test_a_send_to_a_host_that_vanished_gives_up_and_lets_the_tensors_go(monkeyp
     t = tcp.TcpTransport()
     meta = t.prepare("vanish", [torch.ones(16 << 20)])  # 64 MiB: far more than the socket buffers hold
     held = weakref.ref(tcp._objects["vanish"][0])
-    hosts = Hosts()
+    v6 = ":" in meta.host  # (RDT_TEST_TOPOLOGY=split6: Ray's node IP is an IPv6 one)
+    hosts = Hosts("split6" if v6 else "flat")
     consumer = None
     try:
         link = hosts._first
         # The listener binds the address it advertises (Ray's node IP, or the default
         # route's): the consumer's host reaches it through its link to this one.
-        subprocess.run(["ip", "netns", "exec", link.name, "ip", "route", "add", f"{meta.host}/32", "via", link.root_ip], check=True)
+        route = f"{meta.host}/{128 if v6 else 32}"
+        subprocess.run(["ip", "netns", "exec", link.name, "ip", "route", "add", route, "via", link.root_ip], check=True)
         request = tcp._HEAD.pack(6, 1, _sized("vanish", 64 << 20)) + b"vanish" + tcp._PART.pack(0, 0, 64 << 20)
         code = (
             "import socket, sys, time\n"

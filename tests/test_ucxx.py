@@ -16,13 +16,14 @@ import sys
 import time
 
 import pytest
+import ray
+import torch
+from conftest import ON_NODE2, UCXX_REFUSED, wait_until
 
 if importlib.util.find_spec("ucxx") is None:  # not importorskip: importing ucxx loads its UCX here
     pytest.skip("ucxx is not installed", allow_module_level=True)
-
-import ray
-import torch
-from conftest import ON_NODE2, wait_until
+if UCXX_REFUSED:  # (every test here produces on the session's cluster, or drives it)
+    pytest.skip(UCXX_REFUSED, allow_module_level=True)
 from helpers import idle_cpu
 from probes import cancel_after
 

@@ -17,6 +17,9 @@ Two topologies (`TOPOLOGIES`):
   reachable: an address picked from the head's default route (its real network) is not
   (`Network is unreachable`), as on clusters whose node IPs sit on a second NIC, IPoIB,
   or a container or VPN network. Hosts reach each other on the bridge (no forwarding).
+- `split6`: `split` over IPv6: the data network is fd00:<key>::/64 (the head at ::1), and
+  the hosts have no IPv4 address but loopback's: Ray's node IPs, and every address a
+  process advertises, must be IPv6 ones.
 
 Needs root (namespaces, veth, mounts). `Hosts.unavailable()` says why not, for a skip.
 """
@@ -38,7 +41,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 _PREFIX = "rdt"
-TOPOLOGIES = ("flat", "split")
+TOPOLOGIES = ("flat", "split", "split6")
 
 
 def _sh(*args: str) -> None:
@@ -48,19 +51,20 @@ def _sh(*args: str) -> None:
 class Hosts:
     """This namespace is the head host (`head_ip`); `add` starts a Ray node on a new host.
 
-    `topology`: "flat" or "split" (see the module's docstring).
+    `topology`: "flat", "split" or "split6" (see the module's docstring).
     """
 
     def __init__(self, topology: str = "flat") -> None:
         if topology not in TOPOLOGIES:
             raise ValueError(f"topology={topology!r}: give one of {', '.join(TOPOLOGIES)}")
         self.topology = topology
-        self._claim = _free_key()  # 10.<key>.<n>.0/24 per host: concurrent sessions differ
+        self._claim = _free_key()  # 10.<key>.<n>.0/24 (fd00:<key>::/64) per host: concurrent sessions differ
         self._key = self._claim.key
         self._nodes: dict[str, _Node] = {}
         self._bridge: _Bridge | None = None
-        if topology == "split":
-            self._bridge = _Bridge(f"{_PREFIX}{self._key}d", f"10.{self._key}.0")
+        if topology != "flat":
+            net = f"10.{self._key}.0" if topology == "split" else f"fd00:{self._key}:"
+            self._bridge = _Bridge(f"{_PREFIX}{self._key}d", net)
             self._bridge.create()
         try:
             self._first = self._link(1)
@@ -197,15 +201,27 @@ def _free_key() -> _KeyClaim:
 
 
 class _Bridge:
-    """The split topology's data network: a bridge here, `ip` (`net`.1) the head's address on it."""
+    """The split topologies' data network: a bridge here, `ip` (`host(1)`) the head's
+    address on it. `net`: `10.K.0` (a /24), or `fd00:K:` (a /64 of IPv6)."""
 
     def __init__(self, dev: str, net: str) -> None:
-        self.dev, self.net, self.ip = dev, net, f"{net}.1"
+        self.dev, self.net = dev, net
+        self.v6 = ":" in net
+        self.ip = self.host(1)
+
+    def host(self, n: int) -> str:
+        """The address of the `n`th host on this network (1: the head)."""
+        return f"{self.net}:{n:x}" if self.v6 else f"{self.net}.{n}"
+
+    def addr(self, ip: str) -> tuple[str, ...]:
+        """`ip addr add`'s arguments for `ip` on this network (IPv6: no duplicate address
+        detection, which would hold the address back for a second or two)."""
+        return (f"{ip}/64", "nodad") if self.v6 else (f"{ip}/24",)
 
     def create(self) -> None:
         _sh("ip", "link", "add", self.dev, "type", "bridge")
         try:
-            _sh("ip", "addr", "add", f"{self.ip}/24", "dev", self.dev)
+            _sh("ip", "addr", "add", *self.addr(self.ip), "dev", self.dev)
             _sh("ip", "link", "set", self.dev, "up")
         except BaseException:
             self.delete()
@@ -218,8 +234,8 @@ class _Bridge:
 class _Link:
     """Namespace `name` and a veth pair: `root_ip` here, `ns_ip` there.
 
-    Flat: the pair is a /24 of its own (`net`) and the namespace's default route. Split:
-    the near end is a port of `bridge` (the head's address there is `root_ip`), the far
+    Flat: the pair is a /24 of its own (`net`) and the namespace's default route. Split
+    (split6): the near end is a port of `bridge` (the head's address there is `root_ip`), the far
     end is host `n` on the bridge's network, and the namespace has no default route.
     """
 
@@ -228,7 +244,7 @@ class _Link:
         if bridge is None:
             self.root_ip, self.ns_ip = f"{net}.1", f"{net}.2"
         else:
-            self.root_ip, self.ns_ip = bridge.ip, f"{bridge.net}.{n + 1}"
+            self.root_ip, self.ns_ip = bridge.ip, bridge.host(n + 1)
         self.root_dev, self.ns_dev = f"{name}a", f"{name}b"
 
     def create(self) -> None:
@@ -241,7 +257,8 @@ class _Link:
             _sh("ip", "link", "set", self.root_dev, "master", self.bridge.dev)
         _sh("ip", "link", "set", self.root_dev, "up")
         ns = ("ip", "netns", "exec", self.name)
-        _sh(*ns, "ip", "addr", "add", f"{self.ns_ip}/24", "dev", self.ns_dev)
+        _sh(*ns, "ip", "addr", "add", *(self.bridge.addr(self.ns_ip) if self.bridge else (f"{self.ns_ip}/24",)),
+            "dev", self.ns_dev)
         _sh(*ns, "ip", "link", "set", self.ns_dev, "up")
         _sh(*ns, "ip", "link", "set", "lo", "up")
         if self.bridge is None:
@@ -413,7 +430,7 @@ def ray_cluster(hosts: int, remote_resource: str = "remote", topology: str = "fl
 
     With two hosts, actors asking for `remote_resource` run on the second host; with three,
     those asking for `remote_resource + "2"` on the third. `topology` is how the hosts are
-    joined ("flat" or "split", see `Hosts`).
+    joined ("flat", "split" or "split6", see `Hosts`).
     """
     import ray
 
@@ -429,7 +446,7 @@ def ray_cluster(hosts: int, remote_resource: str = "remote", topology: str = "fl
         raise SystemExit(f"--hosts {topology if hosts == 2 else 'three'} needs network namespaces: {why}")
     from ray.cluster_utils import Cluster
 
-    if topology == "split":
+    if topology != "flat":
         # The split rig's data network is a Linux bridge, whose address UCX's TCP leaves out
         # unless told: rdt_async tells it, the bench's raw nixl and ucxx paths do not. Set
         # before any node starts, so every process has it.
