@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import importlib.util
+import json
 import logging
 import os
 import socket
@@ -336,6 +337,39 @@ def test_a_tcp_listener_binds_the_address_it_advertises_ipv6_too(monkeypatch):
         sock, where = _net.tcp_listener("RDT_TCP_HOST", "transport 'tcp'")
         with sock:
             assert sock.family == family and sock.getsockname()[0] == host and where.host == host
+
+
+def test_outside_ray_a_host_whose_only_default_route_is_ipv6_advertises_that_routes_address():
+    """A host with no IPv4 network (a namespace whose one link holds an IPv6 address and
+    the default route): the route out was IPv4's only, so a tcp listener outside Ray
+    advertised 127.0.0.1, which no other host can reach."""
+    import subprocess
+    import sys
+
+    from rdt_async.bench._hosts import Hosts
+
+    why = Hosts.unavailable()
+    if why:
+        pytest.skip(why)
+    hosts = Hosts("split6")
+    try:
+        link = hosts._first
+        ns = ("ip", "netns", "exec", link.name)
+        subprocess.run([*ns, "ip", "route", "add", "default", "via", link.root_ip], check=True)
+        code = (  # (a connect to what it advertises, from that host: the listener is there)
+            "import json, socket\n"
+            "from rdt_async.transports import _net\n"
+            "sock, where = _net.tcp_listener('RDT_TCP_HOST', \"transport 'tcp'\")\n"
+            "c = socket.create_connection((where.host, sock.getsockname()[1]), timeout=5)\n"
+            "print(json.dumps([_net.route_out(), where.host, where.source, sock.family == socket.AF_INET6,\n"
+            "                  sock.accept()[1][0]]))\n"
+        )
+        env = {k: v for k, v in os.environ.items() if k not in ("RDT_TCP_HOST", "RDT_ADVERTISE_HOST")}
+        run = subprocess.run([*ns, sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+        assert run.stdout.strip() and json.loads(run.stdout) == [link.ns_ip, link.ns_ip, _net.ROUTE_OUT, True, link.ns_ip], (
+            run.stdout + run.stderr)
+    finally:
+        hosts.close()
 
 
 # -- ports --------------------------------------------------------------------------------

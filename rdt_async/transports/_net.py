@@ -11,7 +11,8 @@ The address a listener of transport X advertises, first found of:
     RDT_X_HOST            (one transport: RDT_TCP_HOST, RDT_UCXX_HOST)
     RDT_ADVERTISE_HOST    (every transport)
     Ray's node IP         (handed in by the core)
-    the route out         (outside Ray: the source address of the default route)
+    the route out         (outside Ray: the source address of the default route, IPv4's,
+                          else IPv6's)
 
 and it binds that address (every interface where it is the route out's, which is only
 a guess, or where the address is not one of this host's: behind NAT). Each must be an IP
@@ -166,8 +167,9 @@ def address(env: str) -> Address:
 
 
 def route_out() -> str:
-    """The source address of this host's default route (loopback where there is none)."""
-    return _source_toward("10.255.255.255") or "127.0.0.1"
+    """The source address of this host's default route: IPv4's, else IPv6's (on a host
+    with no IPv4 network), else loopback."""
+    return _source_toward("10.255.255.255") or _source_toward("2001:db8::1") or "127.0.0.1"
 
 
 def settings_hint(env: str) -> str:
