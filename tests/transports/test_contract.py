@@ -911,6 +911,47 @@ async def test_nixl_a_region_that_comes_again_with_other_metadata_is_read_over_a
 
 
 @pytest.mark.skipif("nixl" not in TRANSPORTS, reason="nixl not selected")
+async def test_nixl_a_ref_whose_own_blobs_disagree_on_a_region_is_refused_and_leaves_the_connection():
+    # A ref carrying one region in two blobs, one altered, passed the check: each fetch of
+    # it then dropped the live producer's connection (cutting off the reads on it),
+    # connected anew, met its own disagreement and failed as "registered a region anew".
+    with own_producer("nixl") as p:
+        info = p.make(8)
+        assert_same(await fetch(p, info), expect(8))
+        peers = _registry.transport("nixl")._current().peers
+        epoch = peers.epoch(info.meta.agent)
+        blob = info.meta.regs[0]
+        altered = blob[:-3] + bytes([blob[-3] ^ 0xFF]) + blob[-2:]  # a byte of its last region's remote key
+        crafted = dataclasses.replace(info, meta=dataclasses.replace(info.meta, regs=(blob, altered)))
+        why = (
+            rf"nixl fetch of {info.obj_id}: the ref's nixl metadata is not what its producer made \(region metadata 1 "
+            r"declares DRAM region 0x[0-9a-f]+\+[0-9]+ of device 0 with other backend metadata than region metadata 0 "
+            r"does\); nothing was read"
+        )
+        for _ in range(3):
+            with pytest.raises(rdt.TransferError, match=why) as raised:
+                await fetch(p, crafted)
+            assert type(raised.value) is rdt.TransferError, raised.value
+        assert peers.epoch(info.meta.agent) == epoch  # the connection stays
+        assert_same(await fetch(p, info), expect(8))
+
+
+@pytest.mark.skipif("nixl" not in TRANSPORTS, reason="nixl not selected")
+async def test_nixl_objects_past_the_first_liveness_table_are_read_over_one_connection():
+    # Past 1024 objects held, each object's metadata declares the second liveness table
+    # too, in a blob of its own: a region held with another blob counted as registered
+    # anew, and every fetch of another object dropped the connection and made it again.
+    with own_producer("nixl") as p:
+        infos = [p.make(no, (4,)) for no in range(1027)]  # (~1 s)
+        assert_same(await fetch(p, infos[0]), expect(0, (4,)))
+        peers = _registry.transport("nixl")._current().peers
+        epoch = peers.epoch(infos[0].meta.agent)
+        for no in (1024, 1025, 1026, 1024):
+            assert_same(await fetch(p, infos[no]), expect(no, (4,)))
+        assert peers.epoch(infos[0].meta.agent) == epoch
+
+
+@pytest.mark.skipif("nixl" not in TRANSPORTS, reason="nixl not selected")
 def test_nixl_metadata_parsed_from_refs_is_remembered_up_to_a_bound_in_bytes():
     # A ref's nixl blobs may be of any size: the check remembered its last 4096 parses,
     # and 1024 indexes of regions, each holding its blobs (1 MiB each here: GiBs).

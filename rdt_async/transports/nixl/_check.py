@@ -12,6 +12,9 @@ loaded or a READ posted, the consumer checks that the metadata hangs together:
   producer's;
 - every metadata blob is NIXL's serialized form and names that agent (a blob naming
   another agent would add regions to that agent's entry here);
+- the blobs agree: a region two of them (or one, twice) declare comes with the same
+  backend metadata each time (NIXL refuses a region it holds that comes again with
+  other metadata, and then cannot reach the producer again: `_peers`);
 - one descriptor per tensor, none for an empty one; each is as long as its tensor
   (`TensorSpec.nbytes`), of the spec's memory kind and device, and inside a region the
   object's blobs declare; the liveness slot is 16 bytes inside a declared DRAM region.
@@ -92,10 +95,12 @@ class Region(NamedTuple):
 
 
 class Blob(NamedTuple):
-    """What a NIXL metadata blob says: whose it is, and the regions it declares."""
+    """What a NIXL metadata blob says: whose it is, the regions it declares, and the
+    backend's metadata of each (what reaches it: over UCX, its remote key)."""
 
     agent: str
     regions: tuple[Region, ...]
+    backend: tuple[bytes, ...]
 
 
 class _Reader:
@@ -150,6 +155,7 @@ def _parse_blob(data: bytes) -> Blob:
     if sections > 16:
         raise ValueError(f"{sections} sections")
     regions: list[Region] = []
+    backend: list[bytes] = []
     for _ in range(sections):
         r.field(b"bknd")
         if r.field(b"nixlDList") != b"nixlSDList":
@@ -168,9 +174,10 @@ def _parse_blob(data: bytes) -> Blob:
             if addr + nbytes > _MAX_ADDR:
                 raise ValueError(f"region {addr:#x}+{nbytes} wraps around")
             regions.append(Region(mem, addr, nbytes, dev))
+            backend.append(elm[_DESC.size :])
     if not r.done:
         raise ValueError("trailing bytes")
-    return Blob(agent, tuple(regions))
+    return Blob(agent, tuple(regions), tuple(backend))
 
 
 parse_blob = _Remembered(_parse_blob, len, PARSED_BYTES)
@@ -215,7 +222,7 @@ def _check(meta: Any, specs: Sequence[TensorSpec], producer_pid: int | None) -> 
         raise _Bad("liveness token out of range")
     blobs = (meta.conn, *meta.regs)
     for i, data in enumerate(blobs):
-        what = "the connection metadata" if i == 0 else f"region metadata {i - 1}"
+        what = _what(i)
         if type(data) is not bytes:
             raise _Bad(f"{what} is a {type(data).__name__}, not bytes")
         try:
@@ -224,7 +231,9 @@ def _check(meta: Any, specs: Sequence[TensorSpec], producer_pid: int | None) -> 
             raise _Bad(f"{what} is not NIXL metadata: {exc}") from None
         if blob.agent != meta.agent:
             raise _Bad(f"{what} names agent {blob.agent!r}, not {meta.agent!r}")
-    regions = _index(blobs)
+    regions, disagree = _index(blobs)
+    if disagree is not None:
+        raise _Bad(disagree)
     if len(meta.descs) != len(specs):
         raise _Bad(f"{len(meta.descs)} tensor descriptors for {len(specs)} tensors")
     for i, (desc, spec) in enumerate(zip(meta.descs, specs)):
@@ -253,11 +262,25 @@ def _check_desc(i: int, desc: Any, spec: TensorSpec, regions: _Index) -> None:
 _Index = dict[tuple[str, int], tuple[list[int], list[int]]]
 
 
-def _make_index(blobs: tuple[bytes, ...]) -> _Index:
-    """The regions the (already parsed) blobs declare, merged, for bisecting."""
+def _what(i: int) -> str:
+    """The field blob `i` of (conn, *regs) is."""
+    return "the connection metadata" if i == 0 else f"region metadata {i - 1}"
+
+
+def _make_index(blobs: tuple[bytes, ...]) -> tuple[_Index, str | None]:
+    """The regions the (already parsed) blobs declare, merged, for bisecting; and where
+    two declarations of one region disagree, which (else None)."""
     spans: dict[tuple[str, int], list[tuple[int, int]]] = {}
-    for data in blobs:
-        for r in parse_blob(data).regions:
+    declared: dict[Region, tuple[bytes, int]] = {}
+    for i, data in enumerate(blobs):
+        blob = parse_blob(data)
+        for r, reaches in zip(blob.regions, blob.backend):
+            first = declared.setdefault(r, (reaches, i))
+            if first[0] != reaches:
+                return {}, (
+                    f"{_what(i)} declares {r.mem} region {r.addr:#x}+{r.nbytes} of device {r.dev} with other "
+                    f"backend metadata than {'itself' if first[1] == i else _what(first[1])} does"
+                )
             spans.setdefault((r.mem, r.dev), []).append((r.addr, r.addr + r.nbytes))
     out: _Index = {}
     for key, pairs in spans.items():
@@ -270,7 +293,7 @@ def _make_index(blobs: tuple[bytes, ...]) -> _Index:
                 starts.append(start)
                 ends.append(end)
         out[key] = (starts, ends)
-    return out
+    return out, None
 
 
 _index = _Remembered(_make_index, lambda blobs: sum(map(len, blobs)), PARSED_BYTES)

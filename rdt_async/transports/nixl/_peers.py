@@ -6,7 +6,8 @@ for every object over it). A region NIXL holds that comes again with other metad
 (the producer registered that memory anew: over RDMA, another key) is not loaded over
 the connection: NIXL 1.5.1 refuses it and then forgets the producer's regions and
 connection details, though not its UCX connection, so that none can be made to it again
-from this process. The connection is dropped and made anew first.
+from this process. The connection is dropped and made anew first. (A ref whose own blobs
+disagree on a region never gets here: `_check` refuses it.)
 
 Bounded: a consumer outliving many producers (actors that come and go) holds no entry
 for each one it ever read from. A connection to a producer of this host whose process is
@@ -61,8 +62,8 @@ class Peers:
         self._epochs: dict[str, int] = {}  # producer agent -> which connection `_remotes` holds
         self._lock = threading.Lock()
         self._loaded: dict[str, collections.OrderedDict[bytes, None]] = {}
-        # producer -> each region NIXL holds of it, and the blob that declared it (it goes
-        # with the connection, as NIXL's own copy does)
+        # producer -> each region NIXL holds of it, and the backend metadata it came with
+        # (it goes with the connection, as NIXL's own copy does)
         self._regions: dict[str, dict[Region, bytes]] = {}
         self._busy: collections.Counter[str] = collections.Counter()  # producer -> reads using it now
         self._idle: dict[str, float] = {}  # producer -> when its last read ended (not while one runs)
@@ -132,7 +133,7 @@ class Peers:
         producer cannot be reached: it died, or a firewall drops the connection.
         """
         agent = self._agent
-        if self._unloaded(meta) is None:  # a region NIXL holds, with other metadata: anew
+        if self._unloaded(meta) is None:  # a region NIXL holds, with other metadata: registered anew
             await self.forget(meta.agent, None)
         remote = self._remotes.get(meta.agent)
         if remote is None:
@@ -154,6 +155,7 @@ class Peers:
                 unreachable.__cause__ = exc
                 raise TransferError(why) from unreachable
             remote = self._remotes[meta.agent] = name.decode() if isinstance(name, bytes) else name
+            self._hold_regions(meta.agent, meta.conn)  # (its liveness table 0)
             self._metas[meta.agent] = meta
             if node is not None:
                 self._nodes[meta.agent] = node
@@ -165,7 +167,7 @@ class Peers:
                 self._sweeper.start()
             self._shed(over=MAX_PEERS)
         unloaded = self._unloaded(meta)
-        if unloaded is None:  # (another read loaded the other metadata meanwhile, or the ref has both)
+        if unloaded is None:  # (another read loaded other metadata of its regions meanwhile)
             raise TransferAbortedError(
                 f"nixl: the producer {meta.agent} registered a region anew while it was read; read it again"
             )
@@ -243,25 +245,33 @@ class Peers:
 
     def _unloaded(self, meta: NixlMeta) -> list[bytes] | None:
         """Return the object's partial metadata blobs this agent has not loaded yet; None
-        where one declares a region NIXL holds, or another of them does, with other metadata."""
+        where one declares a region NIXL holds with other backend metadata.
+
+        (The ref's blobs agree with each other: `_check` refused it otherwise.)"""
         with self._lock:
             known = self._loaded.get(meta.agent)
             held = self._regions.get(meta.agent, {})
-            declared: dict[Region, bytes] = {}
             out = []
             for md in meta.regs:
                 if known is not None and md in known:
                     known.move_to_end(md)
                     continue
-                for region in parse_blob(md).regions:
-                    if held.get(region, md) != md or declared.setdefault(region, md) != md:
+                blob = parse_blob(md)
+                for region, key in zip(blob.regions, blob.backend):
+                    if held.get(region, key) != key:
                         return None
                 out.append(md)
             return out
 
-    def _mark_loaded(self, producer: str, md: bytes) -> None:
+    def _hold_regions(self, producer: str, md: bytes) -> None:
+        """Note the regions NIXL now holds of `producer`, loaded with blob `md`."""
+        blob = parse_blob(md)
         with self._lock:
-            self._regions.setdefault(producer, {}).update(dict.fromkeys(parse_blob(md).regions, md))
+            self._regions.setdefault(producer, {}).update(zip(blob.regions, blob.backend))
+
+    def _mark_loaded(self, producer: str, md: bytes) -> None:
+        self._hold_regions(producer, md)
+        with self._lock:
             known = self._loaded.setdefault(producer, collections.OrderedDict())
             known[md] = None
             while len(known) > MD_CACHE:
