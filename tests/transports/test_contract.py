@@ -911,6 +911,37 @@ async def test_nixl_a_region_that_comes_again_with_other_metadata_is_read_over_a
 
 
 @pytest.mark.skipif("nixl" not in TRANSPORTS, reason="nixl not selected")
+async def test_nixl_a_connection_made_anew_waits_for_the_other_reads_on_the_old_one(monkeypatch):
+    # A region that comes again with other metadata has the connection made anew: that
+    # cut off every other read from the producer in progress on it (each read again).
+    from rdt_async import _io
+    from rdt_async.transports.nixl import _peers
+
+    monkeypatch.setattr(_peers, "QUIET_S", 1.5)
+    with own_producer("nixl") as p:
+        info = p.make(9)
+        assert_same(await fetch(p, info), expect(9))  # its region loaded
+        peers, producer = _registry.transport("nixl")._current().peers, info.meta.agent
+        blob = info.meta.regs[0]
+        resent = dataclasses.replace(info, meta=dataclasses.replace(info.meta, regs=(blob[:-3] + bytes([blob[-3] ^ 0xFF]) + blob[-2:],)))
+        for released, anew in ((True, resent), (False, info)):  # (each comes again with other metadata)
+            epoch = peers.epoch(producer)
+            _io.call_soon(peers.hold, producer)  # another read from it, in progress
+            again = asyncio.ensure_future(fetch(p, anew))
+            await asyncio.sleep(0.3)
+            assert not again.done() and peers.epoch(producer) == epoch  # it waits, the connection stays
+            if released:
+                _io.call_soon(peers.release, producer)  # that read ended: the connection goes
+            else:  # that read goes on: the connection goes after QUIET_S
+                assert_same(await fetch(p, p.make(10)), expect(10))  # (a read with no quarrel goes on meanwhile)
+                assert not again.done()
+            async with asyncio.timeout(10):
+                assert_same(await again, expect(9))
+            assert peers.epoch(producer) != epoch
+        _io.call_soon(peers.release, producer)
+
+
+@pytest.mark.skipif("nixl" not in TRANSPORTS, reason="nixl not selected")
 async def test_nixl_a_ref_whose_own_blobs_disagree_on_a_region_is_refused_and_leaves_the_connection():
     # A ref carrying one region in two blobs, one altered, passed the check: each fetch of
     # it then dropped the live producer's connection (cutting off the reads on it),

@@ -6,8 +6,9 @@ for every object over it). A region NIXL holds that comes again with other metad
 (the producer registered that memory anew: over RDMA, another key) is not loaded over
 the connection: NIXL 1.5.1 refuses it and then forgets the producer's regions and
 connection details, though not its UCX connection, so that none can be made to it again
-from this process. The connection is dropped and made anew first. (A ref whose own blobs
-disagree on a region never gets here: `_check` refuses it.)
+from this process. The connection is dropped and made anew first, once the other reads
+using it have ended (`QUIET_S` at most: they are read again over the fresh one). (A ref
+whose own blobs disagree on a region never gets here: `_check` refuses it.)
 
 Bounded: a consumer outliving many producers (actors that come and go) holds no entry
 for each one it ever read from. A connection to a producer of this host whose process is
@@ -42,6 +43,9 @@ MD_CACHE = 4096  # partial metadata blobs remembered per producer (loaded once e
 SWEEP_S = 10.0
 # Connections kept at most; beyond, the least recently used idle one is dropped at once.
 MAX_PEERS = int_setting("RDT_NIXL_MAX_PEERS", 256, 1, "a connection count, at least 1")
+# The longest a read that must connect anew (its producer registered memory anew) waits
+# for the other reads using the connection to end; the reads it then cuts off are read again.
+QUIET_S = 5.0
 
 
 class Peers:
@@ -66,6 +70,8 @@ class Peers:
         # (it goes with the connection, as NIXL's own copy does)
         self._regions: dict[str, dict[Region, bytes]] = {}
         self._busy: collections.Counter[str] = collections.Counter()  # producer -> reads using it now
+        self._quieting: collections.Counter[str] = collections.Counter()  # producer -> reads of those in `_quiet`
+        self._calm: dict[str, asyncio.Event] = {}  # producer -> set when one of its reads ends (or quiets)
         self._idle: dict[str, float] = {}  # producer -> when its last read ended (not while one runs)
         self._removing: dict[str, asyncio.Task[None]] = {}  # producer -> its remote agent's removal
         self._nodes: dict[str, str] = {}  # producer agent -> its Ray node, as the core names it (its pid: `_metas`)
@@ -90,6 +96,7 @@ class Peers:
         the producer was declared gone meanwhile), and the least recently used idle ones
         go past MAX_PEERS."""
         self._busy[producer] -= 1
+        self._wake(producer)
         if self._busy[producer] <= 0:
             del self._busy[producer]
             if producer in self._doomed:
@@ -129,12 +136,16 @@ class Peers:
         """Load the producer's metadata: its connection once, the object's regions each time
         (`node`: the producer's Ray node, as the core knows it, for `lost`).
 
-        Runs on: consumer (I/O loop). Raises: TransferError (from `Unreachable`) if the
-        producer cannot be reached: it died, or a firewall drops the connection.
+        Runs on: consumer (I/O loop), for a read that `hold`s the producer.
+        Raises: TransferError (from `Unreachable`) if the producer cannot be reached: it
+        died, or a firewall drops the connection.
         """
         agent = self._agent
         if self._unloaded(meta) is None:  # a region NIXL holds, with other metadata: registered anew
-            await self.forget(meta.agent, None)
+            epoch = self._epochs.get(meta.agent)
+            await self._quiet(meta.agent)
+            if self._unloaded(meta) is None:
+                await self.forget(meta.agent, epoch)  # (not a connection another read made meanwhile)
         remote = self._remotes.get(meta.agent)
         if remote is None:
             removing = self._removing.get(meta.agent)
@@ -197,6 +208,27 @@ class Peers:
         removing = self._removing.get(producer)
         if removing is not None:
             await asyncio.shield(removing)
+
+    async def _quiet(self, producer: str) -> None:
+        """Wait until every read using `producer`'s connection is one waiting here (the
+        caller's among them), `QUIET_S` at most: the connection is about to be dropped."""
+        self._quieting[producer] += 1
+        self._wake(producer)  # (reads waiting here may go now)
+        try:
+            async with asyncio.timeout(QUIET_S):
+                while self._busy.get(producer, 0) > self._quieting[producer]:
+                    await self._calm.setdefault(producer, asyncio.Event()).wait()
+        except TimeoutError:
+            pass  # the reads still running are cut off, and read again
+        finally:
+            self._quieting[producer] -= 1
+            if self._quieting[producer] <= 0:
+                del self._quieting[producer]
+
+    def _wake(self, producer: str) -> None:
+        calm = self._calm.pop(producer, None)
+        if calm is not None:
+            calm.set()
 
     def _drop(self, producer: str) -> None:
         """Forget `producer`'s connection now, and remove its remote agent from NIXL next
