@@ -983,6 +983,25 @@ async def test_nixl_objects_past_the_first_liveness_table_are_read_over_one_conn
 
 
 @pytest.mark.skipif("nixl" not in TRANSPORTS, reason="nixl not selected")
+async def test_nixl_regions_held_of_a_producer_registering_new_memory_are_bounded(monkeypatch):
+    # The regions NIXL holds of a producer were never let go: one registering new memory
+    # every step grew them (here and in NIXL) for the connection's life. Past
+    # REGIONS_MAX, a read that brings more connects anew.
+    from rdt_async.transports.nixl import _peers
+
+    monkeypatch.setattr(_peers, "REGIONS_MAX", 8)
+    with own_producer("nixl") as p:
+        held, epochs = [], set()
+        for no, sizes in enumerate([(1000, 7, 0)] * 8 + [(8 << 20, 7)] * 4):  # on the caller's thread, then the loop
+            info = p.make(no, sizes)
+            assert_same(await fetch(p, info), expect(no, sizes))
+            peers = _registry.transport("nixl")._current().peers
+            held.append(len(peers._regions[info.meta.agent]))
+            epochs.add(peers.epoch(info.meta.agent))
+        assert max(held) < 8 + 5 and len(epochs) >= 3, (held, epochs)  # (each object: 5 storages)
+
+
+@pytest.mark.skipif("nixl" not in TRANSPORTS, reason="nixl not selected")
 def test_nixl_metadata_parsed_from_refs_is_remembered_up_to_a_bound_in_bytes():
     # A ref's nixl blobs may be of any size: the check remembered its last 4096 parses,
     # and 1024 indexes of regions, each holding its blobs (1 MiB each here: GiBs).

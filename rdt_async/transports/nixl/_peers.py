@@ -8,7 +8,9 @@ the connection: NIXL 1.5.1 refuses it and then forgets the producer's regions an
 connection details, though not its UCX connection, so that none can be made to it again
 from this process. The connection is dropped and made anew first, once the other reads
 using it have ended (`QUIET_S` at most: they are read again over the fresh one). (A ref
-whose own blobs disagree on a region never gets here: `_check` refuses it.)
+whose own blobs disagree on a region never gets here: `_check` refuses it.) A connection
+is made anew alike once NIXL holds `REGIONS_MAX` regions of its producer and a read
+brings more: the regions it holds are never forgotten otherwise.
 
 Bounded: a consumer outliving many producers (actors that come and go) holds no entry
 for each one it ever read from. A connection to a producer of this host whose process is
@@ -39,6 +41,10 @@ from ._check import Region, parse_blob
 from ._meta import NixlMeta
 
 MD_CACHE = 4096  # partial metadata blobs remembered per producer (loaded once each)
+# Regions of a producer NIXL may hold (here: ~250 bytes each, and NIXL's own) before a
+# read that brings more connects anew: one that registers new memory every step would
+# otherwise grow both for the connection's life.
+REGIONS_MAX = 1 << 16
 # How often idle connections to this host's producers are checked for a producer gone (read at each sweep).
 SWEEP_S = 10.0
 # Connections kept at most; beyond, the least recently used idle one is dropped at once.
@@ -141,10 +147,12 @@ class Peers:
         died, or a firewall drops the connection.
         """
         agent = self._agent
-        if self._unloaded(meta) is None:  # a region NIXL holds, with other metadata: registered anew
+        unloaded = self._unloaded(meta)
+        if unloaded is None or self._crowded(meta.agent, unloaded):  # (None: a region registered anew)
             epoch = self._epochs.get(meta.agent)
             await self._quiet(meta.agent)
-            if self._unloaded(meta) is None:
+            unloaded = self._unloaded(meta)
+            if unloaded is None or self._crowded(meta.agent, unloaded):
                 await self.forget(meta.agent, epoch)  # (not a connection another read made meanwhile)
         remote = self._remotes.get(meta.agent)
         if remote is None:
@@ -189,12 +197,14 @@ class Peers:
 
     def load_now(self, meta: NixlMeta) -> bool:
         """Load the object's regions not loaded yet, on this thread (the caller holds the
-        agent); False where one comes with other metadata (`connect` connects anew)."""
+        agent); False where the connection is to be made anew first (`connect` does)."""
         unloaded = self._unloaded(meta)
-        for md in unloaded or ():
+        if unloaded is None or self._crowded(meta.agent, unloaded):
+            return False
+        for md in unloaded:
             self._agent.nixl.add_remote_agent(md)
             self._mark_loaded(meta.agent, md)
-        return unloaded is not None
+        return True
 
     async def forget(self, producer: str, epoch: int | None) -> None:
         """Drop the producer's connection `epoch` (None: whichever) and its metadata.
@@ -274,6 +284,11 @@ class Peers:
             idle = sorted(self._idle, key=self._idle.__getitem__)
         for producer in idle[: max(0, len(self._remotes) - over)]:
             self._drop(producer)
+
+    def _crowded(self, producer: str, unloaded: list[bytes]) -> bool:
+        """Whether metadata `unloaded` goes over a fresh connection: REGIONS_MAX of the
+        producer's regions are held already."""
+        return bool(unloaded) and len(self._regions.get(producer, ())) >= REGIONS_MAX
 
     def _unloaded(self, meta: NixlMeta) -> list[bytes] | None:
         """Return the object's partial metadata blobs this agent has not loaded yet; None
