@@ -1037,7 +1037,46 @@ def test_nixl_metadata_parsed_from_refs_is_remembered_up_to_a_bound_in_bytes():
         held = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
-    assert held < 20 << 20, f"{held >> 20} MiB held after 48 MiB of refs"  # (PARSED_BYTES, and some)
+    assert held < _check.PARSED_BYTES + (4 << 20), f"{held >> 20} MiB held after 48 MiB of refs"  # (and some)
+
+
+@pytest.mark.skipif("nixl" not in TRANSPORTS, reason="nixl not selected")
+def test_nixl_regions_parsed_from_refs_count_toward_the_bound(monkeypatch):
+    # The bound counted a blob's bytes, not the regions parsed out of it (~200 bytes each,
+    # of ~35 in the blob): crafted blobs of many regions held ~6 times the bound.
+    import collections
+    import gc
+    import tracemalloc
+
+    from rdt_async.transports.nixl import _check
+
+    def field(tag: bytes, data: bytes) -> bytes:
+        return tag + struct.pack("<Q", len(data)) + data + b"|"
+
+    def blob(salt: int, n: int) -> bytes:  # n regions of 4 KiB, apart (none merge)
+        regions = b"".join(field(b"", struct.pack("<QQQ", (salt << 40) + (i << 13), 4096, 0) + bytes(11)) for i in range(n))
+        return b"nixlSerDes|" + field(b"Agent", f"rdt-h-{os.getpid()}-0badcafe".encode()) + field(b"Conns", struct.pack("<Q", 0)) + (
+            field(b"", b"MemSection") + field(b"nixlSecElms", struct.pack("<Q", 1)) + field(b"bknd", b"UCX")
+            + field(b"nixlDList", b"nixlSDList") + field(b"t", struct.pack("<I", 0)) + field(b"n", struct.pack("<Q", n)) + regions
+        )
+
+    limit = 1 << 20  # (PARSED_BYTES, scaled down)
+    for cache in (_check.parse_blob, _check._index):
+        monkeypatch.setattr(cache, "_limit", limit)
+        monkeypatch.setattr(cache, "_done", collections.OrderedDict())
+        monkeypatch.setattr(cache, "nbytes", 0)
+    blobs = [blob(salt, 1000) for salt in range(40)]  # ~45 KiB each
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for data in blobs:
+            assert len(_check.parse_blob(data).regions) == 1000
+            assert len(_check._index((data,))[0][("DRAM", 0)][0]) == 1000
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before  # (the blobs are alive anyway)
+    finally:
+        tracemalloc.stop()
+    assert held < 2 * limit, f"{held >> 10} KiB held beyond the blobs, past two caches of {limit >> 10} KiB"
 
 
 @pytest.mark.skipif("nixl" not in TRANSPORTS, reason="nixl not selected")

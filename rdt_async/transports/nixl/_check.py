@@ -23,8 +23,9 @@ A failure is a TransferError naming the field; nothing was loaded, registered or
 What these checks cannot see (a descriptor moved within a region the producer did
 register: the blobs are the ref's own) the liveness slot's digest catches after the
 READ (`_liveness`).
-Blobs are parsed once each (remembered up to PARSED_BYTES of them, as a ref may carry
-blobs of any size); a check costs microseconds per tensor.
+Blobs are parsed once each (their parses remembered up to PARSED_BYTES, blobs and
+parsed regions together, as a ref may carry blobs of any size); a check costs
+microseconds per tensor.
 """
 
 from __future__ import annotations
@@ -50,9 +51,14 @@ _DESC = struct.Struct("<QQQ")  # nixlBasicDesc: address, length, device id
 _MEM = {0: "DRAM", 1: "VRAM"}  # nixl_mem_t values this transport registers
 _NAME = re.compile(r"rdt-(?P<host>.+)-(?P<pid>[0-9]+)-[0-9a-f]{8}")
 _MAX_ADDR = 1 << 64
-# Bytes of metadata whose parse (and whose index of regions) is remembered, each: blobs
-# come from other processes' refs, of any size. An object of 16,000 storages has ~2 MB.
-PARSED_BYTES = 16 << 20
+# Bytes of parsed metadata remembered, by each of the parse and the index of regions:
+# the blobs and what was parsed out of them (blobs come from other processes' refs, of
+# any size). An object of 16,000 storages has ~2 MB of blobs, ~5 MB parsed.
+PARSED_BYTES = 32 << 20
+# What each region holds beyond its bytes in the blob: parsed (a Region, its ints, its
+# backend metadata's bytes object: ~160-200 measured), and in an index (two ints: ~55).
+REGION_BYTES = 200
+SPAN_BYTES = 64
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -60,9 +66,9 @@ V = TypeVar("V")
 
 class _Remembered(Generic[K, V]):
     """`fn`'s results by argument, the least recently used forgotten past `limit` bytes of
-    arguments (`size`); an argument over a quarter of that is not remembered."""
+    arguments and results (`size(arg, result)`); one over a quarter of that is not remembered."""
 
-    def __init__(self, fn: Callable[[K], V], size: Callable[[K], int], limit: int) -> None:
+    def __init__(self, fn: Callable[[K], V], size: Callable[[K, V], int], limit: int) -> None:
         self._fn, self._size, self._limit = fn, size, limit
         self._done: collections.OrderedDict[K, tuple[V, int]] = collections.OrderedDict()
         self.nbytes = 0
@@ -75,7 +81,7 @@ class _Remembered(Generic[K, V]):
                 self._done.move_to_end(arg)
                 return hit[0]
         value = self._fn(arg)
-        n = self._size(arg)
+        n = self._size(arg, value)
         with self._lock:
             if n <= self._limit // 4 and arg not in self._done:
                 self._done[arg] = (value, n)
@@ -180,7 +186,7 @@ def _parse_blob(data: bytes) -> Blob:
     return Blob(agent, tuple(regions), tuple(backend))
 
 
-parse_blob = _Remembered(_parse_blob, len, PARSED_BYTES)
+parse_blob = _Remembered(_parse_blob, lambda data, blob: len(data) + REGION_BYTES * len(blob.regions), PARSED_BYTES)
 
 
 def check(info: TransferInfo[NixlMeta], producer_pid: int | None) -> None:
@@ -296,7 +302,11 @@ def _make_index(blobs: tuple[bytes, ...]) -> tuple[_Index, str | None]:
     return out, None
 
 
-_index = _Remembered(_make_index, lambda blobs: sum(map(len, blobs)), PARSED_BYTES)
+def _index_size(blobs: tuple[bytes, ...], made: tuple[_Index, str | None]) -> int:
+    return sum(map(len, blobs)) + SPAN_BYTES * sum(len(starts) for starts, _ in made[0].values())
+
+
+_index = _Remembered(_make_index, _index_size, PARSED_BYTES)
 
 
 @functools.lru_cache(maxsize=64)
