@@ -526,6 +526,20 @@ def test_crafted_ucxx_metadata_is_refused_before_ucx_loads(meta, why):
     assert "ucxx._lib.libucxx" not in sys.modules  # refused before UCXX (and its UCX) loaded here
 
 
+@pytest.mark.parametrize(("missing", "why"), [("token", "the token is not 16 bytes"), ("host", "host None is not an IPv4 address")])
+def test_ucxx_metadata_lacking_a_field_is_refused_as_malformed(missing, why):
+    # A UcxxMeta unpickled from an older version (before the token), or crafted: the
+    # check raised a bare AttributeError.
+    from rdt_async.transports import ucxx
+
+    meta = object.__new__(ucxx.UcxxMeta)
+    for name, value in (("host", "127.0.0.1"), ("port", 13337), ("token", bytes(16))):
+        if name != missing:
+            object.__setattr__(meta, name, value)
+    with pytest.raises(rdt.TransferError, match=rf"ucxx fetch of crafted: the ref's ucxx metadata is malformed \({_re(why)}\)"):
+        _fetch(ucxx.UcxxTransport(), meta)
+
+
 def test_a_tcp_request_for_too_many_ranges_is_dropped_before_it_is_read():
     t = tcp.TcpTransport()
     meta = t.prepare("ranges", [torch.ones(4)])

@@ -153,15 +153,17 @@ def check_meta(meta: object, obj_id: str) -> UcxxMeta:
     Runs on: consumer, before it connects anywhere. Raises: TransferError saying what is wrong.
     """
     why = None
+    # (getattr: a UcxxMeta unpickled from an older version, or crafted, may lack a field)
+    host, port, token = (getattr(meta, name, None) for name in ("host", "port", "token"))
     if not isinstance(meta, UcxxMeta):
         why = f"not ucxx metadata: {type(meta).__name__}"
-    elif not _net.is_ip(meta.host) or ":" in meta.host:
-        why = f"host {meta.host!r} is not an IPv4 address"
-    elif (no_peer := _net.not_a_peer(meta.host)) is not None:
-        why = f"host {meta.host!r} is {no_peer}, where no producer listens"
-    elif type(meta.port) is not int or not 1 <= meta.port <= 65535:
-        why = f"port {meta.port!r} is not in 1..65535"
-    elif type(meta.token) is not bytes or len(meta.token) != TOKEN_BYTES:
+    elif type(host) is not str or not _net.is_ip(host) or ":" in host:
+        why = f"host {host!r} is not an IPv4 address"
+    elif (no_peer := _net.not_a_peer(host)) is not None:
+        why = f"host {host!r} is {no_peer}, where no producer listens"
+    elif type(port) is not int or not 1 <= port <= 65535:
+        why = f"port {port!r} is not in 1..65535"
+    elif type(token) is not bytes or len(token) != TOKEN_BYTES:
         why = f"the token is not {TOKEN_BYTES} bytes"
     if why is not None:
         raise TransferError(f"ucxx fetch of {obj_id}: the ref's ucxx metadata is malformed ({why}); nothing was read", obj_id=obj_id)
