@@ -514,3 +514,73 @@ def test_a_ref_naming_another_listener_sends_it_no_request():
         lines[0],
     ), out.stdout + out.stderr[-3000:]
     assert lines[1:] == ["requests heard 0"], out.stdout
+
+
+_LATE_GREETING = r"""
+import asyncio, time, torch
+from rdt_async import _io
+from rdt_async.transports import ucxx
+from rdt_async.transports._base import NoChannel, TensorSpec, TransferInfo
+
+async def main():
+    w = await ucxx._worker_async()
+    w._send = lambda ep, message: None  # the listener takes requests and never answers
+    serve = w._serve
+    async def late(ep):  # ... and greets 1.5 s after it accepts
+        await asyncio.sleep(1.5)
+        await serve(ep)
+    w._serve = late
+    there = w.listen()  # (this process's own listener, of its own token)
+    info = TransferInfo("ab" * 12, (TensorSpec((4,), torch.float32, "cpu", 16),), there)
+    t0 = time.monotonic()
+    try:
+        await ucxx.UcxxTransport().receive(info, None, NoChannel())
+    except Exception as exc:
+        print(f"{type(exc).__name__}: {exc} after {time.monotonic() - t0:.1f} s")
+
+_io.start(main()).result()
+"""
+
+
+def test_the_greeting_and_the_answer_share_one_answer_time():
+    """A listener that greets late and then says nothing: the fetch waited the answer
+    time for the greeting, then the whole answer time again for the answer."""
+    env = {**os.environ, "RDT_UCXX_ANSWER_S": "2", "UCX_LOG_LEVEL": "fatal"}
+    out = subprocess.run([sys.executable, "-c", _LATE_GREETING], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    said = out.stdout.strip().splitlines()[-1:]
+    assert said and re.fullmatch(
+        r"TransferError: ucxx fetch of (ab){12}: no answer from the producer at [\d.]+:\d+ in 2 s; "
+        r"RDT_UCXX_ANSWER_S sets how long a fetch waits after 2\.\d s", said[0]
+    ), out.stdout + out.stderr[-3000:]
+
+
+_GREETED_ONCE = r"""
+import asyncio
+from rdt_async import _io
+from rdt_async.transports import ucxx
+from rdt_async.transports._base import NoChannel
+from transports.contract import Producer
+
+proofs = []  # the greetings this consumer works out (its producer is another process)
+real = ucxx._greeting
+ucxx._greeting = lambda token: proofs.append(token) or real(token)
+
+async def main():
+    p = Producer("ucxx")
+    try:
+        for no in range(5):
+            got = await _io.start(ucxx.UcxxTransport().receive(p.make(no, (1000,)), None, NoChannel()))
+            assert got[0].numel() == 1000
+        print("greetings worked out", len(proofs))
+    finally:
+        p.close()
+
+asyncio.run(main())
+"""
+
+
+def test_fetches_over_a_greeted_endpoint_check_the_greeting_once():
+    """Every fetch worked the greeting out again (an HMAC) under a timeout: ~11 us each."""
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "tests"), "UCX_LOG_LEVEL": "fatal"}
+    out = subprocess.run([sys.executable, "-c", _GREETED_ONCE], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert out.stdout.splitlines()[-1:] == ["greetings worked out 1"], out.stdout + out.stderr[-3000:]

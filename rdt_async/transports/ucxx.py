@@ -7,6 +7,10 @@ proves that it knows the ref's token (`_greeting`). A transfer:
 
     consumer (I/O loop)                           producer (I/O loop)
     -------------------                           -------------------
+    (first fetch over an endpoint only:)
+    connect to the listener                  ->   accept; send the greeting
+    wait for the greeting, check it against  <-   (an HMAC of its token)
+    the ref's token
     post recv: status (tag T), and one per
     tensor (T+1+i) into its destination
     active message {T, [i...], obj_id}       ->   look the object up
@@ -15,9 +19,12 @@ proves that it knows the ref's token (`_greeting`). A transfer:
                                                   freed object, empty messages
 
 The request rides on UCX, not on a Ray call, and every receive is posted before it
-goes: a fetch is one UCX round trip, and large tensors (UCX's rendezvous protocol)
-land straight in their destination. A freed object still answers each posted
-receive (with nothing), because UCXX cannot cancel one posted receive.
+goes: a fetch over an endpoint already greeted is one UCX round trip (the greeting it
+proved is remembered with the endpoint), and large tensors (UCX's rendezvous protocol)
+land straight in their destination. The first fetch over an endpoint waits for UCX to
+connect and for the greeting first; RDT_UCXX_ANSWER_S bounds that wait and the answer's
+together. A freed object still answers each posted receive (with nothing), because
+UCXX cannot cancel one posted receive.
 
 Progress: UCXX's own progress modes spin (its thread mode wakes every millisecond, its
 asyncio modes keep a task runnable), so they are not used. The worker runs in blocking
@@ -80,7 +87,7 @@ _OPEN = "where the producer runs, set RDT_PORT_RANGE to ports the firewall admit
 
 
 class _Silent(TransferError):
-    """No answer from the address a ref names within RDT_UCXX_ANSWER_S."""
+    """No greeting and answer from the address a ref names within RDT_UCXX_ANSWER_S."""
 
 
 def _silent(info: TransferInfo[UcxxMeta]) -> _Silent:
@@ -93,7 +100,7 @@ def _silent(info: TransferInfo[UcxxMeta]) -> _Silent:
 
 
 def _answer_s() -> int:
-    return int_setting("RDT_UCXX_ANSWER_S", 120, 1, "the seconds a fetch waits for the producer's answer (1 or more)")
+    return int_setting("RDT_UCXX_ANSWER_S", 120, 1, "the seconds a fetch waits for the producer's greeting and answer (1 or more)")
 PROGRESS_STEPS = 64  # UCX progress calls per wake-up at most; more wait for the next poll
 PACKED_BYTES = 64 << 10  # objects up to this size come with their status in one message
 TAG_STRIDE = 1 << 20  # tags per transfer: status, then one per tensor
@@ -177,6 +184,7 @@ class _Peer:
         self.ep = ep
         self.closed = False
         self.greeting: asyncio.Future[bytes] | None = None  # the listener's first message
+        self.proven: bytes | None = None  # the token that greeting proves its listener knows
 
 
 class _Worker:
@@ -371,17 +379,20 @@ class _Worker:
             ep.set_close_callback(self._closed, cb_args=(key, peer))
         return peer
 
-    async def greeted(self, peer: _Peer, meta: UcxxMeta) -> bool:
+    async def greeted(self, peer: _Peer, meta: UcxxMeta, deadline: float) -> bool:
         """Wait for the greeting of the listener `peer` connects to: True once it is the
-        one `meta`'s token asks for, False if none came in the answer time.
+        one `meta`'s token asks for, False if none came by `deadline` (loop time).
 
-        Raises: Unreachable where another greeting came (not this ref's producer).
+        Costs a comparison once a greeting proved the token. Raises: Unreachable where
+        another greeting came (not this ref's producer).
         """
+        if peer.proven is not None and hmac.compare_digest(peer.proven, meta.token):
+            return True
         if peer.greeting is None:  # the first fetch over this endpoint asks; the others wait with it
             peer.greeting = asyncio.ensure_future(self._first_message(peer.ep))
             peer.greeting.add_done_callback(_retrieved)
         try:
-            async with asyncio.timeout(_answer_s()):
+            async with asyncio.timeout_at(deadline):
                 said = await asyncio.shield(peer.greeting)
         except TimeoutError:
             return False
@@ -392,6 +403,7 @@ class _Worker:
                 "process listens there, or the ref was altered",
                 lasting=False,
             )
+        peer.proven = meta.token
         return True
 
     async def _first_message(self, ep: Any) -> bytes:
@@ -650,8 +662,10 @@ async def _transfer(w: _Worker, info: TransferInfo[UcxxMeta], dsts: list[torch.T
     posted = [] if packed else [(i, raw, d) for i, (raw, d) in enumerate(zip(raws, dsts)) if raw.nbytes]
     request = _pack(base, [i for i, _, _ in posted], packed, sizes_digest(info.obj_id, [r.nbytes for r in raws]), info.obj_id)
     waits: list[asyncio.Future[Any]] = []
+    # One answer time for the greeting (where it has not come yet) and the answer together.
+    deadline = asyncio.get_running_loop().time() + _answer_s()
     try:
-        if not await w.greeted(peer, meta):  # nothing goes to a listener before it proves it is the producer's
+        if not await w.greeted(peer, meta, deadline):  # nothing goes to a listener before it proves it is the producer's
             raise _silent(info)
         try:
             waits.append(w.wait(w.post(peer.ep, "tag_recv", status, base), status))
@@ -663,7 +677,8 @@ async def _transfer(w: _Worker, info: TransferInfo[UcxxMeta], dsts: list[torch.T
         # A producer answers (the status) at once; an address that is no producer's (a
         # ref's fields are input: a listener that accepts and says nothing) must not hold
         # the fetch for good. Its bytes then take what they take (the watch ends a dead one).
-        await asyncio.wait(waits, timeout=_answer_s(), return_when=asyncio.FIRST_EXCEPTION)
+        timeout = max(0.0, deadline - asyncio.get_running_loop().time())
+        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
         if not waits[0].done() and not any(f.done() and not f.cancelled() and f.exception() for f in waits):
             raise _silent(info)
         await asyncio.wait(waits, return_when=asyncio.FIRST_EXCEPTION)
