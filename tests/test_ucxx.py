@@ -550,7 +550,8 @@ def test_the_greeting_and_the_answer_share_one_answer_time():
     said = out.stdout.strip().splitlines()[-1:]
     assert said and re.fullmatch(
         r"TransferError: ucxx fetch of (ab){12}: no answer from the producer at [\d.]+:\d+ in 2 s; "
-        r"RDT_UCXX_ANSWER_S sets how long a fetch waits after 2\.\d s", said[0]
+        r"RDT_UCXX_ANSWER_S sets how long a fetch waits \(a firewall that drops the producer's port answers "
+        r"nothing: where the producer runs, set RDT_PORT_RANGE [^)]*\)\) after 2\.\d s", said[0]
     ), out.stdout + out.stderr[-3000:]
 
 
