@@ -136,6 +136,7 @@ class _Version:
     views: dict[str, torch.Tensor]  # its tensors: a slot's views, or the caller's (lent)
     slot: _Slot | None  # None: lent (`publish(lend=True)`)
     chunks: list[RDTObject] | None = None
+    handed: bool = False  # a poll's answer carried it (under the publisher's lock): others may read it
     making: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)  # (used on the polls' loop)
     # What the polls' answers carry, made at the first (`_wire`): of the object, and of its chunks.
     wire: _Wire | None = None
@@ -312,6 +313,11 @@ class Publisher:
                     slot.version = version
                 old, self._newest = self._newest, _Version(version, time.time(), obj, views, slot)
                 waiters, self._waiters = self._waiters, []
+            if old is not None and not old.handed:
+                # No poll handed it out, so no other process has its ref: its slot is free
+                # now, not once Ray reports its last ref gone (on a busy machine, after the
+                # next publish looked: when_full="skip" skipped versions nobody read).
+                store.free(old.obj.obj_id, last_ref=True)
             del old, obj  # the version before: its slot is free once nobody reads it
             _wake(waiters)
             return version
@@ -566,6 +572,8 @@ async def serve_poll(
         behind = newest is None or newest.number <= after
         if behind:
             pub._waiters.append((loop, fut))
+        elif newest is not None:
+            newest.handed = True
     if behind:
         # Not held while this poll waits (up to wait_s): the version it already has would
         # stay held here, its lent buffers unwritable (`wait_unread`) or its slot busy.
@@ -583,6 +591,8 @@ async def serve_poll(
             if pub.closed:
                 return ("closed",)
             newest = pub._newest
+            if newest is not None and newest.number > after:
+                newest.handed = True
     if newest is None or newest.number <= after:
         return ("none",)
     if chunked:
