@@ -8,6 +8,7 @@ uses as well (process liveness, byte layouts, views, copies) is the core's, in
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
 from collections.abc import Sequence
 from typing import Any, TypeGuard
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 
 from .. import _alloc
-from ._base import TensorSpec
+from ._base import TensorSpec, Unreachable
 
 
 def local_device(device: str) -> torch.device:
@@ -101,3 +102,26 @@ def delivered(buffers: list[torch.Tensor] | None, landed: list[torch.Tensor]) ->
         if b is not d:
             b.copy_(d)
     return list(buffers)
+
+
+GREETING_BYTES = 16  # a listener's greeting (`greeting`)
+
+
+def greeting(token: bytes, label: bytes) -> bytes:
+    """A producer's listener's first message (`tcp`, `ucxx`, each with its `label`): proof
+    that it knows `token`, which its refs carry, revealing nothing of it. A consumer sends
+    nothing before it: a ref's address and token are input from another process, and a
+    request sent to whatever listens there would hand a crafted ref's bytes to any
+    service it names."""
+    return hmac.digest(token, label, "sha256")[:GREETING_BYTES]
+
+
+def another_listener(where: str, transport: str) -> Unreachable:
+    """The error for a listener at `where` whose greeting proves another token. Not lasting:
+    a ref with another token takes `transport` away from no live producer there."""
+    return Unreachable(
+        f"the listener at {where} is not the producer's {transport} listener (its greeting is not the one "
+        "the ref's token asks for); nothing was sent to it: the producer is gone and another process "
+        "listens there, or the ref was altered",
+        lasting=False,
+    )

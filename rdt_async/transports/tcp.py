@@ -63,11 +63,18 @@ from ._base import (
     Transport,
     Unreachable,
 )
-from ._kit import delivered, int_setting, landing_buffers, sizes_digest
+from ._kit import (
+    GREETING_BYTES,
+    another_listener,
+    delivered,
+    greeting,
+    int_setting,
+    landing_buffers,
+    sizes_digest,
+)
 
 MAGIC = b"RDT1"
 GREETING = b"RDT-TCP-GREETING"  # what the listener's first bytes prove, keyed with its token (`_greeting`)
-GREETING_BYTES = 16
 HELD, FREED, ALTERED = b"\x01", b"\x02", b"\x03"
 STREAM_MIN_BYTES = 4 << 20  # a stream for each this many bytes, up to `_streams()`
 LANDED_STEP = 8 << 20  # a stream tells `TransferInfo.landed` of its bytes in steps of this many
@@ -208,12 +215,9 @@ class _Server:
 
 
 def _greeting(token: bytes) -> bytes:
-    """The listener's first bytes: proof that it knows `token`, which reveals nothing of it.
-
-    A ref's address and token are input from another process: a consumer that sent them
-    to whatever listens there would hand a crafted ref's 16 bytes to any service it names
-    (a line-based one reads a command in them). It sends nothing until this arrives."""
-    return hmac.digest(token, GREETING, "sha256")[:GREETING_BYTES]
+    """The listener's first bytes (`_kit.greeting`: a line-based service a crafted ref named
+    would read a command in a request's bytes)."""
+    return greeting(token, GREETING)
 
 
 def _answer(conn: socket.socket, store: Keeper) -> bool:
@@ -385,12 +389,7 @@ def _greeted(sock: socket.socket, meta: TcpMeta, within: float) -> None:
             f"to it. Where the producer runs, {_net.settings_hint(HOST_ENV)}"
         ) from exc
     if not hmac.compare_digest(said, _greeting(meta.token)):
-        raise Unreachable(  # (not lasting: a ref with another token takes tcp away from no live producer there)
-            f"the listener at {_hostport(meta)} is not the producer's tcp listener (its greeting is not the "
-            "one the ref's token asks for); nothing was sent to it: the producer is gone and another "
-            "process listens there, or the ref was altered",
-            lasting=False,
-        )
+        raise another_listener(_hostport(meta), "tcp")
 
 
 def _hostport(meta: TcpMeta) -> str:

@@ -75,7 +75,7 @@ from .._errors import (
 )
 from . import _net, _ucx
 from ._base import NO_STORE, Channel, Keeper, TransferInfo, Transport, Unreachable
-from ._kit import delivered, int_setting, landing_buffers, sizes_digest
+from ._kit import another_listener, delivered, greeting, int_setting, landing_buffers, sizes_digest
 
 INSTALL_HINT = "pip install 'rdt_async[ucxx]'"
 POLL_S = 0.0005  # progress period while requests are in flight (events also progress)
@@ -108,7 +108,6 @@ HELD, FREED, ALTERED = 0, 1, 2  # ALTERED: the request's digest of the tensors' 
 HOST_ENV = "RDT_UCXX_HOST"
 TOKEN_BYTES = 16
 GREETING = b"RDT-UCXX-GREETING"  # what the listener's first message proves, keyed with its token
-GREETING_BYTES = 16
 
 
 @functools.cache
@@ -397,12 +396,7 @@ class _Worker:
         except TimeoutError:
             return False
         if not hmac.compare_digest(said, _greeting(meta.token)):
-            raise Unreachable(  # (not lasting: a ref with another token takes ucxx away from no live producer there)
-                f"the listener at {meta.host}:{meta.port} is not the producer's ucxx listener (its greeting is not "
-                "the one the ref's token asks for); nothing was sent to it: the producer is gone and another "
-                "process listens there, or the ref was altered",
-                lasting=False,
-            )
+            raise another_listener(f"{meta.host}:{meta.port}", "ucxx")
         peer.proven = meta.token
         return True
 
@@ -466,10 +460,8 @@ def _context(libucxx: Any, flags: tuple[Any, ...]) -> tuple[Any, Any]:
 
 
 def _greeting(token: bytes) -> bytes:
-    """The listener's first message: proof that it knows `token`, which reveals nothing of it
-    (a ref's address and token are input: a consumer that sent its request to any listener
-    there would hand it to whatever a crafted ref names)."""
-    return hmac.digest(token, GREETING, "sha256")[:GREETING_BYTES]
+    """The listener's first message (`_kit.greeting`)."""
+    return greeting(token, GREETING)
 
 
 def _retrieved(fut: asyncio.Future[Any]) -> None:
