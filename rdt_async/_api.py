@@ -17,8 +17,9 @@ from typing import Any, TypeVar
 import torch
 
 from . import _io, _object, _produce, _ray, _registered, _relay
+from ._caller import CALLER, user_line
 from ._errors import RDTError, one_chain, release_frames, translating
-from ._fetch import CALLER, abandon, fetch_now, fetch_object, user_line
+from ._fetch import abandon, fetch_now, fetch_object
 from ._fetched import fetched
 from ._object import RDTObject
 from ._store import store

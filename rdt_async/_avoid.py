@@ -2,7 +2,7 @@
 
 A fetch whose path cannot be used with its producer (`unusable`: a transport that cannot
 serve it here, or one that could not reach the producer before anything moved) goes on
-over the next candidate (`_fetch._fetch_over`). A path that could not reach a node at an
+over the next candidate (`_transfer.fetch_over`). A path that could not reach a node at an
 address (`Transport.address`; None: the node's) is left out of that node's fetches at
 that address for AVOID_S (`avoided`); one that reached something there that is not the
 ref's producer (`Unreachable.lasting` False: tcp's greeting of another token), or that

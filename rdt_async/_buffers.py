@@ -37,8 +37,9 @@ from typing import Any
 
 import torch
 
-from . import _io, _tree
+from . import _cuda, _io, _tree
 from ._errors import few
+from ._local import copy_into
 from ._store import extent, store
 from .transports._base import TensorSpec
 
@@ -143,6 +144,49 @@ def every(buffers: list[torch.Tensor], writes: Writes | None) -> tuple[list[torc
     if writes is None:
         return buffers, None
     return [*buffers, *(b for b, _ in writes.copies)], writes.places
+
+
+# Copies at most this large are done inline rather than in the pool.
+INLINE_COPY_BYTES = 1 << 20
+
+
+async def land(
+    tensors: list[torch.Tensor], buffers: list[torch.Tensor] | None, device: torch.device | None, writes: Writes | None, nbytes: int
+) -> list[torch.Tensor]:
+    """Put a fetch's `tensors` (`nbytes` in all) where the caller asked: copied into its
+    `buffers` (unless they landed there), else moved to `device`; then a tensor under two
+    names copied into its second buffer (`Writes.copies`). Inline when small, else in the
+    pool; device results are ready on return."""
+    if not buffers and (device is None or all(t.device == device for t in tensors)) and (writes is None or not writes.copies):
+        return tensors  # where the caller wants them
+    return await _off_caller_streams(land_now, tensors, buffers, device, writes, nbytes=nbytes)
+
+
+def land_now(
+    tensors: list[torch.Tensor], buffers: list[torch.Tensor] | None, device: Any, writes: Writes | None
+) -> list[torch.Tensor]:
+    """`land` on this thread (a blocking call: the pool's, or the caller's for a small object)."""
+    if buffers:
+        tensors = copy_into(buffers, tensors)
+    elif device is not None:
+        tensors = [t.to(device) for t in tensors]
+    if writes is not None and writes.copies:
+        copy_into(*writes.tied(tensors))
+    return tensors
+
+
+async def _off_caller_streams(fn: Any, *args: Any, nbytes: int) -> list[torch.Tensor]:
+    """Run a copy inline when small, else in the pool; device results are ready on return.
+
+    A copy on the caller's own thread is ordered on its streams. One on the I/O loop
+    (`rdt.get`) or in the pool is not, so it has finished before the caller sees it.
+    """
+    if nbytes > INLINE_COPY_BYTES:
+        return await _io.to_thread_finished(_cuda.settled, fn, *args)
+    out: list[torch.Tensor] = fn(*args)
+    if _io.on_io_thread():
+        await _cuda.wait(_cuda.record(out))
+    return out
 
 
 class Writes:

@@ -2,7 +2,7 @@
 the transports' declared capabilities and costs, `transports/_auto.py`), a transport the
 consumer named, or a collective group both ends are in.
 
-Runs on: consumer, where a fetch starts and where it falls back (`_fetch`). Cheap: no
+Runs on: consumer, where a fetch starts (`_fetch`) and where it falls back (`_transfer`). Cheap: no
 I/O but a lookup of a transport this process does not know yet.
 """
 
@@ -13,12 +13,13 @@ from typing import Any
 
 from . import _ray
 from ._avoid import avoided
-from ._errors import PeerDiedError, TransportUnavailableError
+from ._errors import PeerDiedError, TransferError, TransportUnavailableError
 from ._fetched import fetched
 from ._membership import groups
 from ._object import RDTObject
 from ._produce import loads_here
 from .transports import _auto, _registry
+from .transports._base import Transport
 
 
 def choose_transport(
@@ -74,6 +75,28 @@ def choose_transport(
             return _registry.FALLBACK, None  # the consumer is outside the producer's groups
         return name, shared[1]
     return name, obj.meta.get(name)
+
+
+def transport_for(obj: RDTObject, node_id: str, asked: str | None = None) -> tuple[Transport[Any], Any]:
+    """The transport a fetch of `obj` by a process on `node_id` takes (`auto`'s or the
+    producer's choice, or the one the consumer `asked` for), and its metadata.
+
+    Raises: TransportUnavailableError (`asked_transport`); TransferError where the ref
+    says a tensor is on a device the transport does not move (no producer returns them
+    over it, `Transport.check_tensors`; a ref's `meta` device came back from the object
+    store as tensors without bytes).
+    """
+    name, meta = choose_transport(obj, node_id) if asked is None else asked_transport(obj, asked, node_id)
+    transport = _registry.transport(name)
+    moves = transport.devices
+    for k, spec in enumerate(obj.specs):
+        if spec.device.partition(":")[0] not in moves:
+            raise TransferError(
+                f"object {obj.obj_id}: its tensor {k} is said to be on {spec.device}, which transport "
+                f"{transport.name!r} does not move ({', '.join(moves)}): no producer sends that; the ref was altered",
+                obj_id=obj.obj_id,
+            )
+    return transport, meta
 
 
 def _in_ref(meta: dict[str, Any]) -> str | None:

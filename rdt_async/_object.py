@@ -543,16 +543,27 @@ def _free_quietly(obj_id: str) -> None:
 
 
 def resolve_local(obj: RDTObject) -> list[torch.Tensor]:
-    """Return the tensors themselves of an object this process produced.
+    """Return the tensors themselves of an object this process produced, once they are
+    what the ref says (the ref came from elsewhere: a copy into `into=` would broadcast
+    and convert).
 
-    Raises: ObjectFreedError.
+    Raises: ObjectFreedError; TransferError naming the first tensor that differs.
     """
     stored = store.get(obj.obj_id)
-    if stored is not None:
-        return stored.tensors
-    tensors = _recent.get(obj.obj_id) if obj.anchor is None else None
+    tensors = stored.tensors if stored is not None else _recent.get(obj.obj_id) if obj.anchor is None else None
     if tensors is None:
         raise ObjectFreedError(f"object {obj.obj_id} was freed", obj_id=obj.obj_id)
+    if len(tensors) != len(obj.specs):
+        raise TransferError(
+            f"the ref names object {obj.obj_id}, which this process produced, with {len(obj.specs)} "
+            f"tensor(s); it has {len(tensors)}: the ref was altered"
+        )
+    for k, (t, spec) in enumerate(zip(tensors, obj.specs)):
+        if TensorSpec.of(t) != spec:
+            raise TransferError(
+                f"the ref names object {obj.obj_id}, which this process produced, and says its tensor {k} is "
+                f"{spec}; it is {TensorSpec.of(t)}: the ref was altered"
+            )
     return tensors
 
 

@@ -334,9 +334,7 @@ async def serve_send(obj_id: str, transport: str, request: Any) -> Any:
             await t.refuse(obj_id, request)
             raise ObjectFreedError(f"object {obj_id} was freed before it was fetched", obj_id=obj_id)
         meta = next((m for tr, m in stored.prepared.items() if tr.name == transport), None)
-        stored.served = True
-        if stored.fetched_here and not stored.warned:
-            stored.warned = True
+        if stored.both_ways(served=True):
             log.warning("rdt_async: %s", shared_with_producer(obj_id))
         return await t.send_multiple_tensors(obj_id, stored.tensors, meta, request)
 

@@ -10,21 +10,26 @@ import asyncio
 import collections
 import contextlib
 import functools
+import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import ray
 
 from . import _io
-from ._errors import RDTError, TransferError, translating, unavailable
+from ._errors import PeerDiedError, RDTError, TransferError, translating, unavailable
 from ._local import pid_alive
 from .transports import _net, _registry
 
 if TYPE_CHECKING:
+    import torch
+
     from ._object import Process, RDTObject
+
+log = logging.getLogger("rdt_async")
 
 
 def new_session() -> None:
@@ -60,13 +65,19 @@ LOST_KEPT = 256
 
 
 def lost(p: Process) -> None:
-    """Remember that a fetch from producer `p` ended in PeerDiedError (its death, or its
-    connection's: the last LOST_KEPT are kept)."""
+    """A fetch from producer `p` ended in PeerDiedError (its death, or its connection's):
+    remember it (the last LOST_KEPT), and let the transports here let go of what they keep
+    for it (connections, metadata)."""
     with _lost_lock:
         _lost[p] = None
         _lost.move_to_end(p)
         while len(_lost) > LOST_KEPT:
             _lost.popitem(last=False)
+    for transport in _registry.created():
+        try:
+            transport.peer_gone(p.node_id, p.pid)
+        except Exception:  # letting go is best effort: the fetch's own error is what counts
+            log.warning("rdt_async: %s could not let go of %s", transport.name, p.label, exc_info=True)
 
 
 def known_lost(p: Process) -> bool:
@@ -128,7 +139,7 @@ WATCH_AFTER_S, WATCH_EVERY_S = 2.0, 1.0  # when a transfer's producer starts bei
 async def watch_producer(p: Process) -> None:
     """Return once the producer is known dead; never while it lives (cancel it when done).
 
-    Runs on: consumer, beside a transfer that has run WATCH_AFTER_S (`_fetch._watched`): a
+    Runs on: consumer, beside a transfer that has run WATCH_AFTER_S (`watched`): a
     ping a second to its `rdt` group, which Ray fails with ActorDiedError once the actor
     (or its host) is declared dead; an unreachable host's pings fail with
     ActorUnavailableError until then.
@@ -136,6 +147,74 @@ async def watch_producer(p: Process) -> None:
     actor = await p.handle()
     while not died_on_this_node(p) and await _ping(actor, 10 * WATCH_EVERY_S, p.token) is not False:  # noqa: ASYNC110  (a remote poll: no event to wait on)
         await asyncio.sleep(WATCH_EVERY_S)
+
+
+async def watched(fetching: Awaitable[list[torch.Tensor]], obj: RDTObject, name: str) -> list[torch.Tensor]:
+    """Await a transfer while watching its producer: one Ray declares dead ends it (PeerDiedError).
+
+    A transport may wait on a peer cut off by a partition far longer than Ray takes to
+    declare its host dead (a UCX read over TCP, for one): the watch starts once the
+    transfer has run `WATCH_AFTER_S`, and cancels it when the producer is dead.
+    """
+    if not obj.producer.serves:
+        return await fetching
+    task = asyncio.ensure_future(fetching)
+    watch = None
+    try:
+        await asyncio.wait({task}, timeout=WATCH_AFTER_S)  # most end here: no watch made
+        if not task.done():
+            watch = asyncio.ensure_future(watch_producer(obj.producer))
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done() and watch.exception() is not None:  # the watch failed: no verdict
+                log.warning(
+                    "rdt_async: could not watch %s during the %s fetch of %s (%r); waiting for the transfer alone",
+                    obj.producer.label, name, obj.obj_id, watch.exception(),
+                )
+                watch = None
+                await asyncio.wait({task})
+    except asyncio.CancelledError:
+        if watch is not None:
+            watch.cancel()
+        task.cancel()
+        await _io.shielded(task)  # the transport lets go of the caller's buffers first, through any cancel
+        raise
+    cancelled = False
+    if not task.done():
+        task.cancel()
+        cancelled = await _io.shielded(task)
+    if watch is not None:
+        watch.cancel()
+    if cancelled:
+        raise asyncio.CancelledError
+    if not task.cancelled():
+        result: list[torch.Tensor] = task.result()  # done (or failed) before the watch could end it
+        return result
+    raise PeerDiedError(
+        f"{name} fetch of {obj.obj_id}: the producer ({obj.producer.label}) died or its host was cut "
+        "off during the transfer (Ray declared it dead)",
+        obj_id=obj.obj_id,
+    )
+
+
+async def raise_if_died(obj: RDTObject, name: str, exc: RDTError) -> None:
+    """A fetch of `obj` over `name` failed with `exc`: if its producer is dead, that is what
+    the caller needs to know (PeerDiedError).
+
+    Transports see a death in their own terms (Gloo: "Connection closed by peer", the
+    object store: the object lost); callers branch on PeerDiedError (retry elsewhere)
+    versus the rest, so every transport's failure is checked against the producer's life.
+    """
+    if isinstance(exc, PeerDiedError) or not await producer_died(obj.producer):
+        return
+    raise died(obj, name, exc) from exc
+
+
+def died(obj: RDTObject, name: str, exc: RDTError) -> PeerDiedError:
+    """The error of a fetch of `obj` over `name` whose producer died (`exc`: how the transport saw it)."""
+    return PeerDiedError(
+        f"{name} fetch of {obj.obj_id}: the producer ({obj.producer.label}) died ({type(exc).__name__}: {exc})",
+        obj_id=obj.obj_id,
+    )
 
 
 class RayChannel:

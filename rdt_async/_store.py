@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import _io, _metrics
+from . import _caller, _io, _metrics
 
 if TYPE_CHECKING:
     from .transports._base import Transport
@@ -92,6 +92,19 @@ class StoredObject:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def both_ways(self, *, served: bool) -> bool:
+        """Note a send of these tensors to another process (`served`), or a fetch of them
+        here; say whether the producer is to be warned now (`shared_with_producer`): both
+        have happened, and it was not warned yet."""
+        if served:
+            self.served = True
+        else:
+            self.fetched_here = True
+        if not (self.served and self.fetched_here) or self.warned:
+            return False
+        self.warned = True
+        return True
 
 
 class Store:
@@ -229,6 +242,15 @@ class Store:
     def object_ids(self) -> list[str]:
         with self._lock:
             return list(self._objects)
+
+    def fetched_here(self, obj_id: str) -> None:
+        """A fetch in this process got the tensors of `obj_id` themselves: warn, once per
+        object, where they were sent to another process too (as Ray does), at the user's
+        line (`_caller.warn`). Only two-sided sends are known here; one-sided readers
+        (nixl) are not seen."""
+        stored = self.get(obj_id)
+        if stored is not None and stored.both_ways(served=False):
+            _caller.warn(shared_with_producer(obj_id))
 
     def get(self, obj_id: str) -> StoredObject | None:
         with self._lock:

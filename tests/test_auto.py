@@ -309,10 +309,10 @@ def test_only_a_name_some_process_may_have_registered_lists_the_clusters_registr
 @pytest.fixture
 def avoided(monkeypatch):
     """A fresh table of the paths `auto` leaves out, for `_choose` too."""
-    from rdt_async import _avoid, _choose, _fetch
+    from rdt_async import _avoid, _choose, _transfer
 
     table = _avoid.Avoided()
-    for module in (_avoid, _choose, _fetch):
+    for module in (_avoid, _choose, _transfer):
         monkeypatch.setattr(module, "avoided", table)
     return table
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import rdt_async as rdt
-from rdt_async import _avoid, _buffers, _choose, _fetch, _io, _object, _ray, _tree
+from rdt_async import _avoid, _buffers, _choose, _fetch, _io, _object, _ray, _transfer, _tree
 from rdt_async._object import Process, RDTObject
 from rdt_async._store import StoredObject, store
 from rdt_async.transports import _base as transports_base
@@ -43,7 +43,7 @@ def no_ray(monkeypatch):
     monkeypatch.setattr(_ray, "died_on_this_node", lambda producer: False)
     monkeypatch.setattr(_avoid, "avoided", _avoid.Avoided())
     monkeypatch.setattr(_choose, "avoided", _avoid.avoided)
-    monkeypatch.setattr(_fetch, "avoided", _avoid.avoided)
+    monkeypatch.setattr(_transfer, "avoided", _avoid.avoided)
 
 
 def made(value, transport: str, *, here: bool = False, meta=None):
@@ -354,7 +354,7 @@ def test_a_fetch_to_a_device_allocates_nothing_there_for_a_ref_whose_metadata_it
     assert allocated == []
     prepared = made([torch.zeros(1 << 20)], "core-device", meta={"core-device": "prepared"})
     start = _fetch._start(prepared, None, "cuda")  # (what it transfers with: the buffers made)
-    assert allocated == [((1 << 20,), "cuda")] and start[2][0].shape == (1 << 20,)
+    assert allocated == [((1 << 20,), "cuda")] and start.buffers[0].shape == (1 << 20,)
     _fetch.abandon(start)
 
 

@@ -255,7 +255,7 @@ async def test_a_fetch_cancelled_twice_still_returns_only_once_its_transfer_let_
     wait for the transport short: it may still be writing the caller's buffers."""
     from types import SimpleNamespace
 
-    from rdt_async import _fetch
+    from rdt_async import _ray
 
     settled = asyncio.Event()
 
@@ -268,7 +268,7 @@ async def test_a_fetch_cancelled_twice_still_returns_only_once_its_transfer_let_
             raise
 
     obj = SimpleNamespace(producer=SimpleNamespace(serves=True), obj_id="obj")
-    fetch = asyncio.ensure_future(_fetch._watched(transfer(), obj, "mock"))
+    fetch = asyncio.ensure_future(_ray.watched(transfer(), obj, "mock"))
     await asyncio.sleep(0.05)
     fetch.cancel()
     await asyncio.sleep(0.05)
@@ -326,7 +326,7 @@ def test_a_watch_that_fails_is_no_verdict_on_the_producer(monkeypatch, caplog):
     goes on and its bytes arrive, rather than a PeerDiedError that would be a lie."""
     from types import SimpleNamespace
 
-    from rdt_async import _fetch, _ray
+    from rdt_async import _ray
 
     async def slow():
         await asyncio.sleep(0.3)
@@ -338,7 +338,7 @@ def test_a_watch_that_fails_is_no_verdict_on_the_producer(monkeypatch, caplog):
     monkeypatch.setattr(_ray, "WATCH_AFTER_S", 0.05)
     monkeypatch.setattr(_ray, "watch_producer", broken)
     obj = SimpleNamespace(producer=SimpleNamespace(serves=True, label="actor A"), obj_id="o1")
-    got = asyncio.run(_fetch._watched(slow(), obj, "tcp"))
+    got = asyncio.run(_ray.watched(slow(), obj, "tcp"))
     assert torch.equal(got[0], torch.arange(3.0))
     assert "could not watch actor A during the tcp fetch of o1 (RuntimeError('GCS hiccup'))" in caplog.text
 
