@@ -585,3 +585,70 @@ def test_fetches_over_a_greeted_endpoint_check_the_greeting_once():
     env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "tests"), "UCX_LOG_LEVEL": "fatal"}
     out = subprocess.run([sys.executable, "-c", _GREETED_ONCE], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert out.stdout.splitlines()[-1:] == ["greetings worked out 1"], out.stdout + out.stderr[-3000:]
+
+
+
+_IDLE = r"""
+import asyncio, os, time, torch
+from rdt_async import _io
+from rdt_async.transports import tcp, ucxx
+from rdt_async.transports._base import NoChannel, TensorSpec, TransferInfo
+
+wakeups, checks = [], []  # each time UCX is progressed; each fetch that had to check a greeting
+progress, greeted = ucxx._Worker.progress, ucxx._Worker.greeted
+ucxx._Worker.progress = lambda self: wakeups.append(1) or progress(self)
+ucxx._Worker.greeted = lambda self, peer, *args: checks.append(peer.proven is None) or greeted(self, peer, *args)
+t = ucxx.UcxxTransport()
+x, y = torch.arange(1000), torch.arange(2000)
+info = TransferInfo("obj-a", (TensorSpec.of(x),), t.prepare("obj-a", [x]))  # fetched from this process's own listener
+slow = TransferInfo("obj-slow", (TensorSpec.of(y),), t.prepare("obj-slow", [y]))
+w = ucxx._workers[os.getpid()]
+send = w._send
+w._send = lambda ep, message: w.loop.call_later(0.6 if b"obj-slow" in message else 0, send, ep, message)
+
+def fetch(what):
+    return int(_io.start(t.receive(what, None, NoChannel())).result()[0].sum())
+
+async def slow_fetch():
+    fetching = asyncio.ensure_future(t.receive(slow, None, NoChannel()))
+    await asyncio.sleep(0.2)  # asked, answered 0.4 s from now
+    w._sweep(time.monotonic())  # a sweep meanwhile: the endpoint's last fetch ended before this one began
+    return int((await fetching)[0].sum())
+
+async def count():
+    return len(w.peers), len(w.served)  # the consumer's endpoints, the listener's
+
+def ends():
+    return _io.start(count()).result()
+
+print("fetched", fetch(info), "endpoints, served", *ends())
+time.sleep(0.2)  # (the fetch's last polls)
+before = len(wakeups)
+time.sleep(1.2)
+print("wakeups while idle", len(wakeups) - before)
+tcp.IDLE_S = 0.4  # (read at each sweep)
+fetch(info)
+deadline = time.monotonic() + 5
+while any(ends()) and time.monotonic() < deadline:
+    time.sleep(0.05)
+print("endpoints, served after idle", *ends())
+print("fetched", fetch(info), "endpoints, served", *ends(), "greetings checked", sum(checks))
+print("slow fetch", _io.start(slow_fetch()).result(), "endpoints, served", *ends())
+"""
+
+
+def test_an_idle_endpoint_wakes_nothing_and_is_closed_after_tcps_idle_time():
+    """A consumer kept its endpoint to a live producer for good, and the process woke
+    every second while one was open (here, a consumer of its own listener: both ends).
+    Now an idle process wakes for nothing; an endpoint no fetch has used for tcp's IDLE_S
+    is closed (never one a fetch is using), the listener's end goes with it, and the
+    next fetch connects and checks the greeting anew."""
+    env = {**os.environ, "UCX_LOG_LEVEL": "fatal"}
+    out = subprocess.run([sys.executable, "-c", _IDLE], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert out.stdout.splitlines() == [
+        "fetched 499500 endpoints, served 1 1",
+        "wakeups while idle 0",
+        "endpoints, served after idle 0 0",
+        "fetched 499500 endpoints, served 1 1 greetings checked 2",
+        "slow fetch 1999000 endpoints, served 1 1",
+    ], out.stdout[-3000:] + out.stderr[-3000:]

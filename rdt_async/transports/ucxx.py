@@ -3,7 +3,9 @@
 Each process has one UCX worker and, once it produces, one listener whose address and
 a random 128-bit token travel in the `RDTObject`. A consumer keeps one endpoint per
 producer, and sends nothing over it before the listener's first message, its greeting,
-proves that it knows the ref's token (`_greeting`). A transfer:
+proves that it knows the ref's token (`_greeting`). An endpoint no fetch has used for
+tcp's `IDLE_S` (60 s) is closed, and the greeting it proved forgotten: the next fetch
+from that producer connects and checks the greeting anew. A transfer:
 
     consumer (I/O loop)                           producer (I/O loop)
     -------------------                           -------------------
@@ -30,7 +32,9 @@ Progress: UCXX's own progress modes spin (its thread mode wakes every millisecon
 asyncio modes keep a task runnable), so they are not used. The worker runs in blocking
 mode: the I/O loop watches its epoll descriptor, progresses it on every event and arms
 it again when idle, and polls every `POLL_S` only while requests are in flight. An idle
-process spends no CPU on UCX.
+process (no request in flight, endpoints open or not) spends no CPU and no wake-up on
+UCX: only an event wakes it, and an endpoint whose peer closed, died or (found by UCX's
+TCP keepalive) vanished raises one.
 
 Cancellation: UCXX's Python API cannot cancel one posted receive. A fetch whose
 receives land in memory of its own (objects up to `PACKED_BYTES`, fetches without
@@ -57,6 +61,7 @@ import secrets
 import socket
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -73,13 +78,12 @@ from .._errors import (
     TransferError,
     TransportUnavailableError,
 )
-from . import _net, _ucx
+from . import _net, _segments, _ucx, tcp
 from ._base import NO_STORE, Channel, Keeper, TransferInfo, Transport, Unreachable
 from ._kit import another_listener, delivered, greeting, int_setting, landing_buffers, sizes_digest
 
 INSTALL_HINT = "pip install 'rdt_async[ucxx]'"
 POLL_S = 0.0005  # progress period while requests are in flight (events also progress)
-SAFETY_S = 1.0  # progress at least this often while any endpoint is open
 DRAIN_S = 30.0  # the longest a cancelled fetch waits for its bytes in flight
 
 
@@ -184,6 +188,8 @@ class _Peer:
         self.closed = False
         self.greeting: asyncio.Future[bytes] | None = None  # the listener's first message
         self.proven: bytes | None = None  # the token that greeting proves its listener knows
+        self.using = 0  # fetches under way over it (the idle sweep closes none of these)
+        self.since = 0.0  # when the last of them ended (time.monotonic())
 
 
 class _Worker:
@@ -210,6 +216,7 @@ class _Worker:
         self.address: UcxxMeta | None = None
         self.token = secrets.token_bytes(TOKEN_BYTES)  # what this process's listener greets with
         self.peers: dict[tuple[str, int], _Peer] = {}
+        self.sweeper = _segments.IdleSweep(self._sweep, _idle_s)  # closes endpoints unused for tcp's IDLE_S
         self.served: set[Any] = set()  # endpoints accepted by the listener
         self.sending: set[asyncio.Future[Any]] = set()  # answers in flight (the loop keeps tasks weakly)
         self.store: Keeper = NO_STORE  # the producer's, from the transport that listens
@@ -238,13 +245,12 @@ class _Worker:
         # Arm: the epoll descriptor then wakes us at the next event. Arming fails while
         # UCX has work left (events that came in meanwhile, a failed endpoint being torn
         # down): then poll again soon, never spin here. Transfers in flight (waits for
-        # requests are none) are also polled, for progress that raises no event.
+        # requests are none) are also polled, for progress that raises no event. Else
+        # nothing wakes the process but an event: an endpoint that fails (its peer closed
+        # or died; a vanished host is found by UCX's TCP keepalive) raises one.
         armed = self.worker.arm()
-        if self.timer is None:
-            if self.pending or not armed:
-                self.timer = self.loop.call_later(POLL_S, self._tick)
-            elif self.peers or self.served or self.orphans:
-                self.timer = self.loop.call_later(SAFETY_S, self._tick)
+        if self.timer is None and (self.pending or not armed):
+            self.timer = self.loop.call_later(POLL_S, self._tick)
 
     def _tick(self) -> None:
         self.timer = None
@@ -413,7 +419,8 @@ class _Worker:
 
         For a transfer that gives up while its producer may still answer, and whose
         receives write only memory of its own: nothing is cancelled, nothing else fails.
-        Orphans are progressed by events and the safety tick, never polled for.
+        Orphans are progressed by events, never polled for; the idle sweep that closes
+        their endpoint cancels those still posted.
         """
         given_up = [item for item in self.pending if item[1] in futs and not item[0].completed]
         self.pending[:] = [item for item in self.pending if item[1] not in futs]
@@ -431,6 +438,32 @@ class _Worker:
             peer.ep.close_blocking()  # calls `_closed`
             self.progress()  # the requests it cancelled settle their futures
 
+    def release(self, peer: _Peer) -> None:
+        """A fetch over `peer` ended: once no other uses it, it counts as idle from now."""
+        peer.using -= 1
+        if not peer.using and not peer.closed:
+            peer.since = time.monotonic()
+            self.sweeper.start()
+
+    def _sweep(self, cutoff: float) -> float | None:
+        """Close the endpoints no fetch has used since `cutoff` or before (`IdleSweep`);
+        return when the last use of the oldest left ended (None: none is left idle).
+
+        A fetch under way holds its endpoint (`using`), so none is closed under it. What
+        may still be posted on an idle one is no fetch's: a greeting a cancelled first
+        fetch asked for, receives of fetches that gave up (orphans, writing memory of
+        their own). The close cancels them, and they keep their memory until UCX has
+        ended them. The next fetch from that producer connects and checks the greeting
+        anew. The producer's end fails with the close, ending its wait for requests.
+        """
+        idle = [peer for peer in self.peers.values() if not peer.using and not peer.closed]
+        old = [peer for peer in idle if peer.since <= cutoff]
+        for peer in old:
+            peer.ep.close_blocking()  # calls `_closed`
+        if old:
+            self.progress()
+        return min((peer.since for peer in idle if peer.since > cutoff), default=None)
+
     def _closed(self, key: tuple[str, int], peer: _Peer) -> None:  # inside progress() or abandon()
         peer.closed = True
         if self.peers.get(key) is peer:
@@ -439,6 +472,11 @@ class _Worker:
         # ones a dead producer was to answer. UCXX cancels those posted on this endpoint
         # (see `progress`); their futures fail then, and not before: until UCX has ended
         # a receive, it may write its buffer.
+
+
+def _idle_s() -> float:
+    """Seconds an unused endpoint is kept: tcp's for its idle connections (read at each sweep)."""
+    return tcp.IDLE_S
 
 
 def _context(libucxx: Any, flags: tuple[Any, ...]) -> tuple[Any, Any]:
@@ -642,7 +680,6 @@ async def _transfer(w: _Worker, info: TransferInfo[UcxxMeta], dsts: list[torch.T
     producer cancels them (closing the endpoint); else they are left to end on their own.
     """
     meta = info.meta
-    peer = w.peer(meta)
     # Random: replies are matched by tag, not by sender, so a tag nobody can guess is
     # what keeps another process from answering in the producer's place.
     base = (secrets.randbits(43) | 1) * TAG_STRIDE
@@ -656,6 +693,8 @@ async def _transfer(w: _Worker, info: TransferInfo[UcxxMeta], dsts: list[torch.T
     waits: list[asyncio.Future[Any]] = []
     # One answer time for the greeting (where it has not come yet) and the answer together.
     deadline = asyncio.get_running_loop().time() + _answer_s()
+    peer = w.peer(meta)
+    peer.using += 1  # released at the end (`_Worker.release`): the idle sweep leaves it open meanwhile
     try:
         if not await w.greeted(peer, meta, deadline):  # nothing goes to a listener before it proves it is the producer's
             raise _silent(info)
@@ -723,6 +762,8 @@ async def _transfer(w: _Worker, info: TransferInfo[UcxxMeta], dsts: list[torch.T
                 obj_id=info.obj_id,
             ) from exc
         raise
+    finally:
+        w.release(peer)
 
 
 async def _given_up(waits: list[asyncio.Future[Any]], theirs: bool) -> None:
