@@ -652,3 +652,83 @@ def test_an_idle_endpoint_wakes_nothing_and_is_closed_after_tcps_idle_time():
         "fetched 499500 endpoints, served 1 1 greetings checked 2",
         "slow fetch 1999000 endpoints, served 1 1",
     ], out.stdout[-3000:] + out.stderr[-3000:]
+
+
+_GIVEN_UP = r"""
+import asyncio, os, time, torch
+from rdt_async import _io
+from rdt_async.transports import ucxx
+from rdt_async.transports._base import NoChannel, TensorSpec, TransferInfo
+
+wakeups = []  # each time UCX is progressed
+progress = ucxx._Worker.progress
+ucxx._Worker.progress = lambda self: wakeups.append(1) or progress(self)
+t = ucxx.UcxxTransport()
+x = torch.arange(1000)
+info = TransferInfo("obj-a", (TensorSpec.of(x),), t.prepare("obj-a", [x]))  # fetched from this process's own listener
+w = ucxx._workers[os.getpid()]
+greets = [False]  # the listener greets no endpoint it accepts until this says so
+serve = w._serve
+async def held(ep):
+    while not greets[0]:
+        await asyncio.sleep(0.05)
+    await serve(ep)
+w._serve = held
+
+async def fetch(after=0.0):
+    await asyncio.sleep(after)
+    t0 = time.monotonic()
+    try:
+        return int((await t.receive(info, None, NoChannel()))[0].sum())
+    except Exception as exc:
+        return f"{type(exc).__name__} after {time.monotonic() - t0:.0f} s"
+
+async def idle():
+    await asyncio.sleep(0.1)  # (the last fetch's requests settle)
+    before = len(wakeups)
+    await asyncio.sleep(0.5)
+    return f"endpoints {len(w.peers)} wakeups {len(wakeups) - before}"
+
+async def main():
+    first = asyncio.ensure_future(fetch())
+    await asyncio.sleep(0.2)
+    first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
+    print("first fetch cancelled:", await idle())
+    one, other = asyncio.ensure_future(fetch()), asyncio.ensure_future(fetch())
+    await asyncio.sleep(0.2)
+    one.cancel()
+    await asyncio.sleep(0.1)
+    greets[0] = True
+    print("one of two cancelled, the other:", await other, "endpoints", len(w.peers))
+    greets[0] = False
+    w._sweep(time.monotonic())  # (closes it: the next fetch connects anew)
+    print("both past their answer time:", *await asyncio.gather(fetch(), fetch(0.3)), await idle())
+    greets[0] = True
+    print("next fetch:", await fetch(), "endpoints", len(w.peers))
+
+_io.start(main()).result()
+"""
+
+
+def test_a_greeting_no_fetch_waits_for_any_more_closes_its_endpoint_at_once():
+    """A first fetch cancelled while it waited for the greeting of a listener that never
+    greets left the greeting's receive polled every POLL_S until the idle sweep closed the
+    endpoint, tcp's IDLE_S later (436 wakeups in 0.5 s). Of two fetches waiting for one
+    greeting, the first to pass its answer time closed the endpoint under the other
+    (PeerDiedError). And the greeting's active-message receive, kept by UCXX past the close
+    under the endpoint's handle, took the greeting of the next endpoint at that address:
+    the next fetch, and every one after, failed after the answer time. Now the last fetch
+    to give up on a greeting closes the endpoint, and the next one reconnects."""
+    env = {**os.environ, "RDT_UCXX_ANSWER_S": "1", "UCX_LOG_LEVEL": "fatal"}
+    out = subprocess.run([sys.executable, "-c", _GIVEN_UP], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    lines = out.stdout.splitlines()
+    assert lines[:2] == [
+        "first fetch cancelled: endpoints 0 wakeups 0",
+        "one of two cancelled, the other: 499500 endpoints 1",
+    ], out.stdout[-3000:] + out.stderr[-3000:]
+    assert re.fullmatch(
+        r"both past their answer time: TransferError after 1 s TransferError after [12] s endpoints 0 wakeups 0",
+        lines[2],
+    ), out.stdout[-3000:] + out.stderr[-3000:]
+    assert lines[3:] == ["next fetch: 499500 endpoints 1"], out.stdout[-3000:] + out.stderr[-3000:]

@@ -36,7 +36,8 @@ process (no request in flight, endpoints open or not) spends no CPU and no wake-
 UCX: only an event wakes it, and an endpoint whose peer closed, died or (found by UCX's
 TCP keepalive) vanished raises one.
 
-Cancellation: UCXX's Python API cannot cancel one posted receive. A fetch whose
+Cancellation: UCXX's Python API cannot cancel one posted receive. The last fetch to
+give up on an endpoint's greeting before it came closes the endpoint. A fetch whose
 receives land in memory of its own (objects up to `PACKED_BYTES`, fetches without
 `into=`) returns at once; its receives keep that memory until they end. One whose
 receives write the caller's `into=` buffers returns once the bytes already asked for
@@ -78,7 +79,7 @@ from .._errors import (
     TransferError,
     TransportUnavailableError,
 )
-from . import _net, _segments, _ucx, tcp
+from . import _kit, _net, _segments, _ucx, tcp
 from ._base import NO_STORE, Channel, Keeper, TransferInfo, Transport, Unreachable
 from ._kit import another_listener, delivered, greeting, int_setting, landing_buffers, sizes_digest
 
@@ -203,7 +204,7 @@ class _Worker:
         from ucxx._lib.arr import Array
 
         self.u, self.Array = libucxx, Array
-        flags = (libucxx.Feature.TAG, libucxx.Feature.WAKEUP, libucxx.Feature.AM)
+        flags = (libucxx.Feature.TAG, libucxx.Feature.WAKEUP, libucxx.Feature.AM, libucxx.Feature.STREAM)
         self.context, self.worker = _context(libucxx, flags)
         self.worker.init_blocking_progress_mode()
         self.loop = asyncio.get_running_loop()
@@ -319,7 +320,7 @@ class _Worker:
     async def _serve(self, ep: Any) -> None:
         try:
             greeting = np.frombuffer(_greeting(self.token), dtype=np.uint8)  # first: a consumer sends nothing before it
-            self.wait(self.post(ep, "am_send", greeting), greeting).add_done_callback(_retrieved)
+            self.wait(self.post(ep, "stream_send", greeting), greeting).add_done_callback(_retrieved)
             while True:
                 if not ep.alive:
                     return
@@ -407,12 +408,15 @@ class _Worker:
         return True
 
     async def _first_message(self, ep: Any) -> bytes:
-        """The first active message that comes over `ep` (its listener's greeting)."""
-        request = self.post(ep, "am_recv")
-        fut = self.wait(request)
+        """The greeting `ep`'s listener sends first (a stream message, not an active one:
+        UCXX files a posted active-message receive under the endpoint's handle and keeps it
+        past the endpoint's close, where it takes the first message of the next endpoint
+        that UCX makes at that address)."""
+        said = np.empty(_kit.GREETING_BYTES, dtype=np.uint8)
+        fut = self.wait(self.post(ep, "stream_recv", said), said)
         self.progress()
         await fut
-        return bytes(memoryview(request.recv_buffer))
+        return said.tobytes()
 
     def orphan(self, futs: set[asyncio.Future[Any]]) -> None:
         """Keep the requests of given-up waits, and the memory they write, until they end.
@@ -439,8 +443,14 @@ class _Worker:
             self.progress()  # the requests it cancelled settle their futures
 
     def release(self, peer: _Peer) -> None:
-        """A fetch over `peer` ended: once no other uses it, it counts as idle from now."""
+        """A fetch over `peer` ended: once no other uses it, it counts as idle from now; or,
+        where the greeting it waited for has not come (the fetch was cancelled or its
+        answer time passed), it is closed now (`abandon`, which cancels the greeting's
+        receive): nothing is polled for a greeting no fetch waits for, and the next fetch
+        connects and checks the greeting anew."""
         peer.using -= 1
+        if not peer.using and peer.greeting is not None and not peer.greeting.done():
+            self.abandon(peer)
         if not peer.using and not peer.closed:
             peer.since = time.monotonic()
             self.sweeper.start()
@@ -450,11 +460,11 @@ class _Worker:
         return when the last use of the oldest left ended (None: none is left idle).
 
         A fetch under way holds its endpoint (`using`), so none is closed under it. What
-        may still be posted on an idle one is no fetch's: a greeting a cancelled first
-        fetch asked for, receives of fetches that gave up (orphans, writing memory of
-        their own). The close cancels them, and they keep their memory until UCX has
-        ended them. The next fetch from that producer connects and checks the greeting
-        anew. The producer's end fails with the close, ending its wait for requests.
+        may still be posted on an idle one is no fetch's: receives of fetches that gave up
+        (orphans, writing memory of their own; one for a greeting nobody waits for has
+        closed its endpoint already: `release`). The close cancels them, and they keep
+        their memory until UCX has ended them. The next fetch from that producer connects
+        and checks the greeting anew. The producer's end fails with the close, ending its wait for requests.
         """
         idle = [peer for peer in self.peers.values() if not peer.using and not peer.closed]
         old = [peer for peer in idle if peer.since <= cutoff]
@@ -733,7 +743,8 @@ async def _transfer(w: _Worker, info: TransferInfo[UcxxMeta], dsts: list[torch.T
     except ObjectFreedError:
         raise
     except _Silent as exc:
-        w.abandon(peer)  # no producer there (or none that answers): nothing it would send is awaited
+        if waits:  # (no greeting yet: the last fetch to give up on it closes the endpoint, `release`)
+            w.abandon(peer)  # no producer there (or none that answers): nothing it would send is awaited
         await _given_up(waits, theirs)
         raise TransferError(str(exc), obj_id=info.obj_id) from None
     except BaseException as exc:  # an error, or cancelled
