@@ -20,7 +20,7 @@ from probes import LagProbe
 
 from rdt_async import _cuda, _io
 from rdt_async._errors import ObjectFreedError, PeerDiedError, translating
-from rdt_async.transports import _registry
+from rdt_async.transports import _net, _registry
 from rdt_async.transports._base import FetchRequest, TensorSpec, TransferInfo
 
 
@@ -87,7 +87,8 @@ def _make_late(obj_no: int, sizes: tuple[int, ...]) -> list[torch.Tensor]:
     return out
 
 
-def _producer_main(conn: Any, transport_name: str, device: str) -> None:
+def _producer_main(conn: Any, transport_name: str, device: str, node_ip: str | None) -> None:
+    _net.set_node_ip(node_ip)  # (a process of this node advertises the address the consumer's Ray session knows it by)
     transport = _registry.transport(transport_name)
     objects: dict[str, tuple[list[torch.Tensor], Any]] = {}
     while True:
@@ -151,7 +152,11 @@ class Producer:
     def __init__(self, transport: str, device: str = "cpu") -> None:
         ctx = _context()
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_producer_main, args=(child, transport, device), daemon=True)
+        # Where the consumer is in a Ray session (a test module before this one started the
+        # cluster), its UCX keeps to the interface of Ray's node IP: the producer advertises
+        # that address, as the workers of a node do, not its route out.
+        node_ip = _net._node_ip
+        self.proc = ctx.Process(target=_producer_main, args=(child, transport, device, node_ip), daemon=True)
         self.proc.start()
         child.close()
         self._lock = threading.Lock()
