@@ -234,12 +234,14 @@ def test_a_malformed_address_setting_says_what_is_wrong_and_a_scope_must_name_an
 def test_ucx_settings_name_the_advertised_interface_and_the_port_range_and_yield_to_yours(monkeypatch):
     from rdt_async.transports import _ucx
 
-    for var in ("UCX_NET_DEVICES", "UCX_TCP_PORT_RANGE", "UCX_TCP_BRIDGE_ENABLE", "RDT_PORT_RANGE", "RDT_UCXX_HOST"):
+    for var in ("UCX_NET_DEVICES", "UCX_TCP_PORT_RANGE", "UCX_TCP_BRIDGE_ENABLE", "RDT_PORT_RANGE", "RDT_UCXX_HOST",
+                "UCX_TCP_SYN_CNT", "UCX_TCP_CM_SYN_CNT"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(_net, "_node_ip", None)
     monkeypatch.setattr(_net, "_node_ips", list)  # no other nodes (a session's earlier test may have handed them in)
     monkeypatch.delenv("RDT_ADVERTISE_HOST", raising=False)
-    assert _ucx.settings("RDT_UCXX_HOST") == {}  # outside Ray: the route out is a guess, UCX keeps its default
+    syn = {"UCX_TCP_SYN_CNT": "3", "UCX_TCP_CM_SYN_CNT": "3"}  # UCX's connects into a dropped port give up after ~15 s, not ~127 s
+    assert _ucx.settings("RDT_UCXX_HOST") == syn  # outside Ray: the route out is a guess, UCX keeps its devices
     monkeypatch.setenv("RDT_ADVERTISE_HOST", "127.0.0.1")
     devices = _ucx.settings("RDT_UCXX_HOST")["UCX_NET_DEVICES"].split(",")
     assert devices[0] == "lo" and all(":" in d for d in devices[1:])  # the interface (loopback once), then RDMA ports
@@ -257,11 +259,14 @@ def test_ucx_settings_name_the_advertised_interface_and_the_port_range_and_yield
     monkeypatch.setenv("RDT_UCXX_HOST", "192.0.2.254")  # none of this host's: behind NAT
     assert "UCX_NET_DEVICES" not in _ucx.settings("RDT_UCXX_HOST")
     monkeypatch.delenv("RDT_UCXX_HOST")
-    assert _ucx.settings("RDT_UCXX_HOST", devices=False) == {"UCX_TCP_PORT_RANGE": "20000-20100"}
+    assert _ucx.settings("RDT_UCXX_HOST", devices=False) == {"UCX_TCP_PORT_RANGE": "20000-20100", **syn}
     monkeypatch.setenv("UCX_NET_DEVICES", "all")  # yours win
     monkeypatch.setenv("UCX_TCP_PORT_RANGE", "0")
+    monkeypatch.setenv("UCX_TCP_SYN_CNT", "auto")
+    assert _ucx.settings("RDT_UCXX_HOST") == {"UCX_TCP_CM_SYN_CNT": "3"}
+    monkeypatch.setenv("UCX_TCP_CM_SYN_CNT", "6")
     assert _ucx.settings("RDT_UCXX_HOST") == {}
-    assert _ucx.settings(_net.ADVERTISE_ENV, devices=False) == {}  # (NIXL's: the port range only)
+    assert _ucx.settings(_net.ADVERTISE_ENV, devices=False) == {}  # (NIXL's: the port range and SYN counts only)
     with _ucx.environment({"UCX_TCP_BRIDGE_ENABLE": "y"}):
         assert os.environ["UCX_TCP_BRIDGE_ENABLE"] == "y"
     assert "UCX_TCP_BRIDGE_ENABLE" not in os.environ  # only while a context is made
@@ -274,6 +279,8 @@ def test_nixls_ucx_keeps_to_rdt_port_range_whatever_the_address_says_and_a_bad_s
 
     for var in ("UCX_NET_DEVICES", "UCX_TCP_PORT_RANGE", "RDT_UCXX_HOST"):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("UCX_TCP_SYN_CNT", "auto")
+    monkeypatch.setenv("UCX_TCP_CM_SYN_CNT", "auto")
     monkeypatch.setenv("RDT_PORT_RANGE", "20000-20100")
     monkeypatch.setenv("RDT_ADVERTISE_HOST", "node-a.local")
     assert _ucx.settings(_net.ADVERTISE_ENV, devices=False) == {"UCX_TCP_PORT_RANGE": "20000-20100"}

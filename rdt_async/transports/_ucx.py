@@ -27,6 +27,10 @@ from .._errors import TransportUnavailableError
 from . import _net
 
 _OTHER = {"nixl": "ucxx", "ucxx": "nixl"}
+# SYNs UCX's TCP connects resend before they give up: 1, 2, 4 and 8 s apart, so a connect
+# no one answers (a firewall that drops the port) fails after ~15 s, where the kernel's
+# default (6) waits ~127 s. A SYN a LAN lost is resent long before that.
+SYN_CNT = 3
 _lock = threading.Lock()
 _owner: tuple[int, str] | None = None  # (pid, transport)
 
@@ -83,6 +87,9 @@ def settings(env: str, devices: bool = True) -> dict[str, str]:
       of this host's, UCX keeps its default.
     - `UCX_TCP_BRIDGE_ENABLE=y` where one of them is a bridge (UCX leaves bridges out).
     - `UCX_TCP_PORT_RANGE` from RDT_PORT_RANGE, so that UCX's own listeners keep to it.
+    - `UCX_TCP_SYN_CNT` and `UCX_TCP_CM_SYN_CNT` (UCX's lanes, ucxx's connect to a
+      listener): SYN_CNT SYNs resent, so that UCX's connect into a port a firewall drops
+      fails in ~15 s, not the kernel's ~127 s (`net.ipv4.tcp_syn_retries=6`).
 
     `devices=False`: the port range only (NIXL's agent: see `nixl/_agent.Agent`); the
     address is not read.
@@ -112,6 +119,7 @@ def settings(env: str, devices: bool = True) -> dict[str, str]:
             out["UCX_TCP_BRIDGE_ENABLE"] = "y"
     if span is not None:
         out["UCX_TCP_PORT_RANGE"] = f"{span[0]}-{span[1]}"
+    out["UCX_TCP_SYN_CNT"] = out["UCX_TCP_CM_SYN_CNT"] = str(SYN_CNT)
     return {k: v for k, v in out.items() if k not in os.environ}
 
 
