@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import importlib.util
+import ipaddress
 import logging
 import socket
 import time
@@ -243,36 +244,23 @@ def test_a_nixl_producer_that_cannot_be_connected_to_is_unreachable_not_dead():
     assert unusable(caught.value) is not None and len(peers) == 0  # auto's next path; no connection kept
 
 
-@pytest.fixture
-def quick_syn(ray_session):
-    """The kernel of node2's host gives a connect up after one SYN resent (~3 s), not six
-    (~127 s): UCX's connects (no timeout of their own) into a dropped port end soon."""
-    import subprocess
-
-    sysctl = ["ip", "netns", "exec", ray_session.hosts.node("node2").link.name, "sysctl"]
-    was = subprocess.run([*sysctl, "-n", "net.ipv4.tcp_syn_retries"], check=True, capture_output=True, text=True).stdout.strip()
-    subprocess.run([*sysctl, "-q", "-w", "net.ipv4.tcp_syn_retries=1"], check=True)
-    try:
-        yield
-    finally:
-        subprocess.run([*sysctl, "-q", "-w", f"net.ipv4.tcp_syn_retries={was}"], check=True)
+QUICK_SYN = {"UCX_TCP_SYN_CNT": "1", "UCX_TCP_CM_SYN_CNT": "1"}  # UCX's connects give up after ~4 s (a user's own: it wins)
 
 
 @pytest.mark.parametrize(("transport", "says"), [
     pytest.param("ucxx", "(UCXXUnreachableError: Endpoint 0x", marks=pytest.mark.skipif(not UCXX, reason="ucxx is not installed")),
     pytest.param("nixl", "a firewall drops UCX's connection", marks=pytest.mark.skipif(not NIXL, reason="nixl is not installed")),
 ])
-def test_ucx_across_a_firewall_that_drops_its_port_fails_as_unreachable_naming_rdt_port_range(ray_session, walled, quick_syn, transport, says):
+def test_ucx_across_a_firewall_that_drops_its_port_fails_as_unreachable_naming_rdt_port_range(ray_session, walled, transport, says):
     """Without RDT_PORT_RANGE, UCX's (and ucxx's) listeners take ports the firewall drops:
     both fetches ended in PeerDiedError ("died or closed", "died or is unreachable") from
     a live producer, which the consumer then took for lost. Now a TransferError from
     `Unreachable` naming the setting (the core asks Ray whether the producer died), once
-    the kernel gives the connect up (here ~3 s: `quick_syn`; by default ~127 s, and
-    ucxx's answer wait, RDT_UCXX_ANSWER_S, 120 s, ends it first, also naming it)."""
-    from conftest import ON_NODE2
-
+    UCX gives the connect up (here ~4 s: QUICK_SYN; by default ~15 s, rdt_async's
+    UCX_TCP_SYN_CNT and UCX_TCP_CM_SYN_CNT; the kernel's own ~127 s outlasted ucxx's
+    answer wait, RDT_UCXX_ANSWER_S, 120 s, whose error names the setting too)."""
     producer = Producer.options(**WALLED).remote()
-    reader = Consumer.options(**ON_NODE2).remote()
+    reader = Consumer.options(runtime_env={"env_vars": QUICK_SYN}).remote()
     try:
         ref = producer.make.options(tensor_transport=transport).remote(1 << 20, 6)
         got = ray.get(reader.read.remote([ref]), timeout=120)
@@ -285,3 +273,79 @@ def test_ucx_across_a_firewall_that_drops_its_port_fails_as_unreachable_naming_r
     finally:
         ray.kill(producer)
         ray.kill(reader)
+
+
+# -- the consumer's host behind the firewall: the producers run on the open head --------------
+
+
+@pytest.fixture(scope="module")
+def inside(walled):
+    """Two consumers on the walled host without RDT_PORT_RANGE (their listeners, UCX's
+    too, on ports the firewall drops: as on a host that admits only Ray's ports), and a
+    producer on the open head whose UCX gives its connects up after ~4 s (QUICK_SYN)."""
+    made = {"a": Consumer.options(**WALLED).remote(), "b": Consumer.options(**WALLED).remote(),
+            "producer": Producer.options(runtime_env={"env_vars": QUICK_SYN}).remote()}
+    yield made
+    for actor in made.values():
+        ray.kill(actor)
+
+
+def test_a_walled_consumer_reads_over_tcp_auto_and_its_nodes_relay_with_only_rays_ports_open(ray_session, walled, inside):
+    """Each of these connects from the consumer out: nothing reaches the consumer's host
+    but Ray's own traffic, so no port of rdt_async's needs opening there."""
+    a, b, producer = inside["a"], inside["b"], inside["producer"]
+    ref = producer.make.remote(N, 7)  # (auto: tcp across nodes; a's and b's node relay shares one read)
+    got = ray.get([a.read.remote([ref]), b.read.remote([ref])], timeout=60)
+    print(f"\nwalled consumers, auto: {[round(g['s'], 2) for g in got]} s, {[g.get('used') for g in got]}")
+    assert [g.get("digest") for g in got] == [_digest(_values(N, 7))] * 2, got
+    assert sorted(k for g in got for k in g["used"]) == ["relay", "tcp"], got
+    got = ray.get(a.read.remote([producer.make_tcp.remote(1 << 20, 8)]), timeout=60)
+    assert got.get("digest") == _digest(_values(1 << 20, 8)) and got["used"] == {"tcp": 1}, got
+
+
+@pytest.mark.skipif(not UCXX, reason="ucxx is not installed")
+def test_ucxx_into_a_walled_consumer_needs_its_rdt_port_range_and_says_so_not_that_the_producer_died(ray_session, walled, inside):
+    """UCX's TCP connects from the producer back to the consumer's UCX port: into a
+    consumer whose firewall drops that port, the producer gives the connect up (~4 s
+    here) and the endpoint fails before the greeting. That was PeerDiedError, "the
+    producer ... died or closed", from a live producer; now a TransferError from
+    `Unreachable` (the core asks Ray whether it died) naming RDT_PORT_RANGE on this host.
+    With RDT_PORT_RANGE set where it runs (and admitted), a consumer on that host reads."""
+    b, producer = inside["b"], inside["producer"]
+    opened = Consumer.options(**WALLED, **IN_RANGE).remote()
+    try:
+        got = ray.get(b.read.remote([producer.make.options(tensor_transport="ucxx").remote(1 << 20, 10)]), timeout=60)
+        print(f"\nucxx into a walled consumer: {got['s']:.2f} s: {got.get('error')}")
+        assert got.get("error", "").startswith("TransferError: ucxx fetch of "), got
+        assert "failed before its greeting" in got["error"] and "it died, or a firewall drops UCX's connections" in got["error"]
+        assert "UCX also connects from the producer back to this process: where a firewall guards this host, set " \
+               "RDT_PORT_RANGE here too, to ports it admits" in got["error"], got
+        assert got["s"] < 15, got["s"]
+        ok = ray.get(opened.read.remote([producer.make.options(tensor_transport="ucxx").remote(1 << 20, 11)]), timeout=60)
+        print(f"ucxx into a walled consumer in RDT_PORT_RANGE: {ok['s']:.2f} s")
+        assert ok.get("digest") == _digest(_values(1 << 20, 11)) and ok["used"] == {"ucxx": 1}, ok
+    finally:
+        ray.kill(opened)
+
+
+def test_a_gloo_group_whose_member_a_firewall_walls_off_fails_in_about_5x_timeout_s_naming_the_ports(ray_session, cluster, walled, inside):
+    """Gloo connects each pair from the member of the higher address: one above the
+    walled host connects into its Gloo listener (an ephemeral port), which the firewall
+    drops. The join failed after ~5x timeout_s with "Connect timeout [none]" and no word
+    of why; now the error names the member's address and the ports to open."""
+    cluster.hosts.add("above", cluster.address, {"above": 1000}, start_args=["--include-log-monitor=False"])
+    try:
+        assert ipaddress.ip_address(cluster.hosts.node("above").ip) > ipaddress.ip_address(walled.ip)
+        above = Consumer.options(num_cpus=0, resources={"above": 1}).remote()
+        t0 = time.monotonic()
+        with pytest.raises(rdt.CollectiveGroupError) as caught:
+            rdt.create_collective_group([inside["a"], above], backend="gloo", timeout_s=1)
+        took = time.monotonic() - t0
+        print(f"\ngloo across the firewall: {took:.2f} s: {caught.value}")
+        said = str(caught.value)
+        assert "Connect timeout" in said and "a firewall between their hosts may drop Gloo's connections" in said, said
+        assert "open the ephemeral range (net.ipv4.ip_local_port_range) between the members' hosts" in said, said
+        assert f"listening on {walled.ip}" in said or f"listening on {cluster.hosts.node('above').ip}" in said, said
+        assert took < 15, took
+    finally:
+        cluster.hosts.remove("above")

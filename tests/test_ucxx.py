@@ -361,7 +361,8 @@ def test_an_address_that_never_answers_fails_the_fetch_after_the_answer_time():
         r"TransferError: ucxx fetch of (ab){12}: no answer from the producer at 127\.0\.0\.1:\d+ in 2 s; "
         r"RDT_UCXX_ANSWER_S sets how long a fetch waits \(a firewall that drops the producer's port answers "
         r"nothing: where the producer runs, set RDT_PORT_RANGE to ports the firewall admits \(UCX listens there "
-        r"too\)\) after [23] s", said
+        r"too\); UCX also connects from the producer back to this process: where a firewall guards this host, set "
+        r"RDT_PORT_RANGE here too\) after [23] s", said
     ), out
 
 
@@ -551,7 +552,7 @@ def test_the_greeting_and_the_answer_share_one_answer_time():
     assert said and re.fullmatch(
         r"TransferError: ucxx fetch of (ab){12}: no answer from the producer at [\d.]+:\d+ in 2 s; "
         r"RDT_UCXX_ANSWER_S sets how long a fetch waits \(a firewall that drops the producer's port answers "
-        r"nothing: where the producer runs, set RDT_PORT_RANGE [^)]*\)\) after 2\.\d s", said[0]
+        r"nothing: where the producer runs, set RDT_PORT_RANGE [^)]*\)[^)]*here too\) after 2\.\d s", said[0]
     ), out.stdout + out.stderr[-3000:]
 
 

@@ -98,7 +98,8 @@ def join(
     never recorded; a new attempt under the name need not wait for it. While
     GIVEN_UP_JOINS such joins run on in this process, it joins no group.
     Raises: CollectiveGroupError (already in a group of that name, a bad backend or
-    timeout, no GPU, the attempt was left meanwhile, or too many given-up joins run on);
+    timeout, no GPU, the attempt was left meanwhile, too many given-up joins run on, or
+    Gloo's connect timed out: it names this member's address and the ports to open);
     the backend's error if the rendezvous fails.
     """
     if groups.get(name) is not None:
@@ -146,6 +147,14 @@ def join(
             _joining.pop(key, None)
         if store_closed(exc):
             raise CollectiveGroupError(f"group {name!r} was torn down while this member joined it") from exc
+        if backend == "gloo" and "Connect timeout" in str(exc):
+            iface = os.environ.get("GLOO_SOCKET_IFNAME")
+            raise CollectiveGroupError(
+                f"group {name!r}: rank {rank} of {size}, listening on {host}{f' ({iface})' if iface else ''}, could "
+                f"not connect with the other members ({exc}): a firewall between their hosts may drop Gloo's "
+                "connections. Each member listens on a port the kernel picks (no setting confines it): open the "
+                "ephemeral range (net.ipv4.ip_local_port_range) between the members' hosts"
+            ) from exc
         raise
     group = Group(name, backend, rank, size, pg, store, members=tuple(members), creation=attempt, timeout_s=timeout_s)
     given_up: BaseException | None = None

@@ -89,6 +89,8 @@ DRAIN_S = 30.0  # the longest a cancelled fetch waits for its bytes in flight
 
 
 _OPEN = "where the producer runs, set RDT_PORT_RANGE to ports the firewall admits (UCX listens there too)"
+# UCX's TCP lanes also connect from the producer back to the consumer's UCX port.
+_BACK = "UCX also connects from the producer back to this process: where a firewall guards this host, set RDT_PORT_RANGE here too"
 
 
 class _Silent(TransferError):
@@ -99,7 +101,7 @@ def _silent(info: TransferInfo[UcxxMeta]) -> _Silent:
     return _Silent(
         f"ucxx fetch of {info.obj_id}: no answer from the producer at {info.meta.host}:{info.meta.port} in "
         f"{_answer_s()} s; RDT_UCXX_ANSWER_S sets how long a fetch waits (a firewall that drops the "
-        f"producer's port answers nothing: {_OPEN})",
+        f"producer's port answers nothing: {_OPEN}; {_BACK})",
         obj_id=info.obj_id,
     )
 
@@ -766,6 +768,16 @@ async def _transfer(w: _Worker, info: TransferInfo[UcxxMeta], dsts: list[torch.T
                        f"({type(native).__name__}: {native}): a firewall drops the port, or no route leads there; {_OPEN}")
                 unreachable = Unreachable(why)
                 unreachable.__cause__ = native
+                raise TransferError(why, obj_id=info.obj_id) from unreachable
+            if peer.proven is None:
+                # Failed before the listener greeted: its process died (the core asks Ray),
+                # or UCX's connection back from the producer to our UCX port got no answer
+                # (a firewall here: the producer gives that up, and the endpoint with it).
+                why = (f"ucxx fetch of {info.obj_id}: UCX's connection with the producer at {meta.host}:{meta.port} "
+                       f"failed before its greeting ({type(native or exc).__name__}: {native or exc}): it died, or a "
+                       f"firewall drops UCX's connections; {_BACK}, to ports it admits, and {_OPEN}")
+                unreachable = Unreachable(why)
+                unreachable.__cause__ = native or exc
                 raise TransferError(why, obj_id=info.obj_id) from unreachable
             raise PeerDiedError(
                 f"ucxx fetch of {info.obj_id}: the producer at {meta.host}:{meta.port} died or closed "
