@@ -769,7 +769,7 @@ async def _transfer(w: _Worker, info: TransferInfo[UcxxMeta], dsts: list[torch.T
                 unreachable = Unreachable(why)
                 unreachable.__cause__ = native
                 raise TransferError(why, obj_id=info.obj_id) from unreachable
-            if peer.proven is None and not isinstance(native, w.u.UCXXNotConnectedError):  # (refused: nobody listens)
+            if peer.proven is None and not isinstance(native, w.u.UCXNotConnectedError):  # (refused: nobody listens)
                 # Failed before the listener greeted: its process died (the core asks Ray),
                 # or UCX's connection back from the producer to our UCX port got no answer
                 # (a firewall here: the producer gives that up, and the endpoint with it).
