@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import inspect
 import multiprocessing
 import os
 import secrets
@@ -103,16 +104,17 @@ def _quiet(within: float = 5.0) -> None:
     late askers, an asker's connection closes on the I/O loop) was warm in the next test."""
     deadline = time.monotonic() + within
     while True:
-        gc.collect()
         _io.settle()
         with _relay.counts.lock:
             busy = bool(_relay.counts.claims or _relay.counts.lent)
         if not busy or time.monotonic() > deadline:
             return
+        gc.collect()  # (only then: one costs ~0.3 s here, most tests leave nothing busy)
         time.sleep(0.02)
 
 
-async def test_two_consumers_share_one_read_and_keep_their_writes_to_themselves():
+async def test_two_consumers_share_one_read_and_keep_their_writes_to_themselves(monkeypatch):
+    monkeypatch.setenv("RDT_RELAY_KEEP_S", "0.5")  # a claim's keep after the read (2 s by default)
     before = _fds()
     net, obj = Network(stall=0.05), _obj_id()
     (a, a_relayed), (b, b_relayed) = await asyncio.gather(
@@ -130,7 +132,7 @@ async def test_two_consumers_share_one_read_and_keep_their_writes_to_themselves(
     assert torch.equal(b[0], want[0]) and torch.equal(a[1], want[1])  # copy-on-write
     assert float(a[0].sum()) == 7.0 * (1 << 18)
     del a, b, got  # each mapping keeps a descriptor of the memfd (Python's mmap)
-    await asyncio.sleep(float(os.environ.get("RDT_RELAY_KEEP_S", "2")) + 0.3)
+    await asyncio.sleep(0.5 + 0.3)  # the claim's keep, and a margin
     # Nobody maps the memfd any more (b's connection closed with its mapping): it is back
     # in the pool, warm, with its descriptor and the writable mapping's, and the seat that
     # says so to the node (a socket); nothing else is left.
@@ -190,13 +192,14 @@ class Stepping(Landing):
 async def _until(cond, within: float = 5.0) -> None:
     deadline = time.monotonic() + within
     while not cond():
-        assert time.monotonic() < deadline, "timed out"
+        assert time.monotonic() < deadline, f"not true after {within} s: {inspect.getsource(cond).strip()}"
         await asyncio.sleep(0.005)
 
 
-async def test_a_consumer_fetching_into_its_buffers_copies_each_range_as_the_first_ones_read_lands_it():
+async def test_a_consumer_fetching_into_its_buffers_copies_each_range_as_the_first_ones_read_lands_it(monkeypatch):
     """The first consumer hands its memfd over at once and tells of each range as it lands;
     a neighbour fetching `into=` copies the range into its buffers then, not after the read."""
+    monkeypatch.setenv("RDT_RELAY_KEEP_S", "0.3")  # (the claim's keep after the read: 2 s by default, waited for at teardown)
     net, obj = Stepping(9), _obj_id()
     want = _values(9)
     theirs, mine = ([torch.full((1 << 18,), -1.0), torch.zeros(3, 5, dtype=torch.int64)] for _ in range(2))
@@ -233,6 +236,7 @@ def test_consumers_follow_the_read_by_default_only_with_cores_to_spare(monkeypat
 
 async def test_where_consumers_do_not_follow_they_copy_once_the_read_ended(monkeypatch):
     monkeypatch.setenv("RDT_RELAY_FOLLOW", "0")
+    monkeypatch.setenv("RDT_RELAY_KEEP_S", "0.3")  # (as above)
     net, obj = Stepping(3), _obj_id()
     mine = [torch.full((1 << 18,), -1.0), torch.zeros(3, 5, dtype=torch.int64)]
     first = asyncio.ensure_future(_relay.fetch(obj, SPECS, net.own, net))
@@ -248,8 +252,9 @@ async def test_where_consumers_do_not_follow_they_copy_once_the_read_ended(monke
     assert b[0].data_ptr() != mine[0].data_ptr()  # views of the memfd: the core copies them into `into=`
 
 
-async def test_ranges_nobody_told_of_are_copied_once_every_byte_landed():
+async def test_ranges_nobody_told_of_are_copied_once_every_byte_landed(monkeypatch):
     """A transport that tells of no range (or a fallback's): the follower copies all at DONE."""
+    monkeypatch.setenv("RDT_RELAY_KEEP_S", "0.3")  # (as above)
     net, obj = Landing(4), _obj_id()
     mine = [torch.zeros(1 << 18), torch.zeros(3, 5, dtype=torch.int64)]
     (a, _), (b, b_relayed) = await asyncio.gather(
@@ -580,8 +585,7 @@ async def test_an_idle_memfd_is_closed_on_its_own(monkeypatch):
     await asyncio.sleep(0.3)
     assert len(_relay.memfds.idle) == 1  # back, warm
     _mappings.cache.clear()  # kept mappings of it are _mappings' to sweep, not the pool's
-    await asyncio.sleep(0.9)  # nothing uses the pool again: the sweep alone closes it
-    assert _relay.memfds.idle == []
+    await _until(lambda: _relay.memfds.idle == [], 0.9)  # nothing uses the pool again: the sweep alone closes it
     assert not [fd for fd in _fds() - before if "memfd:rdt-relay" in fd]
 
 
@@ -612,8 +616,8 @@ async def test_a_subscription_keeps_its_producers_newest_warm_memfd_past_the_idl
     release()
     release()  # (twice: once counts)
     assert pool.wanted == {}  # (and a stream's subscription keeps a few: `want(source, each)`)
-    await asyncio.sleep(1.0)
-    assert pool.idle == [] and newest_ino not in _open_inodes() and not _relay._Seats.taken(cap, _src())
+    await _until(lambda: pool.idle == [], 1.0)
+    assert newest_ino not in _open_inodes() and not _relay._Seats.taken(cap, _src())
 
 
 async def test_a_subscription_keeps_memory_for_its_versions_sizes_not_for_another_object_of_its_producer(monkeypatch):
@@ -632,8 +636,7 @@ async def test_a_subscription_keeps_memory_for_its_versions_sizes_not_for_anothe
     await asyncio.sleep(1.0)
     assert pool.idle == [version]  # past the idle time: kept
     release()
-    await asyncio.sleep(1.0)
-    assert pool.idle == []
+    await _until(lambda: pool.idle == [], 1.0)
 
 
 def test_a_subscription_expecting_a_version_says_so_where_it_keeps_the_memory_it_lands_in(monkeypatch):
@@ -682,8 +685,7 @@ async def test_with_keep_warm_off_a_subscription_keeps_nothing_past_the_idle_tim
     release = pool.want(_src())
     pool.give(pool.take(_relay._layout(SPECS)[1], _src()))
     assert pool.wanted == {} and len(pool.idle) == 1  # (within the bound: idle, for now)
-    await asyncio.sleep(1.0)
-    assert pool.idle == []
+    await _until(lambda: pool.idle == [], 1.0)
     release()
 
 
@@ -703,8 +705,7 @@ async def test_a_streaming_subscription_keeps_as_many_memfds_of_a_size_as_it_fet
     await asyncio.sleep(1.0)
     assert pool.idle == ms[3:]  # the other subscription keeps one
     one()
-    await asyncio.sleep(1.0)
-    assert pool.idle == []
+    await _until(lambda: pool.idle == [], 1.0)
 
 
 def test_a_memfd_kind_taken_at_a_steady_cadence_stays_warm_between_takes(monkeypatch):
@@ -781,8 +782,7 @@ async def test_a_subscription_keeps_the_newest_mapping_of_its_producers_memfds_p
         del views
     finally:
         release()
-    await asyncio.sleep(1.0)
-    assert _mappings.cache.stats()["idle"] == 0
+    await _until(lambda: _mappings.cache.stats()["idle"] == 0, 1.0)
     for m in files:
         _relay._close(m)
 
