@@ -469,7 +469,7 @@ async def test_create_from_a_loop_needs_the_async_twin(outsiders):
 @rdt.remote
 class SlowToStart:
     def __init__(self) -> None:
-        time.sleep(3)  # a member still starting: its ping waits
+        time.sleep(1.5)  # a member still starting (3 times the caller's deadline): its ping waits
 
     def ping(self) -> str:
         return "pong"
