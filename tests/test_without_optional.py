@@ -9,7 +9,9 @@ it starts (they inherit its environment). These tests take the cluster fixture o
 The examples run as `__main__`, one after another, in one such interpreter that starts
 one local Ray for all of them (without_optional/run_examples.py: an example's own
 `ray.init()` and `ray.shutdown()` are no-ops there), not one Ray each: the same lines
-checked, one Ray start instead of seven. The bench runs as a process of its own.
+checked, one Ray start instead of eight. The bench runs first there, as `python -m
+rdt_async.bench` would (its own local Ray is that one too); the bench's extra (matplotlib,
+tqdm) is hidden as well, as a newcomer has none of it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import os
 import pathlib
 import re
+import shlex
 import subprocess
 import sys
 
@@ -31,6 +34,7 @@ pytestmark = pytest.mark.timeout(600)
 REPO = pathlib.Path(__file__).resolve().parents[1]
 HIDER = pathlib.Path(__file__).resolve().parent / "without_optional"
 NOT_INSTALLED = ("nixl", "ucxx")
+HIDDEN = (*NOT_INSTALLED, "matplotlib", "tqdm")  # the `bench` extra's too
 
 
 def _env(hidden: tuple[str, ...]) -> dict[str, str]:
@@ -40,7 +44,7 @@ def _env(hidden: tuple[str, ...]) -> dict[str, str]:
     return env
 
 
-def _run(args: list[str], hidden: tuple[str, ...] = NOT_INSTALLED, timeout: float = 540) -> subprocess.CompletedProcess[str]:
+def _run(args: list[str], hidden: tuple[str, ...], timeout: float = 540) -> subprocess.CompletedProcess[str]:
     done = subprocess.run([sys.executable, *args], cwd=REPO, env=_env(hidden), capture_output=True, text=True,
                           timeout=timeout)
     assert done.returncode == 0, f"{args}: exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
@@ -49,11 +53,23 @@ def _run(args: list[str], hidden: tuple[str, ...] = NOT_INSTALLED, timeout: floa
 
 
 @pytest.fixture(scope="module")
-def runs():
-    """Every example, and the hiding probe, run once in one interpreter on one local Ray."""
-    scripts = [PROBE, *(f"examples/{name}" for name in sorted(EXAMPLES))]
-    done = _run([str(HIDER / "run_examples.py"), *scripts])
+def bench_out(tmp_path_factory) -> pathlib.Path:
+    return tmp_path_factory.mktemp("without_optional") / "bench"
+
+
+@pytest.fixture(scope="module")
+def runs(bench_out):
+    """The bench, the hiding probe and every example, run once in one interpreter on one local Ray."""
+    scripts = [_bench(bench_out), PROBE, *(f"examples/{name}" for name in sorted(EXAMPLES))]
+    done = _run([str(HIDER / "run_examples.py"), *scripts], hidden=HIDDEN)
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _bench(out: pathlib.Path) -> str:
+    """The bench's command line as run_examples.py takes it (`-m MODULE ARG...`)."""
+    return shlex.join(["-m", "rdt_async.bench", "--only", "e2e,nixl,ucxx", "--e2e-sizes", "4K", "--repeat", "1",
+                       "--e2e-fanouts", "", "--no-progress", "--out", str(out),
+                       "--e2e-paths", "rdt auto,rdt nixl,rdt ucxx,ray rdt nixl"])
 
 
 def _output(runs, script: str) -> str:
@@ -167,13 +183,12 @@ def test_data_parallel_prints_the_norm_of_the_whole_gradient():
     assert example.grad_norm(parts) == pytest.approx(float(flat.norm()), rel=1e-6)
 
 
-def test_the_bench_without_the_optional_packages_writes_rows_that_say_what_is_missing(tmp_path):
+def test_the_bench_without_the_optional_packages_writes_rows_that_say_what_is_missing(runs, bench_out):
     """Before: ZeroDivisionError in `_in_turns` once every path of a group was missing, nothing written."""
-    out = tmp_path / "bench"
-    done = _run(["-m", "rdt_async.bench", "--only", "e2e,nixl,ucxx", "--e2e-sizes", "4K", "--repeat", "1",
-                 "--e2e-fanouts", "", "--no-progress", "--out", str(out),
-                 "--e2e-paths", "rdt auto,rdt nixl,rdt ucxx,ray rdt nixl"],
-                hidden=(*NOT_INSTALLED, "matplotlib", "tqdm"))
+    out = bench_out
+    run = runs[_bench(out)]
+    assert run["error"] is None, f"the bench raised:\n{run['error']}\n{run['stderr'][-3000:]}"
+    assert "Traceback" not in run["stderr"], run["stderr"][-5000:]
     result = json.loads((out / "results.json").read_text())
     skipped = {(r["bench"], r["case"]): r["skipped"] for r in result["rows"] if "skipped" in r}
     assert skipped == {
@@ -190,5 +205,5 @@ def test_the_bench_without_the_optional_packages_writes_rows_that_say_what_is_mi
     assert "| rdt nixl | not run: nixl is not installed (`pip install 'rdt_async[nixl]'` adds it) |" in md
     assert "| ray rdt nixl | not run: nixl is not installed" in md
     assert sorted(p.name for p in out.iterdir()) == ["results.json", "results.md"]  # no matplotlib: no plots
-    assert "no plots: matplotlib is not installed (`pip install rdt_async[bench]` adds plots)" in done.stderr
-    assert "e2e ray rdt nixl: not run: nixl is not installed" in done.stderr  # said as it runs, too
+    assert "no plots: matplotlib is not installed (`pip install rdt_async[bench]` adds plots)" in run["stderr"]
+    assert "e2e ray rdt nixl: not run: nixl is not installed" in run["stderr"]  # said as it runs, too

@@ -4,9 +4,13 @@
 PYTHONPATH and RDT_HIDE_PACKAGES set, as tests/test_without_optional.py runs it) starts one
 local Ray instance, then runs each script PATH as `python PATH` would, except
 that the example's own `ray.init()` and `ray.shutdown()` do nothing: it uses the instance
-this script started (one Ray start for all, not one each). Each example's stdout is kept
-apart; a failing example fails alone. The last line of stdout is a JSON object:
-{PATH: {"stdout": ..., "error": traceback or null, "seconds": how long it ran}}.
+this script started (one Ray start for all, not one each). A PATH of the form
+"-m MODULE ARG..." runs MODULE as `python -m MODULE ARG...` would (the bench: its
+`ray_cluster(1)` takes that instance too). Each one's stdout is kept apart, and a
+module's stderr (an example's goes to this process's); a failing one fails alone (a
+SystemExit of 0 is no failure). The last line of stdout is a JSON object:
+{PATH: {"stdout": ..., "stderr": ... (a module's; "" for a script), "error": traceback
+or null, "seconds": how long it ran}}.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import gc
 import io
 import json
 import runpy
+import shlex
 import sys
 import time
 import traceback
@@ -32,15 +37,25 @@ def main(names: list[str]) -> dict[str, dict[str, object]]:
     results: dict[str, dict[str, object]] = {}
     try:
         for name in names:
-            out = io.StringIO()
+            out, err = io.StringIO(), io.StringIO()
             error, t0 = None, time.perf_counter()
             try:
-                sys.argv = [name]
                 with contextlib.redirect_stdout(out):
-                    runpy.run_path(name, run_name="__main__")
-            except BaseException:  # SystemExit too: the example's failure, reported
+                    if name.startswith("-m "):
+                        module, *args = shlex.split(name[3:])
+                        sys.argv = [module, *args]
+                        with contextlib.redirect_stderr(err):
+                            runpy.run_module(module, run_name="__main__", alter_sys=True)
+                    else:
+                        sys.argv = [name]
+                        runpy.run_path(name, run_name="__main__")
+            except SystemExit as exc:  # the example's failure, reported; exit 0 is none
+                if exc.code not in (0, None):
+                    error = traceback.format_exc()
+            except BaseException:
                 error = traceback.format_exc()
-            results[name] = {"stdout": out.getvalue(), "error": error, "seconds": round(time.perf_counter() - t0, 2)}
+            results[name] = {"stdout": out.getvalue(), "stderr": err.getvalue(), "error": error,
+                             "seconds": round(time.perf_counter() - t0, 2)}
             gc.collect()  # the example's actors go with its last handle, as at its exit
     finally:
         ray.init, ray.shutdown = init, shutdown
