@@ -566,39 +566,3 @@ def _re(text: str) -> str:
     import re
 
     return re.escape(text)
-
-
-def test_a_bench_cluster_ended_by_sigterm_takes_its_hosts_down():
-    """`timeout` or a scheduler ending a bench (SIGTERM) used to leave its network
-    namespaces, links and Ray nodes behind: the hosts came down only through Ctrl-C."""
-    import subprocess
-    import sys
-
-    from rdt_async.bench._hosts import Hosts
-
-    why = Hosts.unavailable()
-    if why:
-        pytest.skip(why)
-    code = (
-        "import time\n"
-        "from rdt_async.bench._hosts import ray_cluster\n"
-        "with ray_cluster(2, topology='split') as hosts:\n"
-        "    print(hosts._key, [n.ip for n in hosts.nodes()], flush=True)\n"
-        "    time.sleep(120)\n"
-    )
-    run = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    try:
-        line = run.stdout.readline()
-        key = int(line.split()[0])
-        assert "10." in line  # up, with a host
-        made = [n for n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
-                if n.startswith(f"rdt{key}h")]
-        assert made, "the host's namespace was not there to take down"
-        run.terminate()
-        assert run.wait(60) == 128 + 15
-    finally:
-        if run.poll() is None:
-            run.kill()
-    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    links = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout
-    assert f"rdt{key}h" not in left and f"rdt{key}" not in links, (left, links)
