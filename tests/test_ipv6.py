@@ -14,6 +14,7 @@ import ipaddress
 import json
 import os
 import queue
+import re
 import subprocess
 import sys
 import threading
@@ -108,4 +109,6 @@ def test_a_bench_cluster_ended_by_sigterm_takes_its_hosts_down(seen):
     key = seen["hosts_key"]
     assert seen["namespaces"], "the host's namespace was not there to take down"
     assert seen["exit"] == 128 + 15
-    assert f"rdt{key}h" not in seen["left"] and f"rdt{key}" not in seen["links"], (seen["left"], seen["links"])
+    # Its bridge rdt<key>d, hosts rdt<key>h<n> and their links (not another session's: rdt<key>5d)
+    ours = re.compile(rf"^rdt{key}(d|h\d)", re.M)
+    assert not ours.search(seen["left"]) and not ours.search(seen["links"]), (seen["left"], seen["links"])
