@@ -15,7 +15,7 @@ from that producer connects and checks the greeting anew. A transfer:
     the ref's token
     post recv: status (tag T), and one per
     tensor (T+1+i) into its destination
-    active message {T, [i...], obj_id}       ->   look the object up
+    stream message {T, [i...], obj_id}       ->   look the object up
                                              <-   send status (T): held or freed
                                              <-   send each tensor (T+1+i); for a
                                                   freed object, empty messages
@@ -111,6 +111,8 @@ def _answer_s() -> int:
 PROGRESS_STEPS = 64  # UCX progress calls per wake-up at most; more wait for the next poll
 PACKED_BYTES = 64 << 10  # objects up to this size come with their status in one message
 TAG_STRIDE = 1 << 20  # tags per transfer: status, then one per tensor
+REQUEST_HEAD = 40  # a request's fixed part (`_pack`); its size says how many bytes follow
+MAX_ID_BYTES = 0xFFFF  # a request's object id, encoded, at most (as tcp's)
 HELD, FREED, ALTERED = 0, 1, 2  # ALTERED: the request's digest of the tensors' sizes is not the object's
 HOST_ENV = "RDT_UCXX_HOST"
 TOKEN_BYTES = 16
@@ -206,7 +208,7 @@ class _Worker:
         from ucxx._lib.arr import Array
 
         self.u, self.Array = libucxx, Array
-        flags = (libucxx.Feature.TAG, libucxx.Feature.WAKEUP, libucxx.Feature.AM, libucxx.Feature.STREAM)
+        flags = (libucxx.Feature.TAG, libucxx.Feature.WAKEUP, libucxx.Feature.STREAM)
         self.context, self.worker = _context(libucxx, flags)
         self.worker.init_blocking_progress_mode()
         self.loop = asyncio.get_running_loop()
@@ -274,7 +276,7 @@ class _Worker:
         return fut
 
     def post(self, ep: Any, op: str, array: np.ndarray | None = None, tag: int | None = None) -> Any:
-        """Post a send or receive on `ep` (`am_recv`: no array); refuse on an endpoint that failed.
+        """Post a send or receive on `ep`; refuse on an endpoint that failed.
 
         UCXX blocks for good when a request is posted on an endpoint whose error
         callback has run (it waits for a close that needs this thread's progress).
@@ -320,21 +322,33 @@ class _Worker:
         self.loop.call_soon(lambda: asyncio.ensure_future(self._serve(ep)))
 
     async def _serve(self, ep: Any) -> None:
+        """Greet the consumer at `ep`, then answer its requests, read from the UCX stream
+        (not active messages: UCXX files a posted active-message receive under the
+        endpoint's handle and keeps it, and the endpoint with it, for good once the
+        consumer has closed; a stream receive ends with its endpoint)."""
         try:
             greeting = np.frombuffer(_greeting(self.token), dtype=np.uint8)  # first: a consumer sends nothing before it
             self.wait(self.post(ep, "stream_send", greeting), greeting).add_done_callback(_retrieved)
             while True:
-                if not ep.alive:
-                    return
-                request = ep.am_recv()
-                fut = self.wait(request, listening=True)
-                self.progress()
-                await fut
-                self._send(ep, bytes(memoryview(request.recv_buffer)))
+                head = await self._read(ep, REQUEST_HEAD)
+                self._send(ep, head + await self._read(ep, _rest(head)))
+        except ValueError:  # what is no request (no consumer of ours sent it): its stream is read no further
+            ep.close_blocking()
+            self.progress()
         except Exception:  # the consumer closed its endpoint or died: nothing to serve
             pass
         finally:
             self.served.discard(ep)
+
+    async def _read(self, ep: Any, nbytes: int) -> bytes:
+        """The next `nbytes` of `ep`'s stream (waited for by events only: it may wait for good)."""
+        if not nbytes:
+            return b""
+        buf = np.empty(nbytes, dtype=np.uint8)
+        fut = self.wait(self.post(ep, "stream_recv", buf), buf, listening=True)
+        self.progress()
+        await fut
+        return buf.tobytes()
 
     def _send(self, ep: Any, message: bytes) -> None:
         """Post the answer to a fetch request now; a task keeps it until it is sent, and
@@ -548,16 +562,30 @@ _EMPTY = np.empty(0, dtype=np.uint8)
 def _pack(base: int, posted: list[int], packed: bool, sized: int, obj_id: str) -> np.ndarray:
     """A fetch request: its base tag, the tensor indexes it posted receives for (or, if
     `packed`, that it wants status and bytes in one message), the `sizes_digest` of the
-    tensors' bytes its receives hold, the object."""
-    head = np.array([base, len(posted), packed], dtype=np.uint64).tobytes() + np.array([sized], dtype=np.int64).tobytes()
-    return np.frombuffer(head + np.array(posted, dtype=np.uint32).tobytes() + obj_id.encode(), dtype=np.uint8)
+    tensors' bytes its receives hold, the object. Its head (`REQUEST_HEAD` bytes) says
+    how many bytes follow: a frame on the endpoint's stream."""
+    encoded = obj_id.encode()
+    head = np.array([base, len(posted), packed, len(encoded)], dtype=np.uint64).tobytes() + np.array([sized], dtype=np.int64).tobytes()
+    return np.frombuffer(head + np.array(posted, dtype=np.uint32).tobytes() + encoded, dtype=np.uint8)
+
+
+def _rest(head: bytes) -> int:
+    """The bytes of a request that follow its head (`_pack`). A request comes from another
+    process: its sizes are checked before anything is allocated for them.
+
+    Raises: ValueError where the head asks for more tensors or a longer id than a consumer sends.
+    """
+    _, n, _, id_len = (int(x) for x in np.frombuffer(head[:32], dtype=np.uint64))
+    if n > TAG_STRIDE - 2 or id_len > MAX_ID_BYTES:
+        raise ValueError(f"a request for {n} tensors of an id of {id_len} bytes")
+    return 4 * n + id_len
 
 
 def _unpack(message: bytes) -> tuple[int, list[int], bool, int, str]:
-    base, n, packed = (int(x) for x in np.frombuffer(message[:24], dtype=np.uint64))
-    sized = int(np.frombuffer(message[24:32], dtype=np.int64)[0])
-    posted = np.frombuffer(message[32 : 32 + 4 * n], dtype=np.uint32).tolist()
-    return base, posted, bool(packed), sized, message[32 + 4 * n :].decode()
+    base, n, packed, _ = (int(x) for x in np.frombuffer(message[:32], dtype=np.uint64))
+    sized = int(np.frombuffer(message[32:REQUEST_HEAD], dtype=np.int64)[0])
+    posted = np.frombuffer(message[REQUEST_HEAD : REQUEST_HEAD + 4 * n], dtype=np.uint32).tolist()
+    return base, posted, bool(packed), sized, message[REQUEST_HEAD + 4 * n :].decode()
 
 
 def _raw(t: torch.Tensor) -> np.ndarray:
@@ -714,7 +742,7 @@ async def _transfer(w: _Worker, info: TransferInfo[UcxxMeta], dsts: list[torch.T
             waits.append(w.wait(w.post(peer.ep, "tag_recv", status, base), status))
             for i, raw, d in posted:
                 waits.append(w.wait(w.post(peer.ep, "tag_recv", raw, base + 1 + i), (d, raw)))
-            waits.append(w.wait(w.post(peer.ep, "am_send", request), request))
+            waits.append(w.wait(w.post(peer.ep, "stream_send", request), request))
         finally:
             w.progress()  # what was posted goes now, and is polled until it ends
         # A producer answers (the status) at once; an address that is no producer's (a
