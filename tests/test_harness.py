@@ -106,8 +106,11 @@ def test_a_loop_kept_from_the_gil_by_a_thread_of_ours_is_blamed():
     # and blamed (under load, the time it waited for a core is not). The kernel's counters
     # are read over the wake-up's window, not the holder's hold: a holder that waited for a
     # core before it took the GIL is excused a little too much (seen with 4 busy processes
-    # beside the test: 253 ms blamed of a 380 ms run, 1.9 s late), so half the run at least.
-    assert probe.max_lag > 0.5 * min(probe.max_late, probe.worst_ran), probe.report()
+    # beside the test: 253 ms blamed of a 380 ms run, 1.9 s late), so half the run at least;
+    # where the holder waited longer for a core than it ran (a machine run far past its
+    # cores: 753 ms of waits beside a 389 ms run), the counters cannot tell the two apart.
+    overloaded = probe.max_excused > probe.worst_ran
+    assert overloaded or probe.max_lag > 0.5 * min(probe.max_late, probe.worst_ran), probe.report()
 
 
 def test_a_loop_whose_thread_waits_for_a_core_is_not_blamed_for_it():
