@@ -149,7 +149,8 @@ def asked_transport(obj: RDTObject, asked: str, node_id: str) -> tuple[str, Any]
     if the producer can serve it to this process.
 
     `auto` chooses among what the producer prepared, as for an object produced with it;
-    `object_store` always serves (the producer sends on request); a group's backend serves
+    `object_store` always serves (the producer sends on request; an object kept nowhere
+    comes from the bytes in its ref); a group's backend serves
     over a group both ends are in; any other transport must have been prepared by the
     producer (named by the method, `put` or `auto`'s plan).
     Raises: TransportUnavailableError naming what the producer can serve and the fix.
@@ -157,6 +158,10 @@ def asked_transport(obj: RDTObject, asked: str, node_id: str) -> tuple[str, Any]
     if asked == _registry.AUTO:
         return choose_transport(dataclasses.replace(obj, transport=_registry.AUTO), node_id)
     if asked == _registry.FALLBACK:
+        kept = obj.anchor is not None or (type(obj.eager) is dict and asked in obj.eager)
+        carried = None if kept else _in_ref(obj.meta)
+        if carried is not None:  # kept nowhere: its object-store copy is the ref, whose bytes came here
+            return carried, obj.meta[carried]
         return asked, obj.meta.get(asked)
     where = f"fetch(..., tensor_transport={asked!r}) of {obj.obj_id} (held by {obj.producer.label})"
     cls = _registry.known_class(asked)

@@ -283,6 +283,15 @@ def test_the_consumer_asks_for_the_object_store_as_ray_get_use_object_store(pair
         rdt.get(ref, tensor_transport="pigeon")
 
 
+def test_a_small_object_asked_for_over_the_object_store_comes_from_its_ref(sync_producer, async_consumer):
+    ref = sync_producer.make.remote(256, 3)  # auto: its bytes ride in the ref, and the producer keeps nothing
+    want = torch.randn(256, generator=torch.Generator().manual_seed(3))
+    before = dict(rdt.store_stats()["fetches"])
+    assert torch.equal(rdt.get(ref, tensor_transport="object_store")["w"], want)
+    assert used_since(before) == {"inline": 1}  # (its object-store copy is the ref)
+    assert torch.equal(ray.get(async_consumer.fetch.remote([ref], tensor_transport="object_store"))["w"], want)
+
+
 def test_a_gloo_method_of_an_actor_in_no_group_is_refused_before_its_body_runs(pair):
     s, _ = pair
     for name, call in (("gloo_weights", s.gloo_weights), ("weights", s.weights.options(tensor_transport="gloo"))):
