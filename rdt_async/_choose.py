@@ -34,7 +34,8 @@ def choose_transport(
     the producer's node lately (`_avoid.avoided`); the choice and its reasons are kept in
     `rdt.store_stats()["auto"]`. A one-sided transport that cannot reach this node
     falls back to object_store. Gloo/NCCL objects go over a group both ends share,
-    else object_store.
+    else object_store. A Ray Client driver (`node_id` is `_ray.NO_NODE`) takes the
+    bytes in the ref, else object_store (`_for_client`).
     `without`: prepared transports, or the shared group's backend, `auto` must not pick
     (those that failed this fetch, `fell_back`: each with why). Returns the transport's
     name and the metadata its fetch needs.
@@ -44,6 +45,8 @@ def choose_transport(
     if carried is not None:  # a small object: `auto` picks its bytes whatever else it knows
         fetched.choice(obj.obj_id, _auto.in_ref(carried))
         return carried, obj.meta[carried]
+    if node_id == _ray.NO_NODE:
+        return _for_client(obj, name)
     shared = _shared_group(obj)
     if name == _registry.AUTO:
         left_out = _left_out(obj, shared) if avoided.any() else frozenset()
@@ -75,6 +78,21 @@ def choose_transport(
             return _registry.FALLBACK, None  # the consumer is outside the producer's groups
         return name, shared[1]
     return name, obj.meta.get(name)
+
+
+def _for_client(obj: RDTObject, name: str) -> tuple[str, Any]:
+    """The path of a fetch by a Ray Client driver (`_ray.in_client`), which no transport of
+    the cluster's reaches but Ray's object store (through the client server): the bytes in
+    the ref where the producer named a transport that carries them, else the object store,
+    as for a consumer on another node than a node-local transport's."""
+    if name != _registry.AUTO and name in obj.meta and _carries_bytes(name):
+        return name, obj.meta[name]
+    if name == _registry.AUTO:
+        fetched.choice(obj.obj_id, _auto.Choice(_registry.FALLBACK, CLIENT_ONLY))
+    return _registry.FALLBACK, None
+
+
+CLIENT_ONLY = "a Ray Client driver: only Ray's object store reaches it (through the client server)"
 
 
 def transport_for(obj: RDTObject, node_id: str, asked: str | None = None) -> tuple[Transport[Any], Any]:
@@ -165,6 +183,13 @@ def asked_transport(obj: RDTObject, asked: str, node_id: str) -> tuple[str, Any]
         return asked, obj.meta.get(asked)
     where = f"fetch(..., tensor_transport={asked!r}) of {obj.obj_id} (held by {obj.producer.label})"
     cls = _registry.known_class(asked)
+    if node_id == _ray.NO_NODE and (cls is None or not cls.carries_bytes):
+        raise TransportUnavailableError(
+            f"{where}: this process is a Ray Client driver (ray.init('ray://...')), not a process of the cluster, "
+            f"so {asked} cannot reach it from the producer; ask for tensor_transport='object_store' (or 'auto', "
+            "which takes it here), or fetch inside an actor, where every transport works",
+            obj_id=obj.obj_id,
+        )
     if cls is not None and cls.needs_group:
         shared = _shared_group(obj)
         if shared is not None and shared[0] == asked:

@@ -104,7 +104,8 @@ def _relayed(obj: RDTObject, transport: str, buffers: list[torch.Tensor] | None)
     """Whether this fetch goes through the node relay (into `buffers` in this process's memory, if any)."""
     if buffers is not None and not all(b.device.type == "cpu" for b in buffers):
         return False
-    return _relay.eligible(obj.specs, transport, obj.producer.node_id, _ray.node_id())
+    node = _ray.node_id()
+    return node != _ray.NO_NODE and _relay.eligible(obj.specs, transport, obj.producer.node_id, node)  # (a client: no node)
 
 
 def abandon(start: Any) -> None:

@@ -64,14 +64,14 @@ class Process:
 
     @property
     def actor(self) -> Any:
-        """The producer's ActorHandle, or None for the driver and tasks (blocks to rebuild it)."""
+        """The producer's ActorHandle (a ClientActorHandle in a Ray Client driver), or None for
+        the driver and tasks (blocks to rebuild it)."""
         if self.actor_state is None:
             return None
         handle = _handles.get((self.token, self.actor_id))
         if handle is None:
-            handle = pickle.loads(self.actor_state)
-            hex_id = getattr(getattr(handle, "_ray_actor_id", None), "hex", None)  # (an ActorHandle's id)
-            if hex_id is None or hex_id() != self.actor_id:
+            handle = _ray.actor_handle(self.actor_state)
+            if _ray.actor_id_of(handle) != self.actor_id:
                 named = "no actor" if self.actor_id is None else f"actor {str(self.actor_id)[:16]}"
                 raise TransferError(  # (a ref's fields are input: its handle must be the actor it names)
                     f"the ref's producer handle is not one of {named}, which the ref names as its producer; "
@@ -177,7 +177,7 @@ def here() -> Process:
     mine = _actor_here
     if mine is not None and mine[0] == os.getpid():
         return mine[1]
-    me = _here(os.getpid(), ray._private.worker.global_worker.actor_id)
+    me = _here(os.getpid(), ray._private.worker.global_worker.actor_id, _ray.in_client())
     if me.actor_id is not None:
         _actor_here = (os.getpid(), me)
     return me
@@ -187,7 +187,9 @@ _actor_here: tuple[int, Process] | None = None  # (pid, identity) of the actor t
 
 
 @functools.lru_cache(maxsize=1)
-def _here(pid: int, actor: Any) -> Process:
+def _here(pid: int, actor: Any, client: bool) -> Process:
+    if client:  # a Ray Client driver: no node (`_ray.NO_NODE`), no actor
+        return Process(_ray.NO_NODE, _token_for(pid))
     ctx = ray.get_runtime_context()
     if ctx.worker.mode == ray.WORKER_MODE and ctx.get_actor_id() is not None:
         actor_id, state, serves = _current_actor()

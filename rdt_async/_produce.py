@@ -91,11 +91,18 @@ def has_memory(t: torch.Tensor) -> bool:
 def _prepared_transports(name: str, tensors: Sequence[torch.Tensor]) -> list[Transport[Any]]:
     """Transports to prepare at return time for a method asking for `name`."""
     check_movable(tensors)
+    if _ray.in_client():
+        return _client_plan(name, tensors)
     if name != _registry.AUTO:
         transport = _registry.transport(name)
         transport.check_tensors(tensors)
         check_grouped(name, f"tensor_transport={name!r}")
         return [transport]
+    return _prepared_transports_auto(tensors)
+
+
+def _prepared_transports_auto(tensors: Sequence[torch.Tensor]) -> list[Transport[Any]]:
+    """`_prepared_transports` for `auto`: what `_auto.plan` takes for these tensors."""
     try:
         _registry.transport(_registry.FALLBACK).check_tensors(tensors)  # what auto falls back to
     except TransportUnavailableError as exc:  # said as what the user asked for: auto
@@ -105,6 +112,28 @@ def _prepared_transports(name: str, tensors: Sequence[torch.Tensor]) -> list[Tra
     costs = os.environ.get("RDT_AUTO_COSTS", "")
     names = _auto_plan(devices, nbytes, _ray.several_nodes(), costs, _registry.generation())
     return [_registry.transport(n) for n in names]  # nothing: object_store
+
+
+def _client_plan(name: str, tensors: Sequence[torch.Tensor]) -> list[Transport[Any]]:
+    """What a put in a Ray Client driver prepares: no transport of the cluster's reaches
+    that process, so the bytes ride in the ref (`auto`'s choice for a small object, or a
+    transport named that carries them), else go to Ray's object store at once (`_finish`).
+
+    Raises: TransportUnavailableError for a transport named that needs the tensors kept here.
+    """
+    if name == _registry.AUTO:
+        plan = _prepared_transports_auto(tensors)
+        return plan if plan and all(t.carries_bytes for t in plan) else []
+    transport = _registry.transport(name)
+    if name != _registry.FALLBACK and not transport.carries_bytes:
+        raise TransportUnavailableError(
+            f"rdt.put(..., tensor_transport={name!r}) in a Ray Client driver (ray.init('ray://...')): {name} "
+            "would serve the tensors from this process, which is not a process of the cluster, so no consumer "
+            "could reach it; put with tensor_transport='auto' or 'object_store' (the bytes go to Ray's object "
+            "store now), or put inside an actor"
+        )
+    transport.check_tensors(tensors)
+    return [transport]
 
 
 @functools.lru_cache(maxsize=256)
@@ -279,13 +308,20 @@ def _finish(
         for t, meta in prepared.items():
             t.garbage_collect(obj_id, meta)
         raise
+    meta = {t.name: m for t, m in prepared.items()}
+    if owner.node_id == _ray.NO_NODE:
+        # A Ray Client driver's put: nothing stays here, where no consumer could reach it
+        # (nor Ray's out-of-scope callbacks, which an anchor needs). Its object-store reply
+        # holds the bytes, as long as a ref to the object lives; its own fetches get the
+        # tensors, as of an inline object.
+        _recent.add(obj_id, tensors)
+        return RDTObject(obj_id, owner, transport, specs, skeleton, meta, eager, None)
     store.add(obj_id, StoredObject(list(tensors), prepared))
     try:
         anchor = _anchors.take(obj_id)
     except BaseException:  # (Ray shutting down): nothing would ever free it
         store.free(obj_id)
         raise
-    meta = {t.name: m for t, m in prepared.items()}
     shared = groups.memberships()
     if shared:
         meta["groups"] = shared

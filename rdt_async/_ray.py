@@ -12,12 +12,14 @@ import contextlib
 import functools
 import logging
 import os
+import pickle
 import threading
 import time
 from collections.abc import Awaitable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import ray
+from ray.util.client import ray as _client
 
 from . import _io
 from ._errors import PeerDiedError, RDTError, TransferError, translating, unavailable
@@ -35,7 +37,7 @@ log = logging.getLogger("rdt_async")
 def new_session() -> None:
     """A `ray.init` in this process: forget what was cached of the last session."""
     global _nodes_seen
-    node_id.cache_clear()
+    _node_id.cache_clear()
     hand_node_ip.cache_clear()
     _nodes_seen = (0.0, False)
 
@@ -54,8 +56,9 @@ VERDICT_S = float(os.environ.get("RDT_PEER_VERDICT_S", "90"))
 
 
 def died_on_this_node(p: Process) -> bool:
-    """Say whether the producer ran on this node and its process is gone (at once, no Ray)."""
-    return p.node_id == node_id() and not pid_alive(p.pid)
+    """Say whether the producer ran on this node and its process is gone (at once, no Ray).
+    (A Ray Client driver's objects are of no node: its process id says nothing here.)"""
+    return p.node_id == node_id() != NO_NODE and not pid_alive(p.pid)
 
 
 # Producers a fetch from which ended in PeerDiedError in this process (the most recent few).
@@ -303,10 +306,80 @@ def is_ref(x: Any) -> bool:
     return isinstance(x, ray.ObjectRef)
 
 
-@functools.lru_cache(maxsize=1)
+def is_actor_handle(x: Any) -> bool:
+    """Say whether `x` is an actor's handle: an ActorHandle, or in a Ray Client driver a
+    ClientActorHandle (which calls the actor through the client server)."""
+    if isinstance(x, ray.actor.ActorHandle):
+        return True
+    if not in_client():
+        return False
+    from ray.util.client.common import ClientActorHandle
+
+    return isinstance(x, ClientActorHandle)
+
+
+# The node of a Ray Client driver (`ray.init("ray://...")`): Ray's nil node id, which no
+# node has. The client is no process of the cluster (Ray's runtime context there answers
+# for the client server's node), so no producer is on its node.
+NO_NODE = "ff" * 28
+
+
+def in_client() -> bool:
+    """Say whether this process drives the cluster through Ray Client (`ray.init("ray://...")`).
+
+    Such a driver is no process of the cluster: nothing of the cluster can reach it (no
+    node, no address a producer can trust), and it calls Ray through the client server.
+    Its fetches go through Ray's object store (`_choose`), its puts too (`_produce`).
+    """
+    return bool(_client.is_connected())
+
+
 def node_id() -> str:
-    """This process's node (cached; a new session clears it)."""
+    """This process's node (NO_NODE in a Ray Client driver)."""
+    return NO_NODE if in_client() else _node_id()
+
+
+@functools.lru_cache(maxsize=1)
+def _node_id() -> str:
+    """A cluster process's node (cached; a new session clears it)."""
     return ray.get_runtime_context().get_node_id()
+
+
+def actor_handle(state: bytes) -> Any:
+    """The ActorHandle whose pickle is `state` (an `rdt.remote` producer's, `_object.Process`).
+
+    A Ray Client driver cannot unpickle one (its Ray has no core worker): the client server
+    does, as it unpickles every value put from the client, and sends it back as a
+    ClientActorHandle, which calls the actor through the server. Blocking (two round trips).
+    Keep it for the session (`_object._handles` does): one dropped makes the server let go
+    of its handle to the actor for this client, also the one of an actor the client made.
+    """
+    if not in_client():
+        return pickle.loads(state)
+    return ray.get(ray.put(_Pickled(state)))
+
+
+def actor_id_of(handle: Any) -> str | None:
+    """The id (hex) of the actor `handle` calls (`actor_handle`'s), or None for another object."""
+    if in_client():
+        from ray.util.client.common import ClientActorHandle
+
+        # (its `_actor_id`: an attribute other than its own asks the client server for the class)
+        actor = handle._actor_id if isinstance(handle, ClientActorHandle) else None
+    else:
+        actor = getattr(handle, "_ray_actor_id", None)
+    hex_id = getattr(actor, "hex", None)
+    return hex_id() if hex_id is not None else None
+
+
+class _Pickled:
+    """Bytes a `pickle.loads` in the process that unpickles this makes into their object."""
+
+    def __init__(self, state: bytes) -> None:
+        self.state = state
+
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        return pickle.loads, (self.state,)
 
 
 @functools.lru_cache(maxsize=1)

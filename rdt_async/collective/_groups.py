@@ -15,9 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import ray
-
-from .. import _io
+from .. import _io, _ray
 from .._errors import CollectiveGroupError
 from .._membership import check_timeout
 from . import _records
@@ -173,7 +171,7 @@ def _validate(actors: tuple[Any, ...], backend: str, name: str | None, timeout_s
         raise CollectiveGroupError("a collective group needs at least 1 actor, got none")
     seen: dict[Any, int] = {}
     for i, a in enumerate(actors):
-        if not isinstance(a, ray.actor.ActorHandle):
+        if not _ray.is_actor_handle(a):
             raise CollectiveGroupError(f"member {i} is a {type(a).__name__}, not an actor handle")
         if not hasattr(a, "rdt__group"):
             raise CollectiveGroupError(f"member {i} is not an rdt.remote actor: decorate its class with @rdt.remote")
