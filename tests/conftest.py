@@ -223,7 +223,7 @@ def pytest_configure(config):
 LONGEST_FIRST = (
     "test_without_optional.py", "test_partition.py", "test_gloo.py", "test_nixl.py", "test_ucxx.py",
     "test_relay.py", "test_peer_death.py", "test_network.py", "test_firewall.py", "test_ipv6.py", "test_churn.py", "test_publish.py",
-    "test_concurrency.py", "test_contract.py", "test_load.py",
+    "test_concurrency.py", "test_contract.py", "test_load.py", "test_three_hosts.py", "test_ray_client.py",
 )
 
 
