@@ -340,12 +340,13 @@ class _Worker:
         finally:
             self.served.discard(ep)
 
-    async def _read(self, ep: Any, nbytes: int) -> bytes:
-        """The next `nbytes` of `ep`'s stream (waited for by events only: it may wait for good)."""
+    async def _read(self, ep: Any, nbytes: int, *, listening: bool = True) -> bytes:
+        """The next `nbytes` of `ep`'s stream (`listening`: waited for by events only, as a
+        producer waits for requests, which may never come; else polled, `wait`)."""
         if not nbytes:
             return b""
         buf = np.empty(nbytes, dtype=np.uint8)
-        fut = self.wait(self.post(ep, "stream_recv", buf), buf, listening=True)
+        fut = self.wait(self.post(ep, "stream_recv", buf), buf, listening=listening)
         self.progress()
         await fut
         return buf.tobytes()
@@ -428,11 +429,7 @@ class _Worker:
         UCXX files a posted active-message receive under the endpoint's handle and keeps it
         past the endpoint's close, where it takes the first message of the next endpoint
         that UCX makes at that address)."""
-        said = np.empty(_kit.GREETING_BYTES, dtype=np.uint8)
-        fut = self.wait(self.post(ep, "stream_recv", said), said)
-        self.progress()
-        await fut
-        return said.tobytes()
+        return await self._read(ep, _kit.GREETING_BYTES, listening=False)
 
     def orphan(self, futs: set[asyncio.Future[Any]]) -> None:
         """Keep the requests of given-up waits, and the memory they write, until they end.
