@@ -24,6 +24,7 @@ import gc
 import inspect
 import os
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -102,7 +103,10 @@ def cluster():
         gc.freeze()
         yield c
     finally:
-        ray.shutdown()
+        try:
+            settle_left_segments()  # (the last test's, while the hosts still run)
+        finally:
+            ray.shutdown()
         if c is not None:
             c.shutdown()
         if hosts is not None:
@@ -136,8 +140,14 @@ def async_consumer(cluster):
 
 
 @pytest.fixture
-def ray_session(cluster):
-    """The shared cluster; checks that the test leaves no shared-memory segment behind."""
+def ray_session(cluster, request):
+    """The shared cluster; checks that the test leaves no shared-memory segment behind.
+
+    A segment a test leaves may be an idle warm one (it goes after RDT_SHM_IDLE_S, 1 s
+    here), so the check is settled at the next test's end, or the session's, while that
+    test runs: a segment still there 15 s after its test ended fails the check, naming the
+    test that left it (before, every such test waited ~1 s at its end: ~60 s a run).
+    """
     raylets = {
         info.process.pid
         for node in cluster.list_all_nodes()
@@ -154,8 +164,24 @@ def ray_session(cluster):
 
     before = ours()
     yield cluster
-    if not ours() <= before:  # most tests leave none: no full collection (0.1-0.3 s here) for them
-        _wait_until(lambda: ours() <= before, 15, lambda: f"leaked segments: {ours() - before}")
+    settle_left_segments()
+    left = ours() - before
+    if left:  # most tests leave none: no full collection (0.1-0.3 s here) for them
+        _left.append((request.node.nodeid, time.monotonic() + 15, lambda: ours() & left))
+
+
+# What a test's segments the check has yet to see go: (test, deadline, those still there).
+_left: list[tuple[str, float, Callable[[], set[str]]]] = []
+
+
+def settle_left_segments() -> None:
+    """Wait for the segments earlier tests left to go, each until its test's deadline."""
+    while _left:
+        _settle(*_left.pop(0))
+
+
+def _settle(test: str, deadline: float, still: Callable[[], set[str]]) -> None:
+    _wait_until(lambda: not still(), max(0.0, deadline - time.monotonic()), lambda: f"leaked segments, left by {test}: {still()}")
 
 
 def _rdt_segments(where: str = "/dev/shm") -> set[str]:
