@@ -1,7 +1,8 @@
 """UCXX between actors, and alone in its process: NIXL and UCXX never share one.
 
 The pytest process uses NIXL (test_nixl, the contract suite), so everything that needs
-UCXX in the fetching process runs in actors or in a subprocess here.
+UCXX in the fetching process runs in actors or in a process of its own here (`fresh.run`:
+forked from a server that imported torch once, each script in a new process).
 """
 
 from __future__ import annotations
@@ -11,8 +12,6 @@ import hashlib
 import importlib.util
 import os
 import re
-import subprocess
-import sys
 import time
 
 import pytest
@@ -24,6 +23,7 @@ if importlib.util.find_spec("ucxx") is None:  # not importorskip: importing ucxx
     pytest.skip("ucxx is not installed", allow_module_level=True)
 if UCXX_REFUSED:  # (every test here produces on the session's cluster, or drives it)
     pytest.skip(UCXX_REFUSED, allow_module_level=True)
+import fresh
 from helpers import idle_cpu
 from probes import cancel_after
 
@@ -104,6 +104,9 @@ class UcxxConsumer:
     async def ping(self):
         return "pong"
 
+    async def total(self, v):
+        return int(v["a"].sum())
+
     def idle_cpu(self, seconds: float) -> float:
         return idle_cpu(seconds)
 
@@ -120,17 +123,21 @@ def want(n: int, seed: int) -> list:
 
 
 # One producer and one consumer for the module (each actor is a new process that imports
-# torch); a test that kills its producer, or needs one on node2, makes its own.
+# torch); a test that kills its producer, or needs one on node2, makes its own. Named, so
+# that a driver of its own finds them too.
+NAMESPACE = "test_ucxx"
+
+
 @pytest.fixture(scope="module")
 def p():
-    producer = UcxxProducer.remote()
+    producer = UcxxProducer.options(name="producer", namespace=NAMESPACE).remote()
     yield producer
     ray.kill(producer)
 
 
 @pytest.fixture(scope="module")
 def c():
-    consumer = UcxxConsumer.remote()
+    consumer = UcxxConsumer.options(name="consumer", namespace=NAMESPACE).remote()
     yield consumer
     ray.kill(consumer)
 
@@ -202,41 +209,33 @@ def test_idle_processes_spend_no_cpu_on_ucx(p, c):
 
 
 def run_script(code: str) -> list[str]:
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    out = fresh.run(code, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout.strip().splitlines()
 
 
-def test_driver_put_and_get(cluster):
-    # In a driver of its own: this pytest process has loaded NIXL.
+def test_driver_put_and_get(cluster, p, c):
+    # In a driver of its own: this pytest process has loaded NIXL. It finds the module's
+    # producer and consumer by name.
     code = (
-        "import ray, torch, rdt_async as rdt\n"
-        f"ray.init(address={cluster.address!r}, log_to_driver=False)\n"
-        "@rdt.remote\n"
-        "class P:\n"
-        "    @rdt.method(tensor_transport='ucxx')\n"
-        "    def make(self, n):\n"
-        "        return {'a': torch.arange(n), 'b': [torch.ones(3, 3)]}\n"
-        "@rdt.remote\n"
-        "class C:\n"
-        "    async def total(self, v):\n"
-        "        return int(v['a'].sum())\n"
-        "p = P.remote()\n"
-        "v = rdt.get(p.make.remote(1000), timeout=60)\n"
-        "print(int(v['a'].sum()), float(v['b'][0].sum()), v['a'].dtype)\n"
+        "import hashlib, ray, torch, rdt_async as rdt\n"
+        f"ray.init(address={cluster.address!r}, namespace={NAMESPACE!r}, log_to_driver=False)\n"
+        "def checksum(t):\n"
+        "    return hashlib.sha1(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]\n"
+        "p, c = ray.get_actor('producer'), ray.get_actor('consumer')\n"
+        "v = rdt.get(p.make.remote(1000, 6), timeout=60)\n"
+        "print([checksum(v['w']), checksum(v['pair'][0]), v['pair'][1].tolist(), v['flag'].tolist(), v['seed']])\n"
         "ref = rdt.put({'a': torch.arange(10)}, tensor_transport='ucxx')\n"
-        "print(ray.get(C.remote().total.remote(ref)), rdt.store_stats()['fetches'])\n"
+        "print(ray.get(c.total.remote(ref)), rdt.store_stats()['fetches'])\n"
         "ray.shutdown()\n"
     )
-    assert run_script(code)[-2:] == ["499500 9.0 torch.int64", "45 {'ucxx': 1}"]
+    assert run_script(code)[-2:] == [str(want(1000, 6)), "45 {'ucxx': 1}"]
 
 
 def test_contract_suite_in_a_process_of_its_own():
     env = {**os.environ, "RDT_CONTRACT_TRANSPORTS": "ucxx"}
-    out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/transports", "-k", "ucxx"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT, env=env,
-    )  # fmt: skip
+    code = "import sys, pytest\nsys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/transports', '-k', 'ucxx']))"
+    out = fresh.run(code, env=env)
     assert out.returncode == 0, out.stdout[-3000:]
     passed = re.search(r"(\d+) passed", out.stdout)
     assert passed and int(passed.group(1)) >= 9 and "failed" not in out.stdout, out.stdout[-3000:]
@@ -260,7 +259,7 @@ def test_loading_ucxx_in_a_thread_leaves_the_processs_loop_free():
         "asyncio.run(main())\n"
     )
     env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "tests")}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    out = fresh.run(code, timeout=300, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stdout.splitlines()[-1].startswith("loaded True True "), out.stdout[-3000:]
 
@@ -291,7 +290,7 @@ def test_ucx_and_ucxx_print_nothing_unless_ucxx_log_level_asks(level):
     env["PYTHONPATH"] = os.path.join(ROOT, "tests")
     if level:
         env["UCXX_LOG_LEVEL"] = level
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    out = fresh.run(code, timeout=300, env=env, fork_producers=True)
     both = out.stdout + out.stderr  # UCX and UCXX log to stdout
     lines = [line for line in out.stdout.splitlines() if line.split(" ")[0] in ("got", "raised")]
     assert out.returncode == 0 and lines == ["got True", "raised PeerDiedError"], both[-3000:]
@@ -315,9 +314,7 @@ def test_nixl_and_ucxx_refuse_to_share_a_process():
         "    print('raised', e)\n"
     )
     for first, second in (("ucxx", "nixl"), ("nixl", "ucxx")):
-        out = subprocess.run(
-            [sys.executable, "-c", code, first, second], capture_output=True, text=True, timeout=300, cwd=ROOT
-        )
+        out = fresh.run(code, argv=(first, second))
         lines = [line for line in out.stdout.splitlines() if line.split(" ")[0] in (first, second, "raised")]
         assert lines[0] == f"{first} True", out.stdout + out.stderr[-2000:]
         clash = f"{first} already loaded its own UCX build in this process"
@@ -355,7 +352,7 @@ def test_an_address_that_never_answers_fails_the_fetch_after_the_answer_time():
     """A ref's address is input: a listener there that accepts and says nothing (no
     producer) fails the fetch with TransferError after RDT_UCXX_ANSWER_S, not never."""
     env = {**os.environ, "RDT_UCXX_ANSWER_S": "2", "UCX_LOG_LEVEL": "fatal"}
-    out = subprocess.run([sys.executable, "-c", _SILENT], capture_output=True, text=True, timeout=120, env=env).stdout
+    out = fresh.run(_SILENT, timeout=120, env=env).stdout
     said = out.strip().splitlines()[-1]
     assert re.fullmatch(
         r"TransferError: ucxx fetch of (ab){12}: no answer from the producer at 127\.0\.0\.1:\d+ in 2 s; "
@@ -429,7 +426,7 @@ def test_a_producer_that_dies_mid_receive_leaves_no_receive_posted():
     posted, and a later message with the first tensor's tag wrote all 131072 floats of
     the `into=` buffer the fetch had handed back."""
     env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "tests"), "UCX_LOG_LEVEL": "fatal"}
-    out = subprocess.run([sys.executable, "-c", _DIED_MID_RECEIVE], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    out = fresh.run(_DIED_MID_RECEIVE, timeout=120, env=env, fork_producers=True)
     assert sorted(out.stdout.splitlines()[:2]) == ["PeerDiedError into", "PeerDiedError ours"], out.stdout + out.stderr[-3000:]
     assert out.stdout.splitlines()[2:] == [
         "receives not ended 0 of 10",
@@ -439,32 +436,33 @@ def test_a_producer_that_dies_mid_receive_leaves_no_receive_posted():
 
 
 _CONSUMER_DIES = r"""
-import os, pickle, subprocess, sys, time, torch
+import multiprocessing, os, time, torch
 from rdt_async import _io
 from rdt_async.transports import ucxx
-from rdt_async.transports._base import TensorSpec, TransferInfo
+from rdt_async.transports._base import NoChannel, TensorSpec, TransferInfo
 
-CONSUMER = '''
-import sys, pickle, time
-from rdt_async import _io
-from rdt_async.transports import ucxx
-from rdt_async.transports._base import NoChannel
-got = _io.start(ucxx.UcxxTransport().receive(pickle.loads(bytes.fromhex(sys.argv[1])), None, NoChannel())).result()
-print(int(got[0].sum()), flush=True)
-time.sleep(60)
-'''
+def consume(conn):
+    got = _io.start(ucxx.UcxxTransport().receive(conn.recv(), None, NoChannel())).result()
+    conn.send(int(got[0].sum()))
+    time.sleep(60)
+
+# The consumer, a process of its own, forks before this one loads UCX (or starts a thread).
+ours, theirs = multiprocessing.Pipe()
+consumer = multiprocessing.get_context("fork").Process(target=consume, args=(theirs,), daemon=True)
+consumer.start()
 x = torch.arange(1000)
-info = TransferInfo("obj-a", (TensorSpec.of(x),), ucxx.UcxxTransport().prepare("obj-a", [x]))
-consumer = subprocess.Popen([sys.executable, "-c", CONSUMER, pickle.dumps(info).hex()], stdout=subprocess.PIPE, text=True)
-print("fetched", consumer.stdout.readline().strip())
+ours.send(TransferInfo("obj-a", (TensorSpec.of(x),), ucxx.UcxxTransport().prepare("obj-a", [x])))
+print("fetched", ours.recv())
 consumer.kill()
-consumer.wait()
-time.sleep(2)
+consumer.join()
 
 async def left():
     w = ucxx._workers[os.getpid()]
     return len(w.served), len(w.listening), w.timer is not None
 
+deadline = time.monotonic() + 2
+while _io.start(left()).result() != (0, 0, False) and time.monotonic() < deadline:
+    time.sleep(0.05)
 print("served, waiting, ticking", *_io.start(left()).result())
 """
 
@@ -473,7 +471,7 @@ def test_a_consumer_that_dies_leaves_its_producer_nothing_to_serve():
     """The wait for the next request on a dead consumer's endpoint is cancelled too: it
     was kept for good, with the endpoint, and woke the producer every second after."""
     env = {**os.environ, "UCX_LOG_LEVEL": "fatal"}
-    out = subprocess.run([sys.executable, "-c", _CONSUMER_DIES], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    out = fresh.run(_CONSUMER_DIES, timeout=120, env=env)
     assert out.stdout.splitlines() == ["fetched 499500", "served, waiting, ticking 0 0 False"], out.stdout[-3000:] + out.stderr[-3000:]
 
 
@@ -506,7 +504,7 @@ def test_a_ref_naming_another_listener_sends_it_no_request():
     and tags) to whatever UCX listener a crafted or stale ref named. It sends nothing until
     the listener's greeting proves it knows the ref's token, as tcp's does."""
     env = {**os.environ, "RDT_UCXX_ANSWER_S": "2", "UCX_LOG_LEVEL": "fatal"}
-    out = subprocess.run([sys.executable, "-c", _ANOTHER_LISTENER], capture_output=True, text=True, timeout=120, env=env)
+    out = fresh.run(_ANOTHER_LISTENER, timeout=120, env=env)
     lines = out.stdout.strip().splitlines()
     assert re.fullmatch(
         r"Unreachable: the listener at [\d.]+:\d+ is not the producer's ucxx listener \(its greeting is not the one "
@@ -547,7 +545,7 @@ def test_the_greeting_and_the_answer_share_one_answer_time():
     """A listener that greets late and then says nothing: the fetch waited the answer
     time for the greeting, then the whole answer time again for the answer."""
     env = {**os.environ, "RDT_UCXX_ANSWER_S": "2", "UCX_LOG_LEVEL": "fatal"}
-    out = subprocess.run([sys.executable, "-c", _LATE_GREETING], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    out = fresh.run(_LATE_GREETING, timeout=120, env=env)
     said = out.stdout.strip().splitlines()[-1:]
     assert said and re.fullmatch(
         r"TransferError: ucxx fetch of (ab){12}: no answer from the producer at [\d.]+:\d+ in 2 s; "
@@ -584,7 +582,7 @@ asyncio.run(main())
 def test_fetches_over_a_greeted_endpoint_check_the_greeting_once():
     """Every fetch worked the greeting out again (an HMAC) under a timeout: ~11 us each."""
     env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "tests"), "UCX_LOG_LEVEL": "fatal"}
-    out = subprocess.run([sys.executable, "-c", _GREETED_ONCE], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    out = fresh.run(_GREETED_ONCE, timeout=120, env=env, fork_producers=True)
     assert out.stdout.splitlines()[-1:] == ["greetings worked out 1"], out.stdout + out.stderr[-3000:]
 
 
@@ -645,7 +643,7 @@ def test_an_idle_endpoint_wakes_nothing_and_is_closed_after_tcps_idle_time():
     is closed (never one a fetch is using), the listener's end goes with it, and the
     next fetch connects and checks the greeting anew."""
     env = {**os.environ, "UCX_LOG_LEVEL": "fatal"}
-    out = subprocess.run([sys.executable, "-c", _IDLE], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    out = fresh.run(_IDLE, timeout=120, env=env)
     assert out.stdout.splitlines() == [
         "fetched 499500 endpoints, served 1 1",
         "wakeups while idle 0",
@@ -722,7 +720,7 @@ def test_a_greeting_no_fetch_waits_for_any_more_closes_its_endpoint_at_once():
     the next fetch, and every one after, failed after the answer time. Now the last fetch
     to give up on a greeting closes the endpoint, and the next one reconnects."""
     env = {**os.environ, "RDT_UCXX_ANSWER_S": "1", "UCX_LOG_LEVEL": "fatal"}
-    out = subprocess.run([sys.executable, "-c", _GIVEN_UP], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    out = fresh.run(_GIVEN_UP, timeout=120, env=env)
     lines = out.stdout.splitlines()
     assert lines[:2] == [
         "first fetch cancelled: endpoints 0 wakeups 0",
@@ -796,7 +794,7 @@ def test_a_producer_keeps_nothing_of_the_endpoints_its_consumers_closed():
     producer ~2.4 KiB for good. Requests come over the endpoint's stream now: its receive
     ends with the endpoint. A request's head is checked before its bytes are read."""
     env = {**os.environ, "UCX_LOG_LEVEL": "fatal"}
-    out = subprocess.run([sys.executable, "-c", _RECONNECTS], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    out = fresh.run(_RECONNECTS, timeout=120, env=env)
     assert out.stdout.splitlines() == [
         "fetched [499500] slowest under 1 s True",
         "heap kept per connection under 1.5 KiB",
