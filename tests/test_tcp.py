@@ -94,6 +94,10 @@ class TcpConsumer(Probed):
     def idle(self) -> int:
         return sum(len(p) for p in tcp._idle.values())
 
+    def idle_to(self) -> dict:
+        """The connections kept for reuse, by the listener they go to."""
+        return {key[:2]: len(p) for key, p in tcp._idle.items() if p}
+
     def fetches(self) -> dict:
         return rdt.store_stats()["fetches"]
 
@@ -151,9 +155,13 @@ def test_objects_are_released_and_a_freed_one_says_so(pair):
         ray.get(c.fetch.remote([ref]))
 
 
-def test_producer_killed_gives_peer_died_in_bounded_time():
-    p, c = TcpProducer.remote(), TcpConsumer.options(**ON_NODE2).remote()
+def test_producer_killed_gives_peer_died_in_bounded_time(pair):
+    _, c = pair  # the shared consumer (it must serve on); a producer of its own, killed
+    p = TcpProducer.remote()
+    before = ray.get(c.idle_to.remote())
     ray.get(c.fetch.remote([p.make.remote(100, 0)]))  # a connection kept for reuse
+    kept = ray.get(c.idle_to.remote()).keys() - before.keys()
+    assert len(kept) == 1, kept  # (the new producer's listener)
     ref = p.make.remote(1000, 1)
     ray.wait([ref])
     ray.kill(p)
@@ -162,8 +170,9 @@ def test_producer_killed_gives_peer_died_in_bounded_time():
     with pytest.raises(rdt.PeerDiedError):
         ray.get(c.fetch.remote([ref]), timeout=60)
     assert time.monotonic() - t0 < 30
-    assert ray.get(c.idle.remote()) == 0  # the dead producer's connections were dropped
-    ray.kill(c)
+    left = ray.get(c.idle_to.remote())
+    assert not kept & left.keys(), left  # the dead producer's connections were dropped
+    assert ray.get(c.fetch.remote([pair[0].make.remote(100, 2)])) == digests(value(100, 2))  # it serves on
 
 
 def test_streams_split_the_bytes_into_page_aligned_ranges():
