@@ -117,6 +117,10 @@ class Trainer:
     async def close(self, name: str) -> None:
         self.pubs.pop(name).close()
 
+    async def close_if_open(self, name: str) -> None:
+        if name in self.pubs:
+            self.pubs.pop(name).close()
+
     async def stats(self, name: str) -> dict:
         return next(p for p in rdt.store_stats()["publications"] if p["name"] == name)
 
@@ -353,11 +357,22 @@ def idle_pair(cluster):
         ray.kill(s)
 
 
-def test_versions_further_apart_than_the_idle_time_land_in_the_nodes_warm_relay_memory(actors, idle_pair):
+@pytest.fixture(scope="module")
+def idle_trainer(cluster):
+    """A trainer only `idle_pair` follows (the module's servers on node 2 keep warm memory
+    for the module's trainer), under a name of each test's own; the test that kills its
+    trainer makes its own."""
+    trainer = Trainer.remote()
+    ray.get(trainer.pid.remote(), timeout=120)
+    yield trainer
+    ray.kill(trainer)
+
+
+def test_versions_further_apart_than_the_idle_time_land_in_the_nodes_warm_relay_memory(actors, idle_pair, idle_trainer):
     """A trainer's step is often longer than RDT_SHM_IDLE_S: a node's relay memory must not
     go cold between versions (each would land in fresh memory, faulting it in anew), but stay
     with the process that held the last one, for as long as its subscription lives."""
-    trainer, pair = Trainer.remote(), idle_pair  # (the module's servers on node 2 keep warm memory for the module's trainer)
+    trainer, pair = idle_trainer, idle_pair
     try:
         before = [s["relay"] for s in ray.get([s.stats.remote() for s in pair])]
         _warm_pair(trainer, pair, "far", 3)
@@ -374,7 +389,7 @@ def test_versions_further_apart_than_the_idle_time_land_in_the_nodes_warm_relay_
         assert all(e.startswith("ObjectFreedError") and e.endswith("the publisher closed") for e in ended), ended
         _none_idle(pair)
     finally:
-        ray.kill(trainer)
+        ray.get(trainer.close_if_open.remote("far"))
 
 
 def _warm_pair(trainer, pair: list, name: str, versions: int) -> None:
@@ -399,15 +414,15 @@ def _none_idle(pair: list) -> None:
     wait_until(lambda: idle() == [0, 0], 1.2, idle)
 
 
-def test_a_closed_subscription_keeps_no_relay_memory_and_takes_no_version(actors, idle_pair):
-    trainer, pair = Trainer.remote(), idle_pair
+def test_a_closed_subscription_keeps_no_relay_memory_and_takes_no_version(actors, idle_pair, idle_trainer):
+    trainer, pair = idle_trainer, idle_pair
     try:
         _warm_pair(trainer, pair, "shut", 2)
         said = ray.get([s.close.remote("shut") for s in pair])
         assert said == [[[], "rdt.subscribe(actor, 'shut'): this subscription was closed; subscribe again"]] * 2
         _none_idle(pair)  # closed, nothing keeps it
     finally:
-        ray.kill(trainer)
+        ray.get(trainer.close_if_open.remote("shut"))
 
 
 def test_a_dead_trainers_subscribers_keep_no_relay_memory_for_it(actors, idle_pair):
@@ -554,14 +569,13 @@ def test_mistakes_are_refused_where_they_are_made(actors):
         rdt.subscribe(7, "w")
 
 
-@rdt.remote
-class SyncTrainer:
-    def make(self) -> str:
-        try:
-            rdt.Publisher("weights")
-        except RuntimeError as exc:
-            return str(exc)
-        return "made"
+def _make_publisher(self) -> str:
+    """Make a Publisher in the actor this runs in (`__ray_call__`): "made", or the refusal."""
+    try:
+        rdt.Publisher("weights")
+    except RuntimeError as exc:
+        return str(exc)
+    return "made"
 
 
 def test_a_polls_answer_that_is_no_version_is_refused_before_anything_is_fetched():
@@ -603,19 +617,16 @@ def test_a_polls_answer_with_a_version_that_is_not_newer_is_refused(cluster):
         ray.kill(liar)
 
 
-def test_a_publisher_lives_in_an_async_actor_and_only_there_can_be_subscribed_to(cluster):
+def test_a_publisher_lives_in_an_async_actor_and_only_there_can_be_subscribed_to(sync_producer):
     with pytest.raises(RuntimeError, match=r"^rdt.Publisher lives in an async @rdt.remote actor .* not in the driver"):
         rdt.Publisher("weights")
-    sync = SyncTrainer.remote()
-    try:
-        assert ray.get(sync.make.remote()) == (
-            "rdt.Publisher lives in an async @rdt.remote actor: this actor is not one (its class "
-            "needs @rdt.remote and at least one `async def` method)"
-        )
-        with pytest.raises(TypeError, match=r"that actor cannot publish; a Publisher lives in an async @rdt.remote"):
-            rdt.subscribe(sync, "weights")
-    finally:
-        ray.kill(sync)
+    sync = sync_producer  # a sync @rdt.remote actor (the session's)
+    assert ray.get(sync.__ray_call__.remote(_make_publisher)) == (
+        "rdt.Publisher lives in an async @rdt.remote actor: this actor is not one (its class "
+        "needs @rdt.remote and at least one `async def` method)"
+    )
+    with pytest.raises(TypeError, match=r"that actor cannot publish; a Publisher lives in an async @rdt.remote"):
+        rdt.subscribe(sync, "weights")
 
 
 def test_the_trainer_dying_raises_peer_died_at_the_next_wait_and_what_was_fetched_stays(actors):
