@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import inspect
 import multiprocessing
@@ -961,22 +962,53 @@ def test_only_remote_cpu_objects_of_a_mib_or_more_go_through_the_relay(monkeypat
 
 
 @pytest.fixture(scope="module")
-def fan_out(cluster):
-    """A producer on the head host and four servers on node2's, shared by this module's tests
-    (each test's fetches replace what the servers hold; `ray_session` checks each for leaks)."""
-    yield from _producer_and_servers(4)
-
-
-@pytest.fixture(scope="module")
-def one_server(cluster):
-    yield from _producer_and_servers(1)
-
-
-def _producer_and_servers(k: int):
+def node2_servers(cluster):
+    """Servers on node2's host, made as this module's tests ask for them (`_servers`) and
+    shared by them (each test's fetches replace what the servers hold; `ray_session`
+    checks each for leaks): each is a process that imports torch."""
     import ray
-    from conftest import ON_NODE2
-    from helpers import SyncProducer
 
+    made: list = []
+    yield made
+    for actor in made:
+        ray.kill(actor)
+
+
+@pytest.fixture
+def fan_out(sync_producer, node2_servers):
+    """The session's producer on the head host and four servers on node2's."""
+    return sync_producer, _servers(node2_servers, 4)
+
+
+@pytest.fixture
+def one_server(sync_producer, node2_servers):
+    """The session's producer and one server on node2's, which starts cold: no server of
+    the node keeps warm memory from an earlier test (what they held is let go, and idle
+    memfds close after RDT_SHM_IDLE_S, 1 s in this session)."""
+    import ray
+    from conftest import wait_until
+
+    servers = _servers(node2_servers, 1)
+    ray.get([s.drop.remote() for s in node2_servers])
+
+    def idle() -> list[int]:
+        return [r["idle_memfds"] for r in ray.get([s.relay_stats.remote() for s in node2_servers])]
+
+    wait_until(lambda: not any(idle()), 15, idle)
+    return sync_producer, servers
+
+
+def _servers(made: list, k: int) -> list:
+    """The first `k` of the module's servers on node2, made where fewer are."""
+    from conftest import ON_NODE2
+
+    while len(made) < k:
+        made.append(_server_class().options(**ON_NODE2).remote())
+    return made[:k]
+
+
+@functools.cache
+def _server_class():
     import rdt_async as rdt
 
     @rdt.remote
@@ -1048,11 +1080,13 @@ def _producer_and_servers(k: int):
         async def kept_sum(self) -> float:
             return float(self.w.double().sum())
 
-    producer = SyncProducer.remote()
-    servers = [Server.options(**ON_NODE2).remote() for _ in range(k)]
-    yield producer, servers
-    for actor in (producer, *servers):
-        ray.kill(actor)
+        async def drop(self) -> None:
+            self.w = None
+
+        async def relay_stats(self) -> dict:
+            return rdt.store_stats()["relay"]
+
+    return Server
 
 
 @pytest.mark.parametrize("transport", ["auto", "object_store"])
