@@ -273,8 +273,9 @@ def test_auto_weighs_a_shared_group_across_nodes(tmp_path, outsiders):
     path = tmp_path / "gloo-costs.json"
     path.write_text(json.dumps({"cpu": {"gloo/hosts": [0.001, 50.0]}}))
     p = GlooProducer.options(**ON_NODE2).remote()
-    plain, _ = outsiders
-    told = AsyncMember.options(runtime_env={"env_vars": {"RDT_AUTO_COSTS": str(path)}}).remote()
+    plain, told = outsiders
+    # (auto reads RDT_AUTO_COSTS at each choice: set in `told` for this test only)
+    assert ray.get(told.__ray_call__.remote(_set_env, "RDT_AUTO_COSTS", str(path))) is None
     g = rdt.create_collective_group([p, plain, told])
     try:
         for member, want in ((plain, "tcp"), (told, "gloo")):
@@ -287,8 +288,16 @@ def test_auto_weighs_a_shared_group_across_nodes(tmp_path, outsiders):
             assert choice["why"].startswith(f"256 KiB CPU from another node: {want} "), choice["why"]
     finally:
         rdt.destroy_collective_group(g)
-        for a in (p, told):
-            ray.kill(a)
+        ray.get(told.__ray_call__.remote(_set_env, "RDT_AUTO_COSTS", None))
+        ray.kill(p)
+
+
+def _set_env(self, name: str, value: str | None) -> str | None:
+    """Set (None: unset) an environment variable in the actor this runs in: what it was."""
+    was = os.environ.pop(name, None)
+    if value is not None:
+        os.environ[name] = value
+    return was
 
 
 def test_group_errors_say_why(outsiders):
@@ -335,11 +344,11 @@ def test_gloo_refuses_non_cpu_tensors_when_the_value_is_returned(pair):
 
 
 @pytest.fixture(scope="module")
-def survivors(cluster):
-    """The consumers of the groups whose producer dies (not the module's: those groups break)."""
-    c, s = AsyncMember.remote(), SyncMember.remote()
-    yield c, s
-    ray.kill(c)
+def survivors(free_members):
+    """The consumers of the groups whose producer dies (not the module's: those groups
+    break): an async one (a free member; each test destroys its broken group) and a sync one."""
+    s = SyncMember.remote()
+    yield free_members[0], s
     ray.kill(s)
 
 
