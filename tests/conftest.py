@@ -116,7 +116,7 @@ def cluster():
 @pytest.fixture(scope="session")
 def sync_producer(cluster):
     """A helpers.SyncProducer on the head host, shared by the modules that use it as it is
-    (each actor is a process that imports torch: ~5 CPU-s). A test frees what it made with
+    (each actor is a process that imports Ray and torch: ~1.7 CPU-s here). A test frees what it made with
     it; one that kills its producer, or needs one elsewhere, makes its own."""
     import ray
     from helpers import SyncProducer
