@@ -76,6 +76,11 @@ def stopped(p: Producer):
         os.kill(p.proc.pid, signal.SIGCONT)
 
 
+# An object read from the I/O loop, not on the caller's thread (past nixl's INLINE_BYTES),
+# whose stall bound is STALL_S (its bytes at STALL_BYTES_PER_S take less than 0.5 s).
+LOOP_READ = (1 << 20,)  # 4 MiB
+
+
 def expect(obj_no: int, sizes=(1000, 7, 0)) -> list[torch.Tensor]:
     return [t.cpu() for t in make_value(obj_no, "cpu", sizes)]
 
@@ -457,16 +462,16 @@ async def test_nixl_a_read_that_stalls_is_cut_off_and_read_again_over_a_fresh_co
 
     monkeypatch.setattr(_xfer, "STALL_S", 0.5)
     with own_producer("nixl") as p:
-        assert_same(await fetch(p, p.make(8, (8 << 20,))), expect(8, (8 << 20,)))  # connected
-        info = p.make(9, (8 << 20,))  # (32 MiB: read from the I/O loop, not on the caller's thread)
+        assert_same(await fetch(p, p.make(8, LOOP_READ)), expect(8, LOOP_READ))  # connected
+        info = p.make(9, LOOP_READ)
         nx = _registry.transport("nixl").agent().nixl
         began = time.monotonic()
         with nixl_stalling(nx, until_removed=info.meta.agent) as (_, removed):
             async with asyncio.timeout(30):  # (without a bound: for good)
-                assert_same(await fetch(p, info), expect(9, (8 << 20,)))
+                assert_same(await fetch(p, info), expect(9, LOOP_READ))
         took = time.monotonic() - began
         assert removed.count(info.meta.agent) == 1 and 0.5 <= took < 10, (removed, took)  # cut off once, at the bound
-        assert_same(await fetch(p, p.make(10, (8 << 20,))), expect(10, (8 << 20,)))
+        assert_same(await fetch(p, p.make(10, LOOP_READ)), expect(10, LOOP_READ))
 
 
 @pytest.mark.skipif("nixl" not in TRANSPORTS, reason="nixl not selected")
@@ -478,8 +483,8 @@ async def test_nixl_a_read_whose_connection_another_reads_stall_cut_off_reads_ag
 
     monkeypatch.setattr(_xfer, "STALL_S", 1.0)
     with own_producer("nixl") as p:
-        assert_same(await fetch(p, p.make(8, (8 << 20,))), expect(8, (8 << 20,)))  # connected
-        first, second = p.make(9, (8 << 20,)), p.make(10, (8 << 20,))
+        assert_same(await fetch(p, p.make(8, LOOP_READ)), expect(8, LOOP_READ))  # connected
+        first, second = p.make(9, LOOP_READ), p.make(10, LOOP_READ)
         nx = _registry.transport("nixl").agent().nixl
         with nixl_stalling(nx, until_removed=first.meta.agent, others_fail=True) as (posted, removed):
             async with asyncio.timeout(30):
@@ -487,8 +492,8 @@ async def test_nixl_a_read_whose_connection_another_reads_stall_cut_off_reads_ag
                 while not posted:
                     await asyncio.sleep(0.01)
                 two = await fetch(p, second)  # waits on the connection the first stalls on
-                assert_same(await one, expect(9, (8 << 20,)))
-            assert_same(two, expect(10, (8 << 20,)))
+                assert_same(await one, expect(9, LOOP_READ))
+            assert_same(two, expect(10, LOOP_READ))
         assert len(posted) >= 2 and removed.count(first.meta.agent) == 1, (posted, removed)
 
 
@@ -500,8 +505,8 @@ async def test_nixl_a_read_that_stalls_again_over_a_fresh_connection_fails_namin
     monkeypatch.setattr(_xfer, "ABORT_GRACE_S", 0.5)
     monkeypatch.setattr(_transport, "RECHECK_S", 1.0)  # (the fresh connection's read stalls too)
     with own_producer("nixl") as p:
-        assert_same(await fetch(p, p.make(8, (8 << 20,))), expect(8, (8 << 20,)))  # connected
-        info = p.make(9, (8 << 20,))
+        assert_same(await fetch(p, p.make(8, LOOP_READ)), expect(8, LOOP_READ))  # connected
+        info = p.make(9, LOOP_READ)
         nx = _registry.transport("nixl").agent().nixl
         with nixl_stalling(nx, until_removed=None) as (_, removed):
             with pytest.raises(_xfer.ReadStalled, match=r"stalled: still in progress after \d+ s .*RDT_NIXL_STALL_S") as raised:
@@ -510,7 +515,7 @@ async def test_nixl_a_read_that_stalls_again_over_a_fresh_connection_fails_namin
         assert removed.count(info.meta.agent) == 2, removed  # the READ's connection, and the fresh one's
         # A path with no answer from this producer: `auto` takes another (test_nixl.py shows it).
         assert "stall: none ended over a fresh connection either" in (unusable(raised.value) or ""), raised.value.__cause__
-        assert_same(await fetch(p, p.make(10, (8 << 20,))), expect(10, (8 << 20,)))  # and reads anew
+        assert_same(await fetch(p, p.make(10, LOOP_READ)), expect(10, LOOP_READ))  # and reads anew
 
 
 @pytest.mark.skipif("nixl" not in TRANSPORTS, reason="nixl not selected")
@@ -524,8 +529,8 @@ async def test_nixl_a_read_into_caller_buffers_that_will_not_end_fails_at_once_n
     monkeypatch.setattr(_xfer, "STALL_S", 0.5)
     monkeypatch.setattr(_xfer, "ABORT_GRACE_S", 0.5)
     with own_producer("nixl") as p:
-        assert_same(await fetch(p, p.make(8, (8 << 20,))), expect(8, (8 << 20,)))  # connected
-        info = p.make(9, (8 << 20,))
+        assert_same(await fetch(p, p.make(8, LOOP_READ)), expect(8, LOOP_READ))  # connected
+        info = p.make(9, LOOP_READ)
         buffers = [torch.zeros(s.shape, dtype=s.dtype, device=DEVICE) for s in info.specs]
         kept = len(_plan._kept_for_nixl)
         nx = _registry.transport("nixl").agent().nixl
@@ -536,8 +541,8 @@ async def test_nixl_a_read_into_caller_buffers_that_will_not_end_fails_at_once_n
         assert type(raised.value).__name__ == "StillWriting" and unusable(raised.value) is None, raised.value
         assert len(posted) == 1 and removed.count(info.meta.agent) == 1, (posted, removed)  # never read again
         assert len(_plan._kept_for_nixl) == kept + 1 and "into= buffers, which NIXL may still write" in caplog.text
-        plain = p.make(10, (8 << 20,))  # a fetch into memory of its own is read as before
-        assert_same(await fetch(p, plain), expect(10, (8 << 20,)))
+        plain = p.make(10, LOOP_READ)  # a fetch into memory of its own is read as before
+        assert_same(await fetch(p, plain), expect(10, LOOP_READ))
 
 
 @pytest.mark.skipif("nixl" not in TRANSPORTS, reason="nixl not selected")
@@ -901,7 +906,7 @@ async def test_nixl_a_region_that_comes_again_with_other_metadata_is_read_over_a
     # its blob changed), then forgets the producer but for its UCX connection, which it
     # never makes again: every later read from that live producer failed.
     with own_producer("nixl") as p:
-        for no, sizes in ((8, (1000,)), (9, (8 << 20,))):  # read on the caller's thread, then from the I/O loop
+        for no, sizes in ((8, (1000,)), (9, LOOP_READ)):  # read on the caller's thread, then from the I/O loop
             info = p.make(no, sizes)
             assert_same(await fetch(p, info), expect(no, sizes))  # its region loaded
             blob = info.meta.regs[0]
@@ -992,7 +997,7 @@ async def test_nixl_regions_held_of_a_producer_registering_new_memory_are_bounde
     monkeypatch.setattr(_peers, "REGIONS_MAX", 8)
     with own_producer("nixl") as p:
         held, epochs = [], set()
-        for no, sizes in enumerate([(1000, 7, 0)] * 8 + [(8 << 20, 7)] * 4):  # on the caller's thread, then the loop
+        for no, sizes in enumerate([(1000, 7, 0)] * 8 + [(*LOOP_READ, 7)] * 4):  # on the caller's thread, then the loop
             info = p.make(no, sizes)
             assert_same(await fetch(p, info), expect(no, sizes))
             peers = _registry.transport("nixl")._current().peers
@@ -1088,8 +1093,8 @@ async def test_nixl_buffers_a_cancelled_read_may_still_write_are_refused_to_late
 
     monkeypatch.setattr(_xfer, "ABORT_GRACE_S", 0.5)
     with own_producer("nixl") as p:
-        assert_same(await fetch(p, p.make(8, (8 << 20,))), expect(8, (8 << 20,)))  # connected
-        info = p.make(9, (8 << 20,))
+        assert_same(await fetch(p, p.make(8, LOOP_READ)), expect(8, LOOP_READ))  # connected
+        info = p.make(9, LOOP_READ)
         buffers = [torch.zeros(s.shape, dtype=s.dtype, device=DEVICE) for s in info.specs]
         nx = _registry.transport("nixl").agent().nixl
         with nixl_stalling(nx, until_removed=None) as (posted, removed):
@@ -1097,6 +1102,6 @@ async def test_nixl_buffers_a_cancelled_read_may_still_write_are_refused_to_late
         assert len(posted) == 1 and removed.count(info.meta.agent) == 1, (posted, removed)  # kept, never ended
         again = [buffers[0][1:]]  # (any view of them)
         with pytest.raises(rdt.TransferAbortedError, match=r"into= tensor 0 takes a READ .*NIXL may still write it") as raised:
-            await fetch(p, p.make(10, ((8 << 20) - 1,)), again)
+            await fetch(p, p.make(10, (LOOP_READ[0] - 1,)), again)
         assert type(raised.value).__name__ == "StillWriting", raised.value
-        assert_same(await fetch(p, p.make(11, (8 << 20,))), expect(11, (8 << 20,)))  # into memory of its own: as before
+        assert_same(await fetch(p, p.make(11, LOOP_READ)), expect(11, LOOP_READ))  # into memory of its own: as before
