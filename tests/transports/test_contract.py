@@ -233,44 +233,42 @@ async def test_cancelled_fetch_into_buffers_is_not_written_after_it_returns(prod
     assert_same(await fetch(producer, info, buffers), expect(5, (16 << 20,)))
 
 
-@pytest.mark.parametrize("name", TRANSPORTS)
 @pytest.mark.parametrize("n", [1 << 10, 1 << 20])  # one message, and UCX's rendezvous
-async def test_a_fetch_cancelled_past_the_drain_bound_never_writes_its_buffers_later(name, n, monkeypatch):
+async def test_a_fetch_cancelled_past_the_drain_bound_never_writes_its_buffers_later(producer, n, monkeypatch):
     # The producer is stopped, so receives it was to answer stay pending past the
     # bound a cancelled fetch waits for them. Once the fetch has returned, the
     # producer resumes and answers: nothing of that answer may land in the buffers.
     for module in ("gloo", "ucxx"):
         monkeypatch.setattr(f"rdt_async.transports.{module}.DRAIN_S", 0.3, raising=False)
-    with own_producer(name) as p:
-        assert_same(await fetch(p, p.make(8)), expect(8))  # connected, warm
-        info = p.make(9, (n,))
-        buffers = [torch.zeros(s.shape, dtype=s.dtype, device=DEVICE) for s in info.specs]
-        with stopped(p):
-            async with asyncio.timeout(20):
-                await cancel_after(fetch(p, info, buffers), 0.2)
-            then = [b.clone() for b in buffers]
-        await asyncio.sleep(0.5)  # the producer's answer, if anything still waits for it
-        assert all(torch.equal(t, b) for t, b in zip(then, buffers)), "written after the cancel returned"
-        assert_same(await fetch(p, info, buffers), expect(9, (n,)))  # and the producer serves again
+    p = producer
+    assert_same(await fetch(p, p.make(8)), expect(8))  # connected, warm
+    info = p.make(9, (n,))
+    buffers = [torch.zeros(s.shape, dtype=s.dtype, device=DEVICE) for s in info.specs]
+    with stopped(p):
+        async with asyncio.timeout(20):
+            await cancel_after(fetch(p, info, buffers), 0.2)
+        then = [b.clone() for b in buffers]
+    await asyncio.sleep(0.5)  # the producer's answer, if anything still waits for it
+    assert all(torch.equal(t, b) for t, b in zip(then, buffers)), "written after the cancel returned"
+    assert_same(await fetch(p, info, buffers), expect(9, (n,)))  # and the producer serves again
 
 
-@pytest.mark.parametrize("name", TRANSPORTS)
 @pytest.mark.parametrize("n", [1 << 10, 1 << 20])
-async def test_a_fetch_into_its_own_memory_from_a_stopped_producer_is_cancelled_at_once(name, n):
+async def test_a_fetch_into_its_own_memory_from_a_stopped_producer_is_cancelled_at_once(producer, n):
     # No caller buffer to protect: the cancel returns now, not after the drain bound,
     # and the answer that comes later neither breaks the connection nor lands anywhere.
-    with own_producer(name) as p:
-        assert_same(await fetch(p, p.make(8)), expect(8))  # connected, warm
-        info = p.make(9, (n,))
-        with stopped(p):
-            t0 = time.monotonic()
-            async with asyncio.timeout(20):
-                await cancel_after(fetch(p, info), 0.2)
-            took = time.monotonic() - t0
-        assert took < 5, f"the cancel waited {took:.1f} s"  # a hang check: the drain bound is 30 s
-        await asyncio.sleep(0.3)  # the late answer arrives
-        assert_same(await fetch(p, info), expect(9, (n,)))
-        assert_same(await fetch(p, p.make(10)), expect(10))
+    p = producer
+    assert_same(await fetch(p, p.make(8)), expect(8))  # connected, warm
+    info = p.make(9, (n,))
+    with stopped(p):
+        t0 = time.monotonic()
+        async with asyncio.timeout(20):
+            await cancel_after(fetch(p, info), 0.2)
+        took = time.monotonic() - t0
+    assert took < 5, f"the cancel waited {took:.1f} s"  # a hang check: the drain bound is 30 s
+    await asyncio.sleep(0.3)  # the late answer arrives
+    assert_same(await fetch(p, info), expect(9, (n,)))
+    assert_same(await fetch(p, p.make(10)), expect(10))
 
 
 @pytest.mark.parametrize("elements", [2000, 500], ids=["more", "fewer"])
