@@ -30,12 +30,31 @@ class AsyncProducer:
     async def make(self, n: int):
         return [torch.arange(n, dtype=torch.int64), {"nt": Pair(torch.ones(3), "b")}, Weights(torch.zeros(2, 2), "w")]
 
+    async def write_then_sum(self, t):  # (a consumer too: it writes what it fetched)
+        t += 1
+        return checksum(t)
+
 
 @rdt.remote(max_concurrency=4)
 class ThreadedProducer:
     @rdt.method
     def make(self, n: int):
         return (torch.full((n,), 2.0), "tag")
+
+    def write_then_sum(self, t):
+        t += 1
+        return checksum(t)
+
+    @rdt.method(tensor_transport="object_store")  # sent from these tensors when another process fetches
+    def make_kept(self):
+        self.t = torch.arange(4.0)
+        return self.t
+
+    def fetch_back(self, refs):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            same = rdt.get(refs[0]) is self.t
+        return same, [(str(w.message), w.filename) for w in caught]
 
 
 @pytest.fixture
@@ -46,6 +65,22 @@ def producer(sync_producer):
 @pytest.fixture
 def consumer(async_consumer):
     return async_consumer
+
+
+# The module's own actors (each a process that imports torch), made once: a producer of
+# each kind, which are also the consumers whose writes must stay their own.
+@pytest.fixture(scope="module")
+def async_producer():
+    a = AsyncProducer.remote()
+    yield a
+    ray.kill(a)
+
+
+@pytest.fixture(scope="module")
+def threaded_producer():
+    t = ThreadedProducer.remote()
+    yield t
+    ray.kill(t)
 
 
 def test_ref_resolves_to_rdt_object_whose_repr_says_how_to_fetch(producer):
@@ -71,8 +106,8 @@ def test_several_args_fetched_concurrently(producer, consumer):
     assert sums == [4950.0, 50.0, 30.0]
 
 
-def test_async_and_threaded_producers(consumer):
-    ap, tp = AsyncProducer.remote(), ThreadedProducer.remote()
+def test_async_and_threaded_producers(consumer, async_producer, threaded_producer):
+    ap, tp = async_producer, threaded_producer
     v = ray.get(consumer.take.remote(ap.make.remote(5)))
     assert v[0].tolist() == [0, 1, 2, 3, 4]
     assert isinstance(v[1]["nt"], Pair) and v[1]["nt"].b == "b" and v[1]["nt"].a.tolist() == [1.0, 1.0, 1.0]
@@ -155,16 +190,9 @@ def test_device_moves_tensors(producer):
     assert out.device == torch.device("cpu") and out.tolist() == [1.0, 1.0, 1.0]
 
 
-def test_consumers_never_see_each_others_writes(producer):
+def test_consumers_never_see_each_others_writes(producer, async_producer, threaded_producer):
     ref = producer.value.remote(torch.zeros(1 << 16))
-
-    @rdt.remote
-    class Writer:
-        async def write_then_sum(self, t):
-            t += 1
-            return checksum(t)
-
-    w1, w2 = Writer.remote(), Writer.remote()
+    w1, w2 = async_producer, threaded_producer  # two consumers, each writing what it fetched
     assert ray.get(w1.write_then_sum.remote(ref)) == float(1 << 16)
     assert ray.get(w2.write_then_sum.remote(ref)) == float(1 << 16)
     assert checksum(rdt.get(ref)) == 0.0
@@ -201,27 +229,13 @@ def test_into_large_objects_contiguous_and_strided_buffers(producer):
     assert torch.equal(into["a"], src["a"]) and torch.equal(strided, src["b"])
 
 
-@rdt.remote
-class SelfFetcher:
-    @rdt.method(tensor_transport="object_store")  # sent from these tensors when another process fetches
-    def make(self):
-        self.t = torch.arange(4.0)
-        return self.t
-
-    def fetch_back(self, refs):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            same = rdt.get(refs[0]) is self.t
-        return same, [(str(w.message), w.filename) for w in caught]
-
-
-def test_the_producer_fetching_back_what_another_process_fetched_warns_once_at_the_caller(consumer):
+def test_the_producer_fetching_back_what_another_process_fetched_warns_once_at_the_caller(consumer, threaded_producer):
     # (In the other order, the send finds the local fetch and logs the same warning.)
-    p, c = SelfFetcher.remote(), consumer
-    alone = p.make.remote()
+    p, c = threaded_producer, consumer
+    alone = p.make_kept.remote()
     same, caught = ray.get(p.fetch_back.remote([alone]))
     assert same and caught == []  # only fetched back: no other reader, no warning (as in Ray)
-    ref = p.make.remote()
+    ref = p.make_kept.remote()
     assert ray.get(c.checksums.remote(ref)) == [6.0]  # another process fetches it
     same, caught = ray.get(p.fetch_back.remote([ref]))
     assert same and len(caught) == 1, caught
@@ -229,4 +243,3 @@ def test_the_producer_fetching_back_what_another_process_fetched_warns_once_at_t
     assert "fetched both by the process that produced it" in message and "Clone before writing" in message
     assert filename == __file__  # points at the caller's line, not at rdt_async
     assert ray.get(p.fetch_back.remote([ref]))[1] == []  # once per object
-    ray.kill(p)
