@@ -92,6 +92,34 @@ class AsyncTools:
     async def ping(self) -> str:
         return "pong"
 
+    # A producer fetching back what it made: it records the warnings it shows meanwhile.
+    @rdt.method(tensor_transport="object_store")  # sent from these tensors when another process fetches
+    def make(self):
+        self.t = torch.arange(4.0)
+        return self.t
+
+    async def record(self, on: bool = True) -> None:
+        import warnings
+
+        if not hasattr(self, "shown"):
+            self.shown = warnings.showwarning, warnings.filters[:]
+        warnings.showwarning, warnings.filters[:] = self.shown[0], self.shown[1]  # (as it was: off)
+        self.caught = []
+        if on:
+            warnings.simplefilter("always")
+            warnings.showwarning = lambda message, category, filename, lineno, *a: self.caught.append(
+                (str(message), filename, lineno))
+
+    async def take(self, value) -> bool:  # its argument is fetched before it runs
+        return value is self.t
+
+    async def fetch_all_back(self, refs) -> bool:
+        values = await rdt.fetch_all(refs)
+        return values[0] is self.t
+
+    async def caught_warnings(self) -> list:
+        return self.caught
+
 
 @pytest.fixture(scope="module")
 def tools(cluster):
@@ -511,32 +539,6 @@ def test_one_chain_keeps_the_native_cause_below_our_error():
         assert shown.count("The above exception was the direct cause") == 1
 
 
-@rdt.remote
-class _SelfFetcher:
-    @rdt.method(tensor_transport="object_store")  # sent from these tensors when another process fetches
-    def make(self):
-        self.t = torch.arange(4.0)
-        return self.t
-
-    async def record(self) -> None:
-        import warnings
-
-        self.caught = []
-        warnings.simplefilter("always")
-        warnings.showwarning = lambda message, category, filename, lineno, *a: self.caught.append(
-            (str(message), filename, lineno))
-
-    async def take(self, value) -> bool:  # its argument is fetched before it runs
-        return value is self.t
-
-    async def fetch_all_back(self, refs) -> bool:
-        values = await rdt.fetch_all(refs)
-        return values[0] is self.t
-
-    async def caught_warnings(self) -> list:
-        return self.caught
-
-
 def _line_of(text: str) -> int:
     with open(__file__) as f:
         return next(n for n, line in enumerate(f, 1) if line.rstrip() == text)
@@ -545,17 +547,19 @@ def _line_of(text: str) -> int:
 def test_the_producer_fetching_back_warns_at_the_users_line_from_tasks_and_arguments(async_tools):
     # Before: the warning pointed at asyncio/events.py (a task's fetch) or at Ray's worker (an
     # argument's), not at the user's code.
-    p, c = _SelfFetcher.remote(), async_tools  # a fresh producer: it records its warnings
+    p = async_tools  # the producer: it records its warnings; this driver is the other process
     ray.get(p.record.remote())
-    for method, line in (("take", _line_of("    async def take(self, value) -> bool:  # its argument is fetched before it runs")),
-                         ("fetch_all_back", _line_of("        values = await rdt.fetch_all(refs)"))):
-        ref = p.make.remote()
-        assert ray.get(c.checksums.remote(ref), timeout=60) == [6.0]  # another process fetches it
-        assert ray.get(getattr(p, method).remote(ref if method == "take" else [ref]), timeout=60) is True
-        caught = ray.get(p.caught_warnings.remote())
-        assert len(caught) == 1, caught
-        message, filename, lineno = caught[0]
-        assert "fetched both by the process that produced it" in message
-        assert (filename, lineno) == (__file__, line), (method, caught)
-        ray.get(p.record.remote())
-    ray.kill(p)
+    try:
+        for method, line in (("take", _line_of("    async def take(self, value) -> bool:  # its argument is fetched before it runs")),
+                             ("fetch_all_back", _line_of("        values = await rdt.fetch_all(refs)"))):
+            ref = p.make.remote()
+            assert checksum(rdt.get(ref, timeout=60)) == 6.0  # another process fetches it
+            assert ray.get(getattr(p, method).remote(ref if method == "take" else [ref]), timeout=60) is True
+            caught = ray.get(p.caught_warnings.remote())
+            assert len(caught) == 1, caught
+            message, filename, lineno = caught[0]
+            assert "fetched both by the process that produced it" in message
+            assert (filename, lineno) == (__file__, line), (method, caught)
+            ray.get(p.record.remote())
+    finally:
+        ray.get(p.record.remote(on=False))
