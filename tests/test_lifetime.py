@@ -108,6 +108,18 @@ class Keeper:
 
     def __init__(self):
         self.t = torch.ones(KEPT)
+        self.small = torch.zeros(16)
+
+    @rdt.method
+    async def publish_small(self):
+        self.small = torch.zeros(16)
+        return self.small
+
+    async def write_then_fetch_back(self, refs):
+        async with asyncio.timeout(5):
+            await rdt.wait_tensor_freed(self.small)  # at once, though the ref lives
+        self.small.fill_(7.0)
+        return (await rdt.fetch(refs[0])) is self.small, rdt.store_stats()["objects"]
 
     async def share(self):
         return [rdt.put({"t": self.t})]
@@ -155,32 +167,17 @@ def test_free_on_the_producer_and_wait_tensor_freed(keeper):
     assert ray.get(waiting) == "freed"
 
 
-def test_small_objects_keep_nothing_in_the_producer():
+def test_small_objects_keep_nothing_in_the_producer(keeper):
     # Their bytes ride in the ref, a snapshot taken at return: no store entry, no anchor,
     # nothing for wait_tensor_freed to wait for; the producer's own fetch still gets its tensor.
-    @rdt.remote
-    class Small:
-        def __init__(self):
-            self.t = torch.zeros(16)
-
-        @rdt.method
-        def publish(self):
-            return self.t
-
-        def write_then_fetch_back(self, refs):
-            rdt.wait_tensor_freed_sync(self.t, timeout=5)  # at once, though the ref lives
-            self.t.fill_(7.0)
-            return rdt.get(refs[0]) is self.t, rdt.store_stats()["objects"]
-
-    s = Small.remote()
-    ref = s.publish.remote()
-    same, held = ray.get(s.write_then_fetch_back.remote([ref]))
-    assert same and held == 0
+    before = objects_of(keeper)
+    ref = keeper.publish_small.remote()
+    same, held = ray.get(keeper.write_then_fetch_back.remote([ref]))
+    assert same and held == before
     assert rdt.get(ref).sum().item() == 0.0  # elsewhere: the snapshot, not the later write
     rdt.free(ref)
     with pytest.raises(rdt.ObjectFreedError):
         rdt.get(ref)
-    ray.kill(s)
 
 
 def test_shared_memory_of_a_killed_producer_is_unlinked():
