@@ -109,6 +109,16 @@ def watched():
     ray.kill(w)
 
 
+@pytest.fixture(scope="module")
+def untouched():
+    """A consumer made with RDT_GC_FREEZE=0, in which no transfer ever runs: the module's tests
+    that look at what an actor holds from its creation on share it."""
+    w = Watched.options(runtime_env={"env_vars": {"RDT_GC_FREEZE": "0"}}).remote()
+    ray.get(w.ping.remote())
+    yield w
+    ray.kill(w)
+
+
 @pytest.mark.parametrize("method,into", [("value", False), ("value", True), ("value_os", False)])
 def test_async_consumer_loop_stays_free_during_a_big_fetch(producer, watched, method, into):
     ref = getattr(producer, method).remote(torch.ones(BIG))
@@ -251,26 +261,22 @@ def test_io_work_uses_a_bounded_number_of_threads(producer, watched):
     assert many - few <= 4  # the bounded pool, not a thread per transfer
 
 
-def test_an_actor_s_first_transfer_finds_its_threads_started():
+def test_an_actor_s_first_transfer_finds_its_threads_started(untouched):
     # A pool starts a thread inside `submit` when none is idle, and Thread.start waits until
     # the thread runs: on a busy host a producer's loop stood 166 ms in its first auto
     # object's submit. An rdt.remote actor starts them at creation, before its loop serves.
-    fresh = Watched.remote()  # its own: no transfer has run in it
-    names = ray.get(fresh.__ray_call__.remote(lambda self: sorted(t.name for t in threading.enumerate())))
-    ray.kill(fresh)
+    names = ray.get(untouched.__ray_call__.remote(lambda self: sorted(t.name for t in threading.enumerate())))
     assert {"rdt-io", "rdt-calls_0", "rdt-copies_0"} <= set(names), names
 
 
 @pytest.mark.parametrize("freeze", ["1", "0"])
-def test_what_an_actor_holds_at_creation_is_left_out_of_full_collections(watched, freeze):
+def test_what_an_actor_holds_at_creation_is_left_out_of_full_collections(watched, request, freeze):
     # A full collection of a process with torch and Ray loaded held the GIL ~0.1 s, and an
     # async consumer's loop stalled that long mid-fetch (the bench's 4 KiB tcp pass showed
     # 110-220 ms); frozen at creation, those objects are no longer scanned. The module's
-    # consumer was made with RDT_GC_FREEZE=1 (what it froze then stays frozen); =0 needs its own.
-    actor = watched if freeze == "1" else Watched.options(runtime_env={"env_vars": {"RDT_GC_FREEZE": freeze}}).remote()
-    frozen = ray.get(actor.frozen.remote())
+    # consumer was made with RDT_GC_FREEZE=1 (what it froze then stays frozen); =0 is `untouched`.
+    frozen = ray.get((watched if freeze == "1" else request.getfixturevalue("untouched")).frozen.remote())
     if freeze == "1":
         assert frozen > 100_000, frozen  # torch's and Ray's objects, and ours
     else:
         assert frozen == 0
-        ray.kill(actor)
