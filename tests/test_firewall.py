@@ -91,6 +91,9 @@ class Consumer:
                 "s": s, "said": list(self.said.lines)}
 
 
+QUICK_SYN = {"UCX_TCP_SYN_CNT": "1", "UCX_TCP_CM_SYN_CNT": "1"}  # UCX's connects give up after ~4 s (a user's own: it wins)
+
+
 def _split(cluster) -> None:
     if cluster.hosts is None or cluster.hosts.topology != "split":
         pytest.skip("needs the split topology (RDT_TEST_TOPOLOGY=split or three, network namespaces)")
@@ -121,6 +124,24 @@ def actors(walled):
         "reader": Consumer.remote(),
     }
     yield made
+    for actor in made.values():
+        ray.kill(actor)
+
+
+@pytest.fixture(scope="module")
+def ucx_reader(walled):
+    """A consumer on the head for each of nixl and ucxx (a process loads one of their UCX
+    builds), made on first use, whose UCX gives its connects up after ~4 s (QUICK_SYN):
+    shared by the reads across the firewall and the fetches it drops (each test's producer
+    is fresh; a reader's earlier fetches change neither outcome)."""
+    made = {}
+
+    def reader(transport: str):
+        if transport not in made:
+            made[transport] = Consumer.options(runtime_env={"env_vars": QUICK_SYN}).remote()
+        return made[transport]
+
+    yield reader
     for actor in made.values():
         ray.kill(actor)
 
@@ -163,9 +184,9 @@ def test_tcp_and_auto_read_64_mib_exactly_across_the_firewall_in_rdt_port_range(
     pytest.param("ucxx", marks=pytest.mark.skipif(not UCXX, reason="ucxx is not installed")),
     pytest.param("nixl", marks=pytest.mark.skipif(not NIXL, reason="nixl is not installed")),
 ])
-def test_ucx_reads_across_the_firewall_on_ports_of_rdt_port_range(ray_session, walled, transport):
+def test_ucx_reads_across_the_firewall_on_ports_of_rdt_port_range(ray_session, walled, ucx_reader, transport):
     producer = Producer.options(**WALLED, **IN_RANGE).remote()  # fresh: what listens since it made UCX's context
-    reader = Consumer.remote()
+    reader = ucx_reader(transport)
     try:
         got = ray.get(reader.read.remote([producer.make.options(tensor_transport=transport).remote(1 << 20, 2)]), timeout=120)
         print(f"\n{transport} in the opened range: {got['s']:.2f} s")
@@ -174,7 +195,6 @@ def test_ucx_reads_across_the_firewall_on_ports_of_rdt_port_range(ray_session, w
         assert listens and all(OPENED[0] <= p <= OPENED[1] for _, p in listens), listens
     finally:
         ray.kill(producer)
-        ray.kill(reader)
 
 
 CONNECT_S = 2  # the consumer's RDT_TCP_CONNECT_S: how long a connect into the dropped port waits
@@ -188,9 +208,10 @@ def test_auto_falls_back_past_a_firewall_that_drops_its_port_and_explicit_tcp_na
     shut = actors["shut"]
     reader = Consumer.remote({"RDT_TCP_CONNECT_S": str(CONNECT_S)})  # fresh: its memory of the walled host is this test's
     try:
-        want = [_digest(_values(N, seed)) for seed in (3, 4)]
-        first = ray.get(reader.read.remote([shut.make.remote(N, 3)]))
-        second = ray.get(reader.read.remote([shut.make.remote(N, 4)]))
+        n = 1 << 20  # 4 MiB: over auto's inline limit, so it asks for a path
+        want = [_digest(_values(n, seed)) for seed in (3, 4)]
+        first = ray.get(reader.read.remote([shut.make.remote(n, 3)]))
+        second = ray.get(reader.read.remote([shut.make.remote(n, 4)]))
         print(f"\nport dropped, auto: first fetch {first['s']:.2f} s, second {second['s']:.2f} s")
         assert [first.get("digest"), second.get("digest")] == want, (first, second)
         assert first["used"] == second["used"] == {"object_store": 1}
@@ -244,14 +265,12 @@ def test_a_nixl_producer_that_cannot_be_connected_to_is_unreachable_not_dead():
     assert unusable(caught.value) is not None and len(peers) == 0  # auto's next path; no connection kept
 
 
-QUICK_SYN = {"UCX_TCP_SYN_CNT": "1", "UCX_TCP_CM_SYN_CNT": "1"}  # UCX's connects give up after ~4 s (a user's own: it wins)
-
-
 @pytest.mark.parametrize(("transport", "says"), [
     pytest.param("ucxx", "(UCXXUnreachableError: Endpoint 0x", marks=pytest.mark.skipif(not UCXX, reason="ucxx is not installed")),
     pytest.param("nixl", "a firewall drops UCX's connection", marks=pytest.mark.skipif(not NIXL, reason="nixl is not installed")),
 ])
-def test_ucx_across_a_firewall_that_drops_its_port_fails_as_unreachable_naming_rdt_port_range(ray_session, walled, transport, says):
+def test_ucx_across_a_firewall_that_drops_its_port_fails_as_unreachable_naming_rdt_port_range(ray_session, walled, ucx_reader,
+                                                                                               transport, says):
     """Without RDT_PORT_RANGE, UCX's (and ucxx's) listeners take ports the firewall drops:
     both fetches ended in PeerDiedError ("died or closed", "died or is unreachable") from
     a live producer, which the consumer then took for lost. Now a TransferError from
@@ -260,7 +279,7 @@ def test_ucx_across_a_firewall_that_drops_its_port_fails_as_unreachable_naming_r
     UCX_TCP_SYN_CNT and UCX_TCP_CM_SYN_CNT; the kernel's own ~127 s outlasted ucxx's
     answer wait, RDT_UCXX_ANSWER_S, 120 s, whose error names the setting too)."""
     producer = Producer.options(**WALLED).remote()
-    reader = Consumer.options(runtime_env={"env_vars": QUICK_SYN}).remote()
+    reader = ucx_reader(transport)
     try:
         ref = producer.make.options(tensor_transport=transport).remote(1 << 20, 6)
         got = ray.get(reader.read.remote([ref]), timeout=120)
@@ -272,7 +291,6 @@ def test_ucx_across_a_firewall_that_drops_its_port_fails_as_unreachable_naming_r
         assert again.get("digest") == _digest(_values(1 << 20, 6)), again  # the producer is not taken for dead
     finally:
         ray.kill(producer)
-        ray.kill(reader)
 
 
 # -- the consumer's host behind the firewall: the producers run on the open head --------------
@@ -339,7 +357,7 @@ def test_a_gloo_group_whose_member_a_firewall_walls_off_fails_in_about_5x_timeou
         above = Consumer.options(num_cpus=0, resources={"above": 1}).remote()
         t0 = time.monotonic()
         with pytest.raises(rdt.CollectiveGroupError) as caught:
-            rdt.create_collective_group([inside["a"], above], backend="gloo", timeout_s=1)
+            rdt.create_collective_group([inside["a"], above], backend="gloo", timeout_s=0.5)  # (~2.5 s; 1 s: ~5 s)
         took = time.monotonic() - t0
         print(f"\ngloo across the firewall: {took:.2f} s: {caught.value}")
         said = str(caught.value)
