@@ -159,7 +159,7 @@ class UcxProducer:
     pytest.param("ucxx", marks=pytest.mark.skipif(not UCXX, reason="ucxx is not installed")),
     pytest.param("nixl", marks=pytest.mark.skipif(not NIXL, reason="nixl is not installed")),
 ])
-def test_ucx_keeps_to_the_interface_of_rays_node_ip_and_to_rdt_port_range(ray_session, transport):
+def test_ucx_keeps_to_the_interface_of_rays_node_ip_and_to_rdt_port_range(ray_session, actors, transport):
     """UCX left to itself listens on every interface of its host and lets a peer open lanes
     to any of them. On the flat topology a link of another host on the head (which the test
     adds here) ended every ucxx fetch from the other host in PeerDiedError ("the
@@ -177,7 +177,8 @@ def test_ucx_keeps_to_the_interface_of_rays_node_ip_and_to_rdt_port_range(ray_se
     try:
         confined = {"env_vars": {"RDT_PORT_RANGE": f"{UCX_RANGE[0]}-{UCX_RANGE[1]}"}}
         producer = UcxProducer.options(runtime_env=confined).remote()  # fresh: its UCX is made after the link
-        reader = Consumer.options(**ON_NODE2).remote()
+        # (ucxx: the module's reader on node2, whose UCX is ucxx's; nixl's needs a process of its own)
+        reader = actors["far_reader"] if transport == "ucxx" else Consumer.options(**ON_NODE2).remote()
         ref = producer.make.options(tensor_transport=transport).remote(1 << 20, 5.0)
         sums, used, _, _ = ray.get(reader.read.remote([ref]), timeout=120)
         assert sums == [5.0 * (1 << 20)] and used == {transport: 1}
@@ -187,7 +188,8 @@ def test_ucx_keeps_to_the_interface_of_rays_node_ip_and_to_rdt_port_range(ray_se
             ucx = [(h, p) for h, p in listening if h == node_ip]
             assert ucx and {h for h, _ in listening} <= {node_ip, "127.0.0.1", "0.0.0.0"}, (node_ip, listening)
         ray.kill(producer)
-        ray.kill(reader)
+        if transport == "nixl":
+            ray.kill(reader)
     finally:
         extra.close()
 
@@ -451,8 +453,9 @@ def test_auto_falls_back_where_tcp_cannot_reach_the_producer_and_says_why_once(r
     # unreachable node (and its one log line) must not outlive this test into a shared one.
     head = Producer.options(runtime_env={"env_vars": {"RDT_TCP_HOST": out}}).remote()
     reader = Consumer.options(**ON_NODE2).remote()
-    sums, used, choices, said = ray.get(reader.read.remote([head.make.remote(N, 1.0), head.make.remote(N, 2.0)]))
-    assert sums == [float(N), 2.0 * N] and used == {"object_store": 2}
+    n = 1 << 20  # 4 MiB: over auto's inline limit, so it asks for a path
+    sums, used, choices, said = ray.get(reader.read.remote([head.make.remote(n, 1.0), head.make.remote(n, 2.0)]))
+    assert sums == [float(n), 2.0 * n] and used == {"object_store": 2}
     first, second = choices
     assert first["transport"] == "object_store" and [f["transport"] for f in first["fell_back"]] == ["tcp"]
     assert "Network is unreachable" in first["fell_back"][0]["why"] and out in first["fell_back"][0]["why"]
@@ -463,7 +466,7 @@ def test_auto_falls_back_where_tcp_cannot_reach_the_producer_and_says_why_once(r
     assert "RDT_TCP_HOST" in error and "RDT_ADVERTISE_HOST" in error
     # The consumer's own choice of tcp, for an object produced with auto, fails as well: it
     # asked for that path (before: it fell back to the object store without a word).
-    error = ray.get(reader.read_error.remote([head.make.remote(N, 3.0)], "tcp"))
+    error = ray.get(reader.read_error.remote([head.make.remote(n, 3.0)], "tcp"))
     assert error.startswith("TransferError: tcp fetch of") and f"cannot reach the producer's tcp listener at {out}:" in error
     ray.kill(head)
     ray.kill(reader)
