@@ -104,8 +104,10 @@ def test_auto_reads_across_two_hosts_without_falling_back(ray_session, actors):
 def test_each_transport_reads_from_one_host_on_another(ray_session, actors, transport):
     n = N if transport == "tcp" else 1 << 18  # (UCX over TCP here: 1 MiB is enough to cross)
     producer, reader = actors["producer"], actors["a"]
-    if transport == "nixl":  # (a process loads one of nixl's and ucxx's UCX builds: these loaded ucxx's)
-        producer, reader = SyncProducer.options(**ON_NODE2).remote(), Reader.options(**ON_NODE3).remote()
+    # (A process loads one of nixl's and ucxx's UCX builds: these load ucxx's. b loads no
+    # ucxx: auto, which it reads with, may take nixl, never ucxx.)
+    if transport == "nixl":
+        producer, reader = SyncProducer.options(**ON_NODE2).remote(), actors["b"]
     try:
         ref = producer.make.options(tensor_transport=transport).remote(n, 11)
         got, used, _ = ray.get(reader.read.remote([ref]), timeout=120)
@@ -113,7 +115,6 @@ def test_each_transport_reads_from_one_host_on_another(ray_session, actors, tran
     finally:
         if transport == "nixl":
             ray.kill(producer)
-            ray.kill(reader)
 
 
 def test_a_gloo_group_of_two_hosts_that_are_not_the_head(ray_session, actors):
