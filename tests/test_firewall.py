@@ -355,6 +355,7 @@ def test_a_gloo_group_whose_member_a_firewall_walls_off_fails_in_about_5x_timeou
     try:
         assert ipaddress.ip_address(cluster.hosts.node("above").ip) > ipaddress.ip_address(walled.ip)
         above = Consumer.options(num_cpus=0, resources={"above": 1}).remote()
+        ray.get(above.__ray_ready__.remote(), timeout=60)  # (up: timeout_s bounds the join, not its start)
         t0 = time.monotonic()
         with pytest.raises(rdt.CollectiveGroupError) as caught:
             rdt.create_collective_group([inside["a"], above], backend="gloo", timeout_s=0.5)  # (~2.5 s; 1 s: ~5 s)
