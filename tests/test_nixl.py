@@ -34,6 +34,14 @@ def nixl_state() -> dict:
     return {**rdt.store_stats(), "registrations": t.registrations, "registered_bytes": t.registered_bytes}
 
 
+def use_costs(path: str) -> None:
+    """Have `auto` in this process rank transports by the cost table at `path` (none: "")."""
+    if path:
+        os.environ["RDT_AUTO_COSTS"] = path
+    else:
+        os.environ.pop("RDT_AUTO_COSTS", None)
+
+
 def make_value(n: int, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     base = torch.randn(n, generator=g)
@@ -105,6 +113,9 @@ class NixlProducer:
 
     def state(self):
         return nixl_state()
+
+    def use_costs(self, path: str) -> None:
+        use_costs(path)
 
     def idle_cpu(self, seconds: float) -> float:
         return idle_cpu(seconds)
@@ -184,6 +195,9 @@ class NixlConsumer:
     async def state(self):
         return nixl_state() if "nixl" in rdt.store_stats()["fetches"] else rdt.store_stats()
 
+    async def use_costs(self, path: str) -> None:
+        use_costs(path)
+
 
 @pytest.fixture(scope="module")
 def producer():
@@ -195,6 +209,14 @@ def producer():
 @pytest.fixture(scope="module")
 def consumer():
     c = NixlConsumer.remote()
+    yield c
+    ray.kill(c)
+
+
+@pytest.fixture(scope="module")
+def far_reader():
+    """A NixlConsumer on the other node."""
+    c = NixlConsumer.options(**ON_NODE2).remote()
     yield c
     ray.kill(c)
 
@@ -320,24 +342,37 @@ def test_killed_producer_fails_fast():
         assert time.monotonic() - t0 < 10
 
 
-def nixl_costs(tmp_path) -> dict:
-    """Actor options whose cost table says NIXL reads other nodes' CPU objects fastest
-    (an RDMA network's; over the TCP of these hosts tcp is faster, and auto takes it)."""
+def rdma_costs(tmp_path) -> str:
+    """A cost table that says NIXL reads other nodes' CPU objects fastest (an RDMA
+    network's; over the TCP of these hosts tcp is faster, and auto takes it)."""
     path = tmp_path / "rdma-costs.json"
     path.write_text(json.dumps({"cpu": {"nixl/hosts": [0.001, 20.0]}}))
-    return {"runtime_env": {"env_vars": {"RDT_AUTO_COSTS": str(path)}}}
+    return str(path)
+
+
+def nixl_costs(tmp_path) -> dict:
+    """Actor options whose cost table is `rdma_costs`'s from their start."""
+    return {"runtime_env": {"env_vars": {"RDT_AUTO_COSTS": rdma_costs(tmp_path)}}}
 
 
 @pytest.mark.parametrize("rdma", [True, False])
-def test_auto_reads_big_cpu_objects_across_nodes_over_what_the_costs_say(rdma, tmp_path):
-    opts = nixl_costs(tmp_path) if rdma else {}
-    producer = NixlProducer.options(**opts).remote()
-    reader = NixlConsumer.options(**opts, **ON_NODE2).remote()
+def test_auto_reads_big_cpu_objects_across_nodes_over_what_the_costs_say(rdma, tmp_path, producer, far_reader):
+    costs = rdma_costs(tmp_path) if rdma else ""
+    ray.get([producer.use_costs.remote(costs), far_reader.use_costs.remote(costs)])
+    try:
+        wait_until(lambda: ray.get(producer.state.remote())["registrations"] == 0, 30)  # (what earlier tests made)
+        _auto_reads_over_what_the_costs_say(rdma, producer, far_reader)
+    finally:
+        ray.get([producer.use_costs.remote(""), far_reader.use_costs.remote("")])
+
+
+def _auto_reads_over_what_the_costs_say(rdma: bool, producer, reader) -> None:
+    before = ray.get(reader.stats.remote())["fetches"]
     ref = producer.auto.remote(1 << 19)  # held to the end: its registration goes with its free
     assert ray.get(reader.checksums.remote(ref)) == [2.0 * (1 << 19)]
     stats = ray.get(reader.stats.remote())
     picked = "nixl" if rdma else "tcp"
-    assert stats["fetches"] == {picked: 1}
+    assert {k: n - before.get(k, 0) for k, n in stats["fetches"].items() if n != before.get(k, 0)} == {picked: 1}
     choice = stats["auto"][-1]  # and why: the cost model ranked what both ends can use
     assert choice["transport"] == picked
     # NIXL is prepared only where it can win: its agent and registration cost the producer
@@ -345,8 +380,6 @@ def test_auto_reads_big_cpu_objects_across_nodes_over_what_the_costs_say(rdma, t
     assert choice["why"].startswith(f"2 MiB CPU from another node: {picked} "), choice["why"]
     assert ray.get(producer.state.remote())["registrations"] == (1 if rdma else 0)
     del ref
-    ray.kill(reader)
-    ray.kill(producer)
 
 
 @rdt.remote
@@ -360,9 +393,10 @@ class StallingReader:
         handler.emit = lambda record: self.said.append(record.getMessage())  # type: ignore[method-assign]
         logging.getLogger("rdt_async").addHandler(handler)
 
-    async def stall_every_read(self) -> None:
+    async def stall_every_read(self, costs: str) -> None:
         from rdt_async.transports.nixl import _transport, _xfer
 
+        use_costs(costs)
         _xfer.STALL_S, _xfer.ABORT_GRACE_S, _transport.RECHECK_S = 1.0, 0.5, 1.0  # (30, 5 and 5 s)
         self.stalling = nixl_stalling(_registry.transport("nixl").agent().nixl, until_removed=None)
         self.stalling.__enter__()  # for the actor's life
@@ -377,15 +411,22 @@ class StallingReader:
         return sums, used, rdt.store_stats()["auto"][-len(refs):], list(self.said)
 
 
-def test_auto_takes_another_path_where_every_nixl_read_from_a_producer_stalls(tmp_path):
+def test_auto_takes_another_path_where_every_nixl_read_from_a_producer_stalls(tmp_path, producer):
     """auto reads other nodes' CPU objects over nixl (an RDMA network's costs); where
     NIXL leaves every READ in progress, the first is cut off at its bound, the liveness
     check over a fresh connection stalls too, and the fetch goes on over tcp, says why
     once, and leaves nixl out for that producer. A fetch that names nixl fails, naming the bound."""
-    costs = nixl_costs(tmp_path)
-    producer = NixlProducer.options(**costs).remote()
-    reader = StallingReader.options(**costs, **ON_NODE2).remote()
-    ray.get(reader.stall_every_read.remote())
+    costs = rdma_costs(tmp_path)
+    reader = StallingReader.options(**ON_NODE2).remote()
+    ray.get([producer.use_costs.remote(costs), reader.stall_every_read.remote(costs)])
+    try:
+        _auto_takes_another_path(producer, reader)
+    finally:
+        ray.kill(reader)
+        ray.get(producer.use_costs.remote(""))
+
+
+def _auto_takes_another_path(producer, reader) -> None:
     n = 1 << 19  # 2 MiB: read from the I/O loop, bounded by STALL_S
     sums, used, choices, said = ray.get(reader.read.remote([producer.auto.remote(n), producer.auto.remote(n)]), timeout=120)
     assert sums == [2.0 * n] * 2 and used == {"tcp": 2}, (sums, used)
@@ -397,8 +438,6 @@ def test_auto_takes_another_path_where_every_nixl_read_from_a_producer_stalls(tm
     sums, used, _, _ = ray.get(reader.read.remote([producer.auto.remote(n)], "nixl"), timeout=120)
     assert sums[0].startswith("ReadStalled: nixl READ of") and "RDT_NIXL_STALL_S" in sums[0], sums
     assert used == {}, used
-    ray.kill(reader)
-    ray.kill(producer)
 
 
 @rdt.remote
@@ -466,18 +505,38 @@ def test_which_actors_load_nixl_at_creation(monkeypatch, tmp_path, setting, seve
     assert _produce.at_creation(["auto", "shm"]) == (["shm", "nixl"] if warms else ["shm"])
 
 
-def test_auto_on_one_node_never_loads_nixl():
-    # Loading NIXL holds the GIL ~0.2-0.4 s: a big CPU object on a one-node cluster
-    # (shared memory's case) must not pay it at its first export.
-    code = (
+AGENT_STARTS = (
+    "from rdt_async.transports import _registry\n"
+    "t = _registry.transport('nixl'); t.warm_up(); print('agent', t.agent().name)\n"
+)
+
+
+def run_python(code: str, nixl_log_level: str = "") -> subprocess.CompletedProcess:
+    """`code` in a fresh interpreter whose NIXL_LOG_LEVEL is `nixl_log_level` (unset: "")."""
+    env = {k: v for k, v in os.environ.items() if k != "NIXL_LOG_LEVEL"}
+    if nixl_log_level:
+        env["NIXL_LOG_LEVEL"] = nixl_log_level
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+
+
+@pytest.fixture(scope="module")
+def one_node_then_agent() -> subprocess.CompletedProcess:
+    """One interpreter (each costs ~2 CPU-s): a big CPU object planned for `auto` on one
+    node, what that loaded; then a NIXL agent started at NIXL's default log level."""
+    return run_python(
         "import sys, torch\n"
         "from rdt_async import _produce, _ray\n"
         "_ray.several_nodes = lambda: False\n"
         "plan = _produce._prepared_transports('auto', [torch.ones(1 << 20)])\n"
-        "print([t.name for t in plan], 'nixl' in sys.modules)\n"
+        "print([t.name for t in plan], 'nixl' in sys.modules)\n" + AGENT_STARTS
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.stdout.strip() == "['shm'] False", out.stderr
+
+
+def test_auto_on_one_node_never_loads_nixl(one_node_then_agent):
+    # Loading NIXL holds the GIL ~0.2-0.4 s: a big CPU object on a one-node cluster
+    # (shared memory's case) must not pay it at its first export.
+    out = one_node_then_agent
+    assert out.stdout.split("agent rdt-")[0].strip() == "['shm'] False", out.stderr  # (what the plan printed)
 
 
 def test_without_nixl_installed_the_error_names_the_extra():
@@ -498,16 +557,9 @@ def test_without_nixl_installed_the_error_names_the_extra():
 
 
 @pytest.mark.parametrize("level", ["", "INFO"])
-def test_an_agent_starting_prints_nothing_unless_nixl_log_level_asks(level):
+def test_an_agent_starting_prints_nothing_unless_nixl_log_level_asks(level, request):
     # NIXL logs at INFO to stdout by default; a program's stdout is its own.
-    code = (
-        "from rdt_async.transports import _registry\n"
-        "t = _registry.transport('nixl'); t.warm_up(); print('agent', t.agent().name)\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "NIXL_LOG_LEVEL"}
-    if level:
-        env["NIXL_LOG_LEVEL"] = level
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    out = run_python(AGENT_STARTS, level) if level else request.getfixturevalue("one_node_then_agent")
     lines = out.stdout.strip().splitlines()
     assert lines[-1].startswith("agent rdt-"), out.stderr
     nixl_lines = [line for line in lines if "NIXL INFO" in line]
