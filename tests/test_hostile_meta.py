@@ -91,15 +91,13 @@ class Maker:
         return [torch.arange(6, dtype=torch.int64).reshape(2, 3), torch.ones(4)]
 
 
-@ray.remote
-class Fetcher:
-    """A plain actor: it fetches what it is handed and says what happened."""
-
-    def fetch(self, boxed):
-        try:
-            return "ok", [checksum(t) for t in rdt.get(boxed[0])]
-        except Exception as exc:
-            return type(exc).__name__, str(exc)
+def fetched_by(consumer, obj) -> tuple[str, object]:
+    """What another process (an AsyncConsumer) got fetching `obj`: "ok" and the checksums,
+    or the error's type and message."""
+    try:
+        return "ok", [checksum(t) for t in ray.get(consumer.fetch.remote([obj]), timeout=30)]
+    except ray.exceptions.RayTaskError as exc:
+        return type(exc.cause).__name__, str(exc.cause)
 
 
 @ray.remote
@@ -255,11 +253,10 @@ def test_crafted_inline_bytes_are_refused(maker):
     assert torch.equal(got[0], torch.arange(10)) and torch.equal(got[1], torch.ones(3))
 
 
-def test_crafted_object_store_replies_are_refused():
+def test_crafted_object_store_replies_are_refused(async_consumer):
     value = [torch.arange(100, dtype=torch.int64), torch.ones(8)]
     obj = rdt.put(value, tensor_transport="object_store")
     real = ray.get(obj)  # the driver serves no transfers: its reply was put with the object
-    fetcher = Fetcher.remote()
     try:
         wrong = ray.put([torch.zeros(3).numpy().view("uint8"), torch.ones(8).numpy().view("uint8")])
         cases = [
@@ -269,7 +266,7 @@ def test_crafted_object_store_replies_are_refused():
         ]
         for eager, kind, message in cases:
             bad = dataclasses.replace(real, eager=eager)
-            got = ray.get(fetcher.fetch.remote([bad]))
+            got = fetched_by(async_consumer, bad)
             assert got[0] == kind and message in got[1], got
         # Refused before anything is pulled: a task's result, which may never be made (the
         # fetch waited for it), and an object larger than the ref's 832 bytes (pulled whole).
@@ -277,18 +274,17 @@ def test_crafted_object_store_replies_are_refused():
         try:
             for eager, message in ((huge, "is 1048"), (never, "is an object not made yet (a task's result)")):
                 began = time.monotonic()
-                got = ray.get(fetcher.fetch.remote([dataclasses.replace(real, eager={"object_store": eager})]), timeout=30)
+                got = fetched_by(async_consumer, dataclasses.replace(real, eager={"object_store": eager}))
                 assert got[0] == "TransferError" and message in got[1], got
                 assert "not the one put with its tensors (832 bytes); nothing was pulled" in got[1], got
                 assert time.monotonic() - began < 10
         finally:
             ray.cancel(never, force=True)
         specs = (real.specs[0], dataclasses.replace(real.specs[1], shape=(16,), nbytes=64))
-        got = ray.get(fetcher.fetch.remote([dataclasses.replace(real, specs=specs)]))
+        got = fetched_by(async_consumer, dataclasses.replace(real, specs=specs))
         assert got == ("TransferError", got[1]) and "tensor 1 (float32[16]@cpu) is 64 bytes, but 32 came" in got[1]
-        assert ray.get(fetcher.fetch.remote([real])) == ("ok", [checksum(v) for v in value])
+        assert fetched_by(async_consumer, real) == ("ok", [checksum(v) for v in value])
     finally:
-        ray.kill(fetcher)
         rdt.free(obj)
 
 
