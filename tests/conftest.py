@@ -247,9 +247,10 @@ def pytest_configure(config):
 # xdist's own order (most tests first) the longest modules, which hold few tests, came
 # last, and one worker ran them while the other idled.
 LONGEST_FIRST = (
-    "test_without_optional.py", "test_partition.py", "test_gloo.py", "test_nixl.py", "test_ucxx.py",
-    "test_relay.py", "test_peer_death.py", "test_network.py", "test_firewall.py", "test_ipv6.py", "test_churn.py", "test_publish.py",
-    "test_concurrency.py", "test_contract.py", "test_load.py", "test_three_hosts.py", "test_ray_client.py",
+    "test_firewall.py", "test_nixl.py", "test_contract.py", "test_partition.py", "test_publish.py", "test_ucxx.py",
+    "test_relay.py", "test_gloo.py", "test_without_optional.py", "test_peer_death.py", "test_custom_transport.py",
+    "test_network.py", "test_churn.py", "test_tcp.py", "test_ipv6.py", "test_concurrency.py", "test_collectives.py",
+    "test_three_hosts.py", "test_ray_client.py",
 )
 
 
