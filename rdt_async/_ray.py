@@ -68,9 +68,9 @@ LOST_KEPT = 256
 
 
 def lost(p: Process) -> None:
-    """A fetch from producer `p` ended in PeerDiedError (its death, or its connection's):
-    remember it (the last LOST_KEPT), and let the transports here let go of what they keep
-    for it (connections, metadata)."""
+    """A fetch from producer `p` ended in PeerDiedError (its death, or its connection's), or
+    Ray declared it dead during one: remember it (the last LOST_KEPT), and let the
+    transports here let go of what they keep for it (connections, metadata)."""
     with _lost_lock:
         _lost[p] = None
         _lost.move_to_end(p)
@@ -183,6 +183,7 @@ async def watched(fetching: Awaitable[list[torch.Tensor]], obj: RDTObject, name:
         raise
     cancelled = False
     if not task.done():
+        lost(obj.producer)  # first: a transport cuts off what is in flight to it at once (nixl's READs)
         task.cancel()
         cancelled = await _io.shielded(task)
     if watch is not None:

@@ -510,9 +510,11 @@ class Transport(abc.ABC, Generic[M]):
     def peer_gone(self, node_id: str, pid: int) -> None:
         """The producer process `pid` of Ray node `node_id` (`TransferInfo.producer_node`,
         `producer_pid`) is gone: a fetch from it, over any transport, ended in PeerDiedError
-        (Ray declared it dead, or it disconnected). Let go of what this process keeps for it
+        (Ray declared it dead, or it disconnected), or Ray declared it dead during a fetch,
+        which is cancelled right after this call. Let go of what this process keeps for it
         (a connection, loaded metadata) instead of waiting to see it go, which a transport
-        cannot for a process on another node.
+        cannot for a process on another node; a cancel of what is in flight to it may then
+        cut it off at once (nixl's READs, whose reply a partition holds up).
 
         Runs on: consumer, any thread (the fetch's). Must be quick. Default: nothing.
         """

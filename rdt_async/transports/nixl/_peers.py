@@ -124,6 +124,10 @@ class Peers:
             else:
                 self._drop(producer)
 
+    def doomed(self, producer: str) -> bool:
+        """Say whether `producer` was declared gone while reads used its connection (`lost`)."""
+        return producer in self._doomed
+
     def touch(self, producer: str) -> None:
         """A read on the caller's thread used the connection (`receive_nowait`): it is not idle."""
         with self._lock:

@@ -104,11 +104,14 @@ class ReadPlan:
         """Say whether every READ lands in memory registered once (what `read_now` needs)."""
         return self._bounce >= 0 and self._landing >= 0
 
-    async def read(self, agent: Agent, remote: str, disconnect: Callable[[], Awaitable[None]]) -> list[torch.Tensor]:
+    async def read(
+        self, agent: Agent, remote: str, disconnect: Callable[[], Awaitable[None]], gone: Callable[[], bool]
+    ) -> list[torch.Tensor]:
         """Register what the READs need, post them in order, and return the tensors.
 
         `disconnect` closes the connection to `remote`: a cancelled READ that NIXL cannot
-        let go of otherwise (its reply held up by a partition) ends so.
+        let go of otherwise (its reply held up by a partition) ends so, at once where
+        `gone()` (the producer was declared dead), else after a grace.
         Runs on: consumer (I/O loop).
         Raises: ObjectFreedError if the liveness slot says the object is gone, else the
         first failed READ's error.
@@ -122,7 +125,7 @@ class ReadPlan:
             while True:
                 read = steps.send(None) if failed is None else steps.throw(failed)
                 try:
-                    await post(agent, remote, read, disconnect, self._stuck)
+                    await post(agent, remote, read, disconnect, self._stuck, gone)
                     failed = None
                 except Exception as exc:
                     failed = exc

@@ -264,7 +264,7 @@ class NixlTransport(Transport[NixlMeta]):
                     raise _died(info)
                 remote = await here.peers.connect(meta, info.producer_node)
                 epoch = here.peers.epoch(meta.agent)
-                return await self._read_object(here, remote, info, buffers, functools.partial(here.peers.forget, meta.agent, epoch))
+                return await self._read_object(here, remote, info, buffers, epoch)
             except (asyncio.CancelledError, StillWriting):
                 raise  # (StillWriting: its buffers may change yet, so no READ lands in them again)
             except BaseException as exc:
@@ -291,18 +291,18 @@ class NixlTransport(Transport[NixlMeta]):
 
     async def _read_object(
         self, here: _Here, remote: str, info: TransferInfo[NixlMeta], buffers: list[torch.Tensor] | None,
-        disconnect: Callable[[], Awaitable[None]],
+        epoch: int | None,
     ) -> list[torch.Tensor]:
         """READ the tensors, then the liveness slot; raise ObjectFreedError if it changed.
 
-        `disconnect` drops this connection: a cancelled READ NIXL cannot end otherwise ends so."""
+        A cancelled READ NIXL cannot end otherwise ends by dropping connection `epoch`."""
         plan = ReadPlan(info, buffers, here.scratch, here.memory, same_host=info.meta.host == self._host)
         try:
             # Device memory just allocated here may still be in use by work queued on this
             # thread's streams (the caching allocator hands it out again); NIXL writes it
             # outside any stream. (Caller buffers were waited for on the caller's streams.)
             await _cuda.wait(_cuda.record(plan.out))
-            return await plan.read(here.agent, remote, disconnect)
+            return await plan.read(here.agent, remote, *_cut(here, info.meta.agent, epoch))
         except Exception as exc:
             if plan.writes_caller:
                 raise StillWriting(
@@ -332,7 +332,7 @@ class NixlTransport(Transport[NixlMeta]):
             async with asyncio.timeout(RECHECK_S):
                 remote = await here.peers.connect(meta, info.producer_node)
                 epoch = here.peers.epoch(meta.agent)
-                await plan.read(here.agent, remote, functools.partial(here.peers.forget, meta.agent, epoch))
+                await plan.read(here.agent, remote, *_cut(here, meta.agent, epoch))
             held = True
         except ObjectFreedError as exc:
             freed = exc
@@ -417,6 +417,12 @@ def _native_errors() -> _NativeErrors:
     )
     gone = _bindings.nixlRemoteDisconnectError
     return _NativeErrors(gone, (gone, _bindings.nixlNotAllowedError), every)
+
+
+def _cut(here: _Here, producer: str, epoch: int | None) -> tuple[Callable[[], Awaitable[None]], Callable[[], bool]]:
+    """How a READ from `producer` over connection `epoch` is cut off (the connection
+    dropped), and whether the producer was declared dead (`Peers.lost`: cut off at once)."""
+    return functools.partial(here.peers.forget, producer, epoch), functools.partial(here.peers.doomed, producer)
 
 
 def _is_disconnect(exc: BaseException) -> bool:

@@ -73,13 +73,16 @@ class Read(NamedTuple):
 
 
 async def post(
-    agent: Agent, remote: str, read: Read, disconnect: Callable[[], Awaitable[None]], stuck: Callable[[], None]
+    agent: Agent, remote: str, read: Read, disconnect: Callable[[], Awaitable[None]], stuck: Callable[[], None],
+    gone: Callable[[], bool] = lambda: False,
 ) -> None:
     """READ from `remote` and wait for it; release the handle whatever happens.
 
     A READ a cancel cannot release within ABORT_GRACE_S, or one that stalled
     (`stall_bound`): `disconnect()` closes the connection to `remote` (ending the READ in
     UCX), and if NIXL still holds it, `stuck()` says that its memory must never be given back.
+    A READ cancelled once `gone()` (Ray declared the producer dead: a partition holds its
+    reply up) is cut off at once, not after the grace.
     Runs on: consumer (I/O loop). Posts inline up to INLINE_BYTES, else in the pool.
     Raises: ReadStalled, TransferAbortedError, NIXL's errors.
     """
@@ -111,8 +114,8 @@ async def post(
         if state != "DONE":
             raise TransferAbortedError(f"nixl READ from {remote} ended in state {state}")
     finally:
-        if state == "PROC":  # cancelled, or stalled: cut off at once (a stalled READ had its grace)
-            if (not stalled and await _ended(agent, handle)) or await _ended(agent, handle, before=disconnect):
+        if state == "PROC":  # cancelled, or stalled: cut off at once (a stalled READ had its grace, a dead producer's needs none)
+            if (not stalled and not gone() and await _ended(agent, handle)) or await _ended(agent, handle, before=disconnect):
                 agent.call_soon(release, nx, handle)
             else:
                 keep(handle)
