@@ -30,7 +30,6 @@ from probes import cancel_after
 import rdt_async as rdt
 
 pytestmark = pytest.mark.usefixtures("ray_session")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def value(n: int, seed: int) -> dict:
@@ -208,6 +207,15 @@ def test_idle_processes_spend_no_cpu_on_ucx(p, c):
     assert used[0] < 0.2 and used[1] < 0.2, used
 
 
+def quiet_script(code: str, fork_producers: bool = False, **settings: str) -> tuple[str, str]:
+    """Run `code` in a process of its own (`fresh.run`, 120 s at most), UCX's log quiet and
+    `settings` in its environment: what it printed, and the tail of both its streams (for
+    an assertion's message)."""
+    env = {**os.environ, "UCX_LOG_LEVEL": "fatal", **settings}
+    out = fresh.run(code, timeout=120, env=env, fork_producers=fork_producers)
+    return out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+
+
 def run_script(code: str) -> list[str]:
     out = fresh.run(code, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -258,8 +266,7 @@ def test_loading_ucxx_in_a_thread_leaves_the_processs_loop_free():
         "    print('loaded', 'ucxx._lib.libucxx' in sys.modules, lag < 0.1, round(lag * 1e3), probe.report().replace(chr(10), ' '))\n"
         "asyncio.run(main())\n"
     )
-    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "tests")}
-    out = fresh.run(code, timeout=300, env=env)
+    out = fresh.run(code, timeout=300)  # (tests/ is on its path: `from probes import ...`)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stdout.splitlines()[-1].startswith("loaded True True "), out.stdout[-3000:]
 
@@ -287,7 +294,6 @@ def test_ucx_and_ucxx_print_nothing_unless_ucxx_log_level_asks(level):
         "asyncio.run(main())\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("UCX_", "UCXX_"))}
-    env["PYTHONPATH"] = os.path.join(ROOT, "tests")
     if level:
         env["UCXX_LOG_LEVEL"] = level
     out = fresh.run(code, timeout=300, env=env, fork_producers=True)
@@ -351,8 +357,7 @@ _io.start(main()).result()
 def test_an_address_that_never_answers_fails_the_fetch_after_the_answer_time():
     """A ref's address is input: a listener there that accepts and says nothing (no
     producer) fails the fetch with TransferError after RDT_UCXX_ANSWER_S, not never."""
-    env = {**os.environ, "RDT_UCXX_ANSWER_S": "2", "UCX_LOG_LEVEL": "fatal"}
-    out = fresh.run(_SILENT, timeout=120, env=env).stdout
+    out, _ = quiet_script(_SILENT, RDT_UCXX_ANSWER_S="2")
     said = out.strip().splitlines()[-1]
     assert re.fullmatch(
         r"TransferError: ucxx fetch of (ab){12}: no answer from the producer at 127\.0\.0\.1:\d+ in 2 s; "
@@ -425,14 +430,13 @@ def test_a_producer_that_dies_mid_receive_leaves_no_receive_posted():
     the transport runs it. The fetch raised PeerDiedError with all five receives still
     posted, and a later message with the first tensor's tag wrote all 131072 floats of
     the `into=` buffer the fetch had handed back."""
-    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "tests"), "UCX_LOG_LEVEL": "fatal"}
-    out = fresh.run(_DIED_MID_RECEIVE, timeout=120, env=env, fork_producers=True)
-    assert sorted(out.stdout.splitlines()[:2]) == ["PeerDiedError into", "PeerDiedError ours"], out.stdout + out.stderr[-3000:]
-    assert out.stdout.splitlines()[2:] == [
+    out, said = quiet_script(_DIED_MID_RECEIVE, fork_producers=True)
+    assert sorted(out.splitlines()[:2]) == ["PeerDiedError into", "PeerDiedError ours"], said
+    assert out.splitlines()[2:] == [
         "receives not ended 0 of 10",
         "requests kept 0 0",
         "nonzero after the fetch 0",
-    ], out.stdout[-3000:] + out.stderr[-3000:]
+    ], said
 
 
 _CONSUMER_DIES = r"""
@@ -470,9 +474,8 @@ print("served, waiting, ticking", *_io.start(left()).result())
 def test_a_consumer_that_dies_leaves_its_producer_nothing_to_serve():
     """The wait for the next request on a dead consumer's endpoint is cancelled too: it
     was kept for good, with the endpoint, and woke the producer every second after."""
-    env = {**os.environ, "UCX_LOG_LEVEL": "fatal"}
-    out = fresh.run(_CONSUMER_DIES, timeout=120, env=env)
-    assert out.stdout.splitlines() == ["fetched 499500", "served, waiting, ticking 0 0 False"], out.stdout[-3000:] + out.stderr[-3000:]
+    out, said = quiet_script(_CONSUMER_DIES)
+    assert out.splitlines() == ["fetched 499500", "served, waiting, ticking 0 0 False"], said
 
 
 _ANOTHER_LISTENER = r"""
@@ -503,16 +506,15 @@ def test_a_ref_naming_another_listener_sends_it_no_request():
     """A ref's address and token are input: the consumer sent its request (the object id
     and tags) to whatever UCX listener a crafted or stale ref named. It sends nothing until
     the listener's greeting proves it knows the ref's token, as tcp's does."""
-    env = {**os.environ, "RDT_UCXX_ANSWER_S": "2", "UCX_LOG_LEVEL": "fatal"}
-    out = fresh.run(_ANOTHER_LISTENER, timeout=120, env=env)
-    lines = out.stdout.strip().splitlines()
+    out, said = quiet_script(_ANOTHER_LISTENER, RDT_UCXX_ANSWER_S="2")
+    lines = out.strip().splitlines()
     assert re.fullmatch(
         r"Unreachable: the listener at [\d.]+:\d+ is not the producer's ucxx listener \(its greeting is not the one "
         r"the ref's token asks for\); nothing was sent to it: the producer is gone and another process listens "
         r"there, or the ref was altered",
         lines[0],
-    ), out.stdout + out.stderr[-3000:]
-    assert lines[1:] == ["requests heard 0"], out.stdout
+    ), said
+    assert lines[1:] == ["requests heard 0"], said
 
 
 _LATE_GREETING = r"""
@@ -544,14 +546,13 @@ _io.start(main()).result()
 def test_the_greeting_and_the_answer_share_one_answer_time():
     """A listener that greets late and then says nothing: the fetch waited the answer
     time for the greeting, then the whole answer time again for the answer."""
-    env = {**os.environ, "RDT_UCXX_ANSWER_S": "2", "UCX_LOG_LEVEL": "fatal"}
-    out = fresh.run(_LATE_GREETING, timeout=120, env=env)
-    said = out.stdout.strip().splitlines()[-1:]
+    out, tail = quiet_script(_LATE_GREETING, RDT_UCXX_ANSWER_S="2")
+    said = out.strip().splitlines()[-1:]
     assert said and re.fullmatch(
         r"TransferError: ucxx fetch of (ab){12}: no answer from the producer at [\d.]+:\d+ in 2 s; "
         r"RDT_UCXX_ANSWER_S sets how long a fetch waits \(a firewall that drops the producer's port answers "
         r"nothing: where the producer runs, set RDT_PORT_RANGE [^)]*\)[^)]*here too\) after 2\.\d s", said[0]
-    ), out.stdout + out.stderr[-3000:]
+    ), tail
 
 
 _GREETED_ONCE = r"""
@@ -581,9 +582,8 @@ asyncio.run(main())
 
 def test_fetches_over_a_greeted_endpoint_check_the_greeting_once():
     """Every fetch worked the greeting out again (an HMAC) under a timeout: ~11 us each."""
-    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "tests"), "UCX_LOG_LEVEL": "fatal"}
-    out = fresh.run(_GREETED_ONCE, timeout=120, env=env, fork_producers=True)
-    assert out.stdout.splitlines()[-1:] == ["greetings worked out 1"], out.stdout + out.stderr[-3000:]
+    out, said = quiet_script(_GREETED_ONCE, fork_producers=True)
+    assert out.splitlines()[-1:] == ["greetings worked out 1"], said
 
 
 
@@ -642,15 +642,14 @@ def test_an_idle_endpoint_wakes_nothing_and_is_closed_after_tcps_idle_time():
     Now an idle process wakes for nothing; an endpoint no fetch has used for tcp's IDLE_S
     is closed (never one a fetch is using), the listener's end goes with it, and the
     next fetch connects and checks the greeting anew."""
-    env = {**os.environ, "UCX_LOG_LEVEL": "fatal"}
-    out = fresh.run(_IDLE, timeout=120, env=env)
-    assert out.stdout.splitlines() == [
+    out, said = quiet_script(_IDLE)
+    assert out.splitlines() == [
         "fetched 499500 endpoints, served 1 1",
         "wakeups while idle 0",
         "endpoints, served after idle 0 0",
         "fetched 499500 endpoints, served 1 1 greetings checked 2",
         "slow fetch 1999000 endpoints, served 1 1",
-    ], out.stdout[-3000:] + out.stderr[-3000:]
+    ], said
 
 
 _GIVEN_UP = r"""
@@ -719,18 +718,17 @@ def test_a_greeting_no_fetch_waits_for_any_more_closes_its_endpoint_at_once():
     under the endpoint's handle, took the greeting of the next endpoint at that address:
     the next fetch, and every one after, failed after the answer time. Now the last fetch
     to give up on a greeting closes the endpoint, and the next one reconnects."""
-    env = {**os.environ, "RDT_UCXX_ANSWER_S": "1", "UCX_LOG_LEVEL": "fatal"}
-    out = fresh.run(_GIVEN_UP, timeout=120, env=env)
-    lines = out.stdout.splitlines()
+    out, said = quiet_script(_GIVEN_UP, RDT_UCXX_ANSWER_S="1")
+    lines = out.splitlines()
     assert lines[:2] == [
         "first fetch cancelled: endpoints 0 wakeups 0",
         "one of two cancelled, the other: 499500 endpoints 1",
-    ], out.stdout[-3000:] + out.stderr[-3000:]
+    ], said
     assert re.fullmatch(
         r"both past their answer time: TransferError after 1 s TransferError after [12] s endpoints 0 wakeups 0",
         lines[2],
-    ), out.stdout[-3000:] + out.stderr[-3000:]
-    assert lines[3:] == ["next fetch: 499500 endpoints 1"], out.stdout[-3000:] + out.stderr[-3000:]
+    ), said
+    assert lines[3:] == ["next fetch: 499500 endpoints 1"], said
 
 
 _RECONNECTS = r"""
@@ -793,10 +791,9 @@ def test_a_producer_keeps_nothing_of_the_endpoints_its_consumers_closed():
     so each consumer that closed an endpoint (every 60 s idle, then reconnected) left its
     producer ~2.4 KiB for good. Requests come over the endpoint's stream now: its receive
     ends with the endpoint. A request's head is checked before its bytes are read."""
-    env = {**os.environ, "UCX_LOG_LEVEL": "fatal"}
-    out = fresh.run(_RECONNECTS, timeout=120, env=env)
-    assert out.stdout.splitlines() == [
+    out, said = quiet_script(_RECONNECTS)
+    assert out.splitlines() == [
         "fetched [499500] slowest under 1 s True",
         "heap kept per connection under 1.5 KiB",
         "a request for 2**40 tensors: endpoint closed True served 0",
-    ], out.stdout[-3000:] + out.stderr[-3000:]
+    ], said
