@@ -74,7 +74,7 @@ class Read(NamedTuple):
 
 async def post(
     agent: Agent, remote: str, read: Read, disconnect: Callable[[], Awaitable[None]], stuck: Callable[[], None],
-    gone: Callable[[], bool] = lambda: False,
+    gone: Callable[[], bool],
 ) -> None:
     """READ from `remote` and wait for it; release the handle whatever happens.
 
