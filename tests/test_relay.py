@@ -617,8 +617,9 @@ async def test_a_subscription_keeps_its_producers_newest_warm_memfd_past_the_idl
     release()
     release()  # (twice: once counts)
     assert pool.wanted == {}  # (and a stream's subscription keeps a few: `want(source, each)`)
-    await _until(lambda: pool.idle == [], 1.0)
-    assert newest_ino not in _open_inodes() and not _relay._Seats.taken(cap, _src())
+    # (the sweep closes what it lets go of in the pool, off the loop: wait for that too)
+    await _until(lambda: pool.idle == [] and newest_ino not in _open_inodes(), 1.0)
+    assert not _relay._Seats.taken(cap, _src())
 
 
 async def test_a_subscription_keeps_memory_for_its_versions_sizes_not_for_another_object_of_its_producer(monkeypatch):
